@@ -1,0 +1,363 @@
+"""Emit: a placed graph becomes a ferry Method (values, instructions, plan) plus segments.
+
+Every non-delegated functional op is emitted as its `.out` overload writing into a planned
+value; views become aliases (no memory); ops with no out variant stay functional and are
+listed in the method's report because they allocate at run time.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx
+
+from ferry import ops
+from ferry.aot import meta as M
+from ferry.aot.lower import LoweredBackendModule, is_delegate_node
+from ferry.aot.out_variants import is_view, kernel_name, out_variant
+from ferry.aot.plan import PlanValue, plan_memory
+from ferry.device import CPU, Device
+from ferry.errors import CompileError
+from ferry.program.schema import (
+    DEFAULT_ARG, ConstValue, Delegate, DelegateCall, KernelCall, Method, MutableBuffer,
+    TensorValue, dtype_name,
+)
+
+
+@dataclass
+class ProgramBuilder:
+    """Segments and delegates shared by all methods of one program."""
+
+    segments: list = field(default_factory=list)
+    delegates: list[Delegate] = field(default_factory=list)
+    _segment_of: dict = field(default_factory=dict)
+
+    def add_segment(self, data: bytes) -> int:
+        self.segments.append(data)
+        return len(self.segments) - 1
+
+    def constant_segment(self, tensor: torch.Tensor) -> int:
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        if tensor.numel() and key in self._segment_of:
+            return self._segment_of[key]
+        seg = self.add_segment(tensor_bytes(tensor))
+        if tensor.numel():
+            self._segment_of[key] = seg
+        return seg
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@dataclass(frozen=True)
+class EmitOptions:
+    enable_non_cpu_memory_planning: bool = True
+    alloc_graph_input: bool = True
+    alloc_graph_output: bool = True
+    algorithm: str = "greedy"
+    alignment: object = None
+    default_device: Device = CPU  # device of values with no recorded device (delegate subgraphs)
+
+
+def _upper_bound(dim, range_constraints, what: str) -> tuple[int, bool]:
+    if isinstance(dim, int):
+        return dim, False
+    expr = dim.node.expr
+    if isinstance(expr, (int, sympy.Integer)):
+        return int(expr), False
+    subs = {}
+    for sym in expr.free_symbols:
+        vr = range_constraints.get(sym)
+        upper = None if vr is None else vr.upper
+        if upper is None or not getattr(upper, "is_finite", True) or str(upper) in ("oo", "int_oo"):
+            raise CompileError(
+                f"{what} has a dynamic dimension {sym} with no upper bound, so its memory cannot be planned; "
+                f"export with a bounded dimension, e.g. torch.export.Dim('{sym}', max=1024)"
+            )
+        subs[sym] = int(upper)
+    return int(expr.subs(subs)), True
+
+
+class _MethodEmitter:
+    def __init__(self, name, gm, constants, builder: ProgramBuilder, opts: EmitOptions, range_constraints):
+        self.name = name
+        self.gm = gm
+        self.constants = constants
+        self.b = builder
+        self.opts = opts
+        self.rc = range_constraints or {}
+        self.values: list = []
+        self.instructions: list = []
+        self.env: dict[torch.fx.Node, object] = {}  # node -> value id, or tuple of ids
+        self.const_ids: dict = {}
+        self.inputs: list[int] = []
+        self.outputs: list[int] = []
+        self.mutable: list[MutableBuffer] = []
+        self.mutable_ids: set[int] = set()
+        self.caller_owned: set[int] = set()
+        self.runtime_alloc: set[int] = set()
+        self.allocating_ops: list[str] = []
+
+    # ---------------------------------------------------------------- values
+
+    def device_of(self, node) -> Device:
+        if not self.opts.enable_non_cpu_memory_planning:
+            return CPU
+        return M.get_device(node) or self.opts.default_device
+
+    def tensor_value(self, node, val, device, **kw) -> int:
+        if not isinstance(val, torch.Tensor):
+            raise CompileError(f"method {self.name!r}: node {node.name!r} has no tensor metadata (meta['val'])")
+        shape, dynamic = [], []
+        for i, d in enumerate(val.shape):
+            s, dyn = _upper_bound(d, self.rc, f"dimension {i} of {node.name!r}")
+            shape.append(s)
+            dynamic.append(dyn)
+        v = TensorValue(dtype_name(val.dtype), tuple(shape), device, dynamic=tuple(dynamic) if any(dynamic) else (), name=node.name, **kw)
+        self.values.append(v)
+        return len(self.values) - 1
+
+    def const(self, kind: str, value) -> int:
+        key = (kind, repr(value))
+        if key not in self.const_ids:
+            self.values.append(ConstValue(kind, value))
+            self.const_ids[key] = len(self.values) - 1
+        return self.const_ids[key]
+
+    def arg_value(self, arg, atype, what: str) -> int:
+        if isinstance(arg, torch.fx.Node):
+            vid = self.env[arg]
+            if isinstance(vid, tuple):
+                raise CompileError(f"{what}: a multi-output value used directly")
+            return vid
+        if arg is None:
+            return self.const("none", None)
+        if isinstance(arg, bool):
+            return self.const("bool", arg)
+        if isinstance(arg, int):
+            return self.const("int", arg)
+        if isinstance(arg, float):
+            return self.const("float", arg)
+        if isinstance(arg, str):
+            return self.const("str", arg)
+        if isinstance(arg, torch.dtype):
+            return self.const("dtype", dtype_name(arg))
+        if isinstance(arg, torch.layout):
+            return self.const("layout", str(arg).removeprefix("torch."))
+        if isinstance(arg, torch.memory_format):
+            return self.const("memory_format", str(arg).removeprefix("torch."))
+        if isinstance(arg, torch.device):
+            return self.const("device", str(arg))
+        if isinstance(arg, (list, tuple)):
+            if any(isinstance(a, torch.fx.Node) for a in arg) or (arg and all(a is None or isinstance(a, torch.fx.Node) for a in arg)):
+                if all(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in arg):
+                    return self.const("tensors", [self.arg_value(a, None, what) for a in arg])
+                if all(a is None or (isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)) for a in arg):
+                    return self.const("opt_tensors", [None if a is None else self.arg_value(a, None, what) for a in arg])
+                raise CompileError(
+                    f"{what}: symbolic sizes in list arguments are not supported yet; export with static shapes "
+                    "or keep dynamic dims away from reshapes"
+                )
+            if all(isinstance(a, bool) for a in arg):
+                return self.const("bools", list(arg))
+            if all(isinstance(a, int) and not isinstance(a, bool) for a in arg):
+                return self.const("ints", list(arg))
+            if all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in arg):
+                return self.const("floats", [float(a) for a in arg])
+        raise CompileError(f"{what}: cannot emit argument {arg!r} of type {type(arg).__name__}")
+
+    def schema_args(self, op, node, extra_out: dict[str, int]) -> tuple[int, ...]:
+        schema = op._schema
+        given = list(node.args)
+        kwargs = dict(node.kwargs)
+        ids = []
+        pos = 0
+        for a in schema.arguments:
+            if a.name in extra_out:
+                ids.append(extra_out[a.name])
+                continue
+            if not a.kwarg_only and pos < len(given):
+                ids.append(self.arg_value(given[pos], a.type, f"{node.name}.{a.name}"))
+                pos += 1
+            elif a.name in kwargs:
+                ids.append(self.arg_value(kwargs[a.name], a.type, f"{node.name}.{a.name}"))
+            else:
+                ids.append(DEFAULT_ARG)
+        return tuple(ids)
+
+    # ---------------------------------------------------------------- nodes
+
+    def emit(self) -> Method:
+        for node in self.gm.graph.nodes:
+            getattr(self, f"_emit_{node.op}")(node)
+        return self.finish()
+
+    def _emit_placeholder(self, node):
+        info = M.input_info(node)
+        val = node.meta.get("val")
+        if info.kind == M.USER_INPUT:
+            if not isinstance(val, torch.Tensor):
+                raise CompileError(f"method {self.name!r}: input {node.name!r} is not a tensor; ferry methods take tensors")
+            vid = self.tensor_value(node, val, self.device_of(node))
+            self.inputs.append(vid)
+            if not self.opts.alloc_graph_input or not self.device_of(node).is_cpu:
+                self.caller_owned.add(vid)
+        else:
+            tensor = self.constants[node.name]
+            seg = self.b.constant_segment(tensor)
+            vid = self.tensor_value(node, tensor, CPU if not info.mutable else self.device_of(node), constant=seg)
+            if info.mutable:
+                self.mutable_ids.add(vid)
+        self.env[node] = vid
+
+    def _emit_get_attr(self, node):
+        attr = getattr(self.gm, node.target)
+        if isinstance(attr, LoweredBackendModule):
+            self.env[node] = attr
+            return
+        if not isinstance(attr, torch.Tensor):
+            raise CompileError(f"get_attr {node.target!r} is a {type(attr).__name__}, not a tensor")
+        seg = self.b.constant_segment(attr)
+        self.env[node] = self.tensor_value(node, attr, self.device_of(node), constant=seg)
+
+    def _emit_call_function(self, node):
+        if node.target is operator.getitem:
+            src = self.env[node.args[0]]
+            if not isinstance(src, tuple):
+                raise CompileError(f"getitem {node.name!r} on a single value")
+            self.env[node] = src[node.args[1]]
+            return
+        if is_delegate_node(node):
+            return self._emit_delegate(node)
+        op = node.target
+        if not isinstance(op, torch._ops.OpOverload):
+            raise CompileError(
+                f"method {self.name!r}: node {node.name!r} calls {op!r}, which is not an operator; "
+                "ferry runs ATen ops, et_copy ops and delegates"
+            )
+        val = node.meta.get("val")
+        if is_view(op):
+            base = self.arg_value(node.args[0], None, node.name)
+            vid = self.tensor_value(node, val, self.device_of(node), alias_of=self._root(base))
+            self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), (vid,)))
+            self.env[node] = vid
+            return
+        vals = list(val) if isinstance(val, (tuple, list)) else [val]
+        dev = self.device_of(node)
+        outs = tuple(self.tensor_value(node, v, dev) for v in vals)
+        out_op = out_variant(op)
+        if out_op is None:
+            self.runtime_alloc.update(outs)
+            self.allocating_ops.append(kernel_name(op))
+            self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
+        else:
+            out_names = [a.name for a in out_op._schema.arguments if a.is_out]
+            self.instructions.append(KernelCall(kernel_name(out_op), self.schema_args(out_op, node, dict(zip(out_names, outs))), outs))
+        self.env[node] = outs if isinstance(val, (tuple, list)) else outs[0]
+
+    def _root(self, vid: int) -> int:
+        v = self.values[vid]
+        return v.alias_of if isinstance(v, TensorValue) and v.alias_of is not None else vid
+
+    def _emit_delegate(self, node):
+        from ferry.backends import preprocess
+
+        lowered: LoweredBackendModule = self.env[node.args[0]]
+        args = tuple(self.arg_value(a, None, node.name) for a in node.args[1:])
+        vals = node.meta.get("val") or ()
+        dev = self.device_of(node)
+        users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
+        payload = preprocess(lowered, self.opts)
+        self.b.delegates.append(Delegate(lowered.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
+        self.instructions.append(DelegateCall(len(self.b.delegates) - 1, args, outs))
+        self.env[node] = outs
+
+    def _emit_output(self, node):
+        infos = M.output_infos(node)
+        for info, out in zip(infos, M.flat_outputs(node)):
+            vid = self.arg_value(out, None, "output")
+            if info.kind == M.BUFFER_MUTATION:
+                target = next(p for p in self.gm.graph.nodes if p.op == "placeholder" and M.input_info(p).target == info.target)
+                self.mutable.append(MutableBuffer(self.env[target], vid, info.target))
+            else:
+                self.outputs.append(vid)
+                v = self.values[vid]
+                if isinstance(v, TensorValue) and (not self.opts.alloc_graph_output or not v.device.is_cpu):
+                    if vid not in self.inputs and v.constant is None:
+                        self.caller_owned.add(vid)
+
+    # ---------------------------------------------------------------- plan
+
+    def finish(self) -> Method:
+        n = len(self.instructions)
+        start: dict[int, int] = {}
+        end: dict[int, int] = {}
+
+        def touch(vid, i):
+            v = self.values[vid]
+            if isinstance(v, ConstValue):
+                if v.kind in ("tensors", "opt_tensors"):
+                    for x in v.value:
+                        if x is not None:
+                            touch(x, i)
+                return
+            root = self._root(vid)
+            end[root] = max(end.get(root, i), i)
+
+        for i, ins in enumerate(self.instructions):
+            for a in ins.args:
+                if a != DEFAULT_ARG:
+                    touch(a, i)
+            for o in ins.outputs:
+                start.setdefault(o, i)
+                touch(o, i)
+        for vid in self.outputs:
+            touch(vid, n)
+        for mb in self.mutable:
+            touch(mb.update, n)
+
+        plan_values = []
+        for vid, v in enumerate(self.values):
+            if not isinstance(v, TensorValue) or v.alias_of is not None or vid in self.runtime_alloc or vid in self.caller_owned:
+                continue
+            if v.constant is not None and vid not in self.mutable_ids:
+                continue
+            if vid in self.mutable_ids:
+                s, e = -1, n
+            elif vid in self.inputs:
+                s, e = -1, end.get(vid, -1)
+            else:
+                s = start.get(vid, -1)
+                e = max(end.get(vid, s), s)
+            plan_values.append(PlanValue(vid, v.nbytes, v.device, s, e))
+        plan = plan_memory(
+            plan_values, algorithm=self.opts.algorithm, alignment=self.opts.alignment,
+            enable_non_cpu_memory_planning=self.opts.enable_non_cpu_memory_planning,
+        )
+        values = list(self.values)
+        for vid, entry in plan.entries.items():
+            values[vid] = _replace(values[vid], plan=entry)
+        return Method(
+            name=self.name, values=values, instructions=self.instructions, inputs=self.inputs,
+            outputs=self.outputs, buffers=plan.buffers, mutable_buffers=self.mutable,
+            lower_bounds={str(d): b for d, b in plan.lower_bounds.items()},
+            runtime_allocating_ops=sorted(set(self.allocating_ops)),
+        )
+
+
+def _replace(v: TensorValue, **kw) -> TensorValue:
+    import dataclasses
+
+    return dataclasses.replace(v, **kw)
+
+
+def emit_method(name, gm, constants, builder: ProgramBuilder, opts: EmitOptions, range_constraints=None) -> Method:
+    return _MethodEmitter(name, gm, constants, builder, opts, range_constraints).emit()

@@ -1,0 +1,261 @@
+"""Lowering: each partition becomes one call_delegate node whose outputs are read with getitem."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind, OutputKind
+
+from ferry.aot import meta as M
+from ferry.aot.partition import Partition, Partitioner
+from ferry.errors import CompileError
+
+
+class LoweredBackendModule(torch.nn.Module):
+    """A lowered partition: backend id, compile specs, and its subgraph with the constants it uses."""
+
+    def __init__(self, backend_id: str, compile_specs, graph_module: torch.fx.GraphModule):
+        super().__init__()
+        self.backend_id = backend_id
+        self.compile_specs = tuple((str(k), bytes(v)) for k, v in compile_specs)
+        self.original_module = graph_module
+
+    def compile_spec(self, key: str) -> bytes | None:
+        for k, v in self.compile_specs:
+            if k == key:
+                return v
+        return None
+
+    def forward(self, *args):
+        return tuple(self.original_module(*args))
+
+
+def call_delegate(lowered: LoweredBackendModule, *args):
+    """The graph node for a delegate call; run eagerly it runs the subgraph in PyTorch."""
+    return lowered(*args)
+
+
+def is_delegate_node(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is call_delegate
+
+
+@dataclass
+class LoweredProgram:
+    """A flat graph (parameters, buffers and constants as placeholders) with delegate nodes.
+
+    `constants` maps placeholder names to their tensors; mutable buffers are updated in it
+    when the program is called eagerly."""
+
+    graph_module: torch.fx.GraphModule
+    constants: dict[str, torch.Tensor]
+    range_constraints: dict = field(default_factory=dict)
+
+    def placeholders(self) -> list[torch.fx.Node]:
+        return [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
+
+    def user_inputs(self) -> list[torch.fx.Node]:
+        return [n for n in self.placeholders() if M.input_info(n).kind == M.USER_INPUT]
+
+    def __call__(self, *inputs):
+        """Run the graph eagerly (on the CPU while tensors are CPU); returns the user outputs."""
+        user = iter(inputs)
+        args = []
+        for n in self.placeholders():
+            args.append(self.constants[n.name] if n.name in self.constants else next(user))
+        outs = self.graph_module(*args)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        infos = M.output_infos(self.graph_module.graph.output_node())
+        by_target = {M.input_info(n).target: n.name for n in self.placeholders()}
+        result = []
+        for info, value in zip(infos, outs):
+            if info.kind == M.BUFFER_MUTATION:
+                self.constants[by_target[info.target]].copy_(value)
+            else:
+                result.append(value)
+        return result[0] if len(result) == 1 else tuple(result)
+
+
+_INPUT_KINDS = {
+    InputKind.USER_INPUT: M.USER_INPUT,
+    InputKind.PARAMETER: M.PARAMETER,
+    InputKind.BUFFER: M.BUFFER,
+    InputKind.CONSTANT_TENSOR: M.CONSTANT,
+}
+
+
+def _core_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Functional core ATen: every op has a fixed schema and (mostly) an out variant."""
+    return ep.run_decompositions()
+
+
+def _annotate(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """Record input/output kinds on the graph; return placeholder name -> constant tensor."""
+    sig = ep.graph_signature
+    mutated = {s.target for s in sig.output_specs if s.kind == OutputKind.BUFFER_MUTATION}
+    by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    constants: dict[str, torch.Tensor] = {}
+    for spec in sig.input_specs:
+        kind = _INPUT_KINDS.get(spec.kind)
+        if kind is None:
+            raise CompileError(f"input {spec.arg.name!r} is a {spec.kind.name}, which ferry does not support yet")
+        node = by_name[spec.arg.name]
+        M.set_input_info(node, M.InputInfo(kind, spec.target or "", spec.target in mutated))
+        if kind != M.USER_INPUT:
+            t = ep.state_dict.get(spec.target) if spec.target in ep.state_dict else ep.constants.get(spec.target)
+            if t is None:
+                raise CompileError(f"no value for {kind} {spec.target!r} in the exported program")
+            constants[node.name] = t.detach() if isinstance(t, torch.nn.Parameter) else t
+    infos = []
+    for spec in sig.output_specs:
+        if spec.kind == OutputKind.USER_OUTPUT:
+            infos.append(M.OutputInfo(M.USER_OUTPUT))
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            infos.append(M.OutputInfo(M.BUFFER_MUTATION, spec.target))
+        else:
+            raise CompileError(f"output {spec.arg} is a {spec.kind.name}, which ferry does not support yet")
+    M.set_output_infos(ep.graph.output_node(), infos)
+    return constants
+
+
+def _check_partitions(partitions, nodes_by_name) -> list[list[torch.fx.Node]]:
+    seen: dict[str, int] = {}
+    groups = []
+    for i, p in enumerate(partitions):
+        if not isinstance(p, Partition):
+            raise CompileError(f"partitioner returned {type(p).__name__}; it must return a list of ferry.Partition")
+        group = []
+        for name in p.nodes:
+            node = nodes_by_name.get(name)
+            if node is None or node.op != "call_function":
+                raise CompileError(f"partition {i} names {name!r}, which is not a call_function node of the program")
+            if name in seen:
+                raise CompileError(f"node {name!r} is in partitions {seen[name]} and {i}; partitions must be disjoint")
+            seen[name] = i
+            group.append(node)
+        # a multi-output op and the getitems that read it belong together
+        for node in list(group):
+            for user in node.users:
+                if user.target is operator.getitem and user.name not in seen:
+                    seen[user.name] = i
+                    group.append(user)
+        groups.append(group)
+    return groups
+
+
+def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Partitioner | None) -> LoweredProgram:
+    """Replace each partition the partitioner proposes by one call_delegate node."""
+    ep = _core_aten(exported_program)
+    constants = _annotate(ep)
+    partitions = list(partitioner.partition(ep)) if partitioner is not None else []
+    old = ep.graph
+    nodes = list(old.nodes)
+    groups = _check_partitions(partitions, {n.name: n for n in nodes})
+    group_of = {n: gi for gi, g in enumerate(groups) for n in g}
+    unit_of = {n: ("p", group_of[n]) if n in group_of else ("n", n) for n in nodes}
+
+    # order units (plain nodes and whole partitions) topologically, stable by first position
+    pos = {n: i for i, n in enumerate(nodes)}
+    first = {}
+    for n in nodes:
+        first.setdefault(unit_of[n], pos[n])
+    deps = {u: set() for u in first}
+    for n in nodes:
+        for inp in n.all_input_nodes:
+            if unit_of[inp] != unit_of[n]:
+                deps[unit_of[n]].add(unit_of[inp])
+    order = _stable_topo(deps, first, partitions)
+
+    root = torch.nn.Module()
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for unit in order:
+        if unit[0] == "n":
+            n = unit[1]
+            env[n] = g.node_copy(n, lambda x: env[x])
+            continue
+        gi = unit[1]
+        members = set(groups[gi])
+        inputs, outputs = [], []
+        for n in groups_sorted(groups[gi], pos):
+            for inp in n.all_input_nodes:
+                if inp not in members and inp not in inputs:
+                    inputs.append(inp)
+            if any(u not in members for u in n.users) and n not in outputs:
+                outputs.append(n)
+        absorbed = [x for x in inputs if x.op == "placeholder" and x.name in constants and not M.input_info(x).mutable]
+        runtime_inputs = [x for x in inputs if x not in absorbed]
+        sub = _subgraph(groups_sorted(groups[gi], pos), runtime_inputs, absorbed, outputs, constants)
+        p = partitions[gi]
+        lowered = LoweredBackendModule(p.backend_id, p.compile_specs, sub)
+        attr = f"lowered_module_{len(list(root.children()))}"
+        root.add_module(attr, lowered)
+        get = g.get_attr(attr)
+        call = g.call_function(call_delegate, (get, *[env[x] for x in runtime_inputs]))
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        for k, o in enumerate(outputs):
+            item = g.call_function(operator.getitem, (call, k))
+            item.meta.update({key: o.meta[key] for key in ("val", "tensor_meta") if key in o.meta})
+            env[o] = item
+    # constants every consumer of which was absorbed into delegates are gone from the graph
+    for n in list(g.nodes):
+        if n.op == "placeholder" and n.name in constants and not n.users and not M.input_info(n).mutable:
+            g.erase_node(n)
+            constants = {k: v for k, v in constants.items() if k != n.name}
+    g.lint()
+    gm = torch.fx.GraphModule(root, g)
+    return LoweredProgram(gm, constants, dict(ep.range_constraints))
+
+
+def groups_sorted(group, pos):
+    return sorted(group, key=pos.__getitem__)
+
+
+def _stable_topo(deps, first, partitions):
+    import heapq
+
+    users = {u: [] for u in deps}
+    indeg = {u: len(d) for u, d in deps.items()}
+    for u, d in deps.items():
+        for x in d:
+            users[x].append(u)
+    ready = [(first[u], i, u) for i, u in enumerate(deps) if indeg[u] == 0]
+    heapq.heapify(ready)
+    key = {u: i for i, u in enumerate(deps)}
+    order = []
+    while ready:
+        _, _, u = heapq.heappop(ready)
+        order.append(u)
+        for v in users[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(ready, (first[v], key[v], v))
+    if len(order) != len(deps):
+        stuck = sorted({u[1] for u in deps if indeg[u] and u[0] == "p"})
+        raise CompileError(
+            f"partition(s) {stuck} are not convex: a path leaves the partition and comes back into it, "
+            "so it cannot become one delegate call; split the partition or add the nodes on that path"
+        )
+    return order
+
+
+def _subgraph(members, inputs, absorbed, outputs, constants) -> torch.fx.GraphModule:
+    holder = torch.nn.Module()
+    sg = torch.fx.Graph()
+    senv = {}
+    for x in inputs:
+        ph = sg.placeholder(x.name)
+        ph.meta.update({k: x.meta[k] for k in ("val", "tensor_meta") if k in x.meta})
+        senv[x] = ph
+    for x in absorbed:
+        holder.register_buffer(x.name, constants[x.name])
+        ga = sg.get_attr(x.name)
+        ga.meta.update({k: x.meta[k] for k in ("val", "tensor_meta") if k in x.meta})
+        senv[x] = ga
+    for n in members:
+        senv[n] = sg.node_copy(n, lambda x: senv[x])
+    sg.output(tuple(senv[o] for o in outputs))
+    sg.lint()
+    return torch.fx.GraphModule(holder, sg)

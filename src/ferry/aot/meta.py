@@ -1,0 +1,61 @@
+"""The few facts ferry keeps on torch.fx nodes, behind accessors (never raw meta keys)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx
+
+from ferry.device import Device
+
+_DEVICE = "ferry_device"
+_INPUT = "ferry_input"
+_OUTPUTS = "ferry_outputs"
+
+USER_INPUT, PARAMETER, BUFFER, CONSTANT = "user_input", "parameter", "buffer", "constant"
+USER_OUTPUT, BUFFER_MUTATION = "user_output", "buffer_mutation"
+
+
+def get_device(node: torch.fx.Node) -> Device | None:
+    return node.meta.get(_DEVICE)
+
+
+def set_device(node: torch.fx.Node, device: Device) -> None:
+    node.meta[_DEVICE] = device
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    kind: str  # user_input | parameter | buffer | constant
+    target: str = ""  # fully qualified name of the parameter/buffer/constant
+    mutable: bool = False  # a buffer the program updates
+
+
+@dataclass(frozen=True)
+class OutputInfo:
+    kind: str  # user_output | buffer_mutation
+    target: str = ""
+
+
+def input_info(node: torch.fx.Node) -> InputInfo:
+    """Placeholders without recorded info (hand-built graphs) are user inputs."""
+    return node.meta.get(_INPUT) or InputInfo(USER_INPUT)
+
+
+def set_input_info(node: torch.fx.Node, info: InputInfo) -> None:
+    node.meta[_INPUT] = info
+
+
+def output_infos(output_node: torch.fx.Node) -> list[OutputInfo]:
+    n = len(flat_outputs(output_node))
+    infos = output_node.meta.get(_OUTPUTS)
+    return list(infos) if infos is not None and len(infos) == n else [OutputInfo(USER_OUTPUT)] * n
+
+
+def set_output_infos(output_node: torch.fx.Node, infos) -> None:
+    output_node.meta[_OUTPUTS] = tuple(infos)
+
+
+def flat_outputs(output_node: torch.fx.Node) -> list:
+    (out,) = output_node.args
+    return list(out) if isinstance(out, (tuple, list)) else [out]

@@ -1,0 +1,63 @@
+"""Which ATen overload writes into planned memory: the `.out` twin of each functional op.
+
+An op with no out variant stays functional and allocates at run time (the compile report
+lists it). View ops produce aliases of their input and need no memory of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ferry import ops
+
+
+def _sig(args) -> list[tuple[str, str]]:
+    return [(a.name, str(a.type)) for a in args]
+
+
+@functools.lru_cache(maxsize=None)
+def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The overload of `op`'s packet taking the same arguments plus one out per return."""
+    if op in ops.FUNCTIONAL_COPIES:
+        return getattr(op.overloadpacket, "out")
+    schema = op._schema
+    if schema.is_mutable or not schema.returns:
+        return None
+    if any(not isinstance(r.type, torch.TensorType) for r in schema.returns):
+        return None
+    want = _sig(schema.arguments)
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        cargs = cand._schema.arguments
+        outs = [a for a in cargs if a.is_out]
+        if len(outs) != len(schema.returns):
+            continue
+        if _sig([a for a in cargs if not a.is_out]) == want:
+            return cand
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def is_view(op: torch._ops.OpOverload) -> bool:
+    """True for ops whose single output aliases an input without writing (view, permute, …)."""
+    rets = op._schema.returns
+    return len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def kernel_name(op: torch._ops.OpOverload) -> str:
+    return f"{op.namespace}::{op._opname}.{op._overloadname}"
+
+
+def resolve_kernel(name: str) -> torch._ops.OpOverload:
+    """'aten::add.out' -> torch.ops.aten.add.out; raises LookupError for unknown kernels."""
+    ns, _, rest = name.partition("::")
+    opname, _, overload = rest.rpartition(".")
+    if not ns or not opname:
+        raise LookupError(f"malformed kernel name {name!r}")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), opname), overload)
+    except (AttributeError, RuntimeError):
+        raise LookupError(f"no kernel {name!r} is registered in this process") from None

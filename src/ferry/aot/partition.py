@@ -1,0 +1,122 @@
+"""Partitioners: decide which nodes a backend runs, and on which device.
+
+The partitioner protocol
+------------------------
+A partitioner is any object with a method::
+
+    partition(exported_program: torch.export.ExportedProgram) -> list[ferry.Partition]
+
+Each `Partition` names a set of `call_function` nodes of `exported_program.graph` (by
+node name), the backend that runs them (`backend_id`, "torch" by default) and its compile
+specs, as (str, bytes) pairs. The compile spec `target_device` (e.g. b"cuda:0") says where
+the delegate runs; without it the delegate runs on the CPU. Partitions must be disjoint,
+and each must be convex (no path leaves it and comes back), since lowering turns each into
+one `call_delegate` node. Writing your own is a few lines, for example one delegate per op::
+
+    class OnePerOp:
+        def partition(self, ep):
+            return [Partition([n.name], target_device("cuda:0"))
+                    for n in ep.graph.nodes if n.op == "call_function"
+                    and n.target is torch.ops.aten.mm.default]
+
+or a device per module path (read `node.meta["nn_module_stack"]`).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from ferry.device import Device
+from ferry.errors import CompileError
+
+TARGET_DEVICE = "target_device"
+DEFAULT_BACKEND = "torch"
+
+
+def target_device(device: "str | Device") -> tuple[tuple[str, bytes], ...]:
+    """Compile specs that place a delegate on `device`."""
+    return ((TARGET_DEVICE, str(Device.parse(device)).encode()),)
+
+
+@dataclass(frozen=True)
+class Partition:
+    nodes: tuple[str, ...]
+    compile_specs: tuple[tuple[str, bytes], ...] = ()
+    backend_id: str = DEFAULT_BACKEND
+
+    def __init__(self, nodes: Iterable[str], compile_specs=(), backend_id: str = DEFAULT_BACKEND):
+        object.__setattr__(self, "nodes", tuple(nodes))
+        object.__setattr__(self, "compile_specs", tuple((str(k), bytes(v)) for k, v in compile_specs))
+        object.__setattr__(self, "backend_id", backend_id)
+
+
+class Partitioner(Protocol):
+    def partition(self, exported_program: torch.export.ExportedProgram) -> list[Partition]: ...
+
+
+def _op_key(op) -> str:
+    """'aten.add.Tensor' for an overload, 'aten.add' for a packet or a string as given."""
+    if isinstance(op, str):
+        return op.strip().replace("::", ".")
+    if isinstance(op, torch._ops.OpOverload):
+        return f"{op.namespace}.{op._opname}.{op._overloadname}"
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name.replace("::", ".")
+    raise CompileError(f"cannot use {op!r} as an op: pass an OpOverload, an OpOverloadPacket or a name like 'aten.add.Tensor'")
+
+
+def _matches(target, keys: frozenset[str]) -> bool:
+    full = _op_key(target)
+    return full in keys or full.rsplit(".", 1)[0] in keys
+
+
+class AtenOpSupport(OperatorSupportBase):
+    """Capability as data: ATen ops, optionally restricted to `ops`, minus `exclude`."""
+
+    def __init__(self, ops=None, exclude=()):
+        self.ops = None if ops is None else frozenset(_op_key(o) for o in ops)
+        self.exclude = frozenset(_op_key(o) for o in exclude)
+
+    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
+        if node.op != "call_function":
+            return False
+        if node.target is operator.getitem:
+            src = node.args[0]
+            return isinstance(src, torch.fx.Node) and self.is_node_supported(submodules, src)
+        if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
+            return False
+        if self.ops is not None and not _matches(node.target, self.ops):
+            return False
+        return not _matches(node.target, self.exclude)
+
+
+class OpSupportPartitioner:
+    """Groups supported nodes into connected partitions, one delegate each, on `device`."""
+
+    def __init__(self, device: "str | Device", ops=None, exclude=(), backend_id: str = DEFAULT_BACKEND):
+        self.device = Device.parse(device)
+        self.support = AtenOpSupport(ops, exclude)
+        self.backend_id = backend_id
+
+    def partition(self, exported_program: torch.export.ExportedProgram) -> list[Partition]:
+        gm = exported_program.graph_module
+        proposed = CapabilityBasedPartitioner(gm, self.support, allows_single_node_partition=True).propose_partitions()
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        result = []
+        for p in proposed:
+            nodes = sorted(p.nodes, key=order.__getitem__)
+            if all(n.target is operator.getitem for n in nodes):
+                continue
+            result.append(Partition([n.name for n in nodes], target_device(self.device), self.backend_id))
+        index = {n.name: i for n, i in order.items()}
+        result.sort(key=lambda p: min(index[name] for name in p.nodes))
+        return result
+
+    def __repr__(self) -> str:
+        return f"OpSupportPartitioner({str(self.device)!r})"

@@ -1,0 +1,57 @@
+"""The `torch` backend: runs a lowered subgraph with ATen ops in its device's memory.
+
+Its payload is itself a ferry program (one method, `forward`) whose values live on the
+delegate's device: the subgraph gets out variants and memory planning like any method, so
+the delegate runs in planned device memory, writes straight into the caller's planned output
+tensors, and has its constants uploaded to the device once, at load.
+"""
+
+from __future__ import annotations
+
+from ferry.device import CPU
+
+
+class TorchBackend:
+    backend_id = "torch"
+
+    def preprocess(self, lowered, options) -> bytes:
+        import dataclasses
+
+        from ferry.aot.emit import ProgramBuilder, emit_method
+        from ferry.aot.place import delegate_target_device
+        from ferry.program.schema import Program
+        from ferry.program.serialize import program_to_bytes
+
+        device = delegate_target_device(lowered) or CPU
+        opts = dataclasses.replace(
+            options, enable_non_cpu_memory_planning=True, alloc_graph_input=False,
+            alloc_graph_output=False, default_device=device,
+        )
+        builder = ProgramBuilder()
+        method = emit_method("forward", lowered.original_module, {}, builder, opts)
+        return program_to_bytes(Program({"forward": method}, builder.delegates, builder.segments))
+
+    def init(self, payload, compile_specs, pin_host: bool = True):
+        from ferry.program.serialize import load_program
+        from ferry.runtime.method import LoadedMethod
+
+        program = load_program(payload)
+        nested = LoadedMethod(program, program.method("forward"), _no_nested_delegates)
+        return _Handle(nested)
+
+
+def _no_nested_delegates(index):
+    from ferry.errors import ProgramError
+
+    raise ProgramError("a torch-backend payload must not contain delegates")
+
+
+class _Handle:
+    def __init__(self, method):
+        self.method = method
+
+    def execute(self, inputs, outputs) -> None:
+        self.method.execute(inputs, bind_outputs=outputs)
+
+    def close(self) -> None:
+        self.method.close()

@@ -1,0 +1,33 @@
+"""ferry's exception classes. User mistakes and ferry's own bugs are different classes."""
+
+
+class FerryError(Exception):
+    """Base class of every error ferry raises on purpose."""
+
+
+class CompileError(FerryError, ValueError):
+    """The model, partitioner or configuration cannot be compiled as given."""
+
+
+class ProgramError(FerryError, ValueError):
+    """A program file or Program object is malformed, truncated or from a newer format."""
+
+
+class InputError(FerryError, ValueError):
+    """A method was called with the wrong number, dtype, shape or device of inputs."""
+
+
+class AllocationError(FerryError, RuntimeError):
+    """A device or host allocation failed; the message names the size and the device."""
+
+
+class DeviceError(FerryError, RuntimeError):
+    """A device is missing, unregistered or was used in the wrong direction."""
+
+
+class BackendError(FerryError, RuntimeError):
+    """A delegate backend is unknown or failed to initialise or execute."""
+
+
+class InternalError(FerryError, AssertionError):
+    """A ferry invariant broke: a bug in ferry, please report it."""

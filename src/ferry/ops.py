@@ -1,0 +1,96 @@
+"""The et_copy op library: explicit host<->device copies as graph nodes.
+
+Same schemas as ExecuTorch's, so graphs made by either toolchain load in the other. While
+tracing, tensors are CPU or fake and the copies are clones; the destination device of a
+functional copy is recorded on the node (see ferry.aot.placement), not in the schema.
+If another toolchain already defined the namespace, ferry reuses its ops and adds only
+what is missing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAMESPACE = "et_copy"
+COPY_OPS = ("_h2d_copy", "_d2h_copy", "_d2d_copy")
+
+_SCHEMAS = {
+    "": "{name}(Tensor self) -> Tensor",
+    "out": "{name}.out(Tensor self, *, Tensor(a!) out) -> Tensor(a!)",
+}
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: keep a reference: the registrations live as long as it
+
+
+def _defined(name: str, overload: str) -> bool:
+    packet = getattr(getattr(torch.ops, NAMESPACE), name, None) if _namespace_exists() else None
+    if packet is None:
+        return False
+    return (overload or "default") in packet.overloads()
+
+
+def _namespace_exists() -> bool:
+    try:
+        getattr(torch.ops, NAMESPACE)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _check_out(self: torch.Tensor, out: torch.Tensor, op: str) -> None:
+    if self.dtype != out.dtype:
+        raise RuntimeError(f"{NAMESPACE}::{op}.out: dtype mismatch, self is {self.dtype} but out is {out.dtype}")
+
+
+def _functional(self: torch.Tensor) -> torch.Tensor:
+    return self.clone(memory_format=torch.contiguous_format)
+
+
+def _make_out_kernel(name: str):
+    def kernel(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        _check_out(self, out, name)
+        if out.shape != self.shape:
+            out.resize_(self.shape)
+        out.copy_(self)
+        return out
+
+    return kernel
+
+
+def _fake_functional(self: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(self, memory_format=torch.contiguous_format)
+
+
+def _fake_out(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    return out
+
+
+def _register() -> None:
+    for name in COPY_OPS:
+        if not _defined(name, ""):
+            _lib.define(_SCHEMAS[""].format(name=name))
+            _lib.impl(name, _functional, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{NAMESPACE}::{name}", _fake_functional, lib=_lib)
+        if not _defined(name, "out"):
+            _lib.define(_SCHEMAS["out"].format(name=name))
+            _lib.impl(f"{name}.out", _make_out_kernel(name), "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{NAMESPACE}::{name}.out", _fake_out, lib=_lib)
+
+
+_register()
+
+h2d_copy = torch.ops.et_copy._h2d_copy
+d2h_copy = torch.ops.et_copy._d2h_copy
+d2d_copy = torch.ops.et_copy._d2d_copy
+
+FUNCTIONAL_COPIES = {h2d_copy.default, d2h_copy.default, d2d_copy.default}
+OUT_COPIES = {h2d_copy.out, d2h_copy.out, d2d_copy.out}
+COPY_DIRECTION = {
+    h2d_copy.default: "h2d", d2h_copy.default: "d2h", d2d_copy.default: "d2d",
+    h2d_copy.out: "h2d", d2h_copy.out: "d2h", d2d_copy.out: "d2d",
+}
+FUNCTIONAL_COPY_FOR = {"h2d": h2d_copy.default, "d2h": d2h_copy.default, "d2d": d2d_copy.default}
+
+
+def is_copy_node(node) -> bool:
+    return node.op == "call_function" and node.target in COPY_DIRECTION

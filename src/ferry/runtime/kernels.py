@@ -1,0 +1,102 @@
+"""Run-time kernels: ATen ops bound once at load, and the et_copy kernels.
+
+The copy kernels take direction and devices from the planned metadata (not from torch's
+view of the tensors, which is "cpu" for host-backed devices) and move bytes through the
+registered allocators: exactly one allocator copy call of exactly the tensor's bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.device import Device
+from ferry.errors import DeviceError, InputError, ProgramError
+from ferry.runtime.allocator import as_bytes, get_allocator
+
+
+def copy_direction_check(direction: str, src: Device, dst: Device) -> None:
+    ok = {
+        "h2d": src.is_cpu and not dst.is_cpu,
+        "d2h": not src.is_cpu and dst.is_cpu,
+        "d2d": not src.is_cpu and not dst.is_cpu and src != dst,
+    }[direction]
+    if not ok:
+        need = {"h2d": "a CPU source and a non-CPU destination", "d2h": "a non-CPU source and a CPU destination",
+                "d2d": "two different non-CPU devices"}[direction]
+        raise DeviceError(f"_{direction}_copy needs {need}, but the program moves {src} -> {dst}")
+
+
+def _allocator_for(device: Device):
+    alloc = get_allocator(device.type)
+    if alloc is None:
+        raise DeviceError(
+            f"no allocator is registered for device type {device.type!r}; register one with "
+            "ferry.runtime.register_allocator(...) (CUDA registers itself when a GPU is present; "
+            "the emulated device needs ferry.runtime.register_allocator(EmulatedAllocator()))"
+        )
+    return alloc
+
+
+class CopyKernel:
+    """et_copy::_{h2d,d2h,d2d}_copy.out for one instruction, resolved at load."""
+
+    def __init__(self, direction: str, src: Device, dst: Device, capacity: int | None):
+        copy_direction_check(direction, src, dst)
+        self.direction, self.src, self.dst = direction, src, dst
+        self.capacity = capacity  # bytes `out` may hold; None = not planned (sized per call)
+        if direction == "h2d":
+            alloc = _allocator_for(dst)
+            self._copy = lambda d, s, n: alloc.copy_host_to_device(d, s, n, dst.index)
+        elif direction == "d2h":
+            alloc = _allocator_for(src)
+            self._copy = lambda d, s, n: alloc.copy_device_to_host(d, s, n, src.index)
+        else:
+            if src.type != dst.type:
+                raise DeviceError(f"_d2d_copy between different device types ({src} -> {dst}) is not supported")
+            alloc = _allocator_for(dst)
+            self._copy = lambda d, s, n: alloc.copy_device_to_device(d, s, n, dst.index, src.index)
+
+    def __call__(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if src.dtype != out.dtype:
+            raise InputError(f"_{self.direction}_copy: dtype mismatch, source is {src.dtype}, destination {out.dtype}")
+        nbytes = src.numel() * src.element_size()
+        if out.shape != src.shape:
+            if self.capacity is not None and nbytes > self.capacity:
+                raise InputError(
+                    f"_{self.direction}_copy: a {tuple(src.shape)} source needs {nbytes} bytes but the planned "
+                    f"destination holds {self.capacity}; the input exceeds the shape the program was planned for"
+                )
+            out.resize_(src.shape)
+        if nbytes == 0:
+            return out
+        if not src.is_contiguous():
+            src = src.contiguous()
+        self._copy(as_bytes(out), as_bytes(src), nbytes)
+        return out
+
+
+def bind_aten(op: torch._ops.OpOverload, arg_ids, const_of):
+    """Split schema-ordered argument ids into positional and keyword parts once, at load.
+
+    Returns (positional ids-or-values, keyword ids-or-values); entries are ('v', id) for values
+    read at call time and ('c', python value) for constants."""
+    from ferry.program.schema import DEFAULT_ARG
+
+    schema = op._schema
+    if len(arg_ids) != len(schema.arguments):
+        raise ProgramError(f"{op}: {len(arg_ids)} arguments given, the schema has {len(schema.arguments)}")
+    pos, kw = [], {}
+    pending_defaults = []
+    for a, vid in zip(schema.arguments, arg_ids):
+        if vid == DEFAULT_ARG:
+            if not a.kwarg_only:
+                pending_defaults.append(("c", a.default_value if a.has_default_value() else None))
+            continue
+        ref = const_of(vid)
+        if a.kwarg_only:
+            kw[a.name] = ref
+        else:
+            pos.extend(pending_defaults)
+            pending_defaults = []
+            pos.append(ref)
+    return pos, kw

@@ -1,0 +1,293 @@
+"""A loaded method: planned buffers allocated per device, instructions bound to kernels.
+
+Everything that can be decided at load is: each instruction becomes a ready-to-call step
+(a functools.partial when all its arguments live in planned memory), so executing a method
+is a loop over steps with no lookups, and no allocation on any device.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ferry.device import Device
+from ferry.errors import BackendError, InputError, ProgramError
+from ferry.program.schema import (
+    DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Method, Program, TensorValue,
+)
+from ferry.runtime.allocator import DeviceMemoryBuffer, as_bytes, get_allocator
+from ferry.runtime.kernels import CopyKernel, bind_aten
+from ferry.runtime.tensor import device_of, make_tensor
+
+_COPY_KERNELS = {"et_copy::_h2d_copy.out": "h2d", "et_copy::_d2h_copy.out": "d2h", "et_copy::_d2d_copy.out": "d2d"}
+
+
+def resolve_op(name: str) -> torch._ops.OpOverload:
+    from ferry.aot.out_variants import resolve_kernel
+
+    try:
+        return resolve_kernel(name)
+    except LookupError as e:
+        raise ProgramError(str(e)) from None
+
+
+def _const(v: ConstValue):
+    k, x = v.kind, v.value
+    if k == "dtype":
+        from ferry.program.schema import dtype_from_name
+
+        return dtype_from_name(x)
+    if k in ("layout", "memory_format"):
+        return getattr(torch, x)
+    if k == "device":
+        return torch.device(x)
+    if k in ("ints", "floats", "bools"):
+        return list(x)
+    return x
+
+
+def empty_on(device: Device, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A caller-owned tensor on `device`, allocated through the registry (for outputs the caller keeps)."""
+    if device.is_cpu:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = 1
+    for s in shape:
+        nbytes *= s
+    nbytes *= dtype.itemsize
+    buf = DeviceMemoryBuffer.create(nbytes, device)
+    t = make_tensor(buf.memory, shape, dtype, device)
+    t._ferry_buffer = buf
+    return t
+
+
+def constant_tensor(segment, v: TensorValue) -> torch.Tensor:
+    """A CPU tensor over a program segment (a mapped file region): no copy."""
+    dtype = v.torch_dtype
+    if v.nbytes == 0:
+        return torch.empty(v.shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only mapping: ferry never writes constants
+        raw = torch.frombuffer(segment, dtype=torch.uint8, count=v.nbytes)
+    return raw.view(dtype).view(v.shape)
+
+
+class LoadedMethod:
+    def __init__(self, program: Program, method: Method, delegate_handle, *, pin_host: bool = True):
+        self.program = program
+        self.method = method
+        self.name = method.name
+        self._owned: list[DeviceMemoryBuffer] = []
+        try:
+            self._load(delegate_handle, pin_host)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- load
+
+    def _load(self, delegate_handle, pin_host):
+        m = self.method
+        has_copies = any(isinstance(i, KernelCall) and i.kernel in _COPY_KERNELS for i in m.instructions)
+        buffers = [None]
+        for buf in m.buffers[1:]:
+            b = DeviceMemoryBuffer.create(buf.size, buf.device, pin_memory=pin_host and has_copies and buf.device.is_cpu)
+            self._owned.append(b)
+            buffers.append(b)
+        slots: list = [None] * len(m.values)
+        static = [True] * len(m.values)
+        mutable_ids = {mb.value for mb in m.mutable_buffers}
+        for vid, v in enumerate(m.values):
+            if isinstance(v, ConstValue):
+                if v.kind in ("tensors", "opt_tensors"):
+                    continue  # built after tensors
+                slots[vid] = _const(v)
+            elif v.plan is not None:
+                mem = buffers[v.plan.buffer]
+                if mem is None:
+                    raise ProgramError(f"value {vid} is planned in buffer 0, which is reserved for constants")
+                slots[vid] = make_tensor(mem.memory, v.shape, v.torch_dtype, v.device, v.plan.offset)
+                if vid in mutable_ids and v.constant is not None:
+                    self._fill(slots[vid], v)
+            elif v.constant is not None:
+                slots[vid] = self._upload_constant(v)
+            else:
+                static[vid] = False  # caller-owned, allocated per call, or a view of one
+        self.slots, self.static = slots, static
+        self._planned_bytes = {vid: v.nbytes for vid, v in enumerate(m.values) if isinstance(v, TensorValue) and v.plan}
+        for vid, v in enumerate(m.values):
+            if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors"):
+                ids = [x for x in v.value if x is not None]
+                static[vid] = all(static[x] for x in ids)
+                if static[vid]:
+                    slots[vid] = [None if x is None else slots[x] for x in v.value]
+        self.steps = [self._bind(i, ins, delegate_handle) for i, ins in enumerate(m.instructions)]
+        self.inputs = list(m.inputs)
+        self.outputs = list(m.outputs)
+        self._input_values = [m.tensor(i) for i in m.inputs]
+        self._per_call_outputs = [
+            (vid, v) for vid, v in enumerate(m.values)
+            if isinstance(v, TensorValue) and v.plan is None and v.constant is None and v.alias_of is None
+            and vid not in m.inputs and self._defined_by_out_arg(vid)
+        ]
+
+    @functools.cached_property
+    def caller_owned_outputs(self) -> set[int]:
+        """Output positions whose tensors are fresh per call (the caller keeps them without a copy)."""
+        fresh = {vid for vid, _ in self._per_call_outputs}
+        return {i for i, vid in enumerate(self.outputs) if vid in fresh}
+
+    def _defined_by_out_arg(self, vid) -> bool:
+        for ins in self.method.instructions:
+            if vid in ins.outputs:
+                return isinstance(ins, DelegateCall) or ins.kernel in _COPY_KERNELS or ".out" in ins.kernel or ins.kernel.endswith("_out")
+        return False
+
+    def _fill(self, dst: torch.Tensor, v: TensorValue) -> None:
+        src = constant_tensor(self.program.segments[v.constant], v)
+        if v.device.is_cpu:
+            dst.copy_(src)
+        else:
+            get_allocator(v.device.type).copy_host_to_device(as_bytes(dst), as_bytes(src), v.nbytes, v.device.index)
+
+    def _upload_constant(self, v: TensorValue) -> torch.Tensor:
+        """CPU constants are views of the mapped file; device constants are uploaded once, here."""
+        host = constant_tensor(self.program.segments[v.constant], v)
+        if v.device.is_cpu:
+            return host
+        buf = DeviceMemoryBuffer.create(v.nbytes, v.device)
+        self._owned.append(buf)
+        t = make_tensor(buf.memory, v.shape, v.torch_dtype, v.device)
+        if v.nbytes:
+            get_allocator(v.device.type).copy_host_to_device(as_bytes(t), as_bytes(host), v.nbytes, v.device.index)
+        return t
+
+    # ---------------------------------------------------------------- bind
+
+    def _ref(self, vid):
+        return ("c", self.slots[vid]) if self.static[vid] else ("v", vid)
+
+    def _bind(self, index: int, ins, delegate_handle):
+        m = self.method
+        if isinstance(ins, DelegateCall):
+            handle = delegate_handle(ins.delegate)
+            args, outs = list(ins.args), list(ins.outputs)
+            slots = self.slots
+            return lambda: handle.execute([slots[a] for a in args], [slots[o] for o in outs])
+        if ins.kernel in _COPY_KERNELS:
+            src_id, out_id = ins.args
+            src_v, out_v = m.tensor(src_id), m.tensor(out_id)
+            kernel = CopyKernel(_COPY_KERNELS[ins.kernel], src_v.device, out_v.device,
+                                out_v.nbytes if out_v.plan is not None else None)
+            if self.static[src_id] and self.static[out_id]:
+                return functools.partial(kernel, self.slots[src_id], self.slots[out_id])
+            slots = self.slots
+            return lambda: kernel(slots[src_id], slots[out_id])
+        op = resolve_op(ins.kernel)
+        pos, kw = bind_aten(op, ins.args, self._ref)
+        out_is_arg = all(o in ins.args for o in ins.outputs) and bool(ins.outputs)
+        if out_is_arg and all(r[0] == "c" for r in pos) and all(r[0] == "c" for r in kw.values()):
+            return functools.partial(op, *[r[1] for r in pos], **{k: r[1] for k, r in kw.items()})
+        slots = self.slots
+        outputs = ins.outputs
+
+        def step():
+            a = [r[1] if r[0] == "c" else slots[r[1]] for r in pos]
+            k = {n: (r[1] if r[0] == "c" else slots[r[1]]) for n, r in kw.items()}
+            result = op(*a, **k)
+            if not out_is_arg:
+                if len(outputs) == 1:
+                    slots[outputs[0]] = result
+                else:
+                    for o, r in zip(outputs, result):
+                        slots[o] = r
+
+        if not out_is_arg and all(self.static[r[1]] if r[0] == "v" else True for r in pos) and self._is_view(ins):
+            # a view of planned memory is computed once, here
+            step()
+            for o in outputs:
+                self.static[o] = True
+            return None
+        return step
+
+    def _is_view(self, ins) -> bool:
+        v = self.method.values[ins.outputs[0]] if ins.outputs else None
+        return isinstance(v, TensorValue) and v.alias_of is not None and all(
+            r is None or r for r in [True]
+        ) and all(
+            self.static[a] for a in ins.args if a != DEFAULT_ARG
+        )
+
+    # ---------------------------------------------------------------- run
+
+    def check_inputs(self, inputs) -> None:
+        if len(inputs) != len(self.inputs):
+            raise InputError(f"method {self.name!r} takes {len(self.inputs)} inputs, got {len(inputs)}")
+        for i, (t, v) in enumerate(zip(inputs, self._input_values)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"input {i} of {self.name!r} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != v.torch_dtype:
+                raise InputError(f"input {i} of {self.name!r} must be {v.dtype}, got {str(t.dtype).removeprefix('torch.')}")
+            dyn = v.dynamic or (False,) * len(v.shape)
+            if t.dim() != len(v.shape) or any(
+                (s > b) if d else (s != b) for s, b, d in zip(t.shape, v.shape, dyn)
+            ):
+                bound = ", ".join(f"<={b}" if d else str(b) for b, d in zip(v.shape, dyn))
+                raise InputError(f"input {i} of {self.name!r} must have shape ({bound}), got {tuple(t.shape)}")
+            dev = device_of(t)
+            if dev != v.device:
+                hint = (" (this input is placed on the device by skip_h2d_for_method_inputs: pass a tensor already there)"
+                        if not v.device.is_cpu else "")
+                raise InputError(f"input {i} of {self.name!r} must be on {v.device}, got a tensor on {dev}{hint}")
+
+    def execute(self, inputs, bind_outputs=None) -> list:
+        """Run once. `bind_outputs` are tensors the outputs are written into (delegates)."""
+        slots = self.slots
+        for vid, v in self._per_call_outputs:
+            slots[vid] = None
+        for t, vid, v in zip(inputs, self.inputs, self._input_values):
+            if v.plan is not None:
+                dst = slots[vid]
+                if dst.shape != t.shape:
+                    dst.resize_(t.shape)
+                dst.copy_(t)
+            else:
+                slots[vid] = t
+        if bind_outputs is not None:
+            for vid, t in zip(self.outputs, bind_outputs):
+                if not self.static[vid] and slots[vid] is None:
+                    slots[vid] = t
+        for vid, v in self._per_call_outputs:
+            if slots[vid] is None:
+                slots[vid] = empty_on(v.device, v.shape, v.torch_dtype)
+        self._rebuild_lists()
+        for step in self.steps:
+            if step is not None:
+                step()
+        for mb in self.method.mutable_buffers:
+            if slots[mb.update] is not slots[mb.value]:
+                slots[mb.value].copy_(slots[mb.update])
+        outs = [slots[vid] for vid in self.outputs]
+        if bind_outputs is not None:
+            for t, o in zip(bind_outputs, outs):
+                if o is not t:
+                    if t.shape != o.shape:
+                        t.resize_(o.shape)
+                    t.copy_(o)
+        return outs
+
+    def _rebuild_lists(self):
+        for vid in self._dynamic_lists:
+            v = self.method.values[vid]
+            self.slots[vid] = [None if x is None else self.slots[x] for x in v.value]
+
+    @functools.cached_property
+    def _dynamic_lists(self):
+        return [vid for vid, v in enumerate(self.method.values)
+                if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors") and not self.static[vid]]
+
+    def close(self) -> None:
+        for b in self._owned:
+            b.close()
+        self._owned = []

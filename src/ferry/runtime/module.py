@@ -1,0 +1,106 @@
+"""ferry.Module: load a program, allocate its planned memory per device, run its methods."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ferry.errors import BackendError, FerryError
+from ferry.program.schema import MethodMeta, Program
+from ferry.runtime.method import LoadedMethod
+
+
+class Module:
+    """Runs a ferry Program.
+
+    outputs="copy" (default) returns tensors the caller owns; outputs="view" returns views of
+    planned memory, valid until the next call (zero copy). Outputs kept on a device by
+    skip_d2h come back as device tensors the caller owns either way.
+    """
+
+    def __init__(self, program: "Program | str | os.PathLike", *, outputs: str = "copy", pin_host_memory: bool = True):
+        if not isinstance(program, Program):
+            from ferry.program.serialize import load_program
+
+            program = load_program(program)
+        if outputs not in ("copy", "view"):
+            raise ValueError(f"outputs must be 'copy' or 'view', got {outputs!r}")
+        self.program = program
+        self.outputs = outputs
+        self.pin_host_memory = pin_host_memory
+        self._methods: dict[str, LoadedMethod] = {}
+        self._delegates: dict[int, object] = {}
+
+    # ---------------------------------------------------------------- load
+
+    def method_names(self) -> list[str]:
+        return list(self.program.methods)
+
+    def method_meta(self, name: str = "forward") -> MethodMeta:
+        return self.program.method_meta(name)
+
+    def load_method(self, name: str = "forward") -> None:
+        """Allocate every planned buffer of `name` on its device; all or nothing."""
+        if name in self._methods:
+            return
+        method = self.program.method(name)
+        created: list[int] = []
+
+        def delegate(index: int):
+            if index not in self._delegates:
+                self._delegates[index] = self._init_delegate(index)
+                created.append(index)
+            return self._delegates[index]
+
+        try:
+            self._methods[name] = LoadedMethod(self.program, method, delegate, pin_host=self.pin_host_memory)
+        except BaseException:
+            for index in created:
+                self._delegates.pop(index).close()
+            raise
+
+    def _init_delegate(self, index: int):
+        from ferry.backends import get_backend
+
+        d = self.program.delegates[index]
+        backend = get_backend(d.backend_id)
+        try:
+            return backend.init(self.program.segments[d.payload], d.compile_specs)
+        except FerryError:
+            raise
+        except Exception as e:
+            raise BackendError(f"backend {d.backend_id!r} failed to initialise delegate {index}: {e}") from e
+
+    # ---------------------------------------------------------------- run
+
+    def run_method(self, name: str, inputs) -> list:
+        self.load_method(name)
+        m = self._methods[name]
+        inputs = list(inputs)
+        m.check_inputs(inputs)
+        outs = m.execute(inputs)
+        if self.outputs == "view":
+            return outs
+        caller_owned = m.caller_owned_outputs
+        return [o if i in caller_owned else o.clone() for i, o in enumerate(outs)]
+
+    def forward(self, *inputs):
+        outs = self.run_method("forward", inputs)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    __call__ = forward
+
+    def close(self) -> None:
+        for m in self._methods.values():
+            m.close()
+        for d in self._delegates.values():
+            d.close()
+        self._methods.clear()
+        self._delegates.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
