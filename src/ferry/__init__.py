@@ -13,6 +13,9 @@ from ferry.program.schema import MethodMeta, Program
 from ferry.report import CopyReport, copy_report
 from ferry.runtime.module import Module
 from ferry import passes  # noqa: F401
+from ferry.runtime.cuda import register_if_available as _register_cuda
+
+_register_cuda()  # the CUDA allocator registers itself when a GPU is present
 
 
 def load_program(path_or_bytes) -> Program:

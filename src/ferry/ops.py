@@ -19,7 +19,11 @@ _SCHEMAS = {
     "out": "{name}.out(Tensor self, *, Tensor(a!) out) -> Tensor(a!)",
 }
 
-_lib = torch.library.Library(NAMESPACE, "FRAGMENT")  # noqa: keep a reference: the registrations live as long as it
+# Keep a reference: the registrations live as long as this object. On importlib.reload the
+# module dict survives, so the library made by the first import is reused; making a new one
+# would let the old one be collected, which deregisters the ops and invalidates every
+# OpOverload (and every graph) made before the reload.
+_lib = globals().get("_lib") or torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
 def _defined(name: str, overload: str) -> bool:
@@ -78,6 +82,68 @@ def _register() -> None:
 
 
 _register()
+
+
+# ---------------------------------------------------------------- ATen mode
+# Real kernels for PyTorch's dispatcher, so a placed graph runs eagerly on a GPU machine.
+# Direction comes from the op; the destination device from `out` (several GPUs work).
+
+
+def _aten_checks(op: str, self: torch.Tensor, out: torch.Tensor) -> None:
+    """Everything is checked before a byte moves; then `out` is resized to `self`'s shape."""
+    if self.dtype != out.dtype:
+        raise RuntimeError(f"{NAMESPACE}::{op}.out: dtype mismatch, self is {self.dtype}, out is {out.dtype}")
+    if not self.is_contiguous() or not out.is_contiguous():
+        raise RuntimeError(f"{NAMESPACE}::{op}.out: self and out must be contiguous")
+    need = self.numel() * self.element_size()
+    have = out.untyped_storage().nbytes() - out.storage_offset() * out.element_size()
+    if need > have:
+        raise RuntimeError(
+            f"{NAMESPACE}::{op}.out: out can hold {have} bytes from its offset but self needs {need} "
+            f"({tuple(self.shape)} {self.dtype})"
+        )
+
+
+def _aten_out(op: str, src_cuda: bool, dst_cuda: bool):
+    def kernel(self: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        if self.is_cuda != src_cuda or out.is_cuda != dst_cuda:
+            want = {"_h2d_copy": "a CPU self and a CUDA out", "_d2h_copy": "a CUDA self and a CPU out",
+                    "_d2d_copy": "CUDA self and out"}[op]
+            raise RuntimeError(f"{NAMESPACE}::{op}.out needs {want}, got self on {self.device}, out on {out.device}")
+        _aten_checks(op, self, out)
+        if out.shape != self.shape:
+            out.resize_(self.shape)
+        if self.numel():
+            out.copy_(self)
+        return out
+
+    return kernel
+
+
+def _h2d_functional_aten(self: torch.Tensor) -> torch.Tensor:
+    """On a machine with a GPU, _h2d_copy moves to the current CUDA device; without one it is
+    the tracing clone."""
+    if torch.cuda.is_available():
+        return self.to(torch.device("cuda", torch.cuda.current_device()), copy=True)
+    return _functional(self)
+
+
+def _register_aten_mode() -> None:
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    kernels = {
+        ("_h2d_copy.out", "CUDA"): _aten_out("_h2d_copy", False, True),
+        ("_d2h_copy.out", "CUDA"): _aten_out("_d2h_copy", True, False),
+        ("_d2d_copy.out", "CUDA"): _aten_out("_d2d_copy", True, True),
+        ("_h2d_copy", "CPU"): _h2d_functional_aten,
+        ("_d2h_copy", "CUDA"): lambda self: self.to("cpu", copy=True),
+        ("_d2d_copy", "CUDA"): lambda self: self.to(torch.device("cuda", torch.cuda.current_device()), copy=True),
+    }
+    for (name, key), fn in kernels.items():
+        if not has(f"{NAMESPACE}::{name}", key):
+            _lib.impl(name, fn, key)
+
+
+_register_aten_mode()
 
 h2d_copy = torch.ops.et_copy._h2d_copy
 d2h_copy = torch.ops.et_copy._d2h_copy

@@ -244,10 +244,11 @@ class _MethodEmitter:
             )
         val = node.meta.get("val")
         if is_view(op):
-            base = self.arg_value(node.args[0], None, node.name)
-            vid = self.tensor_value(node, val, self.device_of(node), alias_of=self._root(base))
-            self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), (vid,)))
-            self.env[node] = vid
+            base = self._root(self.arg_value(node.args[0], None, node.name))
+            many = isinstance(val, (tuple, list))
+            outs = tuple(self.tensor_value(node, v, self.device_of(node), alias_of=base) for v in (val if many else [val]))
+            self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
+            self.env[node] = outs if many else outs[0]
             return
         vals = list(val) if isinstance(val, (tuple, list)) else [val]
         dev = self.device_of(node)

@@ -30,6 +30,11 @@ class LoweredBackendModule(torch.nn.Module):
         return None
 
     def forward(self, *args):
+        # run eagerly on a GPU machine, the subgraph's constants follow its inputs' device
+        dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        first = next(iter(self.original_module.buffers()), None)
+        if dev is not None and first is not None and first.device != dev:
+            self.original_module.to(dev)
         return tuple(self.original_module(*args))
 
 

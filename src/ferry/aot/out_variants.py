@@ -42,7 +42,8 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
 
 @functools.lru_cache(maxsize=None)
 def is_view(op: torch._ops.OpOverload) -> bool:
-    """True for ops whose single output aliases an input without writing (view, permute, …)."""
+    """True for ops whose output (a tensor or a list of tensors) aliases an input without
+    writing: view, permute, split, unbind, …"""
     rets = op._schema.returns
     return len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write
 

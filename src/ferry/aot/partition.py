@@ -96,6 +96,29 @@ class AtenOpSupport(OperatorSupportBase):
         return not _matches(node.target, self.exclude)
 
 
+def _connected_components(nodes) -> list[set]:
+    """Split a node set into groups connected by edges inside the set (direction ignored).
+
+    Splitting a convex, cycle-free partition this way keeps every piece convex and cycle-free."""
+    members = set(nodes)
+    seen: set = set()
+    components = []
+    for start in members:
+        if start in seen:
+            continue
+        seen.add(start)
+        stack, component = [start], set()
+        while stack:
+            n = stack.pop()
+            component.add(n)
+            for m in (*n.all_input_nodes, *n.users):
+                if m in members and m not in seen:
+                    seen.add(m)
+                    stack.append(m)
+        components.append(component)
+    return components
+
+
 class OpSupportPartitioner:
     """Groups supported nodes into connected partitions, one delegate each, on `device`."""
 
@@ -110,10 +133,12 @@ class OpSupportPartitioner:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         result = []
         for p in proposed:
-            nodes = sorted(p.nodes, key=order.__getitem__)
-            if all(n.target is operator.getitem for n in nodes):
-                continue
-            result.append(Partition([n.name for n in nodes], target_device(self.device), self.backend_id))
+            # CapabilityBasedPartitioner also merges unconnected groups; one delegate per connected group
+            for component in _connected_components(p.nodes):
+                nodes = sorted(component, key=order.__getitem__)
+                if all(n.target is operator.getitem for n in nodes):
+                    continue
+                result.append(Partition([n.name for n in nodes], target_device(self.device), self.backend_id))
         index = {n.name: i for n, i in order.items()}
         result.sort(key=lambda p: min(index[name] for name in p.nodes))
         return result

@@ -38,7 +38,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 def element_size(dtype: "torch.dtype | str") -> int:
     if isinstance(dtype, str):
         dtype = dtype_from_name(dtype)
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 # ---------------------------------------------------------------- values

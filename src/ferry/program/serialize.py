@@ -776,11 +776,21 @@ _NON_BRACKET_RE = re.compile(r"[^\[\]{}]+")
 _BRACKET_DELTA = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
-def _json_depth(text: str) -> int:
-    brackets = _NON_BRACKET_RE.sub("", _JSON_STRING_RE.sub("", text))
-    if not brackets:
-        return 0
-    return max(accumulate(map(_BRACKET_DELTA.__getitem__, brackets)))
+_LONG_INT_RE = re.compile(r"(?<![.0-9])-?[0-9]{%d}" % (_MAX_INT_DIGITS + 1))
+
+
+def _prescan(text: str) -> None:
+    """Bound the work json.loads can be made to do: nesting depth (the C parser recurses) and
+    integer literal length (int() is quadratic in the digits). Strings are removed first;
+    the string pattern tokenises exactly as JSON does, up to the first syntax error."""
+    outside = _JSON_STRING_RE.sub("", text)
+    m = _LONG_INT_RE.search(outside)
+    if m:
+        raise ProgramError(f"metadata: an integer literal has more than {_MAX_INT_DIGITS} digits")
+    brackets = _NON_BRACKET_RE.sub("", outside)
+    depth = max(accumulate(map(_BRACKET_DELTA.__getitem__, brackets))) if brackets else 0
+    if depth > MAX_JSON_DEPTH:
+        raise ProgramError(f"metadata JSON nests {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
 
 
 def _no_duplicates(pairs: list) -> dict:
@@ -790,12 +800,6 @@ def _no_duplicates(pairs: list) -> dict:
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise ProgramError(f"metadata: duplicate key {_show(dup)} in a JSON object")
     return d
-
-
-def _parse_int(s: str) -> int:
-    if len(s.lstrip("-")) > _MAX_INT_DIGITS:
-        raise ProgramError(f"metadata: integer literal with {len(s)} digits is out of range")
-    return int(s)
 
 
 def _parse_float(s: str) -> float:
@@ -814,14 +818,11 @@ def _parse_metadata(raw: bytes) -> object:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ProgramError(f"metadata is not valid UTF-8 (byte {e.start}: {e.reason})") from None
-    depth = _json_depth(text)
-    if depth > MAX_JSON_DEPTH:
-        raise ProgramError(f"metadata JSON nests {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
+    _prescan(text)
     try:
         return json.loads(
             text,
             object_pairs_hook=_no_duplicates,
-            parse_int=_parse_int,
             parse_float=_parse_float,
             parse_constant=_parse_constant,
         )

@@ -18,7 +18,7 @@ from ferry.program.schema import (
     DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Method, Program, TensorValue,
 )
 from ferry.runtime.allocator import DeviceMemoryBuffer, as_bytes, get_allocator
-from ferry.runtime.kernels import CopyKernel, bind_aten
+from ferry.runtime.kernels import CopyKernel, bind_aten, fast_aten
 from ferry.runtime.tensor import device_of, make_tensor
 
 _COPY_KERNELS = {"et_copy::_h2d_copy.out": "h2d", "et_copy::_d2h_copy.out": "d2h", "et_copy::_d2d_copy.out": "d2d"}
@@ -188,7 +188,8 @@ class LoadedMethod:
         pos, kw = bind_aten(op, ins.args, self._ref)
         out_is_arg = all(o in ins.args for o in ins.outputs) and bool(ins.outputs)
         if out_is_arg and all(r[0] == "c" for r in pos) and all(r[0] == "c" for r in kw.values()):
-            return functools.partial(op, *[r[1] for r in pos], **{k: r[1] for k, r in kw.items()})
+            args, kwargs = [r[1] for r in pos], {k: r[1] for k, r in kw.items()}
+            return functools.partial(fast_aten(op, args, kwargs) or op, *args, **kwargs)
         slots = self.slots
         outputs = ins.outputs
 
@@ -261,21 +262,32 @@ class LoadedMethod:
         for vid, v in self._per_call_outputs:
             if slots[vid] is None:
                 slots[vid] = empty_on(v.device, v.shape, v.torch_dtype)
-        self._rebuild_lists()
-        for step in self.steps:
-            if step is not None:
-                step()
-        for mb in self.method.mutable_buffers:
-            if slots[mb.update] is not slots[mb.value]:
-                slots[mb.value].copy_(slots[mb.update])
-        outs = [slots[vid] for vid in self.outputs]
-        if bind_outputs is not None:
-            for t, o in zip(bind_outputs, outs):
-                if o is not t:
-                    if t.shape != o.shape:
-                        t.resize_(o.shape)
-                    t.copy_(o)
+        try:
+            self._rebuild_lists()
+            for step in self.steps:
+                if step is not None:
+                    step()
+            for mb in self.method.mutable_buffers:
+                if slots[mb.update] is not slots[mb.value]:
+                    slots[mb.value].copy_(slots[mb.update])
+            outs = [slots[vid] for vid in self.outputs]
+            if bind_outputs is not None:
+                for t, o in zip(bind_outputs, outs):
+                    if o is not t:
+                        if t.shape != o.shape:
+                            t.resize_(o.shape)
+                        t.copy_(o)
+        finally:
+            # drop this call's caller-owned tensors (inputs, per-call outputs, run-time
+            # allocations): the method must not keep the caller's device memory alive
+            for vid in self._transient:
+                slots[vid] = None
         return outs
+
+    @functools.cached_property
+    def _transient(self) -> list[int]:
+        """Slots that hold per-call tensors (everything not bound once at load)."""
+        return [vid for vid, st in enumerate(self.static) if not st]
 
     def _rebuild_lists(self):
         for vid in self._dynamic_lists:

@@ -1,0 +1,113 @@
+"""Human and JSON views of a Program: methods, instructions with devices, copies, buffers."""
+
+from __future__ import annotations
+
+from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, Program, TensorValue
+from ferry.report import copy_report
+
+
+def _value(m, vid: int) -> str:
+    if vid == DEFAULT_ARG:
+        return "_"
+    v = m.values[vid]
+    if isinstance(v, ConstValue):
+        return repr(v.value) if v.kind != "none" else "None"
+    where = "const" if v.constant is not None and v.plan is None else (
+        f"b{v.plan.buffer}+{v.plan.offset}" if v.plan else ("view" if v.alias_of is not None else "caller/runtime"))
+    return f"%{v.name or vid}@{v.device}[{where}]"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _tensor_line(v: TensorValue) -> str:
+    return f"{v.dtype}{list(v.shape)} on {v.device}" + (" (dynamic)" if any(v.dynamic) else "")
+
+
+def program_summary(program: Program, instructions: bool = True) -> str:
+    out = []
+    for name, m in program.methods.items():
+        out.append(f"method {name!r}: {len(m.instructions)} instructions, {len(m.values)} values")
+        for kind, ids in (("input", m.inputs), ("output", m.outputs)):
+            for i, vid in enumerate(ids):
+                v = m.values[vid]
+                owner = "planned" if v.plan else "caller-owned"
+                out.append(f"  {kind} {i}: {_tensor_line(v)} ({owner})")
+        if instructions:
+            out.append("  instructions:")
+            for i, ins in enumerate(m.instructions):
+                if isinstance(ins, DelegateCall):
+                    d = program.delegates[ins.delegate]
+                    target = (d.spec("target_device") or b"cpu").decode(errors="replace")
+                    head = f"delegate {ins.delegate} ({d.backend_id} on {target})"
+                else:
+                    head = ins.kernel
+                args = ", ".join(_value(m, a) for a in ins.args if not (isinstance(ins, DelegateCall) is False and a in ins.outputs))
+                outs = ", ".join(_value(m, o) for o in ins.outputs)
+                out.append(f"    #{i:<4} {head}({args}) -> {outs}")
+        out.append("  " + str(copy_report(program, name)).replace("\n", "\n  "))
+        out.append("  memory plan:")
+        for bi, b in enumerate(m.buffers):
+            if bi == 0:
+                continue
+            out.append(f"    buffer {bi}: {_fmt_bytes(b.size):>10} on {b.device}")
+        for dev, lb in m.lower_bounds.items():
+            planned = sum(b.size for b in m.buffers[1:] if str(b.device) == dev)
+            out.append(f"    {dev}: planned {planned:,} B, lower bound (peak live) {lb:,} B")
+        if m.runtime_allocating_ops:
+            out.append("  ops without an out variant (allocate at run time): " + ", ".join(m.runtime_allocating_ops))
+    out.append(f"delegates: {len(program.delegates)}, segments: {len(program.segments)} "
+               f"({_fmt_bytes(sum(len(memoryview(s)) for s in program.segments))})")
+    return "\n".join(out)
+
+
+def program_json(program: Program) -> dict:
+    methods = {}
+    for name, m in program.methods.items():
+        rep = copy_report(program, name)
+        methods[name] = {
+            "inputs": [_tensor_json(m.values[v]) for v in m.inputs],
+            "outputs": [_tensor_json(m.values[v]) for v in m.outputs],
+            "instructions": [
+                {
+                    "index": i,
+                    "kind": "delegate" if isinstance(ins, DelegateCall) else "kernel",
+                    "name": f"delegate:{ins.delegate}" if isinstance(ins, DelegateCall) else ins.kernel,
+                    "args": [None if a == DEFAULT_ARG else _arg_json(m, a) for a in ins.args],
+                    "outputs": [_arg_json(m, o) for o in ins.outputs],
+                }
+                for i, ins in enumerate(m.instructions)
+            ],
+            "copies": [r.__dict__ | {"shape": list(r.shape)} for r in rep.rows],
+            "copy_totals": {d: {"count": n, "bytes": b} for d, (n, b) in rep.totals().items()},
+            "buffers": [{"index": i, "size": b.size, "device": str(b.device)} for i, b in enumerate(m.buffers)],
+            "lower_bounds": dict(m.lower_bounds),
+            "runtime_allocating_ops": list(m.runtime_allocating_ops),
+        }
+    return {
+        "methods": methods,
+        "delegates": [
+            {"backend_id": d.backend_id, "compile_specs": {k: v.decode(errors="replace") for k, v in d.compile_specs}}
+            for d in program.delegates
+        ],
+    }
+
+
+def _tensor_json(v: TensorValue) -> dict:
+    return {"dtype": v.dtype, "shape": list(v.shape), "device": str(v.device), "planned": v.plan is not None,
+            "dynamic": list(v.dynamic)}
+
+
+def _arg_json(m, vid):
+    v = m.values[vid]
+    if isinstance(v, ConstValue):
+        return {"value": v.value if v.kind not in ("float",) or v.value == v.value else str(v.value), "kind": v.kind}
+    d = {"value_id": vid, "name": v.name, "device": str(v.device), "dtype": v.dtype, "shape": list(v.shape)}
+    if v.plan:
+        d["buffer"], d["offset"] = v.plan.buffer, v.plan.offset
+    return d

@@ -1,0 +1,132 @@
+"""CUDA: the allocator, and the stream/event discipline of asynchronous copies.
+
+Allocation goes through PyTorch's CUDA caching allocator (torch.empty on the device), not raw
+cudaMalloc: ferry's kernels and delegates run through PyTorch, so one allocator means one pool
+(no memory stranded between two allocators), stream-aware reuse, allocations that are legal
+inside CUDA-graph capture, and PyTorch's OOM errors with the CUDA text. ferry still allocates
+everything at load, so the caching allocator's run-time behaviour never matters.
+
+Copies run on one copy stream per device. A copy waits (on the GPU, via an event) for the
+compute work already queued on its device, and compute waits for the copy through an event:
+no full device synchronisation anywhere. The host waits only where host code is about to
+read a `_d2h_copy` result or overwrite memory a pending `_h2d_copy` still reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.device import Device
+from ferry.runtime.allocator import DeviceAllocator
+
+MIN_ALIGNMENT = 256
+
+
+class CudaAllocator(DeviceAllocator):
+    device_type = "cuda"
+    default_alignment = MIN_ALIGNMENT
+
+    def _normalize_index(self, index: int) -> int:
+        if index == -1:
+            return torch.cuda.current_device()
+        if index < -1:
+            raise ValueError(f"CUDA device index must be >= 0, or -1 for the current device; got {index}")
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"CUDA device index {index} is out of range: this machine has {count} GPU(s)")
+        return index
+
+    def _allocate(self, nbytes: int, index: int, alignment: int) -> torch.Tensor:
+        # the caching allocator hands out 512-byte aligned blocks; ask for slack only when
+        # a larger alignment is requested
+        alignment = max(alignment, MIN_ALIGNMENT)
+        slack = 0 if alignment <= 512 else alignment
+        base = torch.empty(nbytes + slack, dtype=torch.uint8, device=torch.device("cuda", index))
+        if not slack:
+            return base
+        start = (-base.data_ptr()) % alignment
+        return base[start:start + nbytes]
+
+    def _deallocate(self, memory: torch.Tensor, index: int) -> None:
+        # the tensor's storage returns to the caching allocator when the last reference goes
+        return None
+
+    def _copy_h2d(self, dst, src, nbytes, index):
+        dst.copy_(src, non_blocking=src.is_pinned())
+
+    def _copy_d2h(self, dst, src, nbytes, index):
+        dst.copy_(src, non_blocking=dst.is_pinned())
+
+    def _copy_d2d(self, dst, src, nbytes, dst_index, src_index):
+        dst.copy_(src, non_blocking=True)
+
+
+class CopyStreams:
+    """Per-method stream discipline for copies on CUDA devices.
+
+    `run(kernel, src, out, device)` issues the copy on the device's copy stream ordered after the
+    compute work already queued there; the device's compute stream then waits for the copy. The
+    host syncs in `wait_host()`, called before host code touches memory a copy may still use.
+    """
+
+    def __init__(self):
+        self._copy: dict[int, torch.cuda.Stream] = {}
+        self._events: dict[object, torch.cuda.Event] = {}
+        self._pending: list[torch.cuda.Event] = []
+        self.capturing = False
+
+    def event(self, key) -> torch.cuda.Event:
+        """One reusable event per call site: recording again is cheaper than creating."""
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = torch.cuda.Event()
+        return ev
+
+    def copy_stream(self, index: int) -> torch.cuda.Stream:
+        s = self._copy.get(index)
+        if s is None:
+            s = self._copy[index] = torch.cuda.Stream(device=index)
+        return s
+
+    def run(self, key, kernel, src: torch.Tensor, out: torch.Tensor, devices: tuple[Device, ...]):
+        cuda = sorted({d.index for d in devices if d.type == "cuda"})
+        if self.capturing:
+            return kernel(src, out)  # inside a CUDA graph: stay on the capture stream
+        idx = cuda[0]
+        cs = self.copy_stream(idx)
+        for i in cuda:
+            cs.wait_stream(torch.cuda.current_stream(i))
+        with torch.cuda.stream(cs):
+            kernel(src, out)
+        done = self.event(key)
+        done.record(cs)
+        for i in cuda:
+            torch.cuda.current_stream(i).wait_event(done)
+        # memory the caller owns may be freed after this call: keep the caching allocator from
+        # reusing it before the copy stream is done (planned memory lives until close anyway)
+        if src.is_cuda and src.untyped_storage().nbytes() == src.nbytes:
+            src.record_stream(cs)
+        if out.is_cuda and out.untyped_storage().nbytes() == out.nbytes:
+            out.record_stream(cs)
+        if any(d.is_cpu for d in devices):
+            self._pending.append(done)
+        return out
+
+    def note_host_dependency(self, key, index: int) -> None:
+        """After a captured graph replays copies touching host memory: host waits on its stream."""
+        ev = self.event(key)
+        ev.record(torch.cuda.current_stream(index))
+        self._pending.append(ev)
+
+    def wait_host(self) -> None:
+        if self._pending:
+            for ev in self._pending:
+                ev.synchronize()
+            self._pending.clear()
+
+
+def register_if_available() -> None:
+    from ferry.runtime.allocator import get_allocator, register_allocator
+
+    if torch.cuda.is_available() and get_allocator("cuda") is None:
+        register_allocator(CudaAllocator())

@@ -1,0 +1,248 @@
+"""Small shared test models, built with fixed seeds.
+
+Each builder returns (module, example_inputs); `fresh_inputs(example_inputs, seed)` makes new
+random inputs of the same shapes and dtypes, so tests never compare only on the export inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def fresh_inputs(example_inputs, seed: int = 1234):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in example_inputs:
+        if t.is_floating_point():
+            out.append(torch.randn(t.shape, generator=g, dtype=t.dtype))
+        else:
+            out.append(torch.randint(-5, 6, t.shape, generator=g, dtype=t.dtype))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny graphs used by the pass tests
+
+
+class Add(nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+class AddChain(nn.Module):
+    """z = x + y; w = z + y: two adds, the second reads the first."""
+
+    def forward(self, x, y):
+        z = x + y
+        return z + y
+
+
+class FanOut(nn.Module):
+    """t = a + b; u = t + a; w = t + b; return u + w."""
+
+    def forward(self, a, b):
+        t = a + b
+        u = t + a
+        w = t + b
+        return u + w
+
+
+class SharedOutput(nn.Module):
+    """a = x + y is a method output, feeds a second add and a CPU relu."""
+
+    def forward(self, x, y):
+        a = x + y
+        b = a + y
+        c = torch.relu(a)
+        return a, b, c
+
+
+class InputToCpuAndDelegate(nn.Module):
+    """x feeds an add (delegate) and a sin (CPU)."""
+
+    def forward(self, x, y):
+        return x + y, torch.sin(x)
+
+
+class MultiOutput(nn.Module):
+    """s = x + y; p = s * y: one delegate of add and mul (ops=add, mul) whose two outputs are read outside."""
+
+    def forward(self, x, y):
+        s = x + y
+        p = s * y
+        return torch.relu(s), torch.relu(p), p - s
+
+
+class WithParams(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("offset", torch.randn(4))
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) + self.offset
+
+
+def small(shape=(2, 3), n=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(shape, generator=g) for _ in range(n))
+
+
+# ---------------------------------------------------------------------------------------------
+# real-ish models
+
+
+class SmallCNN(nn.Module):
+    """conv-bn-relu-pool, twice, then a linear head."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Linear(8 * 2 * 2, classes)
+
+    def forward(self, x):
+        x = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        x = self.pool(torch.relu(self.bn2(self.conv2(x))))
+        return self.head(torch.flatten(x, 1))
+
+
+def small_cnn(batch: int = 2):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    with torch.no_grad():  # non-trivial batch-norm statistics
+        for bn in (model.bn1, model.bn2):
+            bn.running_mean.copy_(torch.randn(bn.num_features) * 0.1)
+            bn.running_var.copy_(torch.rand(bn.num_features) + 0.5)
+            bn.weight.copy_(torch.rand(bn.num_features) + 0.5)
+            bn.bias.copy_(torch.randn(bn.num_features) * 0.1)
+    model.eval()
+    return model, (torch.randn(batch, 3, 8, 8),)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: LayerNorm, multi-head self-attention (softmax), LayerNorm, MLP (GELU)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, hidden: int = 32):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // h), dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+def transformer_block(batch: int = 2, seq: int = 4):
+    torch.manual_seed(0)
+    model = TransformerBlock().eval()
+    return model, (torch.randn(batch, seq, 16),)
+
+
+def export(model, example_inputs):
+    return torch.export.export(model, tuple(example_inputs))
+
+
+class TwoLinears(nn.Module):
+    """Two submodules, `a` and `b`, with CPU-side glue between them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) + x) + x
+
+
+# ---------------------------------------------------------------------------------------------
+# test partitioners and helpers
+
+
+class PerAdd:
+    """Each aten.add its own delegate; the i-th add goes to devices[min(i, len - 1)]."""
+
+    def __init__(self, *devices, backend_id="torch"):
+        self.devices = devices or ("cuda:0",)
+        self.backend_id = backend_id
+
+    def partition(self, ep):
+        from ferry import Partition, target_device
+
+        adds = [n for n in ep.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.add.Tensor]
+        return [
+            Partition([n.name], target_device(self.devices[min(i, len(self.devices) - 1)]), self.backend_id)
+            for i, n in enumerate(adds)
+        ]
+
+
+class ByModulePath:
+    """A device per module path: every call_function node whose innermost module is `path` goes
+    to devices[path], one delegate per path."""
+
+    def __init__(self, devices: dict):
+        self.devices = devices
+
+    def partition(self, ep):
+        from ferry import Partition, target_device
+
+        groups = {}
+        for n in ep.graph.nodes:
+            stack = n.meta.get("nn_module_stack")
+            if n.op != "call_function" or not stack:
+                continue
+            path = list(stack.values())[-1][0]
+            if path in self.devices:
+                groups.setdefault(path, []).append(n.name)
+        return [Partition(names, target_device(self.devices[p])) for p, names in groups.items()]
+
+
+class Fixed:
+    """Returns the partitions it was given (for error tests)."""
+
+    def __init__(self, *partitions):
+        self.partitions = list(partitions)
+
+    def partition(self, ep):
+        return self.partitions
+
+
+def copy_nodes(gm, direction=None):
+    from ferry import ops
+
+    return [n for n in gm.graph.nodes if ops.is_copy_node(n) and direction in (None, ops.COPY_DIRECTION[n.target])]
+
+
+def count_copies(gm):
+    from ferry import ops
+
+    counts = {"h2d": 0, "d2h": 0, "d2d": 0}
+    for n in gm.graph.nodes:
+        if ops.is_copy_node(n):
+            counts[ops.COPY_DIRECTION[n.target]] += 1
+    return counts
+
+
+def delegate_nodes(gm):
+    from ferry.aot.lower import is_delegate_node
+
+    return [n for n in gm.graph.nodes if is_delegate_node(n)]
