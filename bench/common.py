@@ -60,3 +60,39 @@ def write_json(name: str, payload: dict) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=1))
     return path
+
+
+def parse_args(description: str):
+    """The command line every benchmark takes: `--smoke` (tiny sizes, few repeats)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes and few repeats; without a GPU, run ferry on the emulated device 'emu:0'")
+    return p.parse_args()
+
+
+def bench_device(name: str, smoke: bool) -> str | None:
+    """Where the benchmark's delegates run: 'cuda:0' when a GPU is present; without one, the
+    emulated device 'emu:0' under --smoke (registered here), else None after a skip line."""
+    if torch.cuda.is_available():
+        return "cuda:0"
+    if not smoke:
+        print(f"{name}: skipped: no CUDA device (torch.cuda.is_available() is False); "
+              "--smoke runs the ferry code paths on the emulated device")
+        return None
+    from ferry.runtime import EmulatedAllocator, get_allocator, register_allocator
+
+    if get_allocator("emu") is None:
+        register_allocator(EmulatedAllocator())
+    return "emu:0"
+
+
+def torch_device(device: str) -> torch.device:
+    """The torch device eager baselines use for a ferry device ('emu' lives in host memory)."""
+    return torch.device(device) if device.startswith("cuda") else torch.device("cpu")
+
+
+def result_name(name: str, smoke: bool) -> str:
+    """Smoke runs write NAME_smoke.json, never over a real result."""
+    return f"{name}_smoke" if smoke else name

@@ -205,3 +205,10 @@ def test_input_and_output_infos_are_recorded():
     assert targets == {"lin.weight", "lin.bias", "offset"}
     infos = M.output_infos(lp.graph_module.graph.output_node())
     assert [i.kind for i in infos] == [M.USER_OUTPUT]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_calling_with_the_wrong_number_of_inputs_is_an_input_error(n):
+    lp = to_backend(export(Add(), small()), OpSupportPartitioner("cuda:0"))
+    with pytest.raises(ferry.InputError, match="2 input"):
+        lp(*small(n=n))

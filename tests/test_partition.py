@@ -243,3 +243,27 @@ def test_getitems_follow_their_multi_output_op():
     want_v, want_i = MaxDim()(x)
     torch.testing.assert_close(v, want_v)
     assert torch.equal(i, want_i)
+
+
+class _MaxDim(torch.nn.Module):
+    def forward(self, x):
+        v, i = torch.max(x, dim=1)
+        return v * 2, i
+
+
+def _max_names(ep):
+    c = core(ep)
+    (mx,) = [n for n in c.graph.nodes if n.op == "call_function" and "max" in str(n.target)]
+    items = sorted(u.name for u in mx.users)
+    (mul,) = names_by_target(c, torch.ops.aten.mul.Tensor)
+    return mx.name, items, mul
+
+
+def test_getitem_without_its_op_is_a_compile_error():
+    ep = export(_MaxDim(), (torch.randn(3, 4),))
+    mx, items, mul = _max_names(ep)
+    with pytest.raises(CompileError, match=items[0]):
+        to_backend(ep, Fixed(Partition([items[0]], target_device("cuda:0"))))
+    with pytest.raises(CompileError, match=mx):
+        to_backend(ep, Fixed(Partition([items[0], mul], target_device("cuda:0")),
+                             Partition([mx], target_device("cuda:1"))))

@@ -7,6 +7,7 @@ listed in the method's report because they allocate at run time.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ class EmitOptions:
     algorithm: str = "greedy"
     alignment: object = None
     default_device: Device = CPU  # device of values with no recorded device (delegate subgraphs)
+    range_constraints: object = None  # bounds of the export's dynamic dimensions
 
 
 def _upper_bound(dim, range_constraints, what: str) -> tuple[int, bool]:
@@ -74,7 +76,7 @@ def _upper_bound(dim, range_constraints, what: str) -> tuple[int, bool]:
         return int(expr), False
     subs = {}
     for sym in expr.free_symbols:
-        vr = range_constraints.get(sym)
+        vr = range_constraints.get(sym) or next((v for k, v in range_constraints.items() if str(k) == str(sym)), None)
         upper = None if vr is None else vr.upper
         if upper is None or not getattr(upper, "is_finite", True) or str(upper) in ("oo", "int_oo"):
             raise CompileError(
@@ -92,7 +94,7 @@ class _MethodEmitter:
         self.constants = constants
         self.b = builder
         self.opts = opts
-        self.rc = range_constraints or {}
+        self.rc = range_constraints or opts.range_constraints or {}
         self.values: list = []
         self.instructions: list = []
         self.env: dict[torch.fx.Node, object] = {}  # node -> value id, or tuple of ids
@@ -113,6 +115,11 @@ class _MethodEmitter:
         return M.get_device(node) or self.opts.default_device
 
     def tensor_value(self, node, val, device, **kw) -> int:
+        if isinstance(val, torch.SymInt):
+            raise CompileError(
+                f"method {self.name!r}: {node.name!r} is a data-dependent size ({val}); ferry plans memory ahead of "
+                "time and needs static or bounded shapes: keep ops like nonzero/unique out of the program"
+            )
         if not isinstance(val, torch.Tensor):
             raise CompileError(f"method {self.name!r}: node {node.name!r} has no tensor metadata (meta['val'])")
         shape, dynamic = [], []
@@ -276,7 +283,7 @@ class _MethodEmitter:
         dev = self.device_of(node)
         users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
-        payload = preprocess(lowered, self.opts)
+        payload = preprocess(lowered, dataclasses.replace(self.opts, range_constraints=self.rc))
         self.b.delegates.append(Delegate(lowered.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
         self.instructions.append(DelegateCall(len(self.b.delegates) - 1, args, outs))
         self.env[node] = outs

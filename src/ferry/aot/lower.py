@@ -66,6 +66,11 @@ class LoweredProgram:
 
     def __call__(self, *inputs):
         """Run the graph eagerly (on the CPU while tensors are CPU); returns the user outputs."""
+        wanted = [n.name for n in self.placeholders() if n.name not in self.constants]
+        if len(inputs) != len(wanted):
+            from ferry.errors import InputError
+
+            raise InputError(f"this program takes {len(wanted)} input(s) ({', '.join(wanted)}), got {len(inputs)}")
         user = iter(inputs)
         args = []
         for n in self.placeholders():
@@ -147,6 +152,17 @@ def _check_partitions(partitions, nodes_by_name) -> list[list[torch.fx.Node]]:
                     seen[user.name] = i
                     group.append(user)
         groups.append(group)
+    # a tuple crosses no delegate boundary: a getitem belongs to the partition of the op it reads
+    index = {n: i for i, g in enumerate(groups) for n in g}
+    for i, group in enumerate(groups):
+        for n in group:
+            src = n.args[0] if n.target is operator.getitem and n.args else None
+            if isinstance(src, torch.fx.Node) and index.get(src) != i:
+                where = "no partition" if src not in index else f"partition {index[src]}"
+                raise CompileError(
+                    f"partition {i} has {n.name!r}, a getitem of {src.name!r}, which is in {where}; "
+                    f"put {src.name!r} in partition {i} too, or leave {n.name!r} out"
+                )
     return groups
 
 

@@ -49,9 +49,24 @@ def _no_nested_delegates(index):
 class _Handle:
     def __init__(self, method):
         self.method = method
+        self._host_io = None
+        devs = [v.device for v in method.method.values if hasattr(v, "device") and not v.device.is_cpu]
+        self.device = devs[0] if devs else CPU
 
     def execute(self, inputs, outputs) -> None:
-        self.method.execute(inputs, bind_outputs=outputs)
+        if self._host_io is None:
+            self._host_io = self._needs_host_io(inputs)
+        if not self._host_io:
+            self.method.execute(inputs, bind_outputs=outputs)
+            return
+        # legacy mode (no device placement): this delegate moves its own inputs and outputs
+        dev = self.device.to_torch()
+        results = self.method.execute([t.to(dev) for t in inputs])
+        for out, r in zip(outputs, results):
+            out.copy_(r)
+
+    def _needs_host_io(self, inputs) -> bool:
+        return self.device.type == "cuda" and any(t.device.type != "cuda" for t in inputs)
 
     def close(self) -> None:
         self.method.close()

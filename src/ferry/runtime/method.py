@@ -18,6 +18,8 @@ from ferry.program.schema import (
     DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Method, Program, TensorValue,
 )
 from ferry.runtime.allocator import DeviceMemoryBuffer, as_bytes, get_allocator
+from ferry.runtime.cuda import CopyStreams
+from ferry.runtime.cuda_graphs import GraphSegment
 from ferry.runtime.kernels import CopyKernel, bind_aten, fast_aten
 from ferry.runtime.tensor import device_of, make_tensor
 
@@ -48,6 +50,11 @@ def _const(v: ConstValue):
     return x
 
 
+def _uses_cuda(method: Method) -> bool:
+    return any(b.device.type == "cuda" for b in method.buffers) or any(
+        isinstance(v, TensorValue) and v.device.type == "cuda" for v in method.values)
+
+
 def empty_on(device: Device, shape, dtype: torch.dtype) -> torch.Tensor:
     """A caller-owned tensor on `device`, allocated through the registry (for outputs the caller keeps)."""
     if device.is_cpu:
@@ -74,20 +81,21 @@ def constant_tensor(segment, v: TensorValue) -> torch.Tensor:
 
 
 class LoadedMethod:
-    def __init__(self, program: Program, method: Method, delegate_handle, *, pin_host: bool = True):
+    def __init__(self, program: Program, method: Method, delegate_handle, *, pin_host: bool = True,
+                 cuda_graphs: bool = False):
         self.program = program
         self.method = method
         self.name = method.name
         self._owned: list[DeviceMemoryBuffer] = []
         try:
-            self._load(delegate_handle, pin_host)
+            self._load(delegate_handle, pin_host, cuda_graphs)
         except BaseException:
             self.close()
             raise
 
     # ---------------------------------------------------------------- load
 
-    def _load(self, delegate_handle, pin_host):
+    def _load(self, delegate_handle, pin_host, cuda_graphs=False):
         m = self.method
         has_copies = any(isinstance(i, KernelCall) and i.kernel in _COPY_KERNELS for i in m.instructions)
         buffers = [None]
@@ -122,7 +130,12 @@ class LoadedMethod:
                 static[vid] = all(static[x] for x in ids)
                 if static[vid]:
                     slots[vid] = [None if x is None else slots[x] for x in v.value]
+        self.streams = CopyStreams() if _uses_cuda(m) else None
+        self._graphs: list = []
+        self._graph_notes: list[str] = []
+        self._shape_key = None
         self.steps = [self._bind(i, ins, delegate_handle) for i, ins in enumerate(m.instructions)]
+        self.steps = self._schedule(self.steps, cuda_graphs)
         self.inputs = list(m.inputs)
         self.outputs = list(m.outputs)
         self._input_values = [m.tensor(i) for i in m.inputs]
@@ -174,12 +187,25 @@ class LoadedMethod:
             handle = delegate_handle(ins.delegate)
             args, outs = list(ins.args), list(ins.outputs)
             slots = self.slots
+            devs = {m.tensor(o).device for o in outs}
+            cuda_index = next((d.index for d in devs if d.type == "cuda"), None)
+            if cuda_index is not None:
+                def run_on_gpu():
+                    with torch.cuda.device(cuda_index):
+                        handle.execute([slots[a] for a in args], [slots[o] for o in outs])
+                return run_on_gpu
             return lambda: handle.execute([slots[a] for a in args], [slots[o] for o in outs])
         if ins.kernel in _COPY_KERNELS:
             src_id, out_id = ins.args
             src_v, out_v = m.tensor(src_id), m.tensor(out_id)
             kernel = CopyKernel(_COPY_KERNELS[ins.kernel], src_v.device, out_v.device,
                                 out_v.nbytes if out_v.plan is not None else None)
+            devices = (src_v.device, out_v.device)
+            if self.streams is not None and any(d.type == "cuda" for d in devices):
+                run, slots = self.streams.run, self.slots
+                if self.static[src_id] and self.static[out_id]:
+                    return functools.partial(run, index, kernel, slots[src_id], slots[out_id], devices)
+                return lambda: run(index, kernel, slots[src_id], slots[out_id], devices)
             if self.static[src_id] and self.static[out_id]:
                 return functools.partial(kernel, self.slots[src_id], self.slots[out_id])
             slots = self.slots
@@ -211,6 +237,67 @@ class LoadedMethod:
                 self.static[o] = True
             return None
         return step
+
+    # ---------------------------------------------------------------- schedule
+
+    def _step_kind(self, ins) -> tuple[str, int | None, bool]:
+        """('host' | 'device', cuda index, touches host memory) of one instruction."""
+        m = self.method
+        devs = {m.tensor(v).device for v in ins.outputs if isinstance(m.values[v], TensorValue)}
+        if isinstance(ins, KernelCall) and ins.kernel in _COPY_KERNELS:
+            devs |= {m.tensor(ins.args[0]).device}
+        cuda = sorted({d.index for d in devs if d.type == "cuda"})
+        if not cuda:
+            return "host", None, True
+        single = cuda[0] if len(cuda) == 1 else -1
+        return "device", single, any(d.is_cpu for d in devs)
+
+    def _capturable(self, ins) -> bool:
+        ids = [a for a in ins.args if a != DEFAULT_ARG] + list(ins.outputs)
+        return all(self.static[i] for i in ids)
+
+    def _schedule(self, steps, cuda_graphs: bool):
+        """Drop load-time-only steps; make the host wait for pending copies exactly where host code
+        next touches memory; group device segments into CUDA graphs when asked."""
+        if self.streams is None:
+            return [s for s in steps if s is not None]
+        out, pending, segment = [], False, []
+        wait = self.streams.wait_host
+
+        def close_segment():
+            if not segment:
+                return
+            idxs = {k[1] for k in segment}
+            if cuda_graphs and len(idxs) == 1 and -1 not in idxs and all(k[3] for k in segment):
+                label = f"method {self.name!r} instructions {segment[0][4]}..{segment[-1][4]}"
+                g = GraphSegment([k[0] for k in segment], idxs.pop(), self.streams, any(k[2] for k in segment), label)
+                self._graphs.append(g)
+                out.append(lambda g=g: g(self._shape_key))
+            else:
+                if cuda_graphs:
+                    self._graph_notes.append(
+                        f"instructions {segment[0][4]}..{segment[-1][4]} run without a CUDA graph "
+                        "(they use several GPUs or tensors the caller passes per call)")
+                out.extend(k[0] for k in segment)
+            segment.clear()
+
+        for i, (step, ins) in enumerate(zip(steps, self.method.instructions)):
+            if step is None:
+                continue
+            kind, idx, touches_host = self._step_kind(ins)
+            if kind == "host":
+                close_segment()
+                if pending:
+                    out.append(wait)
+                    pending = False
+                out.append(step)
+            else:
+                segment.append((step, idx, touches_host, self._capturable(ins), i))
+                pending = pending or touches_host
+        close_segment()
+        if pending:
+            out.append(wait)
+        return out
 
     def _is_view(self, ins) -> bool:
         v = self.method.values[ins.outputs[0]] if ins.outputs else None
@@ -262,11 +349,12 @@ class LoadedMethod:
         for vid, v in self._per_call_outputs:
             if slots[vid] is None:
                 slots[vid] = empty_on(v.device, v.shape, v.torch_dtype)
+        if self._graphs:
+            self._shape_key = tuple(tuple(t.shape) for t in inputs)
         try:
             self._rebuild_lists()
             for step in self.steps:
-                if step is not None:
-                    step()
+                step()
             for mb in self.method.mutable_buffers:
                 if slots[mb.update] is not slots[mb.value]:
                     slots[mb.value].copy_(slots[mb.update])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -14,12 +15,16 @@ from ferry.runtime.method import LoadedMethod
 class Module:
     """Runs a ferry Program.
 
+    cuda_graphs=True captures each device segment (the delegates and copies between two host
+    instructions) as a CUDA graph after one warm-up call and replays it afterwards.
+
     outputs="copy" (default) returns tensors the caller owns; outputs="view" returns views of
     planned memory, valid until the next call (zero copy). Outputs kept on a device by
     skip_d2h come back as device tensors the caller owns either way.
     """
 
-    def __init__(self, program: "Program | str | os.PathLike", *, outputs: str = "copy", pin_host_memory: bool = True):
+    def __init__(self, program: "Program | str | os.PathLike", *, outputs: str = "copy", pin_host_memory: bool = True,
+                 cuda_graphs: bool = False):
         if not isinstance(program, Program):
             from ferry.program.serialize import load_program
 
@@ -29,6 +34,7 @@ class Module:
         self.program = program
         self.outputs = outputs
         self.pin_host_memory = pin_host_memory
+        self.cuda_graphs = cuda_graphs
         self._methods: dict[str, LoadedMethod] = {}
         self._delegates: dict[int, object] = {}
 
@@ -54,7 +60,11 @@ class Module:
             return self._delegates[index]
 
         try:
-            self._methods[name] = LoadedMethod(self.program, method, delegate, pin_host=self.pin_host_memory)
+            loaded = LoadedMethod(self.program, method, delegate, pin_host=self.pin_host_memory,
+                                  cuda_graphs=self.cuda_graphs)
+            for note in loaded._graph_notes:
+                warnings.warn(f"method {name!r}: {note}", RuntimeWarning, stacklevel=2)
+            self._methods[name] = loaded
         except BaseException:
             for index in created:
                 self._delegates.pop(index).close()

@@ -1,0 +1,69 @@
+"""CUDA-graph replay of device segments.
+
+A device segment is a maximal run of instructions that only touch one GPU (delegates and
+copies) between two host instructions. Every address in it is planned, so after one eager
+warm-up call the segment is captured once and replayed on every later call. A segment that
+reads tensors the caller passes per call, or whose capture fails, runs eagerly with a warning:
+never a wrong result.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+class GraphSegment:
+    def __init__(self, steps, device_index: int, streams, touches_host: bool, label: str):
+        self.steps = steps
+        self.index = device_index
+        self.streams = streams
+        self.touches_host = touches_host
+        self.label = label
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.key = None
+        self.failed = False
+
+    def _eager(self):
+        for s in self.steps:
+            s()
+
+    def __call__(self, key=None):
+        if self.failed:
+            return self._eager()
+        if self.graph is not None:
+            if key != self.key:
+                warnings.warn(f"{self.label}: input shapes changed since capture; running without the CUDA graph",
+                              RuntimeWarning, stacklevel=3)
+                return self._eager()
+            self.graph.replay()
+            if self.touches_host:
+                self.streams.note_host_dependency(("graph", id(self)), self.index)
+            return None
+        self.calls += 1
+        if self.calls == 1:
+            return self._eager()  # warm-up: lazy initialisation (cuBLAS handles, ...) stays out of the graph
+        return self._capture(key)
+
+    def _capture(self, key):
+        g = torch.cuda.CUDAGraph()
+        self.streams.wait_host()
+        self.streams.capturing = True
+        try:
+            with torch.cuda.device(self.index), torch.cuda.graph(g):
+                self._eager()
+        except Exception as e:  # an op that cannot be captured (host sync, pageable copy, ...)
+            self.failed = True
+            warnings.warn(f"{self.label}: CUDA-graph capture failed ({type(e).__name__}: {e}); "
+                          "running it eagerly from now on", RuntimeWarning, stacklevel=3)
+            torch.cuda.synchronize(self.index)
+            return self._eager()
+        finally:
+            self.streams.capturing = False
+        self.graph, self.key = g, key
+        g.replay()
+        if self.touches_host:
+            self.streams.note_host_dependency(("graph", id(self)), self.index)
+        return None

@@ -1,0 +1,345 @@
+"""Real-GPU tests: the CUDA allocator, GPU delegates, async copies, CUDA graphs, ATen-mode
+kernels, skip flags with device tensors. Skipped without a GPU (marker `cuda`)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ferry
+from ferry import Device
+from ferry.errors import AllocationError, InputError
+from ferry.examples import small_cnn, transformer_block
+from ferry.runtime import DeviceMemoryBuffer, get_allocator
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+
+class _Counting:
+    """Counts copy calls of the registered CUDA allocator by direction, with bytes and index."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        alloc = get_allocator("cuda")
+        for name, direction in (("_copy_h2d", "h2d"), ("_copy_d2h", "d2h"), ("_copy_d2d", "d2d")):
+            orig = getattr(alloc, name)
+
+            def wrapped(*a, _orig=orig, _d=direction):
+                self.calls.append((_d, a[2]))
+                return _orig(*a)
+
+            monkeypatch.setattr(alloc, name, wrapped)
+
+    def totals(self):
+        out = {"h2d": (0, 0), "d2h": (0, 0), "d2d": (0, 0)}
+        for d, n in self.calls:
+            c, b = out[d]
+            out[d] = (c + 1, b + n)
+        return out
+
+
+def _compile(model, inputs, device="cuda:0", exclude=(), config=None):
+    ep = torch.export.export(model, inputs)
+    return ferry.compile(ep, ferry.OpSupportPartitioner(device, exclude=exclude), config)
+
+
+# ---------------------------------------------------------------- allocator
+
+
+def test_cuda_allocator_is_registered():
+    assert type(get_allocator("cuda")).__name__ == "CudaAllocator"
+
+
+def test_allocate_copy_both_ways_free():
+    alloc = get_allocator("cuda")
+    n = 1024
+    mem = alloc.allocate(n, 0)
+    assert mem.is_cuda and mem.numel() == n and mem.data_ptr() % 256 == 0
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    alloc.copy_host_to_device(mem, src, n, 0)
+    back = torch.empty(n, dtype=torch.uint8)
+    alloc.copy_device_to_host(back, mem, n, 0)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    alloc.deallocate(mem, 0)
+
+
+def test_current_device_index_and_errors():
+    alloc = get_allocator("cuda")
+    mem = alloc.allocate(64, -1)
+    assert mem.device.index == torch.cuda.current_device()
+    with pytest.raises(ValueError, match="-1 for the current device"):
+        alloc.allocate(64, -2)
+    with pytest.raises(Exception, match="out of range|GPU"):
+        alloc.allocate(64, torch.cuda.device_count())
+    for align in (256, 4096):
+        assert alloc.allocate(100, 0, align).data_ptr() % align == 0
+    with pytest.raises((ValueError, AllocationError)):
+        alloc.allocate(64, 0, 300)
+
+
+def test_out_of_memory_names_size_and_device():
+    with pytest.raises(AllocationError) as e:
+        DeviceMemoryBuffer.create(1 << 50, Device("cuda", 0))
+    msg = str(e.value)
+    assert str(1 << 50) in msg and "cuda:0" in msg
+
+
+def test_zero_byte_copy_is_a_no_op():
+    alloc = get_allocator("cuda")
+    mem = alloc.allocate(0, 0)
+    alloc.copy_host_to_device(mem, torch.empty(0, dtype=torch.uint8), 0, 0)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+class Add(torch.nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+class Chain(torch.nn.Module):
+    def forward(self, a, b):
+        t = a + b
+        return (t * a).relu() + b
+
+
+@pytest.mark.parametrize("factory,exclude", [
+    (transformer_block, ["aten._softmax"]),
+    (small_cnn, ["aten.max_pool2d_with_indices"]),
+    (transformer_block, []),
+])
+def test_models_match_eager_and_copies_match_report(factory, exclude, tmp_path, monkeypatch):
+    model, example = factory()
+    program = _compile(model, example, exclude=exclude)
+    program.save(tmp_path / "m.ferry")
+    module = ferry.Module(tmp_path / "m.ferry")
+    module.load_method()
+    counting = _Counting(monkeypatch)
+    for _ in range(3):
+        x = torch.randn_like(example[0])
+        with torch.no_grad():
+            want = model(x)
+        got = module(x)
+        assert got.device.type == "cpu"
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    rep = ferry.copy_report(program, "forward").totals()
+    assert counting.totals() == {d: (n * 3, b * 3) for d, (n, b) in rep.items()}
+
+
+def test_add_and_chain_on_gpu():
+    for model in (Add(), Chain()):
+        a, b = torch.randn(64, 32), torch.randn(64, 32)
+        module = ferry.Module(_compile(model, (a, b)))
+        for _ in range(3):
+            a, b = torch.randn(64, 32), torch.randn(64, 32)
+            torch.testing.assert_close(module(a, b), model(a, b))
+
+
+def test_skip_flags_take_and_return_device_tensors():
+    a, b = torch.randn(128, 64), torch.randn(128, 64)
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+    program = _compile(Chain(), (a, b), config=cfg)
+    rep = ferry.copy_report(program, "forward")
+    assert rep.count() == 0
+    module = ferry.Module(program)
+    a, b = torch.randn(128, 64, device="cuda"), torch.randn(128, 64, device="cuda")
+    out = module(a, b)
+    assert out.is_cuda
+    torch.testing.assert_close(out, Chain()(a, b))
+    with pytest.raises(InputError, match="cuda:0"):
+        module(a.cpu(), b.cpu())
+    torch.testing.assert_close(module(a, b), Chain()(a, b))  # still usable
+
+
+def test_prefill_decode_hand_off_stays_on_gpu(monkeypatch):
+    class Prefill(torch.nn.Module):
+        def forward(self, x):
+            return (x * 2).tanh()
+
+    class Decode(torch.nn.Module):
+        def forward(self, h, y):
+            return h + y.sin()
+
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    eps = {"prefill": torch.export.export(Prefill(), (x,)), "decode": torch.export.export(Decode(), (x, y))}
+    cfg = ferry.CompileConfig(propagate_device={
+        "prefill": ferry.PropagateDeviceConfig(skip_d2h_for_method_outputs=True),
+        "decode": ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=True),
+    })
+    program = ferry.compile(eps, ferry.OpSupportPartitioner("cuda:0"), cfg)
+    module = ferry.Module(program)
+    module.load_method("prefill")
+    module.load_method("decode")
+    counting = _Counting(monkeypatch)
+    h = module.run_method("prefill", [x])[0]
+    assert h.is_cuda
+    y_dev = y.cuda()
+    out = module.run_method("decode", [h, y_dev])[0]
+    torch.testing.assert_close(out.cpu(), Decode()(Prefill()(x), y))
+    # prefill's input went up and decode's result came down; the hand-off itself never
+    # touched the host (no d2h in prefill, no h2d in decode)
+    assert counting.totals() == {"h2d": (1, x.nbytes), "d2h": (1, out.nbytes), "d2d": (0, 0)}
+    assert ferry.copy_report(program, "prefill").count("d2h") == 0
+    assert ferry.copy_report(program, "decode").count("h2d") == 0
+
+
+def test_async_copies_are_complete_before_host_reads():
+    """Large tensors, a CPU op reading a _d2h_copy result immediately, many iterations."""
+    class M(torch.nn.Module):
+        def forward(self, x):
+            y = x * 3 + 1          # GPU
+            z = torch.nn.functional.gelu(y)  # CPU fallback reads the d2h result at once
+            return z * 2           # GPU again
+
+    x = torch.randn(4096, 4096)  # 64 MiB
+    program = _compile(M(), (x,), exclude=["aten.gelu"])
+    assert ferry.copy_report(program, "forward").count("d2h") == 2
+    module = ferry.Module(program, outputs="view")
+    for i in range(20):
+        x = torch.randn(4096, 4096)
+        got = module(x)
+        torch.testing.assert_close(got, M()(x), atol=1e-5, rtol=1e-5)
+
+
+def test_host_buffers_are_page_locked():
+    model, example = transformer_block()
+    module = ferry.Module(_compile(model, example, exclude=["aten._softmax"]))
+    module.load_method()
+    host = [b for b in module._methods["forward"]._owned if b.device.is_cpu]
+    assert host and all(b.memory.is_pinned() for b in host)
+
+
+def test_cuda_graphs_match_eager_and_replay():
+    model, example = transformer_block()
+    program = _compile(model, example)  # everything on the GPU: one device segment
+    module = ferry.Module(program, cuda_graphs=True)
+    for i in range(5):
+        x = torch.randn_like(example[0])
+        with torch.no_grad():
+            want = model(x)
+        torch.testing.assert_close(module(x), want, atol=2e-4, rtol=2e-4)
+    graphs = module._methods["forward"]._graphs
+    assert graphs and all(g.graph is not None and not g.failed for g in graphs)
+
+
+def test_cuda_graphs_with_cpu_fallback_segments():
+    model, example = transformer_block()
+    module = ferry.Module(_compile(model, example, exclude=["aten._softmax"]), cuda_graphs=True)
+    for _ in range(4):
+        x = torch.randn_like(example[0])
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), atol=2e-4, rtol=2e-4)
+    assert len(module._methods["forward"]._graphs) >= 2
+
+
+def test_cuda_graph_capture_failure_falls_back_with_warning():
+    # pageable host buffers make the copy synchronise with the host: not capturable
+    x = torch.randn(64, 32)
+    module = ferry.Module(_compile(Chain(), (x, x)), cuda_graphs=True, pin_host_memory=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            a, b = torch.randn(64, 32), torch.randn(64, 32)
+            torch.testing.assert_close(module(a, b), Chain()(a, b))
+    graphs = module._methods["forward"]._graphs
+    assert any("capture" in str(m.message) for m in w) == any(g.failed for g in graphs)
+    assert graphs and all(g.failed or g.graph is not None for g in graphs)
+
+
+def test_cuda_graph_shape_change_falls_back():
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+
+    batch = torch.export.Dim("batch", max=64)
+    ep = torch.export.export(Scale(), (torch.randn(8, 16),), dynamic_shapes=({0: batch},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0")), cuda_graphs=True)
+    for n in (8, 8, 8):
+        x = torch.randn(n, 16)
+        torch.testing.assert_close(module(x), Scale()(x))
+    with pytest.warns(RuntimeWarning, match="shapes changed"):
+        x = torch.randn(5, 16)
+        torch.testing.assert_close(module(x), Scale()(x))
+
+
+def test_legacy_mode_runs_on_gpu():
+    a, b = torch.randn(32, 8), torch.randn(32, 8)
+    program = _compile(Chain(), (a, b), config=ferry.CompileConfig(enable_non_cpu_memory_planning=False))
+    assert ferry.copy_report(program, "forward").count() == 0
+    module = ferry.Module(program)
+    a, b = torch.randn(32, 8), torch.randn(32, 8)
+    torch.testing.assert_close(module(a, b), Chain()(a, b))
+
+
+# ---------------------------------------------------------------- ATen mode
+
+
+def test_aten_mode_copy_kernels():
+    ops = torch.ops.et_copy
+    x = torch.randn(3, 5)
+    out = torch.empty(15, device="cuda")
+    r = ops._h2d_copy.out(x, out=out)
+    assert r is out and out.shape == x.shape and torch.equal(out.cpu(), x)
+    host = torch.empty(3, 5)
+    assert ops._d2h_copy.out(out, out=host) is host and torch.equal(host, x)
+    f = ops._h2d_copy(x)
+    assert f.is_cuda and torch.equal(f.cpu(), x)
+    assert ops._d2h_copy(f).device.type == "cpu"
+
+
+def test_aten_mode_checks_before_writing():
+    ops = torch.ops.et_copy
+    x = torch.randn(8)
+    small = torch.full((4,), 7.0, device="cuda")
+    with pytest.raises(RuntimeError, match="bytes"):
+        ops._h2d_copy.out(x, out=small)
+    assert torch.equal(small.cpu(), torch.full((4,), 7.0))
+    wrong = torch.full((8,), 7, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops._h2d_copy.out(x, out=wrong)
+    assert torch.equal(wrong.cpu(), torch.full((8,), 7, dtype=torch.int32))
+    empty = torch.empty(0, device="cuda")
+    ops._h2d_copy.out(torch.empty(0), out=empty)
+    with pytest.raises(RuntimeError, match="needs"):
+        ops._d2h_copy.out(torch.randn(4), out=torch.empty(4, device="cuda"))
+
+
+def test_placed_graph_runs_eagerly_on_gpu():
+    model, example = transformer_block()
+    placed = ferry.place(torch.export.export(model, example), ferry.OpSupportPartitioner("cuda:0", exclude=["aten._softmax"]))
+    x = torch.randn_like(example[0])
+    got = placed(x)
+    with torch.no_grad():
+        torch.testing.assert_close(got.cpu(), model(x), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_move_with_one_device_to_device_copy(monkeypatch):
+    class TwoStage(torch.nn.Module):
+        def forward(self, a, b):
+            t = a + b
+            return t * t
+
+    class PerOp:
+        def partition(self, ep):
+            nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
+            return [ferry.Partition([n.name], ferry.target_device(f"cuda:{i}")) for i, n in enumerate(nodes)]
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    program = ferry.compile(torch.export.export(TwoStage(), (a, b)), PerOp())
+    rep = ferry.copy_report(program, "forward")
+    assert rep.count("d2d") == 1 and rep.count("h2d") == 2 and rep.count("d2h") == 1
+    module = ferry.Module(program)
+    module.load_method()
+    counting = _Counting(monkeypatch)
+    torch.testing.assert_close(module(a, b), TwoStage()(a, b))
+    assert counting.totals()["d2d"][0] == 1
+    t = torch.ops.et_copy._d2d_copy.out(torch.randn(4, device="cuda:0"), out=torch.empty(4, device="cuda:1"))
+    assert t.device.index == 1

@@ -1,0 +1,284 @@
+"""The et_copy run-time kernels (ferry.runtime.kernels.CopyKernel), on the emulated device.
+
+Mirrors the reference's portable-kernel tests (REFERENCE-BEHAVIORS H, I): one allocator call of
+exactly the tensor's bytes, device index from the device side, resize within the planned
+capacity, and every check made before the allocator is called.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferry.device import CPU, Device
+from ferry.errors import DeviceError, FerryError, InputError
+from ferry.runtime import emulated_device
+from ferry.runtime.emulated import CopyRecord
+from ferry.runtime.kernels import CopyKernel
+from ferry.runtime.tensor import device_of, make_tensor
+
+EMU0, EMU1 = Device("emu", 0), Device("emu", 1)
+
+
+@pytest.fixture
+def emu():
+    with emulated_device(num_devices=2) as allocator:
+        yield allocator
+
+
+def dev_tensor(emu, shape, dtype=torch.float32, index=0, values=None):
+    """A tensor in emulated device memory (allocated directly, so no copy is counted)."""
+    nbytes = 1
+    for s in shape:
+        nbytes *= s
+    nbytes *= dtype.itemsize
+    t = make_tensor(emu.allocate(nbytes, index), shape, dtype, Device("emu", index))
+    if values is not None:
+        t.copy_(values)  # host-backed memory: a plain write, not an allocator copy
+    return t
+
+
+def host_random(*shape):
+    return torch.randn(*shape)
+
+
+# ---------------------------------------------------------------------------------------
+# one allocator call of exactly the tensor's bytes
+
+
+def test_h2d_one_copy_of_16_bytes_to_index_0(emu):
+    src = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    out = dev_tensor(emu, (4,))
+    emu.reset_counters()
+    result = CopyKernel("h2d", CPU, EMU0, 16)(src, out)
+    assert result is out
+    assert emu.copies == [CopyRecord("h2d", 16, 0)]
+    assert emu.allocations == 0
+    assert torch.equal(out, src)
+    assert device_of(out) == EMU0
+
+
+def test_h2d_random_values_and_2x3_is_24_bytes(emu):
+    src = host_random(2, 3)
+    out = dev_tensor(emu, (2, 3))
+    emu.reset_counters()
+    CopyKernel("h2d", CPU, EMU0, 24)(src, out)
+    assert emu.copies == [CopyRecord("h2d", 24, 0)]
+    assert torch.equal(out, src)
+
+
+def test_d2h_mirror_one_copy_from_source_index(emu):
+    values = host_random(4)
+    src = dev_tensor(emu, (4,), values=values)
+    out = torch.full((4,), float("nan"))
+    emu.reset_counters()
+    result = CopyKernel("d2h", EMU0, CPU, 16)(src, out)
+    assert result is out
+    assert emu.copies == [CopyRecord("d2h", 16, 0)]
+    assert torch.equal(out, values)
+    assert device_of(out) == CPU
+
+
+def test_h2d_index_comes_from_the_destination(emu):
+    src = host_random(4)
+    out = dev_tensor(emu, (4,), index=1)
+    emu.reset_counters()
+    CopyKernel("h2d", CPU, EMU1, 16)(src, out)
+    assert emu.copies == [CopyRecord("h2d", 16, 1)]
+    assert torch.equal(out, src)
+
+
+def test_d2h_index_comes_from_the_source(emu):
+    values = host_random(2, 2)
+    src = dev_tensor(emu, (2, 2), index=1, values=values)
+    out = torch.zeros(2, 2)
+    emu.reset_counters()
+    CopyKernel("d2h", EMU1, CPU, 16)(src, out)
+    assert emu.copies == [CopyRecord("d2h", 16, 1)]
+    assert torch.equal(out, values)
+
+
+def test_d2d_is_one_device_to_device_copy(emu):
+    values = host_random(3, 2)
+    src = dev_tensor(emu, (3, 2), index=0, values=values)
+    out = dev_tensor(emu, (3, 2), index=1)
+    emu.reset_counters()
+    CopyKernel("d2d", EMU0, EMU1, 24)(src, out)
+    assert emu.copies == [CopyRecord("d2d", 24, 1, src_index=0)]
+    assert torch.equal(out, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int32, torch.int64, torch.bool])
+def test_h2d_other_dtypes_copy_their_bytes(emu, dtype):
+    src = (torch.randn(5) * 10).to(dtype)
+    out = dev_tensor(emu, (5,), dtype)
+    emu.reset_counters()
+    CopyKernel("h2d", CPU, EMU0, out.numel() * out.element_size())(src, out)
+    assert emu.copies == [CopyRecord("h2d", 5 * dtype.itemsize, 0)]
+    assert torch.equal(out, src)
+
+
+def test_non_contiguous_host_source_is_copied_by_value(emu):
+    src = host_random(3, 4).t()
+    assert not src.is_contiguous()
+    out = dev_tensor(emu, (4, 3))
+    emu.reset_counters()
+    CopyKernel("h2d", CPU, EMU0, 48)(src, out)
+    assert emu.copies == [CopyRecord("h2d", 48, 0)]
+    assert torch.equal(out, src)
+
+
+# ---------------------------------------------------------------------------------------
+# resizing within the planned capacity
+
+
+def test_out_is_resized_down_within_planned_capacity(emu):
+    src = host_random(4)
+    out = dev_tensor(emu, (8,))
+    ptr = out.data_ptr()
+    emu.reset_counters()
+    CopyKernel("h2d", CPU, EMU0, 32)(src, out)
+    assert out.shape == (4,)
+    assert out.data_ptr() == ptr  # still the planned memory
+    assert emu.copies == [CopyRecord("h2d", 16, 0)]
+    assert torch.equal(out, src)
+
+
+def test_d2h_out_resized_down_within_capacity(emu):
+    values = host_random(3)
+    src = dev_tensor(emu, (3,), values=values)
+    out = torch.zeros(8)
+    emu.reset_counters()
+    CopyKernel("d2h", EMU0, CPU, 32)(src, out)
+    assert out.shape == (3,)
+    assert emu.copies == [CopyRecord("d2h", 12, 0)]
+    assert torch.equal(out, values)
+
+
+def test_source_bigger_than_capacity_fails_before_any_allocator_call(emu):
+    before = host_random(2)
+    out = dev_tensor(emu, (2,), values=before)
+    emu.reset_counters()
+    with pytest.raises(InputError, match="16 bytes"):
+        CopyKernel("h2d", CPU, EMU0, 8)(host_random(4), out)
+    assert emu.copies == []
+    assert out.shape == (2,)
+    assert torch.equal(out, before)
+
+
+def test_unplanned_out_never_grows(emu):
+    """No planned capacity: `out` was made at its bound, so a bigger source is an error, with no copy."""
+    before = host_random(4)
+    out = dev_tensor(emu, (4,), values=before)
+    ptr = out.data_ptr()
+    emu.reset_counters()
+    with pytest.raises(FerryError):
+        CopyKernel("h2d", CPU, EMU0, None)(host_random(8), out)
+    assert emu.copies == []
+    assert out.shape == (4,) and out.data_ptr() == ptr
+    assert torch.equal(out, before)
+
+
+def test_zero_byte_copy_makes_no_allocator_call(emu):
+    src = torch.empty(0, 3)
+    out = dev_tensor(emu, (0, 3))
+    emu.reset_counters()
+    assert CopyKernel("h2d", CPU, EMU0, 0)(src, out) is out
+    assert emu.copies == [] and emu.copy_counts["h2d"] == 0
+
+
+def test_zero_element_source_resizes_out_without_a_copy(emu):
+    out = dev_tensor(emu, (8,))
+    emu.reset_counters()
+    CopyKernel("h2d", CPU, EMU0, 32)(torch.empty(0), out)
+    assert out.shape == (0,)
+    assert emu.copies == []
+
+
+# ---------------------------------------------------------------------------------------
+# checks
+
+
+@pytest.mark.parametrize(
+    "direction, src, dst",
+    [
+        ("h2d", CPU, CPU),  # h2d needs a device destination
+        ("h2d", EMU0, EMU1),  # ... and a host source
+        ("d2h", CPU, CPU),
+        ("d2h", EMU0, EMU1),
+        ("d2d", EMU0, EMU0),  # same device: nothing to move
+        ("d2d", CPU, EMU0),
+        ("d2d", EMU0, CPU),
+    ],
+)
+def test_wrong_direction_is_a_device_error(emu, direction, src, dst):
+    with pytest.raises(DeviceError, match=f"_{direction}_copy"):
+        CopyKernel(direction, src, dst, None)
+    assert emu.copies == []
+
+
+@pytest.mark.parametrize("direction, src, dst", [("h2d", CPU, Device("npu", 0)), ("d2h", Device("npu", 1), CPU)])
+def test_missing_allocator_is_a_device_error_naming_the_type(emu, direction, src, dst):
+    with pytest.raises(DeviceError, match="'npu'"):
+        CopyKernel(direction, src, dst, None)
+
+
+def test_missing_allocator_after_unregistering():
+    with emulated_device() as emu:
+        pass
+    with pytest.raises(DeviceError, match="'emu'"):
+        CopyKernel("h2d", CPU, EMU0, None)
+    assert emu.copies == []
+
+
+def test_d2d_between_device_types_is_refused():
+    with emulated_device("emu") as a, emulated_device("emx") as b:
+        with pytest.raises(DeviceError):
+            CopyKernel("d2d", Device("emu", 0), Device("emx", 0), None)
+        assert a.copies == [] and b.copies == []
+
+
+def test_dtype_mismatch_is_an_error_before_any_allocator_call(emu):
+    out = dev_tensor(emu, (4,), torch.float32)
+    emu.reset_counters()
+    with pytest.raises(FerryError, match="dtype"):
+        CopyKernel("h2d", CPU, EMU0, 16)(torch.arange(4, dtype=torch.int32), out)
+    with pytest.raises(FerryError, match="dtype"):
+        CopyKernel("d2h", EMU0, CPU, 16)(out, torch.zeros(4, dtype=torch.float64))
+    assert emu.copies == []
+
+
+def test_non_contiguous_device_source_is_refused_without_allocating(emu):
+    src = dev_tensor(emu, (3, 4), values=host_random(3, 4)).t()
+    emu.reset_counters()
+    with pytest.raises(FerryError, match="contiguous"):
+        CopyKernel("d2h", EMU0, CPU, 48)(src, torch.zeros(4, 3))
+    assert emu.copies == [] and emu.allocations == 0
+
+
+def test_copy_failure_is_a_device_error_with_the_size(emu):
+    out = dev_tensor(emu, (4,))
+    kernel = CopyKernel("h2d", CPU, EMU0, 16)
+    emu.reset_counters()
+    emu.fail_copy(1)
+    with pytest.raises(DeviceError, match="16 bytes"):
+        kernel(host_random(4), out)
+    src = host_random(4)
+    kernel(src, out)  # the kernel works again once the failure is gone
+    assert torch.equal(out, src)
+    assert emu.copies == [CopyRecord("h2d", 16, 0)]
+
+
+def test_kernel_reuse_moves_fresh_data_each_call(emu):
+    """A kernel is bound once at load and called per execution."""
+    out = dev_tensor(emu, (6,))
+    back = torch.zeros(6)
+    up, down = CopyKernel("h2d", CPU, EMU0, 24), CopyKernel("d2h", EMU0, CPU, 24)
+    emu.reset_counters()
+    for _ in range(3):
+        src = host_random(6)
+        up(src, out)
+        down(out, back)
+        assert torch.equal(back, src)
+    assert emu.copy_summary() == {"h2d": (3, 72), "d2h": (3, 72), "d2d": (0, 0)}
+    assert emu.allocations == 0

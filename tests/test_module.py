@@ -1,0 +1,517 @@
+"""ferry.Module: load (planned buffers per device, all or nothing), run, inputs, outputs, state.
+
+Everything runs on the emulated device, whose counters show exactly what the runtime asked
+the allocator for. Results are always compared with eager PyTorch on fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pathlib
+
+import pytest
+import torch
+from torch import nn
+
+import ferry
+from ferry.device import CPU, Device
+from ferry.errors import AllocationError, DeviceError, FerryError, InputError
+from ferry.program.schema import DelegateCall, TensorValue
+from ferry.runtime import clone_to, device_of, emulated_device
+from models import Add, WithParams, export, fresh_inputs, small_cnn
+
+EMU0 = Device("emu", 0)
+SKIP_H2D = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=True))
+SKIP_D2H = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip_d2h_for_method_outputs=True))
+
+
+@pytest.fixture
+def emu():
+    with emulated_device(num_devices=2) as allocator:
+        yield allocator
+
+
+def load_allocations(program, method="forward"):
+    """(nbytes, index) of every device allocation loading `method` must make, sorted: one per
+    non-CPU planned buffer, one per device constant, and the same for each delegate payload
+    (the torch backend's payload is itself a ferry program)."""
+    m = program.method(method)
+    recs = [(b.size, b.device.index) for b in m.buffers[1:] if not b.device.is_cpu]
+    recs += [
+        (v.nbytes, v.device.index)
+        for v in m.values
+        if isinstance(v, TensorValue) and v.plan is None and v.constant is not None and not v.device.is_cpu
+    ]
+    for d in sorted({i.delegate for i in m.instructions if isinstance(i, DelegateCall)}):
+        recs += load_allocations(ferry.load_program(program.segments[program.delegates[d].payload]))
+    return sorted(recs)
+
+
+def roundtrip(program):
+    return ferry.load_program(program.to_bytes())
+
+
+def close(a, b):
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    model, example = small_cnn()
+    return model, example, export(model, example)
+
+
+# ---------------------------------------------------------------------------------------
+# constructing a Module
+
+
+def test_module_from_program_path_str_and_bytes(emu, tmp_path):
+    x, y = fresh_inputs((torch.empty(2, 3), torch.empty(2, 3)), 1)
+    program = ferry.compile(export(Add(), (x, y)), ferry.OpSupportPartitioner("emu:0"))
+    path = tmp_path / "add.ferry"
+    program.save(path)
+    for source in (program, path, str(path), path.read_bytes()):
+        mod = ferry.Module(source)
+        assert mod.method_names() == ["forward"]
+        a, b = fresh_inputs((x, y), hash(str(type(source))) % 1000)
+        assert torch.equal(mod(a, b), a + b)
+        mod.close()
+
+
+def test_bad_outputs_mode_is_rejected(emu):
+    program = ferry.compile(export(Add(), fresh_inputs((torch.empty(2),) * 2)))
+    with pytest.raises(ValueError, match="outputs"):
+        ferry.Module(program, outputs="borrow")
+
+
+def test_constructing_does_not_allocate_load_does(emu):
+    program = roundtrip(ferry.compile(export(Add(), fresh_inputs((torch.empty(2, 2),) * 2)), ferry.OpSupportPartitioner("emu:0")))
+    mod = ferry.Module(program)
+    assert emu.allocations == 0
+    mod.load_method("forward")
+    assert emu.allocations == 1
+    mod.load_method("forward")  # already loaded: nothing more
+    assert emu.allocations == 1
+
+
+# ---------------------------------------------------------------------------------------
+# load_method: planned buffers on their device
+
+
+def test_add_program_allocates_its_one_device_buffer_at_load(emu):
+    """Reference M: the device buffer is allocated once, at load, with the planned size and index."""
+    program = roundtrip(ferry.compile(export(Add(), fresh_inputs((torch.empty(2, 2),) * 2)), ferry.OpSupportPartitioner("emu:0")))
+    meta = program.method_meta("forward")
+    assert meta.num_memory_planned_buffers() == 2
+    assert meta.memory_planned_buffer_device(0) == CPU
+    assert meta.memory_planned_buffer_device(1) == EMU0
+    mod = ferry.Module(program)
+    mod.load_method()
+    assert [(r.nbytes, r.index) for r in emu.allocated] == [(meta.memory_planned_buffer_size(1), 0)]
+    assert emu.live_bytes == meta.memory_planned_buffer_size(1)
+    assert emu.copies == []  # no constants to upload
+
+
+@pytest.mark.parametrize("exclude", [[], ["aten.relu"]])
+def test_load_allocates_every_device_buffer_and_device_constant(emu, cnn, exclude):
+    model, example, ep = cnn
+    program = roundtrip(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", exclude=exclude)))
+    expected = load_allocations(program)
+    assert len(expected) > 1
+    mod = ferry.Module(program)
+    mod.load_method()
+    assert sorted((r.nbytes, r.index) for r in emu.allocated) == expected
+    assert emu.live_bytes == sum(n for n, _ in expected)
+    # constants are uploaded once, at load, one host-to-device copy each (no other copy)
+    assert emu.copy_counts["d2h"] == emu.copy_counts["d2d"] == 0
+    assert emu.copy_counts["h2d"] == len(expected) - sum(
+        1 for b in program.method("forward").buffers[1:] if not b.device.is_cpu
+    ) - sum(
+        sum(1 for b in ferry.load_program(program.segments[d.payload]).method("forward").buffers[1:] if not b.device.is_cpu)
+        for d in program.delegates
+    )
+    x = fresh_inputs(example, 5)
+    assert close(mod(*x), model(*x))
+
+
+def test_cpu_only_program_never_touches_the_device_allocator(emu, cnn):
+    model, example, ep = cnn
+    program = roundtrip(ferry.compile(ep))  # no partitioner
+    meta = program.method_meta("forward")
+    assert all(meta.memory_planned_buffer_device(i) == CPU for i in range(meta.num_memory_planned_buffers()))
+    mod = ferry.Module(program)
+    for seed in range(3):
+        x = fresh_inputs(example, seed)
+        assert close(mod(*x), model(*x))
+    mod.close()
+    assert emu.allocations == emu.deallocations == 0
+    assert emu.copies == [] and emu.failed_allocations == 0
+
+
+def test_cpu_delegate_without_target_device_never_touches_the_device_allocator(emu):
+    """A partition with no target_device compile spec runs on the CPU: no copies, no device memory."""
+
+    class Everything:
+        def partition(self, ep):
+            return [ferry.Partition([n.name for n in ep.graph.nodes if n.op == "call_function"])]
+
+    model = WithParams().eval()
+    x0 = torch.randn(3, 8)
+    program = roundtrip(ferry.compile(export(model, (x0,)), Everything()))
+    assert len(program.delegates) == 1
+    mod = ferry.Module(program)
+    for seed in range(2):
+        (x,) = fresh_inputs((x0,), seed)
+        assert close(mod(x), model(x))
+    assert emu.allocations == 0 and emu.copies == []
+
+
+def test_cpu_only_program_runs_with_no_allocator_registered(cnn):
+    model, example, ep = cnn
+    assert ferry.runtime.get_allocator("emu") is None
+    mod = ferry.Module(roundtrip(ferry.compile(ep)))
+    x = fresh_inputs(example, 11)
+    assert close(mod(*x), model(*x))
+
+
+def test_device_program_without_its_allocator_is_a_device_error():
+    with emulated_device():
+        data = ferry.compile(export(Add(), fresh_inputs((torch.empty(2),) * 2)), ferry.OpSupportPartitioner("emu:0")).to_bytes()
+    mod = ferry.Module(data)
+    with pytest.raises(DeviceError, match="'emu'"):
+        mod.load_method()
+    with emulated_device() as emu:  # once it is registered, the same module loads and runs
+        x, y = fresh_inputs((torch.empty(2),) * 2, 3)
+        assert torch.equal(mod(x, y), x + y)
+        assert emu.allocations == 1
+
+
+def test_every_failed_allocation_during_load_frees_everything(emu, cnn):
+    model, example, ep = cnn
+    program = roundtrip(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", exclude=["aten.relu"])))
+    n = len(load_allocations(program))
+    assert n >= 3
+    for k in range(1, n + 1):
+        mod = ferry.Module(program)
+        emu.reset_counters()
+        emu.fail_allocation(k)
+        with pytest.raises(AllocationError, match="emu:0") as info:
+            mod.load_method()
+        assert isinstance(info.value, FerryError)
+        assert emu.failed_allocations == 1
+        assert emu.allocations == k - 1 == emu.deallocations, k
+        assert emu.live_bytes == 0 and emu.live_allocations == 0, k
+        # the failures have stopped: the same module loads and runs
+        x = fresh_inputs(example, k)
+        assert close(mod(*x), model(*x)), k
+        assert emu.allocations == k - 1 + n
+        mod.close()
+        assert emu.live_bytes == 0
+
+
+def test_failed_constant_upload_during_load_frees_everything(emu):
+    model = WithParams().eval()
+    x0 = torch.randn(2, 8)
+    program = roundtrip(ferry.compile(export(model, (x0,)), ferry.OpSupportPartitioner("emu:0")))
+    mod = ferry.Module(program)
+    emu.fail_copy(1)
+    with pytest.raises(DeviceError):
+        mod.load_method()
+    assert emu.live_bytes == 0 and emu.allocations == emu.deallocations > 0
+    (x,) = fresh_inputs((x0,), 4)
+    assert close(mod(x), model(x))
+
+
+def test_failed_load_of_a_second_method_keeps_the_first(emu):
+    x0 = torch.randn(2, 3)
+    program = roundtrip(
+        ferry.compile({"a": export(Add(), (x0, x0.clone())), "b": export(Add(), (x0, x0.clone()))}, ferry.OpSupportPartitioner("emu:0"))
+    )
+    mod = ferry.Module(program)
+    mod.load_method("a")
+    live = emu.live_bytes
+    emu.fail_allocation(1)
+    with pytest.raises(AllocationError):
+        mod.load_method("b")
+    assert emu.live_bytes == live
+    x, y = fresh_inputs((x0, x0), 8)
+    assert torch.equal(mod.run_method("a", [x, y])[0], x + y)
+    assert torch.equal(mod.run_method("b", [y, x])[0], x + y)
+
+
+def test_close_frees_device_memory_and_the_module_reloads(emu):
+    x0 = torch.randn(4)
+    program = roundtrip(ferry.compile(export(Add(), (x0, x0.clone())), ferry.OpSupportPartitioner("emu:0")))
+    mod = ferry.Module(program)
+    mod.load_method()
+    assert emu.live_bytes > 0
+    mod.close()
+    assert emu.live_bytes == 0 and emu.allocations == emu.deallocations == 1
+    x, y = fresh_inputs((x0, x0), 2)
+    assert torch.equal(mod(x, y), x + y)
+    assert emu.allocations == 2
+    del mod
+    gc.collect()
+    assert emu.live_bytes == 0 and emu.deallocations == 2
+
+
+# ---------------------------------------------------------------------------------------
+# forward / run_method / method_meta
+
+
+def test_forward_and_run_method_agree(emu):
+    class TwoOut(nn.Module):
+        def forward(self, x, y):
+            s = x + y
+            return s, torch.relu(s) * y
+
+    x0 = torch.randn(3, 4)
+    model = TwoOut()
+    program = roundtrip(ferry.compile(export(model, (x0, x0.clone())), ferry.OpSupportPartitioner("emu:0", exclude=["aten.relu"])))
+    mod = ferry.Module(program)
+    x, y = fresh_inputs((x0, x0), 21)
+    got = mod(x, y)
+    assert isinstance(got, tuple) and len(got) == 2
+    listed = mod.run_method("forward", (x, y))
+    assert isinstance(listed, list) and len(listed) == 2
+    for a, b, r in zip(got, listed, model(x, y)):
+        assert close(a, r) and torch.equal(a, b)
+    with pytest.raises(KeyError, match="nope"):
+        mod.run_method("nope", [x, y])
+
+
+def test_method_meta(emu, cnn):
+    model, example, ep = cnn
+    program = roundtrip(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", exclude=["aten.relu"])))
+    mod = ferry.Module(program)
+    meta = mod.method_meta("forward")
+    method = program.method("forward")
+    n = meta.num_memory_planned_buffers()
+    assert n == len(method.buffers) - 1 == 2
+    assert [meta.memory_planned_buffer_device(i) for i in range(n)] == [CPU, EMU0]
+    assert all(meta.memory_planned_buffer_size(i) > 0 for i in range(n))
+    assert meta.num_inputs() == 1 and meta.num_outputs() == 1
+    inp, out = meta.input_meta(0), meta.output_meta(0)
+    assert (inp.dtype, inp.shape, inp.device, inp.nbytes) == (torch.float32, tuple(example[0].shape), CPU, example[0].numel() * 4)
+    y = model(*example)
+    assert (out.dtype, out.shape, out.device, out.nbytes) == (torch.float32, tuple(y.shape), CPU, y.numel() * 4)
+    assert inp.planned and out.planned
+    for bad in (n, -1, 99):
+        with pytest.raises(IndexError):
+            meta.memory_planned_buffer_size(bad)
+        with pytest.raises(IndexError):
+            meta.memory_planned_buffer_device(bad)
+    with pytest.raises(IndexError):
+        meta.input_meta(1)
+    with pytest.raises(IndexError):
+        meta.output_meta(1)
+    # method_meta needs no load, and the planned sizes are what load allocates
+    assert emu.allocations == 0
+    mod.load_method()
+    assert meta.memory_planned_buffer_size(1) in [r.nbytes for r in emu.allocated]
+
+
+def test_method_meta_of_skip_flags_places_inputs_and_outputs_on_the_device(emu):
+    x0 = torch.randn(2, 3)
+    cfg = ferry.CompileConfig(
+        propagate_device=ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True)
+    )
+    meta = ferry.compile(export(Add(), (x0, x0.clone())), ferry.OpSupportPartitioner("emu:0"), cfg).method_meta("forward")
+    for m in (meta.input_meta(0), meta.input_meta(1), meta.output_meta(0)):
+        assert m.device == EMU0 and not m.planned and m.shape == (2, 3)
+
+
+# ---------------------------------------------------------------------------------------
+# input checks
+
+
+@pytest.fixture
+def add_module(emu):
+    x0 = torch.randn(2, 3)
+    program = roundtrip(ferry.compile(export(Add(), (x0, x0.clone())), ferry.OpSupportPartitioner("emu:0")))
+    mod = ferry.Module(program)
+    mod.load_method()
+    return mod
+
+
+def assert_usable(mod, emu, seed, on=None):
+    x, y = fresh_inputs((torch.empty(2, 3),) * 2, seed)
+    args = (x, y) if on is None else (clone_to(x, on), clone_to(y, on))
+    out = mod(*args)
+    assert torch.equal(out, x + y)
+
+
+@pytest.mark.parametrize(
+    "make_args, message",
+    [
+        (lambda x, y: (x,), "takes 2 inputs, got 1"),
+        (lambda x, y: (x, y, x), "takes 2 inputs, got 3"),
+        (lambda x, y: (x, y.double()), "float32"),
+        (lambda x, y: (x.to(torch.int64), y), "float32"),
+        (lambda x, y: (x, y[:1]), "shape"),
+        (lambda x, y: (x.reshape(3, 2), y), "shape"),
+        (lambda x, y: (x.reshape(-1), y), "shape"),
+        (lambda x, y: (x, y.numpy()), "torch.Tensor"),
+        (lambda x, y: (x, 1.0), "torch.Tensor"),
+        (lambda x, y: (x, clone_to(y, "emu:0")), "cpu:0"),
+    ],
+    ids=["too-few", "too-many", "dtype-f64", "dtype-i64", "shape-rows", "shape-transposed", "shape-rank", "numpy",
+         "scalar", "device"],
+)
+def test_bad_inputs_raise_input_error_and_the_module_stays_usable(emu, add_module, make_args, message):
+    x, y = fresh_inputs((torch.empty(2, 3),) * 2, 30)
+    args = make_args(x, y)
+    emu.reset_counters()
+    with pytest.raises(InputError, match=message):
+        add_module(*args)
+    assert emu.copies == []  # checked before anything ran
+    assert_usable(add_module, emu, 31)
+
+
+def test_skip_h2d_input_must_be_on_its_device(emu):
+    x0 = torch.randn(2, 3)
+    program = roundtrip(ferry.compile(export(Add(), (x0, x0.clone())), ferry.OpSupportPartitioner("emu:0"), SKIP_H2D))
+    assert program.method_meta("forward").input_meta(0).device == EMU0
+    mod = ferry.Module(program)
+    x, y = fresh_inputs((x0, x0), 40)
+    bad_calls = [
+        (x, clone_to(y, "emu:0")),  # a CPU tensor where emu:0 is planned
+        (clone_to(x, "emu:0"), clone_to(y, "emu:1")),  # the right type, the wrong index
+        (clone_to(x, "emu:0"), clone_to(y, "emu:0").double()),  # .double() of host-backed memory is host memory
+    ]
+    for args in bad_calls:
+        emu.reset_counters()
+        with pytest.raises(InputError):
+            mod(*args)
+        assert emu.copies == []
+        assert_usable(mod, emu, 41, on="emu:0")
+    with pytest.raises(InputError, match="skip_h2d"):
+        mod(x, y)
+    # a correct call after the errors: no host-to-device copy of the caller's tensors
+    a, b = fresh_inputs((x0, x0), 42)
+    da, db = clone_to(a, "emu:0"), clone_to(b, "emu:0")
+    emu.reset_counters()
+    assert torch.equal(mod(da, db), a + b)
+    assert emu.copy_summary() == {"h2d": (0, 0), "d2h": (1, 24), "d2d": (0, 0)}
+
+
+# ---------------------------------------------------------------------------------------
+# outputs: caller-owned copies, views, device outputs
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_outputs_are_caller_owned_by_default(emu, cnn, partitioned):
+    model, example, ep = cnn
+    part = ferry.OpSupportPartitioner("emu:0", exclude=["aten.relu"]) if partitioned else None
+    mod = ferry.Module(roundtrip(ferry.compile(ep, part)))
+    xs = [fresh_inputs(example, s) for s in range(3)]
+    outs = [mod(*x) for x in xs]
+    assert len({o.data_ptr() for o in outs}) == 3
+    for x, o in zip(xs, outs):  # none was overwritten by a later call
+        assert close(o, model(*x))
+        assert device_of(o) == CPU
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_view_outputs_are_zero_copy_views_valid_until_the_next_call(emu, cnn, partitioned):
+    model, example, ep = cnn
+    part = ferry.OpSupportPartitioner("emu:0", exclude=["aten.relu"]) if partitioned else None
+    mod = ferry.Module(roundtrip(ferry.compile(ep, part)), outputs="view")
+    x1, x2 = fresh_inputs(example, 1), fresh_inputs(example, 2)
+    y1 = mod(*x1)
+    assert close(y1, model(*x1))
+    y2 = mod(*x2)
+    assert close(y2, model(*x2))
+    assert y1.data_ptr() == y2.data_ptr()  # the same planned memory each call
+    assert torch.equal(y1, y2)  # so the first view now shows the second result
+
+
+def test_skip_d2h_outputs_are_caller_owned_device_tensors(emu):
+    x0 = torch.randn(2, 3)
+    program = roundtrip(ferry.compile(export(Add(), (x0, x0.clone())), ferry.OpSupportPartitioner("emu:0"), SKIP_D2H))
+    assert program.method_meta("forward").output_meta(0).device == EMU0
+    for mode in ("copy", "view"):
+        mod = ferry.Module(program, outputs=mode)
+        mod.load_method()
+        base_allocs, base_live = emu.allocations, emu.live_bytes
+        emu.reset_counters()
+        results = []
+        for seed in range(3):
+            x, y = fresh_inputs((x0, x0), seed)
+            out = mod(x, y)
+            assert device_of(out) == EMU0
+            results.append((out, x + y))
+        assert emu.copy_summary() == {"h2d": (6, 144), "d2h": (0, 0), "d2d": (0, 0)}
+        assert [(r.nbytes, r.index) for r in emu.allocated] == [(24, 0)] * 3  # one per call: the output
+        assert len({o.data_ptr() for o, _ in results}) == 3
+        emu.reset_counters()
+        for out, ref in results:  # still intact: the caller owns them
+            assert torch.equal(clone_to(out, "cpu"), ref)
+        assert emu.copy_summary()["d2h"] == (3, 72)
+        # dropping them frees their device memory: the module keeps no reference
+        del results, out
+        gc.collect()
+        assert emu.live_bytes == base_live
+        mod.close()
+        assert base_allocs == 1
+
+
+# ---------------------------------------------------------------------------------------
+# mutable buffers
+
+
+class Counter(nn.Module):
+    """A buffer updated in forward: a call counter and a running sum of the inputs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(1))
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        self.total.add_(x.sum(0))
+        return self.lin(x) * self.calls + self.total
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_mutable_buffers_persist_between_calls_and_match_eager(emu, partitioned):
+    model = Counter()
+    x0 = torch.randn(3, 4)
+    ep = export(copy.deepcopy(model), (x0,))
+    part = ferry.OpSupportPartitioner("emu:0") if partitioned else None
+    program = roundtrip(ferry.compile(ep, part))
+    assert {mb.name for mb in program.method("forward").mutable_buffers} == {"calls", "total"}
+    mod = ferry.Module(program)
+    eager = copy.deepcopy(model)
+    for seed in range(5):
+        (x,) = fresh_inputs((x0,), 100 + seed)
+        assert close(mod(x), eager(x)), seed
+    assert eager.calls.item() == 5
+    # a second module of the same program starts from the initial state
+    other = ferry.Module(program)
+    fresh = copy.deepcopy(model)
+    (x,) = fresh_inputs((x0,), 200)
+    assert close(other(x), fresh(x))
+    (x,) = fresh_inputs((x0,), 201)
+    assert close(mod(x), eager(x))
+    if partitioned:
+        assert emu.allocations > 0
+    else:
+        assert emu.allocations == 0 and emu.copies == []
+
+
+def test_mutable_buffers_survive_a_rejected_call(emu):
+    model = Counter()
+    x0 = torch.randn(3, 4)
+    mod = ferry.Module(roundtrip(ferry.compile(export(copy.deepcopy(model), (x0,)), ferry.OpSupportPartitioner("emu:0"))))
+    eager = copy.deepcopy(model)
+    (x,) = fresh_inputs((x0,), 1)
+    assert close(mod(x), eager(x))
+    with pytest.raises(InputError):
+        mod(x.double())
+    (x,) = fresh_inputs((x0,), 2)
+    assert close(mod(x), eager(x))

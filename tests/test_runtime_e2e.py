@@ -1,0 +1,371 @@
+"""End to end on the emulated device: compile -> save -> load -> Module -> run, against eager.
+
+For every model of the compile tests (tests/models.py and the graphs of test_place), placed on
+emu:0 / emu:1 instead of CUDA: the results equal eager PyTorch on fresh random inputs, and the
+allocator counters during a call show exactly the copies of ``ferry.copy_report`` (count, bytes,
+direction, device indices, in instruction order) and no allocation except the per-call
+caller-owned device outputs of skip_d2h.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import ferry
+from ferry.device import Device
+from ferry.program.schema import DelegateCall, TensorValue
+from ferry.runtime import clone_to, device_of, emulated_device
+
+try:
+    from models import (
+        Add, AddChain, ByModulePath, FanOut, InputToCpuAndDelegate, MultiOutput, PerAdd, SharedOutput, TwoLinears,
+        WithParams, fresh_inputs, small, small_cnn, transformer_block,
+    )
+except ImportError:  # pragma: no cover - tests/models.py is shared; fail loudly rather than silently diverge
+    raise
+
+EMU0, EMU1 = Device("emu", 0), Device("emu", 1)
+
+
+def cfg(skip_h2d=False, skip_d2h=False):
+    return ferry.CompileConfig(
+        propagate_device=ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=skip_h2d, skip_d2h_for_method_outputs=skip_d2h)
+    )
+
+
+class Twice(nn.Module):
+    def forward(self, x, y):
+        s = x + y
+        return s, s
+
+
+class TwoDevices(nn.Module):
+    """x read by an add on emu:0 and an add on emu:1 (PerAdd('emu:0', 'emu:1'))."""
+
+    def forward(self, x, y, z):
+        return x + y, x + z
+
+
+class BufferCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(2, 3))
+
+    def forward(self, x):
+        self.total.add_(x)
+        return self.total * 2
+
+
+def emu_all(**kw):
+    return lambda: ferry.OpSupportPartitioner("emu:0", **kw)
+
+
+@dataclass(frozen=True)
+class Case:
+    build: object  # () -> (model, example inputs)
+    partitioner: object  # () -> partitioner or None
+    config: object = None
+    totals: dict | None = None  # expected {direction: count}, independent of the copy report
+
+
+def _pair(model_cls, n=2, shape=(2, 3)):
+    return lambda: (model_cls(), small(shape=shape, n=n))
+
+
+CASES = {
+    "add": Case(_pair(Add), emu_all(), None, {"h2d": 2, "d2h": 1, "d2d": 0}),
+    "add-on-emu1": Case(_pair(Add), lambda: ferry.OpSupportPartitioner("emu:1"), None, {"h2d": 2, "d2h": 1, "d2d": 0}),
+    "chain-one-delegate": Case(_pair(AddChain), emu_all(), None, {"h2d": 2, "d2h": 1, "d2d": 0}),
+    "chain-same-device": Case(_pair(AddChain), lambda: PerAdd("emu:0"), None, {"h2d": 2, "d2h": 1, "d2d": 0}),
+    "chain-cross-device": Case(_pair(AddChain), lambda: PerAdd("emu:0", "emu:1"), None, {"h2d": 3, "d2h": 1, "d2d": 1}),
+    "fan-out": Case(_pair(FanOut), lambda: PerAdd("emu:0"), None, {"h2d": 2, "d2h": 1, "d2d": 0}),
+    "fan-out-two-devices": Case(_pair(FanOut), lambda: PerAdd("emu:0", "emu:1"), None),
+    "output-feeds-delegate-and-cpu-op": Case(_pair(SharedOutput), lambda: PerAdd("emu:0"), None, {"h2d": 2, "d2h": 2, "d2d": 0}),
+    "output-feeds-other-device": Case(_pair(SharedOutput), lambda: PerAdd("emu:1", "emu:0"), None, {"h2d": 3, "d2h": 2, "d2d": 1}),
+    "returned-twice": Case(_pair(Twice), emu_all(), None, {"h2d": 2, "d2h": 1, "d2d": 0}),
+    "multi-output": Case(_pair(MultiOutput), emu_all(exclude=["aten.relu"]), None),
+    "params-and-buffer": Case(lambda: (WithParams(), (torch.randn(3, 8),)), emu_all(exclude=["aten.relu"]), None),
+    "two-linears-two-devices": Case(lambda: (TwoLinears(), (torch.randn(3, 4),)), lambda: ByModulePath({"a": "emu:0", "b": "emu:1"}), None),
+    "mutable-buffer": Case(lambda: (BufferCounter(), small(n=1)), emu_all(), None, {"h2d": 2, "d2h": 2, "d2d": 0}),
+    "skip-h2d": Case(_pair(Add), emu_all(), cfg(skip_h2d=True), {"h2d": 0, "d2h": 1, "d2d": 0}),
+    "skip-d2h": Case(_pair(Add), emu_all(), cfg(skip_d2h=True), {"h2d": 2, "d2h": 0, "d2d": 0}),
+    "skip-both": Case(_pair(AddChain), lambda: PerAdd("emu:0"), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
+    "skip-both-two-devices": Case(_pair(AddChain), lambda: PerAdd("emu:0", "emu:1"), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 2}),
+    "skip-h2d-input-read-on-cpu": Case(_pair(InputToCpuAndDelegate), lambda: PerAdd("emu:0"), cfg(skip_h2d=True), {"h2d": 0, "d2h": 2, "d2d": 0}),
+    "skip-h2d-input-on-two-devices": Case(_pair(TwoDevices, n=3), lambda: PerAdd("emu:0", "emu:1"), cfg(skip_h2d=True), {"h2d": 0, "d2h": 2, "d2d": 1}),
+    "skip-d2h-output-read-on-cpu": Case(_pair(SharedOutput), lambda: PerAdd("emu:0"), cfg(skip_d2h=True), {"h2d": 2, "d2h": 1, "d2d": 0}),
+    "skip-h2d-params-absorbed": Case(lambda: (WithParams(), (torch.randn(3, 8),)), emu_all(), cfg(skip_h2d=True), {"h2d": 0, "d2h": 1, "d2d": 0}),
+    "skip-both-mutable-buffer": Case(lambda: (BufferCounter(), small(n=1)), emu_all(), cfg(True, True), {"h2d": 1, "d2h": 1, "d2d": 0}),
+    "cnn-relu-on-cpu": Case(small_cnn, emu_all(exclude=["aten.relu"]), None),
+    "cnn-all-delegated": Case(small_cnn, emu_all(), None, {"h2d": 1, "d2h": 1, "d2d": 0}),
+    "cnn-cpu-only": Case(small_cnn, lambda: None, None, {"h2d": 0, "d2h": 0, "d2d": 0}),
+    "transformer-gelu-on-cpu": Case(transformer_block, emu_all(exclude=["aten.gelu"]), None),
+    "transformer-all-on-emu1": Case(transformer_block, lambda: ferry.OpSupportPartitioner("emu:1"), None, {"h2d": 1, "d2h": 1, "d2d": 0}),
+    "transformer-softmax-on-cpu-skip-both": Case(transformer_block, emu_all(exclude=["aten._softmax"]), cfg(True, True)),
+    "transformer-cpu-only": Case(transformer_block, lambda: None, None, {"h2d": 0, "d2h": 0, "d2d": 0}),
+}
+
+
+_compiled: dict = {}
+
+
+def compiled(name):
+    """(initial eager model, example inputs, program bytes), compiled once per session."""
+    if name not in _compiled:
+        case = CASES[name]
+        model, example = case.build()
+        model.eval()
+        initial = copy.deepcopy(model)
+        registered = ferry.runtime.get_allocator("emu") is not None
+        with contextlib.nullcontext() if registered else emulated_device(num_devices=2):  # partitioners name emu devices
+            ep = torch.export.export(model, tuple(example))
+            program = ferry.compile(ep, case.partitioner(), case.config)
+        _compiled[name] = (initial, example, program.to_bytes())
+    return _compiled[name]
+
+
+@pytest.fixture
+def emu():
+    with emulated_device(num_devices=2) as allocator:
+        yield allocator
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def load_allocations(program, method="forward"):
+    """(nbytes, index) of every device allocation loading `method` must make, sorted."""
+    m = program.method(method)
+    recs = [(b.size, b.device.index) for b in m.buffers[1:] if not b.device.is_cpu]
+    recs += [
+        (v.nbytes, v.device.index)
+        for v in m.values
+        if isinstance(v, TensorValue) and v.plan is None and v.constant is not None and not v.device.is_cpu
+    ]
+    for d in sorted({i.delegate for i in m.instructions if isinstance(i, DelegateCall)}):
+        recs += load_allocations(ferry.load_program(program.segments[program.delegates[d].payload]))
+    return sorted(recs)
+
+
+def per_call_allocations(program, method="forward"):
+    """(nbytes, index) of the device outputs a call hands to the caller (skip_d2h), sorted."""
+    m = program.method(method)
+    vids = {v for v in m.outputs if v not in m.inputs}
+    return sorted(
+        (m.tensor(v).nbytes, m.tensor(v).device.index) for v in vids if not m.tensor(v).device.is_cpu
+    )
+
+
+def report_records(report):
+    """The allocator copy records a call must produce: one per report row, in order."""
+    out = []
+    for r in report.rows:
+        src, dst = Device.parse(r.src), Device.parse(r.dst)
+        if r.direction == "h2d":
+            out.append(("h2d", r.nbytes, dst.index, None))
+        elif r.direction == "d2h":
+            out.append(("d2h", r.nbytes, src.index, None))
+        else:
+            out.append(("d2d", r.nbytes, dst.index, src.index))
+    return out
+
+
+def place_inputs(program, inputs, method="forward"):
+    """Caller tensors where the method wants them (skip_h2d inputs go to their device)."""
+    meta = program.method_meta(method)
+    return [x if meta.input_meta(i).device.is_cpu else clone_to(x, meta.input_meta(i).device) for i, x in enumerate(inputs)]
+
+
+def as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def assert_matches(got, want, program, method="forward"):
+    got, want = as_tuple(got), as_tuple(want)
+    assert len(got) == len(want)
+    meta = program.method_meta(method)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert device_of(g) == meta.output_meta(i).device, i
+        host = g if device_of(g).is_cpu else clone_to(g, "cpu")
+        torch.testing.assert_close(host, w, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# every model
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_model_runs_like_eager_with_exactly_the_reported_copies(name, emu, tmp_path):
+    initial, example, data = compiled(name)
+    path = tmp_path / f"{name}.ferry"
+    path.write_bytes(data)
+    program = ferry.load_program(path)
+    report = ferry.copy_report(program, "forward")
+    if CASES[name].totals is not None:
+        assert {d: n for d, (n, _) in report.totals().items()} == CASES[name].totals
+    expected_copies = report_records(report)
+    expected_allocs = per_call_allocations(program)
+    uses_device = bool(load_allocations(program)) or bool(expected_copies)
+
+    for mode in ("copy", "view"):
+        eager = copy.deepcopy(initial)
+        mod = ferry.Module(str(path), outputs=mode)
+        emu.reset_counters()
+        mod.load_method("forward")
+        assert sorted((r.nbytes, r.index) for r in emu.allocated) == load_allocations(program)
+        after_load = emu.live_bytes
+        kept = []
+        for seed in range(3):
+            inputs = fresh_inputs(example, 1000 * seed + len(name))
+            args = place_inputs(program, inputs)
+            emu.reset_counters()
+            out = mod(*args)
+            # exactly the reported copies, in instruction order, with their device indices
+            assert emu.copy_summary() == report.totals(), (mode, seed)
+            assert [(c.direction, c.nbytes, c.index, c.src_index) for c in emu.copies] == expected_copies
+            # no device allocation during execution but the caller-owned device outputs
+            assert sorted((r.nbytes, r.index) for r in emu.allocated) == expected_allocs
+            assert emu.deallocations == 0 and emu.failed_allocations == 0
+            assert_matches(out, eager(*inputs), program)
+            kept.append(out)
+        if not uses_device:
+            assert emu.allocations == 0 and emu.copies == []
+        # the module holds none of the caller's device tensors
+        del kept, out, args
+        gc.collect()
+        assert emu.live_bytes == after_load
+        mod.close()
+        assert emu.live_bytes == 0
+
+
+@pytest.mark.parametrize("name", ["cnn-relu-on-cpu", "transformer-gelu-on-cpu", "chain-cross-device"])
+def test_caller_owned_outputs_survive_later_calls(name, emu):
+    initial, example, data = compiled(name)
+    mod = ferry.Module(data)
+    inputs = [fresh_inputs(example, s) for s in range(4)]
+    outs = [mod(*x) for x in inputs]
+    for x, o in zip(inputs, outs):
+        torch.testing.assert_close(o, initial(*x), rtol=1e-5, atol=1e-5)
+
+
+def test_no_allocation_across_many_calls_after_load(emu):
+    initial, example, data = compiled("transformer-gelu-on-cpu")
+    mod = ferry.Module(data)
+    mod.load_method()
+    allocations, live = emu.allocations, emu.live_bytes
+    for seed in range(10):
+        x = fresh_inputs(example, seed)
+        torch.testing.assert_close(mod(*x), initial(*x), rtol=1e-5, atol=1e-5)
+    assert emu.allocations == allocations and emu.deallocations == 0 and emu.live_bytes == live
+
+
+def test_skip_d2h_allocates_exactly_the_outputs_per_call(emu):
+    initial, example, data = compiled("skip-d2h-output-read-on-cpu")
+    program = ferry.load_program(data)
+    per_call = per_call_allocations(program)
+    assert per_call == [(24, 0), (24, 0)]  # a and b stay on emu:0; c (relu) is a CPU output
+    mod = ferry.Module(program)
+    mod.load_method()
+    emu.reset_counters()
+    outs = []
+    for seed in range(4):
+        x = fresh_inputs(example, seed)
+        outs.append((mod(*x), initial(*x)))
+    assert [(r.nbytes, r.index) for r in emu.allocated] == per_call * 4
+    assert emu.deallocations == 0
+    for got, want in outs:  # all four results intact and distinct
+        assert_matches(got, want, program)
+    assert len({o[0].data_ptr() for o, _ in outs}) == 4
+
+
+# ---------------------------------------------------------------------------------------
+# two methods: a device hand-off with no host copy
+
+
+class Prefill(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x)) + x
+
+
+class Decode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, h):
+        return self.proj(h) * h
+
+
+def test_prefill_output_feeds_decode_on_the_device_without_host_copies(emu):
+    prefill, decode = Prefill().eval(), Decode().eval()
+    x0 = torch.randn(2, 8)
+    eps = {"prefill": torch.export.export(prefill, (x0,)), "decode": torch.export.export(decode, (prefill(x0),))}
+    config = ferry.CompileConfig(
+        propagate_device={
+            "prefill": ferry.PropagateDeviceConfig(skip_d2h_for_method_outputs=True),
+            "decode": ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=True),
+        }
+    )
+    program = ferry.load_program(ferry.compile(eps, ferry.OpSupportPartitioner("emu:0"), config).to_bytes())
+    pre_report, dec_report = ferry.copy_report(program, "prefill"), ferry.copy_report(program, "decode")
+    assert pre_report.totals() == {"h2d": (1, 64), "d2h": (0, 0), "d2d": (0, 0)}  # x in, h stays
+    assert dec_report.totals() == {"h2d": (0, 0), "d2h": (1, 64), "d2d": (0, 0)}  # h already there
+    assert program.method_meta("prefill").output_meta(0).device == EMU0
+    assert program.method_meta("decode").input_meta(0).device == EMU0
+
+    mod = ferry.Module(program)
+    mod.load_method("prefill")
+    mod.load_method("decode")
+    after_load = emu.live_bytes
+    results = []
+    for seed in range(3):
+        (x,) = fresh_inputs((x0,), seed)
+        emu.reset_counters()
+        (h,) = mod.run_method("prefill", [x])
+        assert device_of(h) == EMU0
+        assert emu.copies == [ferry.runtime.CopyRecord("h2d", 64, 0)]  # no d2h of h
+        assert [(r.nbytes, r.index) for r in emu.allocated] == [(64, 0)]  # h itself, owned by the caller
+        emu.reset_counters()
+        (y,) = mod.run_method("decode", [h])
+        assert emu.copies == [ferry.runtime.CopyRecord("d2h", 64, 0)]  # no h2d of h: only y comes back
+        assert emu.allocations == 0
+        assert device_of(y) == Device("cpu", 0)
+        want_h = prefill(x)
+        torch.testing.assert_close(clone_to(h, "cpu"), want_h, rtol=1e-5, atol=1e-5)
+        results.append((y, decode(want_h)))
+    for y, want in results:
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    del h
+    gc.collect()
+    assert emu.live_bytes == after_load  # the hand-off tensors are gone with the caller's references
+
+
+def test_two_methods_share_nothing_at_run_time(emu):
+    """Running one method does not disturb the other's planned memory."""
+    prefill, decode = Prefill().eval(), Decode().eval()
+    x0 = torch.randn(2, 8)
+    program = ferry.compile(
+        {"prefill": torch.export.export(prefill, (x0,)), "decode": torch.export.export(decode, (x0.clone(),))},
+        ferry.OpSupportPartitioner("emu:0", exclude=["aten.tanh"]),
+    )
+    mod = ferry.Module(program, outputs="view")
+    (a,) = fresh_inputs((x0,), 1)
+    (b,) = fresh_inputs((x0,), 2)
+    (p,) = mod.run_method("prefill", [a])
+    (d,) = mod.run_method("decode", [b])
+    torch.testing.assert_close(p, prefill(a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d, decode(b), rtol=1e-5, atol=1e-5)
