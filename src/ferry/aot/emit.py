@@ -257,6 +257,9 @@ class _MethodEmitter:
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
             self.env[node] = outs if many else outs[0]
             return
+        if not op._schema.returns:  # a check (e.g. aten._assert_tensor_metadata): runs, defines nothing
+            self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), ()))
+            return
         vals = list(val) if isinstance(val, (tuple, list)) else [val]
         dev = self.device_of(node)
         outs = tuple(self.tensor_value(node, v, dev) for v in vals)

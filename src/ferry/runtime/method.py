@@ -223,7 +223,7 @@ class LoadedMethod:
             a = [r[1] if r[0] == "c" else slots[r[1]] for r in pos]
             k = {n: (r[1] if r[0] == "c" else slots[r[1]]) for n, r in kw.items()}
             result = op(*a, **k)
-            if not out_is_arg:
+            if not out_is_arg and outputs:
                 if len(outputs) == 1:
                     slots[outputs[0]] = result
                 else:
