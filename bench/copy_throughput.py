@@ -136,11 +136,13 @@ def bench_copies(device: Device, sizes, smoke: bool):
             results.append({
                 "bytes": nbytes, "direction": direction, "seconds": secs, "gb_per_s": gbps,
                 "ferry_vs_pinned": vs_pinned, "ferry_vs_pageable": vs_pageable,
+                "ferry_overhead_us": (secs["ferry"] - secs["torch_pinned"]) * 1e6,
                 "pinned_target_met": vs_pinned >= PINNED_TARGET,
                 "pageable_target_met": (vs_pageable >= PAGEABLE_TARGET) if largest else None,
             })
             rows.append([f"{nbytes / MiB:g} MiB", direction, gbps["ferry"], gbps["torch_pinned"],
-                         gbps["torch_pageable"], vs_pinned, vs_pageable])
+                         gbps["torch_pageable"], vs_pinned, vs_pageable,
+                         (secs["ferry"] - secs["torch_pinned"]) * 1e6])
         host_buf.close()
         dev_buf.close()
         del host, dev, pinned, pageable, tdst
@@ -205,7 +207,8 @@ def main():
           f"ferry >= {PAGEABLE_TARGET}x pageable at {max(sizes) / MiB:g} MiB: {summary['pageable_target_met_largest']}")
     print(f"wrote {path}\n")
     print(table(f"host<->device copy throughput on {device} (GB/s, float32, median)",
-                ["size", "dir", "ferry", "torch pinned", "torch pageable", "ferry/pinned", "ferry/pageable"], rows))
+                ["size", "dir", "ferry", "torch pinned", "torch pageable", "ferry/pinned", "ferry/pageable",
+                 "ferry - pinned, µs per copy"], rows))
 
 
 if __name__ == "__main__":

@@ -180,8 +180,8 @@ def test_mutable_buffers_are_runtime_inputs_and_updated():
     lp = to_backend(ep, OpSupportPartitioner("cuda:0"))
     bufs = [p for p in lp.placeholders() if M.input_info(p).kind == M.BUFFER]
     assert len(bufs) == 1 and M.input_info(bufs[0]).mutable
-    for (d,) in [delegate_nodes(lp.graph_module)]:
-        assert bufs[0] in d.args  # passed in, not absorbed
+    (d,) = delegate_nodes(lp.graph_module)
+    assert bufs[0] in d.args  # passed in, not absorbed
     for seed in (3, 4):
         (x,) = fresh_inputs((torch.empty(3),), seed)
         torch.testing.assert_close(lp(x), m(x))

@@ -32,20 +32,29 @@ def emu():
         yield allocator
 
 
-def load_allocations(program, method="forward"):
-    """(nbytes, index) of every device allocation loading `method` must make, sorted: one per
-    non-CPU planned buffer, one per device constant, and the same for each delegate payload
-    (the torch backend's payload is itself a ferry program)."""
+def device_buffers_and_constants(program, method="forward"):
+    """(buffers, constants): (nbytes, index) of the non-CPU planned buffers and of the device
+    constants of `method`, its delegate payloads included (the torch backend's payload is
+    itself a ferry program, loaded as a nested method)."""
     m = program.method(method)
-    recs = [(b.size, b.device.index) for b in m.buffers[1:] if not b.device.is_cpu]
-    recs += [
+    buffers = [(b.size, b.device.index) for b in m.buffers[1:] if not b.device.is_cpu]
+    constants = [
         (v.nbytes, v.device.index)
         for v in m.values
         if isinstance(v, TensorValue) and v.plan is None and v.constant is not None and not v.device.is_cpu
     ]
     for d in sorted({i.delegate for i in m.instructions if isinstance(i, DelegateCall)}):
-        recs += load_allocations(ferry.load_program(program.segments[program.delegates[d].payload]))
-    return sorted(recs)
+        b, c = device_buffers_and_constants(ferry.load_program(program.segments[program.delegates[d].payload]))
+        buffers += b
+        constants += c
+    return buffers, constants
+
+
+def load_allocations(program, method="forward"):
+    """(nbytes, index) of every device allocation loading `method` must make, sorted: one per
+    non-CPU planned buffer and one per device constant."""
+    buffers, constants = device_buffers_and_constants(program, method)
+    return sorted(buffers + constants)
 
 
 def roundtrip(program):
@@ -124,13 +133,10 @@ def test_load_allocates_every_device_buffer_and_device_constant(emu, cnn, exclud
     assert sorted((r.nbytes, r.index) for r in emu.allocated) == expected
     assert emu.live_bytes == sum(n for n, _ in expected)
     # constants are uploaded once, at load, one host-to-device copy each (no other copy)
-    assert emu.copy_counts["d2h"] == emu.copy_counts["d2d"] == 0
-    assert emu.copy_counts["h2d"] == len(expected) - sum(
-        1 for b in program.method("forward").buffers[1:] if not b.device.is_cpu
-    ) - sum(
-        sum(1 for b in ferry.load_program(program.segments[d.payload]).method("forward").buffers[1:] if not b.device.is_cpu)
-        for d in program.delegates
-    )
+    _, constants = device_buffers_and_constants(program)
+    uploaded = [n for n, _ in constants if n]
+    assert len(uploaded) > 0
+    assert emu.copy_summary() == {"h2d": (len(uploaded), sum(uploaded)), "d2h": (0, 0), "d2d": (0, 0)}
     x = fresh_inputs(example, 5)
     assert close(mod(*x), model(*x))
 
@@ -238,6 +244,46 @@ def test_failed_load_of_a_second_method_keeps_the_first(emu):
     x, y = fresh_inputs((x0, x0), 8)
     assert torch.equal(mod.run_method("a", [x, y])[0], x + y)
     assert torch.equal(mod.run_method("b", [y, x])[0], x + y)
+
+
+def test_unknown_backend_at_load_frees_everything(emu):
+    import dataclasses
+
+    x0 = torch.randn(2, 3)
+    program = roundtrip(ferry.compile(export(Add(), (x0, x0.clone())), ferry.OpSupportPartitioner("emu:0")))
+    good = program.delegates[0]
+    program.delegates[0] = dataclasses.replace(good, backend_id="no-such-backend")
+    mod = ferry.Module(program)
+    with pytest.raises(ferry.BackendError, match="no-such-backend"):
+        mod.load_method()
+    assert emu.allocations == emu.deallocations >= 1 and emu.live_bytes == 0
+    program.delegates[0] = good  # fixed: the same module loads and runs
+    x, y = fresh_inputs((x0, x0), 3)
+    assert torch.equal(mod(x, y), x + y)
+
+
+def test_failure_during_execute_frees_the_call_and_the_module_stays_usable(emu):
+    """A copy fails mid-call: a ferry error, this call's device outputs are freed, the next call works."""
+    x0 = torch.randn(2, 3)
+
+    class Two(nn.Module):
+        def forward(self, x, y):
+            a = x + y
+            return a, torch.relu(a)
+
+    program = roundtrip(ferry.compile(export(Two(), (x0, x0.clone())), ferry.OpSupportPartitioner("emu:0", exclude=["aten.relu"]), SKIP_D2H))
+    mod = ferry.Module(program)
+    mod.load_method()
+    live = emu.live_bytes
+    x, y = fresh_inputs((x0, x0), 1)
+    emu.fail_copy(2)  # the second h2d of the call
+    with pytest.raises(DeviceError, match="injected"):
+        mod(x, y)
+    assert emu.live_bytes == live  # the per-call device output of the failed call is gone
+    x, y = fresh_inputs((x0, x0), 2)
+    a, r = mod(x, y)
+    assert device_of(a) == EMU0 and device_of(r) == CPU
+    assert torch.equal(clone_to(a, "cpu"), x + y) and torch.equal(r, torch.relu(x + y))
 
 
 def test_close_frees_device_memory_and_the_module_reloads(emu):

@@ -53,6 +53,13 @@ class TwoDevices(nn.Module):
         return x + y, x + z
 
 
+class PassThrough(nn.Module):
+    """Hands an input straight back as an output."""
+
+    def forward(self, x, y):
+        return x + y, x
+
+
 class BufferCounter(nn.Module):
     def __init__(self):
         super().__init__()
@@ -98,6 +105,8 @@ CASES = {
     "skip-d2h": Case(_pair(Add), emu_all(), cfg(skip_d2h=True), {"h2d": 2, "d2h": 0, "d2d": 0}),
     "skip-both": Case(_pair(AddChain), lambda: PerAdd("emu:0"), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
     "skip-both-two-devices": Case(_pair(AddChain), lambda: PerAdd("emu:0", "emu:1"), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 2}),
+    "skip-both-input-returned": Case(_pair(PassThrough), emu_all(), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
+    "input-returned": Case(_pair(PassThrough), emu_all(), None, {"h2d": 2, "d2h": 1, "d2d": 0}),
     "skip-h2d-input-read-on-cpu": Case(_pair(InputToCpuAndDelegate), lambda: PerAdd("emu:0"), cfg(skip_h2d=True), {"h2d": 0, "d2h": 2, "d2d": 0}),
     "skip-h2d-input-on-two-devices": Case(_pair(TwoDevices, n=3), lambda: PerAdd("emu:0", "emu:1"), cfg(skip_h2d=True), {"h2d": 0, "d2h": 2, "d2d": 1}),
     "skip-d2h-output-read-on-cpu": Case(_pair(SharedOutput), lambda: PerAdd("emu:0"), cfg(skip_d2h=True), {"h2d": 2, "d2h": 1, "d2d": 0}),
@@ -213,7 +222,7 @@ def test_model_runs_like_eager_with_exactly_the_reported_copies(name, emu, tmp_p
         assert {d: n for d, (n, _) in report.totals().items()} == CASES[name].totals
     expected_copies = report_records(report)
     expected_allocs = per_call_allocations(program)
-    uses_device = bool(load_allocations(program)) or bool(expected_copies)
+    uses_device = bool(load_allocations(program) or expected_copies or expected_allocs)
 
     for mode in ("copy", "view"):
         eager = copy.deepcopy(initial)

@@ -30,6 +30,24 @@ def _methods(ep_or_dict) -> dict[str, torch.export.ExportedProgram]:
     )
 
 
+def _check_method_names(config: CompileConfig, names: set[str]) -> None:
+    """A per-method setting for a method that is not compiled is a typo, not a default."""
+    pd = config.propagate_device
+    dicts = [("propagate_device", pd)] if isinstance(pd, Mapping) else [
+        ("skip_h2d_for_method_inputs", pd.skip_h2d_for_method_inputs),
+        ("skip_d2h_for_method_outputs", pd.skip_d2h_for_method_outputs),
+    ]
+    for what, d in dicts:
+        if isinstance(d, Mapping):
+            unknown = sorted(set(d) - names)
+            if unknown:
+                raise CompileError(f"{what} names method(s) {unknown} that are not compiled; methods: {sorted(names)}")
+    if isinstance(pd, Mapping):
+        for name in names:
+            pd_m = config.propagate_for(name)
+            pd_m.for_method(name)
+
+
 def place(exported_program, partitioner=None, config: CompileConfig | None = None, method: str = "forward") -> LoweredProgram:
     """Lower and place one method: every value gets a Device, every transfer an et_copy op."""
     config = config or CompileConfig()
@@ -48,8 +66,10 @@ def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None) -
         alloc_graph_input=config.alloc_graph_input, alloc_graph_output=config.alloc_graph_output,
         algorithm=config.memory_planning, alignment=config.alignment,
     )
+    eps = _methods(ep_or_dict)
+    _check_method_names(config, set(eps))
     methods = {}
-    for name, ep in _methods(ep_or_dict).items():
+    for name, ep in eps.items():
         placed = place(ep, partitioner, config, name)
         methods[name] = emit_method(name, placed.graph_module, placed.constants, builder, opts, placed.range_constraints)
     return Program(methods, builder.delegates, builder.segments)

@@ -13,6 +13,9 @@ import torch
 from ferry import ops
 
 
+_TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
+
+
 def _sig(args) -> list[tuple[str, str]]:
     return [(a.name, str(a.type)) for a in args]
 
@@ -28,16 +31,24 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     if any(not isinstance(r.type, torch.TensorType) for r in schema.returns):
         return None
     want = _sig(schema.arguments)
+    # out variants of factory-like ops (full, zeros, arange, _to_copy, *_like) drop the
+    # TensorOptions arguments: the out tensor fixes dtype, layout and device (torchgen's rule)
+    names = {n for n, _ in want}
+    without_options = [a for a in want if a[0] not in _TENSOR_OPTIONS] if _TENSOR_OPTIONS <= names else None
     packet = op.overloadpacket
+    loose = None
     for name in packet.overloads():
         cand = getattr(packet, name)
         cargs = cand._schema.arguments
         outs = [a for a in cargs if a.is_out]
         if len(outs) != len(schema.returns):
             continue
-        if _sig([a for a in cargs if not a.is_out]) == want:
+        got = _sig([a for a in cargs if not a.is_out])
+        if got == want:
             return cand
-    return None
+        if loose is None and without_options is not None and got == without_options:
+            loose = cand
+    return loose
 
 
 @functools.lru_cache(maxsize=None)

@@ -63,12 +63,30 @@ class Partitioner(Protocol):
 def _op_key(op) -> str:
     """'aten.add.Tensor' for an overload, 'aten.add' for a packet or a string as given."""
     if isinstance(op, str):
-        return op.strip().replace("::", ".")
+        name = op.strip().replace("::", ".")
+        for candidate in (name, f"aten.{name}"):
+            if _resolves(candidate):
+                return candidate
+        raise CompileError(
+            f"unknown op {op!r}: name an ATen op like 'aten.add' or 'aten.add.Tensor' (see torch.ops.aten)"
+        )
     if isinstance(op, torch._ops.OpOverload):
         return f"{op.namespace}.{op._opname}.{op._overloadname}"
     if isinstance(op, torch._ops.OpOverloadPacket):
         return op._qualified_op_name.replace("::", ".")
     raise CompileError(f"cannot use {op!r} as an op: pass an OpOverload, an OpOverloadPacket or a name like 'aten.add.Tensor'")
+
+
+def _resolves(name: str) -> bool:
+    """Does 'ns.op' or 'ns.op.overload' name a registered operator?"""
+    parts = name.split(".")
+    if len(parts) not in (2, 3) or not all(parts):
+        return False
+    try:
+        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        return len(parts) == 2 or parts[2] in packet.overloads()
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _matches(target, keys: frozenset[str]) -> bool:

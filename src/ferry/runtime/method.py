@@ -147,9 +147,11 @@ class LoadedMethod:
 
     @functools.cached_property
     def caller_owned_outputs(self) -> set[int]:
-        """Output positions whose tensors are fresh per call (the caller keeps them without a copy)."""
+        """Output positions whose tensors the caller owns without a copy: fresh per call, or an
+        unplanned input handed back (the caller's own tensor, e.g. a skip_h2d device input)."""
         fresh = {vid for vid, _ in self._per_call_outputs}
-        return {i for i, vid in enumerate(self.outputs) if vid in fresh}
+        passed_in = {vid for vid, v in zip(self.inputs, self._input_values) if v.plan is None}
+        return {i for i, vid in enumerate(self.outputs) if vid in fresh or vid in passed_in}
 
     def _defined_by_out_arg(self, vid) -> bool:
         for ins in self.method.instructions:
