@@ -58,15 +58,16 @@ def ferry_copy(direction: str, host: torch.Tensor, dev: torch.Tensor, device: De
         kernel, src, out, devices = CopyKernel("h2d", CPU, device, dev.nbytes), host, dev, (CPU, device)
     else:
         kernel, src, out, devices = CopyKernel("d2h", device, CPU, host.nbytes), dev, host, (device, CPU)
+    copy = kernel.bind_static(src, out)  # what LoadedMethod binds for planned tensors
     if device.type != "cuda":
-        return lambda: kernel(src, out)  # the runtime has no copy streams without CUDA
+        return copy  # the runtime has no copy streams without CUDA
     from ferry.runtime.cuda import CopyStreams
 
     streams = CopyStreams()
-    key = ("bench", direction)
+    run = streams.bind(("bench", direction), copy, devices)
 
     def step():
-        streams.run(key, kernel, src, out, devices)
+        run()
         streams.wait_host()
 
     return step

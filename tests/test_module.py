@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import pathlib
 
 import pytest
 import torch
@@ -80,10 +79,10 @@ def test_module_from_program_path_str_and_bytes(emu, tmp_path):
     program = ferry.compile(export(Add(), (x, y)), ferry.OpSupportPartitioner("emu:0"))
     path = tmp_path / "add.ferry"
     program.save(path)
-    for source in (program, path, str(path), path.read_bytes()):
+    for seed, source in enumerate((program, path, str(path), path.read_bytes())):
         mod = ferry.Module(source)
         assert mod.method_names() == ["forward"]
-        a, b = fresh_inputs((x, y), hash(str(type(source))) % 1000)
+        a, b = fresh_inputs((x, y), 10 + seed)
         assert torch.equal(mod(a, b), a + b)
         mod.close()
 
@@ -471,6 +470,38 @@ def test_view_outputs_are_zero_copy_views_valid_until_the_next_call(emu, cnn, pa
     assert close(y2, model(*x2))
     assert y1.data_ptr() == y2.data_ptr()  # the same planned memory each call
     assert torch.equal(y1, y2)  # so the first view now shows the second result
+
+
+class ReturnsConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.register_buffer("w", torch.randn(2, 3))
+
+    def forward(self, x):
+        return x + self.w, self.w, self.w.t()
+
+
+@pytest.mark.parametrize("mode", ["copy", "view"])
+def test_outputs_that_are_constants_never_expose_the_program_file(emu, tmp_path, mode):
+    """The program's constants live in a read-only file mapping: returning them as views would let
+    the caller write into it (a crash) or change the program for every later call."""
+    model = ReturnsConstant()
+    x0 = torch.randn(2, 3)
+    path = tmp_path / "const.ferry"
+    ferry.compile(export(model, (x0,))).save(path)
+    mod = ferry.Module(path, outputs=mode)
+    x1, x2 = fresh_inputs((x0,), 1), fresh_inputs((x0,), 2)
+    first = mod(*x1)
+    second = mod(*x2)
+    if mode == "view":
+        assert first[0].data_ptr() == second[0].data_ptr()  # planned memory: a view
+    for i in (1, 2):  # constants: a fresh tensor each call (checked before writing into one)
+        assert first[i].data_ptr() != second[i].data_ptr()
+    first[1].add_(100.0)
+    first[2].mul_(-1.0)
+    for got, want in zip(mod(*x1), model(*x1)):
+        assert torch.equal(got, want)
 
 
 def test_skip_d2h_outputs_are_caller_owned_device_tensors(emu):

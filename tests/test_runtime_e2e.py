@@ -23,15 +23,12 @@ from ferry.device import Device
 from ferry.program.schema import DelegateCall, TensorValue
 from ferry.runtime import clone_to, device_of, emulated_device
 
-try:
-    from models import (
-        Add, AddChain, ByModulePath, FanOut, InputToCpuAndDelegate, MultiOutput, PerAdd, SharedOutput, TwoLinears,
-        WithParams, fresh_inputs, small, small_cnn, transformer_block,
-    )
-except ImportError:  # pragma: no cover - tests/models.py is shared; fail loudly rather than silently diverge
-    raise
+from models import (
+    Add, AddChain, ByModulePath, FanOut, InputToCpuAndDelegate, MultiOutput, PerAdd, SharedOutput, TwoLinears,
+    WithParams, fresh_inputs, small, small_cnn, transformer_block,
+)
 
-EMU0, EMU1 = Device("emu", 0), Device("emu", 1)
+EMU0 = Device("emu", 0)
 
 
 def cfg(skip_h2d=False, skip_d2h=False):

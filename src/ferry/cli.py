@@ -37,19 +37,25 @@ def _ensure_device_type(device_type: str) -> None:
         register_allocator(EmulatedAllocator())
 
 
-def _load_spec(spec: str):
+def _resolve_spec(spec: str):
+    """SPEC -> its factory function; every mistake in SPEC is a UserError, found before any work."""
     mod_name, sep, fn_name = spec.partition(":")
     if not sep or not mod_name or not fn_name:
         raise UserError(f"SPEC must look like package.module:function, got {spec!r}")
-    sys.path.insert(0, ".")
+    if "." not in sys.path and "" not in sys.path:
+        sys.path.insert(0, ".")
     try:
         module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UserError(f"cannot import {mod_name!r}: {e}") from None
+    except Exception as e:  # ImportError, or the module itself failed while importing
+        raise UserError(f"cannot import {mod_name!r}: {type(e).__name__}: {e}") from None
     factory = getattr(module, fn_name, None)
     if not callable(factory):
         raise UserError(f"{mod_name!r} has no function {fn_name!r}")
-    got = factory()
+    return factory
+
+
+def _load_spec(spec: str, factory=None):
+    got = (factory or _resolve_spec(spec))()
     if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], (tuple, list))):
         raise UserError(f"{spec} must return (model, example_inputs) with example_inputs a tuple of tensors")
     return got
@@ -62,14 +68,18 @@ def cmd_compile(args) -> int:
 
     device = args.device.strip().lower()
     _ensure_device_type(device.partition(":")[0])
+    # check the device, the op names and SPEC before any progress output or slow work, so that a
+    # mistake on the command line is one error line
+    exclude = [s for s in (args.exclude or "").split(",") if s.strip()]
+    partitioner = ferry.OpSupportPartitioner(device, exclude=exclude)
+    factory = _resolve_spec(args.spec)
     with _stage(f"load {args.spec}"):
-        model, inputs = _load_spec(args.spec)
+        model, inputs = _load_spec(args.spec, factory)
     with _stage("torch.export"):
         ep = torch.export.export(model, tuple(inputs))
-    exclude = [s for s in (args.exclude or "").split(",") if s.strip()]
     config = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(args.skip_h2d, args.skip_d2h))
     with _stage(f"partition, place, plan and emit for {device}"):
-        program = ferry.compile(ep, ferry.OpSupportPartitioner(device, exclude=exclude), config)
+        program = ferry.compile(ep, partitioner, config)
     with _stage(f"save {args.output}"):
         program.save(args.output)
     print(_summary(program))

@@ -51,11 +51,13 @@ class CudaAllocator(DeviceAllocator):
         # the tensor's storage returns to the caching allocator when the last reference goes
         return None
 
+    # non_blocking always: from page-locked memory the copy is truly asynchronous, from pageable
+    # memory CUDA stages it synchronously; either way ferry's events order every later reader.
     def _copy_h2d(self, dst, src, nbytes, index):
-        dst.copy_(src, non_blocking=src.is_pinned())
+        dst.copy_(src, non_blocking=True)
 
     def _copy_d2h(self, dst, src, nbytes, index):
-        dst.copy_(src, non_blocking=dst.is_pinned())
+        dst.copy_(src, non_blocking=True)
 
     def _copy_d2d(self, dst, src, nbytes, dst_index, src_index):
         dst.copy_(src, non_blocking=True)
@@ -111,6 +113,35 @@ class CopyStreams:
         if any(d.is_cpu for d in devices):
             self._pending.append(done)
         return out
+
+    def bind(self, key, copy, devices: tuple[Device, ...]):
+        """The hot path for copies between planned tensors: everything but the event traffic is
+        decided here, at load."""
+        cuda = sorted({d.index for d in devices if d.type == "cuda"})
+        cs = self.copy_stream(cuda[0])
+        ready = [self.event((key, "ready", i)) for i in cuda]
+        done = self.event(key)
+        touches_host = any(d.is_cpu for d in devices)
+        pending = self._pending
+        current = torch.cuda.current_stream
+        stream_ctx = torch.cuda.stream
+
+        def run():
+            if self.capturing:
+                return copy()
+            computes = [current(i) for i in cuda]
+            for ev, compute in zip(ready, computes):
+                ev.record(compute)
+                cs.wait_event(ev)
+            with stream_ctx(cs):
+                copy()
+            done.record(cs)
+            for compute in computes:
+                compute.wait_event(done)
+            if touches_host:
+                pending.append(done)
+
+        return run
 
     def note_host_dependency(self, key, index: int) -> None:
         """After a captured graph replays copies touching host memory: host waits on its stream."""

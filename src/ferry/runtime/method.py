@@ -153,6 +153,18 @@ class LoadedMethod:
         passed_in = {vid for vid, v in zip(self.inputs, self._input_values) if v.plan is None}
         return {i for i, vid in enumerate(self.outputs) if vid in fresh or vid in passed_in}
 
+    @functools.cached_property
+    def constant_outputs(self) -> set[int]:
+        """Output positions that are (views of) host constants: memory of the program itself,
+        a read-only mapping when the program came from a file, never to be handed out to write."""
+        found = set()
+        for i, vid in enumerate(self.outputs):
+            v = self.method.values[vid]
+            root = self.method.values[v.alias_of] if isinstance(v, TensorValue) and v.alias_of is not None else v
+            if isinstance(root, TensorValue) and root.constant is not None and root.plan is None and root.device.is_cpu:
+                found.add(i)
+        return found
+
     def _defined_by_out_arg(self, vid) -> bool:
         for ins in self.method.instructions:
             if vid in ins.outputs:
@@ -203,11 +215,15 @@ class LoadedMethod:
             kernel = CopyKernel(_COPY_KERNELS[ins.kernel], src_v.device, out_v.device,
                                 out_v.nbytes if out_v.plan is not None else None)
             devices = (src_v.device, out_v.device)
+            fixed = self.static[src_id] and self.static[out_id] and not any(src_v.dynamic) and not any(out_v.dynamic)
             if self.streams is not None and any(d.type == "cuda" for d in devices):
-                run, slots = self.streams.run, self.slots
-                if self.static[src_id] and self.static[out_id]:
-                    return functools.partial(run, index, kernel, slots[src_id], slots[out_id], devices)
+                slots = self.slots
+                if fixed:
+                    return self.streams.bind(index, kernel.bind_static(slots[src_id], slots[out_id]), devices)
+                run = self.streams.run
                 return lambda: run(index, kernel, slots[src_id], slots[out_id], devices)
+            if fixed:
+                return kernel.bind_static(self.slots[src_id], self.slots[out_id])
             if self.static[src_id] and self.static[out_id]:
                 return functools.partial(kernel, self.slots[src_id], self.slots[out_id])
             slots = self.slots

@@ -91,7 +91,10 @@ class Module:
         m.check_inputs(inputs)
         outs = m.execute(inputs)
         if self.outputs == "view":
-            return outs
+            # a view of a constant would let the caller write into the program (a read-only
+            # file mapping: a crash); those few outputs are copies, the rest stay views
+            constant = m.constant_outputs
+            return [o.clone() if i in constant else o for i, o in enumerate(outs)] if constant else outs
         caller_owned = m.caller_owned_outputs
         return [o if i in caller_owned else o.clone() for i, o in enumerate(outs)]
 
