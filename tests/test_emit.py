@@ -330,3 +330,53 @@ def test_delegate_payload_is_a_program_on_the_delegate_device():
     # the weights live in the payload, not in the outer method
     assert not any(v.constant is not None for v in tensors(program.methods["forward"]))
     check_out_variants(payload, payload=True)
+
+
+# ------------------------------------------------------------------ sizes that cannot be planned
+
+
+class NonZero(nn.Module):
+    def forward(self, x):
+        return torch.nonzero(x) + 1
+
+
+def test_data_dependent_size_is_a_compile_error():
+    with pytest.raises(ferry.CompileError, match="data-dependent size"):
+        ferry.compile(export(NonZero(), small((3, 4), n=1)))
+
+
+def test_dynamic_size_used_as_an_argument_is_a_clear_error():
+    model, (x,) = transformer_block()  # reshape(b, t, heads, d // heads) reads the batch size
+    ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch", max=8)},))
+    with pytest.raises(ferry.CompileError) as info:
+        ferry.compile(ep)
+    msg = str(info.value)
+    assert "dynamic size" in msg and "reshape" in msg and "data-dependent" not in msg
+
+
+# ------------------------------------------------------------------ inspect: who owns each input/output
+
+
+class Owners(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x, y):
+        s = x + y
+        return s, s.t(), self.w, twice_plus(x, y)
+
+
+def test_summary_says_who_owns_inputs_and_outputs():
+    ep = export(Owners(), small())
+    lines = program_summary(ferry.compile(ep), instructions=False).splitlines()
+    assert "  input 0: float32[2, 3] on cpu:0 (planned)" in lines
+    assert "  output 0: float32[2, 3] on cpu:0 (planned)" in lines
+    assert "  output 1: float32[3, 2] on cpu:0 (view, planned)" in lines
+    assert "  output 2: float32[3] on cpu:0 (constant)" in lines
+    assert "  output 3: float32[2, 3] on cpu:0 (allocated at run time)" in lines
+    config = ferry.CompileConfig(alloc_graph_input=False, alloc_graph_output=False)
+    lines = program_summary(ferry.compile(ep, None, config), instructions=False).splitlines()
+    assert "  input 1: float32[2, 3] on cpu:0 (caller-owned)" in lines
+    assert "  output 0: float32[2, 3] on cpu:0 (caller-owned)" in lines
+    assert "  output 1: float32[3, 2] on cpu:0 (view, caller-owned)" in lines

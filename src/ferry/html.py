@@ -8,12 +8,13 @@ to a bug report. Tooltips are SVG <title> elements (hover a node, an edge or a b
 
 Three sections:
   * graph:   one row per instruction in program order (a valid topological order), one lane
-             per device; copies sit between the lanes they connect and the edges leaving them
-             carry the bytes moved. Edges that would cross a node are routed on tracks beside
-             the lane of their target, shorter edges on the inner tracks.
+             per device; copies (pills shaded from source to destination color) sit between the
+             lanes they connect and the edges leaving them carry the bytes moved. Edges that
+             would cross a node are routed on tracks beside the lane of their target, shorter
+             edges on the inner tracks.
   * memory:  per planned buffer, each planned tensor as a block spanning its lifetime
              (x: instruction index) at its offset (y: byte offset, growing downwards),
-             with the live-bytes peak (the planner's lower bound) marked.
+             with the planner's lower bound (the peak of bytes live at once) marked.
   * summary: the copy report and the buffers per device.
 
 The output is deterministic: the same program gives the same bytes.
@@ -360,7 +361,8 @@ def _graph_svg(program: Program, m: Method, nodes: list[_Node], edges: list[_Edg
     for nd in nodes:
         a = pal.lane[nd.device]
         nd.slot = (a + pal.lane[nd.src_device]) if nd.src_device is not None else 2 * a
-        nd.w = min(210.0, max(96.0 if nd.kind != "copy" else 78.0, _text_w(nd.label) + 22))
+        bold = 1.1 if nd.kind == "delegate" else 1.0  # delegate labels are bold
+        nd.w = min(256.0, max(96.0 if nd.kind != "copy" else 78.0, _text_w(nd.label) * bold + 22))
     used = sorted({nd.slot for nd in nodes} | {2 * k for k in range(len(pal.devices))})
     half = {s: max([nd.w / 2 for nd in nodes if nd.slot == s] or [60.0]) for s in used}
 
@@ -448,9 +450,8 @@ def _graph_svg(program: Program, m: Method, nodes: list[_Node], edges: list[_Edg
                    f'markerUnits="userSpaceOnUse" orient="auto"><path d="M0,0L10,5L0,10z" fill="{color}"/></marker>')
     pairs = sorted({(pal.lane[nd.src_device], pal.lane[nd.device]) for nd in nodes if nd.kind == "copy"})
     for a, b in pairs:
-        ca, cb = pal.color[pal.devices[a]][0], pal.color[pal.devices[b]][0]
-        x1, x2 = ("0", "1") if a <= b else ("1", "0")
-        out.append(f'<linearGradient id="cg-{a}-{b}" x1="{x1}" y1="0" x2="{x2}" y2="0">'
+        ca, cb = pal.color[pal.devices[a]][0], pal.color[pal.devices[b]][0]  # read left to right: source, destination
+        out.append(f'<linearGradient id="cg-{a}-{b}" x1="0" y1="0" x2="1" y2="0">'
                    f'<stop offset="0.15" stop-color="{ca}"/><stop offset="0.85" stop-color="{cb}"/></linearGradient>')
     out.append("</defs>")
 
@@ -463,7 +464,7 @@ def _graph_svg(program: Program, m: Method, nodes: list[_Node], edges: list[_Edg
     out.append('<g class="lanes">')
     for k, d in enumerate(pal.devices):
         s = 2 * k
-        fill, stroke, ink = pal.color[d]
+        fill, stroke, _ = pal.color[d]
         x0 = cx[s] - half[s] - 8
         out.append(f'<rect x="{_f(x0)}" y="{_f(_TOP - 30)}" width="{_f(2 * half[s] + 16)}" height="{_f(height - _TOP + 22)}" '
                    f'rx="8" fill="{fill}" fill-opacity="0.22" stroke="{stroke}" stroke-opacity="0.25"/>')
@@ -481,7 +482,7 @@ def _graph_svg(program: Program, m: Method, nodes: list[_Node], edges: list[_Edg
         k = routed_k.get(id(e))
         if k is None:
             y0, y1 = y_top(s.row) + _BOX_H, y_top(t.row) - 1
-            if abs(xs - xt) < 0.5:
+            if abs(xs - xt) < 0.5 or t.row > s.row + 1:  # exactly the segment `clear` checked
                 d = f"M{_f(xs)},{_f(y0)}L{_f(xt)},{_f(y1)}"
             else:
                 c = (y1 - y0) * 0.5

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, Program, TensorValue
+import math
+
+from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Program, TensorValue
 from ferry.report import copy_report
 
 
@@ -15,6 +17,22 @@ def _value(m, vid: int) -> str:
     where = "const" if v.constant is not None and v.plan is None else (
         f"b{v.plan.buffer}+{v.plan.offset}" if v.plan else ("view" if v.alias_of is not None else "caller/runtime"))
     return f"%{v.name or vid}@{v.device}[{where}]"
+
+
+def _owner(m, vid: int) -> str:
+    """Who holds the memory of an input/output: planned, a view, a constant, run time or the caller."""
+    v = m.values[vid]
+    if v.plan is not None:
+        return "planned"
+    if v.alias_of is not None:
+        inner = _owner(m, v.alias_of)
+        return inner if inner.startswith("view") else f"view, {inner}"
+    if v.constant is not None:
+        return "constant"
+    for ins in m.instructions:
+        if vid in ins.outputs:  # a functional op (no out argument) allocates its result
+            return "allocated at run time" if isinstance(ins, KernelCall) and vid not in ins.args else "caller-owned"
+    return "caller-owned"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -36,7 +54,7 @@ def program_summary(program: Program, instructions: bool = True) -> str:
         for kind, ids in (("input", m.inputs), ("output", m.outputs)):
             for i, vid in enumerate(ids):
                 v = m.values[vid]
-                owner = "planned" if v.plan else "caller-owned"
+                owner = _owner(m, vid)
                 out.append(f"  {kind} {i}: {_tensor_line(v)} ({owner})")
         if instructions:
             out.append("  instructions:")
@@ -66,7 +84,22 @@ def program_summary(program: Program, instructions: bool = True) -> str:
     return "\n".join(out)
 
 
+def _finite(x):
+    """Strict JSON has no inf/nan: non-finite floats (masks of -inf, ...) become strings."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def program_json(program: Program) -> dict:
+    return _finite(_program_json(program))
+
+
+def _program_json(program: Program) -> dict:
     methods = {}
     for name, m in program.methods.items():
         rep = copy_report(program, name)
@@ -106,7 +139,7 @@ def _tensor_json(v: TensorValue) -> dict:
 def _arg_json(m, vid):
     v = m.values[vid]
     if isinstance(v, ConstValue):
-        return {"value": v.value if v.kind not in ("float",) or v.value == v.value else str(v.value), "kind": v.kind}
+        return {"value": v.value, "kind": v.kind}
     d = {"value_id": vid, "name": v.name, "device": str(v.device), "dtype": v.dtype, "shape": list(v.shape)}
     if v.plan:
         d["buffer"], d["offset"] = v.plan.buffer, v.plan.offset

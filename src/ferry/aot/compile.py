@@ -6,7 +6,7 @@ from typing import Mapping
 
 import torch
 
-from ferry.aot.config import CompileConfig
+from ferry.aot.config import CompileConfig, PropagateDeviceConfig
 from ferry.aot.emit import EmitOptions, ProgramBuilder, emit_method
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
@@ -33,6 +33,8 @@ def _methods(ep_or_dict) -> dict[str, torch.export.ExportedProgram]:
 def _check_method_names(config: CompileConfig, names: set[str]) -> None:
     """A per-method setting for a method that is not compiled is a typo, not a default."""
     pd = config.propagate_device
+    if not isinstance(pd, (Mapping, PropagateDeviceConfig)):
+        raise CompileError(f"propagate_device must be a PropagateDeviceConfig or a dict of them, got {pd!r}")
     dicts = [("propagate_device", pd)] if isinstance(pd, Mapping) else [
         ("skip_h2d_for_method_inputs", pd.skip_h2d_for_method_inputs),
         ("skip_d2h_for_method_outputs", pd.skip_d2h_for_method_outputs),

@@ -61,6 +61,16 @@ class CompileConfig:
     memory_planning: str = "greedy"
     alignment: Union[int, Mapping[str, int], None] = None
 
+    def __post_init__(self):
+        if self.memory_planning not in ("greedy", "naive"):
+            raise CompileError(f"memory_planning must be 'greedy' or 'naive', got {self.memory_planning!r}")
+        aligns = self.alignment.values() if isinstance(self.alignment, Mapping) else [self.alignment]
+        for a in aligns:
+            if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 1 or a & (a - 1)):
+                raise CompileError(f"alignment must be a power of two (bytes), got {a!r}")
+        if not isinstance(self.enable_non_cpu_memory_planning, bool):
+            raise CompileError("enable_non_cpu_memory_planning must be a bool")
+
     def propagate_for(self, method: str) -> PropagateDeviceConfig:
         pd = self.propagate_device
         if isinstance(pd, PropagateDeviceConfig):

@@ -116,6 +116,14 @@ class _MethodEmitter:
 
     def tensor_value(self, node, val, device, **kw) -> int:
         if isinstance(val, torch.SymInt):
+            from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+            if not free_unbacked_symbols(val):  # a size of a dynamic input (x.shape[0]) used as a value
+                raise CompileError(
+                    f"method {self.name!r}: {node.name!r} reads a dynamic size ({val}) to use it as an argument "
+                    "(e.g. x.shape[0] in a reshape/view); ferry cannot emit symbolic size arguments yet: export this "
+                    "dimension as static, or keep dynamic dimensions away from reshapes and views"
+                )
             raise CompileError(
                 f"method {self.name!r}: {node.name!r} is a data-dependent size ({val}); ferry plans memory ahead of "
                 "time and needs static or bounded shapes: keep ops like nonzero/unique out of the program"

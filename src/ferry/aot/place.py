@@ -61,7 +61,7 @@ class PropagateDevicePass(PassBase):
     ):
         super().__init__()
         if not enable_non_cpu_memory_planning and (skip_h2d_for_method_inputs or skip_d2h_for_method_outputs):
-            raise ValueError(
+            raise CompileError(
                 "skip_h2d_for_method_inputs / skip_d2h_for_method_outputs need enable_non_cpu_memory_planning=True: "
                 "without device placement there is no device tensor to pass in or out; enable it or drop the skip flag"
             )

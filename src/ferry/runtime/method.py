@@ -231,6 +231,9 @@ class LoadedMethod:
         op = resolve_op(ins.kernel)
         pos, kw = bind_aten(op, ins.args, self._ref)
         out_is_arg = all(o in ins.args for o in ins.outputs) and bool(ins.outputs)
+        dynamic_outs = [o for o in ins.outputs if any(m.tensor(o).dynamic) and m.tensor(o).plan is not None]
+        if out_is_arg and dynamic_outs:
+            return self._bind_dynamic_out(op, pos, kw, dynamic_outs)
         if out_is_arg and all(r[0] == "c" for r in pos) and all(r[0] == "c" for r in kw.values()):
             args, kwargs = [r[1] for r in pos], {k: r[1] for k, r in kw.items()}
             return functools.partial(fast_aten(op, args, kwargs) or op, *args, **kwargs)
@@ -254,6 +257,27 @@ class LoadedMethod:
             for o in outputs:
                 self.static[o] = True
             return None
+        return step
+
+    def _bind_dynamic_out(self, op, pos, kw, dynamic_outs):
+        """Outputs with a dynamic dim are planned at their bound: shrink them to empty before the
+        op so it sizes them (no resize warning), then check they stayed within their plan."""
+        slots, m = self.slots, self.method
+        capacity = [(o, m.tensor(o).nbytes) for o in dynamic_outs]
+
+        def step():
+            for o, _ in capacity:
+                slots[o].resize_(0)
+            op(*[r[1] if r[0] == "c" else slots[r[1]] for r in pos],
+               **{n: (r[1] if r[0] == "c" else slots[r[1]]) for n, r in kw.items()})
+            for o, cap in capacity:
+                t = slots[o]
+                if t.numel() * t.element_size() > cap:
+                    raise InputError(
+                        f"{op}: a {tuple(t.shape)} result exceeds the {cap} bytes planned for it; "
+                        "the inputs are larger than the bounds the program was exported with"
+                    )
+
         return step
 
     # ---------------------------------------------------------------- schedule

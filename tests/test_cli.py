@@ -1,0 +1,220 @@
+"""The `ferry` command, called in-process through ferry.cli.main (return code + captured output),
+plus one real subprocess for `--help`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ferry
+import ferry.examples
+from ferry.cli import main
+from ferry.report import copy_report
+from ferry.runtime import emulated_device, get_allocator, unregister_allocator
+
+from models import Add, fresh_inputs, small
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_emu():
+    """`ferry compile/run` register the emulated device for emu programs, for the life of the
+    process; undo that after each test so other tests can register their own."""
+    before = get_allocator("emu")
+    yield
+    if before is None and get_allocator("emu") is not None:
+        unregister_allocator("emu")
+
+
+def call(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """`ferry compile ferry.examples:transformer_block -o F --device emu:0 --exclude aten._softmax`."""
+    path = tmp_path_factory.mktemp("cli") / "block.ferry"
+    had_emu = get_allocator("emu") is not None
+    try:
+        rc, out, err = call(["compile", "ferry.examples:transformer_block", "-o", path, "--device", "emu:0",
+                             "--exclude", "aten._softmax"])
+    finally:
+        if not had_emu and get_allocator("emu") is not None:
+            unregister_allocator("emu")
+    return path, rc, out, err
+
+
+def test_compile_writes_a_program(compiled):
+    path, rc, out, err = compiled
+    assert rc == 0, err
+    assert path.is_file() and path.stat().st_size > 0
+    assert "[ferry] torch.export done" in err and f"[ferry] save {path} done" in err
+    assert "method 'forward'" in out and "copies of method 'forward'" in out and "on emu:0" in out
+    program = ferry.load_program(path)
+    m = program.methods["forward"]
+    assert len(program.delegates) == 2 and all(d.spec("target_device") == b"emu:0" for d in program.delegates)
+    assert "aten::_softmax.out" in [getattr(i, "kernel", None) for i in m.instructions], "softmax stays on the CPU"
+    assert [str(b.device) for b in m.buffers] == ["cpu:0", "cpu:0", "emu:0"]
+    # the file runs and matches eager PyTorch
+    model, example = ferry.examples.transformer_block()
+    with emulated_device():
+        module = ferry.Module(str(path))
+        for seed in (1, 2):
+            (x,) = fresh_inputs(example, seed)
+            (got,) = module.run_method("forward", [x])
+            torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_inspect_prints_methods_instructions_copies_and_buffers(compiled):
+    path = compiled[0]
+    rc, out, err = call(["inspect", path])
+    assert rc == 0 and err == ""
+    program = ferry.load_program(path)
+    m = program.methods["forward"]
+    assert "method 'forward'" in out and "instructions:" in out
+    lines = out.splitlines()
+    ins_lines = [ln for ln in lines if re.match(r"\s+#\d+\s+(delegate|aten::|et_copy::)", ln)]
+    assert len(ins_lines) == len(m.instructions)
+    assert any("delegate 0 (torch on emu:0)" in ln for ln in ins_lines)
+    assert any(ln.strip().startswith("#") and "aten::_softmax.out" in ln and "@cpu:0[" in ln for ln in ins_lines)
+    assert any("et_copy::_h2d_copy.out" in ln and "@cpu:0[" in ln and "@emu:0[" in ln for ln in ins_lines)
+    rows = copy_report(program, "forward").rows
+    assert rows and {r.direction for r in rows} == {"h2d", "d2h"}
+    for r in rows:  # one line per copy, with its direction, devices and bytes
+        assert any(f"#{r.instruction}" in ln and r.direction in ln and f"{r.nbytes:,} B" in ln
+                   and r.src in ln and r.dst in ln for ln in lines), r
+    for i, b in enumerate(m.buffers[1:], start=1):
+        assert any(re.search(rf"buffer {i}:.* on {b.device}$", ln) for ln in lines), (i, b)
+    for dev, lb in m.lower_bounds.items():
+        assert f"{dev}: planned" in out and f"lower bound (peak live) {lb:,} B" in out
+
+
+def test_inspect_json(compiled):
+    path = compiled[0]
+    rc, out, _ = call(["inspect", path, "--json"])
+    assert rc == 0
+    data = json.loads(out)
+    fwd = data["methods"]["forward"]
+    program = ferry.load_program(path)
+    m = program.methods["forward"]
+    assert [b["device"] for b in fwd["buffers"]] == [str(b.device) for b in m.buffers]
+    assert [b["size"] for b in fwd["buffers"]] == [b.size for b in m.buffers]
+    rep = copy_report(program, "forward")
+    assert [(c["direction"], c["nbytes"], c["src"], c["dst"]) for c in fwd["copies"]] == [
+        (r.direction, r.nbytes, r.src, r.dst) for r in rep.rows]
+    assert fwd["copy_totals"]["h2d"] == {"count": rep.totals()["h2d"][0], "bytes": rep.totals()["h2d"][1]}
+    assert len(fwd["instructions"]) == len(m.instructions)
+    devices = {a["device"] for ins in fwd["instructions"] for a in ins["outputs"]}
+    assert devices == {"cpu:0", "emu:0"}
+    assert fwd["lower_bounds"] == m.lower_bounds
+    assert [d["compile_specs"]["target_device"] for d in data["delegates"]] == ["emu:0", "emu:0"]
+
+
+def test_run_prints_latency_and_copies(compiled):
+    path = compiled[0]
+    assert get_allocator("emu") is None, "run registers the emulated device itself"
+    rc, out, err = call(["run", path, "--repeat", "3"])
+    assert rc == 0, err
+    assert "running on the emulated device" in out
+    stats = re.search(r"method 'forward': 3 runs, median ([\d.]+) ms, p90 ([\d.]+) ms", out)
+    assert stats and 0 < float(stats.group(1)) <= float(stats.group(2))
+    assert "output 0: float32[2, 16, 64]" in out
+    assert "copies of method 'forward'" in out
+    assert "totals: h2d 2 copies / 16,384 B, d2h 2 copies / 16,384 B, d2d 0 copies / 0 B" in out
+
+
+def test_run_with_inputs_from_npz(compiled, tmp_path):
+    path = compiled[0]
+    good = tmp_path / "in.npz"
+    np.savez(good, x=np.random.randn(2, 16, 64).astype(np.float32))
+    rc, out, err = call(["run", path, "--inputs", good, "--repeat", "1"])
+    assert rc == 0, err
+    assert "method 'forward': 1 runs" in out
+    bad = tmp_path / "two.npz"
+    np.savez(bad, a=np.zeros((2, 16, 64), np.float32), b=np.zeros((2, 16, 64), np.float32))
+    rc, out, err = call(["run", path, "--inputs", bad])
+    assert rc == 2 and err.startswith("ferry run: error:") and "2 arrays" in err and "1 inputs" in err
+
+
+def _garbage(tmp_path):
+    p = tmp_path / "garbage.ferry"
+    p.write_bytes(os.urandom(256))
+    return p
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["inspect", "{tmp}/missing.ferry"], "No such file"),
+    (["run", "{tmp}/missing.ferry"], "No such file"),
+    (["inspect", "{garbage}"], "not a ferry program"),
+    (["run", "{garbage}"], "not a ferry program"),
+    (["compile", "no_colon_here", "-o", "{tmp}/out.ferry"], "package.module:function"),
+    (["compile", ":transformer_block", "-o", "{tmp}/out.ferry"], "package.module:function"),
+    (["compile", "ferry_no_such_module_xyz:build", "-o", "{tmp}/out.ferry"], "cannot import 'ferry_no_such_module_xyz'"),
+    (["compile", "ferry.examples:no_such_factory", "-o", "{tmp}/out.ferry"], "no function 'no_such_factory'"),
+    (["compile", "ferry.examples:transformer_block", "-o", "{tmp}/out.ferry", "--device", "tpu:0"], "unknown device type 'tpu'"),
+    (["compile", "ferry.examples:transformer_block", "-o", "{tmp}/out.ferry", "--device", "emu:0", "--exclude", "aten.no_such_op"], "no_such_op"),
+])
+def test_errors_are_one_line_exit_2(tmp_path, argv, message):
+    argv = [a.format(tmp=tmp_path, garbage=_garbage(tmp_path)) for a in argv]
+    rc, out, err = call(argv)
+    assert rc == 2
+    assert err.startswith(f"ferry {argv[0]}: error: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err
+    assert not (tmp_path / "out.ferry").exists()
+
+
+def test_run_unknown_method_is_an_error(compiled):
+    rc, out, err = call(["run", compiled[0], "--method", "nope"])
+    assert rc == 2 and err.startswith("ferry run: error:") and "no method 'nope'" in err and err.count("\n") == 1
+
+
+class Masked(torch.nn.Module):
+    def forward(self, x):
+        return x.masked_fill(x > 1, float("-inf")).softmax(-1)
+
+
+def test_inspect_json_is_strict_json_with_infinite_constants(tmp_path):
+    path = tmp_path / "masked.ferry"
+    ferry.compile(torch.export.export(Masked(), small(n=1))).save(path)
+    rc, out, _ = call(["inspect", path, "--json"])
+    assert rc == 0
+
+    def no_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    data = json.loads(out, parse_constant=no_constants)
+    consts = [a for ins in data["methods"]["forward"]["instructions"] for a in ins["args"] if a and a.get("kind") == "float"]
+    assert {"kind": "float", "value": "-inf"} in consts
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_run_cuda_program_without_a_gpu(tmp_path):
+    path = tmp_path / "add.ferry"
+    ferry.compile(torch.export.export(Add(), small((2, 2))), ferry.OpSupportPartitioner("cuda:0")).save(path)
+    rc, out, err = call(["run", path])
+    assert rc == 2 and err.startswith("ferry run: error:") and "'cuda'" in err and err.count("\n") == 1
+
+
+def test_help_in_a_subprocess():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "ferry.cli", "--help"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: ferry")
+    for command in ("compile", "inspect", "run"):
+        assert command in proc.stdout
