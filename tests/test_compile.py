@@ -270,6 +270,33 @@ def test_graph_inputs_and_outputs_planned_unless_disabled(emu, alloc_in, alloc_o
     run_vs_eager(program, model, inputs)
 
 
+def test_legacy_mode_runs_on_the_emulated_device(emu):
+    model, inputs = SharedOutput(), small()
+    config = ferry.CompileConfig(enable_non_cpu_memory_planning=False)
+    program = compile_checked(torch.export.export(model, inputs), PerAdd("emu:0"), config)
+    assert {b.device for b in program.methods["forward"].buffers} == {CPU}
+    run_vs_eager(program, model, inputs)
+
+
+class PassThrough(nn.Module):
+    """Inputs returned as they are, twice, and as a view; one computed output."""
+
+    def forward(self, x, y):
+        return x, x + y, y.t(), x
+
+
+@pytest.mark.parametrize("alloc_in,alloc_out", [(True, True), (True, False), (False, True), (False, False)])
+def test_inputs_returned_as_outputs_and_views(emu, alloc_in, alloc_out):
+    model, inputs = PassThrough(), small()
+    config = ferry.CompileConfig(alloc_graph_input=alloc_in, alloc_graph_output=alloc_out)
+    part = ferry.OpSupportPartitioner("emu:0", ops=["aten.add"])
+    program = compile_checked(torch.export.export(model, inputs), part, config)
+    m = program.methods["forward"]
+    assert m.outputs[0] == m.outputs[3] == m.inputs[0]
+    assert m.values[m.outputs[2]].alias_of == m.inputs[1]
+    run_vs_eager(program, model, inputs, seeds=(1, 2, 3))
+
+
 @pytest.mark.parametrize("h2d,d2h", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("alloc", [True, False])
 def test_inputs_outputs_on_device_never_planned(h2d, d2h, alloc):
@@ -469,8 +496,6 @@ class DynView(nn.Module):
 
 
 @pytest.mark.filterwarnings(RESIZE_WARNING)
-@pytest.mark.xfail(strict=True, reason="runtime bug: views are computed once at load with the planned (bound) "
-                   "shape, so in a method with dynamic shapes a view keeps the bound shape (runtime/method.py)")
 def test_view_of_dynamic_value_follows_the_call_shape():
     ep = torch.export.export(DynView(), (torch.randn(4, 8),), dynamic_shapes=({0: torch.export.Dim("b", max=16)},))
     module = ferry.Module(compile_checked(ep))

@@ -9,6 +9,9 @@ what is missing.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 NAMESPACE = "et_copy"
@@ -120,10 +123,25 @@ def _aten_out(op: str, src_cuda: bool, dst_cuda: bool):
     return kernel
 
 
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def aten_mode():
+    """Run placed graphs eagerly for real: inside this block the functional `_h2d_copy` moves
+    its input to the current CUDA device. Outside it, it is the tracing clone, so tracing and
+    eager checks behave the same on machines with and without a GPU. (The `.out` forms and the
+    other copies always follow the devices of their tensors.)"""
+    prev = getattr(_mode, "on", False)
+    _mode.on = True
+    try:
+        yield
+    finally:
+        _mode.on = prev
+
+
 def _h2d_functional_aten(self: torch.Tensor) -> torch.Tensor:
-    """On a machine with a GPU, _h2d_copy moves to the current CUDA device; without one it is
-    the tracing clone."""
-    if torch.cuda.is_available():
+    if getattr(_mode, "on", False) and torch.cuda.is_available():
         return self.to(torch.device("cuda", torch.cuda.current_device()), copy=True)
     return _functional(self)
 

@@ -28,6 +28,9 @@ from ferry.program.schema import (
 )
 
 
+_EXPORT_TIME_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
+
+
 @dataclass
 class ProgramBuilder:
     """Segments and delegates shared by all methods of one program."""
@@ -265,7 +268,9 @@ class _MethodEmitter:
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
             self.env[node] = outs if many else outs[0]
             return
-        if not op._schema.returns:  # a check (e.g. aten._assert_tensor_metadata): runs, defines nothing
+        if op in _EXPORT_TIME_CHECKS:
+            return  # asserts the device/dtype seen while tracing on the CPU; placement changes the device
+        if not op._schema.returns:  # a check (e.g. aten._assert_scalar): runs, defines nothing
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), ()))
             return
         vals = list(val) if isinstance(val, (tuple, list)) else [val]

@@ -204,7 +204,11 @@ class LoadedMethod:
             devs = {m.tensor(o).device for o in outs}
             cuda_index = next((d.index for d in devs if d.type == "cuda"), None)
             if cuda_index is not None:
+                current = torch.cuda.current_device
+
                 def run_on_gpu():
+                    if current() == cuda_index:  # the common case: skip the device switch
+                        return handle.execute([slots[a] for a in args], [slots[o] for o in outs])
                     with torch.cuda.device(cuda_index):
                         handle.execute([slots[a] for a in args], [slots[o] for o in outs])
                 return run_on_gpu
@@ -219,7 +223,8 @@ class LoadedMethod:
             if self.streams is not None and any(d.type == "cuda" for d in devices):
                 slots = self.slots
                 if fixed:
-                    return self.streams.bind(index, kernel.bind_static(slots[src_id], slots[out_id]), devices)
+                    return self.streams.bind(index, kernel.bind_static(slots[src_id], slots[out_id]), devices,
+                                             src_v.nbytes)
                 run = self.streams.run
                 return lambda: run(index, kernel, slots[src_id], slots[out_id], devices)
             if fixed:
@@ -295,8 +300,14 @@ class LoadedMethod:
         return "device", single, any(d.is_cpu for d in devs)
 
     def _capturable(self, ins) -> bool:
+        """Every address fixed, and host memory page-locked: a captured copy from pageable memory
+        would go through a staging buffer filled once, at capture, and replay stale data."""
         ids = [a for a in ins.args if a != DEFAULT_ARG] + list(ins.outputs)
-        return all(self.static[i] for i in ids)
+        if not all(self.static[i] for i in ids):
+            return False
+        m = self.method
+        return all(self.slots[i].is_pinned() for i in ids
+                   if isinstance(m.values[i], TensorValue) and m.tensor(i).device.is_cpu)
 
     def _schedule(self, steps, cuda_graphs: bool):
         """Drop load-time-only steps; make the host wait for pending copies exactly where host code
@@ -319,7 +330,7 @@ class LoadedMethod:
                 if cuda_graphs:
                     self._graph_notes.append(
                         f"instructions {segment[0][4]}..{segment[-1][4]} run without a CUDA graph "
-                        "(they use several GPUs or tensors the caller passes per call)")
+                        "(they use several GPUs, tensors the caller passes per call, or pageable host memory)")
                 out.extend(k[0] for k in segment)
             segment.clear()
 
@@ -342,12 +353,14 @@ class LoadedMethod:
         return out
 
     def _is_view(self, ins) -> bool:
-        v = self.method.values[ins.outputs[0]] if ins.outputs else None
-        return isinstance(v, TensorValue) and v.alias_of is not None and all(
-            r is None or r for r in [True]
-        ) and all(
-            self.static[a] for a in ins.args if a != DEFAULT_ARG
-        )
+        """A view that can be made once, at load: of fixed planned memory, with a fixed shape."""
+        m = self.method
+        if not ins.outputs or not all(isinstance(m.values[o], TensorValue) and m.tensor(o).alias_of is not None
+                                      for o in ins.outputs):
+            return False
+        if any(any(m.tensor(o).dynamic) for o in ins.outputs):
+            return False  # its shape follows each call's input shapes
+        return all(self.static[a] for a in ins.args if a != DEFAULT_ARG)
 
     # ---------------------------------------------------------------- run
 
