@@ -250,8 +250,9 @@ def test_cuda_graphs_with_cpu_fallback_segments():
 
 def test_cuda_graph_capture_failure_falls_back_with_warning():
     # pageable host buffers make the copy synchronise with the host: not capturable
-    x = torch.randn(64, 32)
-    module = ferry.Module(_compile(Chain(), (x, x)), cuda_graphs=True, pin_host_memory=False)
+    # (two distinct example tensors: torch.export folds one tensor passed twice into one input)
+    module = ferry.Module(_compile(Chain(), (torch.randn(64, 32), torch.randn(64, 32))), cuda_graphs=True,
+                          pin_host_memory=False)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(4):
@@ -298,9 +299,12 @@ def test_aten_mode_copy_kernels():
     assert r is out and out.shape == x.shape and torch.equal(out.cpu(), x)
     host = torch.empty(3, 5)
     assert ops._d2h_copy.out(out, out=host) is host and torch.equal(host, x)
-    f = ops._h2d_copy(x)
+    with ferry.ops.aten_mode():
+        f = ops._h2d_copy(x)
     assert f.is_cuda and torch.equal(f.cpu(), x)
     assert ops._d2h_copy(f).device.type == "cpu"
+    traced = ops._h2d_copy(x)  # outside aten_mode: the tracing clone, as on a machine without a GPU
+    assert traced.device.type == "cpu" and torch.equal(traced, x) and traced.data_ptr() != x.data_ptr()
 
 
 def test_aten_mode_checks_before_writing():
