@@ -258,9 +258,9 @@ def test_cuda_graph_capture_failure_falls_back_with_warning():
         for _ in range(4):
             a, b = torch.randn(64, 32), torch.randn(64, 32)
             torch.testing.assert_close(module(a, b), Chain()(a, b))
-    graphs = module._methods["forward"]._graphs
-    assert any("capture" in str(m.message) for m in w) == any(g.failed for g in graphs)
-    assert graphs and all(g.failed or g.graph is not None for g in graphs)
+    # the segment reads pageable host memory: it is never captured, and the user is told so
+    assert module._methods["forward"]._graphs == []
+    assert any("without a CUDA graph" in str(m.message) for m in w)
 
 
 def test_cuda_graph_shape_change_falls_back():
