@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import ferry.examples as ferry_examples
 import torch
 from torch import nn
 
@@ -127,28 +128,11 @@ def small_cnn(batch: int = 2):
     return model, (torch.randn(batch, 3, 8, 8),)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: LayerNorm, multi-head self-attention (softmax), LayerNorm, MLP (GELU)."""
+class TransformerBlock(ferry_examples.TransformerBlock):
+    """The example block (LayerNorm, multi-head attention with softmax, MLP with GELU), small."""
 
     def __init__(self, dim: int = 16, heads: int = 2, hidden: int = 32):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        h = self.heads
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-        q, k, v = (z.reshape(b, t, h, d // h).transpose(1, 2) for z in (q, k, v))
-        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // h), dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+        super().__init__(dim, heads, hidden)
 
 
 def transformer_block(batch: int = 2, seq: int = 4):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferry.device import CPU, Device
+from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Method, Program, TensorValue
 from ferry.report import copy_report
 
@@ -114,20 +115,7 @@ def _short_kernel(kernel: str) -> str:
     return kernel.removeprefix("aten::").removesuffix(".default")
 
 
-def _tensor_ids(m: Method, vid: int) -> list[int]:
-    """Tensor value ids behind one argument: itself, or the members of a tensor list."""
-    if vid == DEFAULT_ARG or not 0 <= vid < len(m.values):
-        return []
-    v = m.values[vid]
-    if isinstance(v, TensorValue):
-        return [vid]
-    if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors"):
-        out = []
-        for x in v.value or ():
-            if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(m.values) and isinstance(m.values[x], TensorValue):
-                out.append(x)
-        return out
-    return []
+_tensor_ids = tensor_ids
 
 
 def _reads(m: Method, ins) -> list[int]:
@@ -582,49 +570,8 @@ def _legend(pal: _Palette, nodes: list[_Node]) -> str:
 
 
 def _lifetimes(m: Method) -> dict[int, tuple[int, int]]:
-    """(first, last) instruction index per value, as the planner computed them: an input or a
-    mutable buffer starts at -1, an output (or a mutable buffer) lives to len(instructions);
-    a view keeps the value it views alive."""
-    n = len(m.instructions)
-    start: dict[int, int] = {}
-    end: dict[int, int] = {}
-
-    def root(vid: int) -> int:
-        v = m.values[vid]
-        return v.alias_of if isinstance(v, TensorValue) and v.alias_of is not None else vid
-
-    def touch(vid: int, i: int) -> None:
-        for t in _tensor_ids(m, vid):
-            r = root(t)
-            end[r] = max(end.get(r, i), i)
-
-    for i, ins in enumerate(m.instructions):
-        for a in ins.args:
-            touch(a, i)
-        for o in ins.outputs:
-            for t in _tensor_ids(m, o):
-                start.setdefault(t, i)
-            touch(o, i)
-    for vid in m.outputs:
-        touch(vid, n)
-    mutable = set()
-    for mb in m.mutable_buffers:
-        touch(mb.update, n)
-        mutable.add(mb.value)
-    inputs = set(m.inputs)
-    out = {}
-    for vid, v in enumerate(m.values):
-        if not isinstance(v, TensorValue) or v.plan is None:
-            continue
-        if vid in mutable:
-            s, e = -1, n
-        elif vid in inputs:
-            s, e = -1, end.get(vid, -1)
-        else:
-            s = start.get(vid, -1)
-            e = max(end.get(vid, s), s)
-        out[vid] = (s, e)
-    return out
+    """(first, last) instruction of every planned value: the lifetimes the planner used."""
+    return {vid: life for vid, life in value_lifetimes(m).items() if m.values[vid].plan is not None}
 
 
 def _byte_ticks(size: int) -> list[int]:

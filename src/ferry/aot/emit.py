@@ -22,6 +22,7 @@ from ferry.aot.out_variants import is_view, kernel_name, out_variant
 from ferry.aot.plan import PlanValue, plan_memory
 from ferry.device import CPU, Device
 from ferry.errors import CompileError
+from ferry.program.lifetimes import value_lifetimes
 from ferry.program.schema import (
     DEFAULT_ARG, ConstValue, Delegate, DelegateCall, KernelCall, Method, MutableBuffer,
     TensorValue, dtype_name,
@@ -321,47 +322,20 @@ class _MethodEmitter:
     # ---------------------------------------------------------------- plan
 
     def finish(self) -> Method:
-        n = len(self.instructions)
-        start: dict[int, int] = {}
-        end: dict[int, int] = {}
-
-        def touch(vid, i):
-            v = self.values[vid]
-            if isinstance(v, ConstValue):
-                if v.kind in ("tensors", "opt_tensors"):
-                    for x in v.value:
-                        if x is not None:
-                            touch(x, i)
-                return
-            root = self._root(vid)
-            end[root] = max(end.get(root, i), i)
-
-        for i, ins in enumerate(self.instructions):
-            for a in ins.args:
-                if a != DEFAULT_ARG:
-                    touch(a, i)
-            for o in ins.outputs:
-                start.setdefault(o, i)
-                touch(o, i)
-        for vid in self.outputs:
-            touch(vid, n)
-        for mb in self.mutable:
-            touch(mb.update, n)
+        method = Method(
+            name=self.name, values=list(self.values), instructions=self.instructions, inputs=self.inputs,
+            outputs=self.outputs, buffers=[], mutable_buffers=self.mutable,
+        )
+        life = value_lifetimes(method)
 
         plan_values = []
-        for vid, v in enumerate(self.values):
-            if not isinstance(v, TensorValue) or v.alias_of is not None or vid in self.runtime_alloc or vid in self.caller_owned:
+        for vid, (first, last) in life.items():
+            v = self.values[vid]
+            if vid in self.runtime_alloc or vid in self.caller_owned:
                 continue
             if v.constant is not None and vid not in self.mutable_ids:
                 continue
-            if vid in self.mutable_ids:
-                s, e = -1, n
-            elif vid in self.inputs:
-                s, e = -1, end.get(vid, -1)
-            else:
-                s = start.get(vid, -1)
-                e = max(end.get(vid, s), s)
-            plan_values.append(PlanValue(vid, v.nbytes, v.device, s, e))
+            plan_values.append(PlanValue(vid, v.nbytes, v.device, first, last))
         plan = plan_memory(
             plan_values, algorithm=self.opts.algorithm, alignment=self.opts.alignment,
             enable_non_cpu_memory_planning=self.opts.enable_non_cpu_memory_planning,

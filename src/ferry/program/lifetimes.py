@@ -1,0 +1,64 @@
+"""Value lifetimes over a method's instructions: what memory planning and its picture share."""
+
+from __future__ import annotations
+
+from ferry.program.schema import DEFAULT_ARG, ConstValue, Method, TensorValue
+
+
+def tensor_ids(method: Method, vid: int) -> list[int]:
+    """The tensor value ids an argument id stands for (a list constant stands for its members)."""
+    if vid == DEFAULT_ARG or not 0 <= vid < len(method.values):
+        return []
+    v = method.values[vid]
+    if isinstance(v, TensorValue):
+        return [vid]
+    if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors"):
+        return [x for x in v.value or () if isinstance(x, int) and not isinstance(x, bool)
+                and 0 <= x < len(method.values) and isinstance(method.values[x], TensorValue)]
+    return []
+
+
+def value_lifetimes(method: Method) -> dict[int, tuple[int, int]]:
+    """(first, last) instruction index of every tensor value that owns memory (not a view).
+
+    A value starts at the instruction that defines it; a method input or a mutable buffer at -1.
+    It ends at the last instruction that reads it, or one of its views; a method output or a
+    mutable buffer lives to len(instructions)."""
+    n = len(method.instructions)
+    start: dict[int, int] = {}
+    end: dict[int, int] = {}
+
+    def root(vid: int) -> int:
+        v = method.values[vid]
+        return v.alias_of if v.alias_of is not None else vid
+
+    def touch(vid: int, i: int) -> None:
+        for t in tensor_ids(method, vid):
+            r = root(t)
+            end[r] = max(end.get(r, i), i)
+
+    for i, ins in enumerate(method.instructions):
+        for a in ins.args:
+            touch(a, i)
+        for o in ins.outputs:
+            for t in tensor_ids(method, o):
+                start.setdefault(t, i)
+            touch(o, i)
+    for vid in method.outputs:
+        touch(vid, n)
+    mutable = {mb.value for mb in method.mutable_buffers}
+    for mb in method.mutable_buffers:
+        touch(mb.update, n)
+    inputs = set(method.inputs)
+    out = {}
+    for vid, v in enumerate(method.values):
+        if not isinstance(v, TensorValue) or v.alias_of is not None:
+            continue
+        if vid in mutable:
+            out[vid] = (-1, n)
+        elif vid in inputs:
+            out[vid] = (-1, end.get(vid, -1))
+        else:
+            s = start.get(vid, -1)
+            out[vid] = (s, max(end.get(vid, s), s))
+    return out
