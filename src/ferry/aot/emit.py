@@ -109,6 +109,7 @@ class _MethodEmitter:
         self.mutable_ids: set[int] = set()
         self.caller_owned: set[int] = set()
         self.runtime_alloc: set[int] = set()
+        self.unread: set[int] = set()
         self.allocating_ops: list[str] = []
 
     # ---------------------------------------------------------------- values
@@ -285,6 +286,12 @@ class _MethodEmitter:
         else:
             out_names = [a.name for a in out_op._schema.arguments if a.is_out]
             self.instructions.append(KernelCall(kernel_name(out_op), self.schema_args(out_op, node, dict(zip(out_names, outs))), outs))
+            if isinstance(val, (tuple, list)):
+                # outputs nobody reads are not planned: their traced shape can be smaller than what a
+                # device's kernel writes (batch norm's saved statistics are (0,) on the CPU and (C,) on
+                # CUDA); the runtime gives each its own tensor, so a larger write can't hit a neighbour
+                read = {u.args[1] for u in node.users if u.target is operator.getitem}
+                self.unread.update(o for k, o in enumerate(outs) if k not in read)
         self.env[node] = outs if isinstance(val, (tuple, list)) else outs[0]
 
     def _root(self, vid: int) -> int:
@@ -331,7 +338,7 @@ class _MethodEmitter:
         plan_values = []
         for vid, (first, last) in life.items():
             v = self.values[vid]
-            if vid in self.runtime_alloc or vid in self.caller_owned:
+            if vid in self.runtime_alloc or vid in self.caller_owned or vid in self.unread:
                 continue
             if v.constant is not None and vid not in self.mutable_ids:
                 continue

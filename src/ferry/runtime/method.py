@@ -18,6 +18,7 @@ from ferry.program.schema import (
     DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Method, Program, TensorValue,
 )
 from ferry.runtime.allocator import DeviceMemoryBuffer, as_bytes, get_allocator
+from ferry.program.lifetimes import tensor_ids
 from ferry.runtime.cuda import CopyStreams
 from ferry.runtime.cuda_graphs import GraphSegment
 from ferry.runtime.kernels import CopyKernel, bind_aten, fast_aten
@@ -106,6 +107,7 @@ class LoadedMethod:
         slots: list = [None] * len(m.values)
         static = [True] * len(m.values)
         mutable_ids = {mb.value for mb in m.mutable_buffers}
+        scratch = self._unread_out_args()
         for vid, v in enumerate(m.values):
             if isinstance(v, ConstValue):
                 if v.kind in ("tensors", "opt_tensors"):
@@ -120,6 +122,11 @@ class LoadedMethod:
                     self._fill(slots[vid], v)
             elif v.constant is not None:
                 slots[vid] = self._upload_constant(v)
+            elif vid in scratch:
+                # an out argument nobody reads (batch norm's saved statistics in eval, ...): its own
+                # tensor, made once; if the kernel needs it larger on this device than the trace said,
+                # resizing it reallocates it instead of writing over planned neighbours
+                slots[vid] = empty_on(v.device, v.shape, v.torch_dtype)
             else:
                 static[vid] = False  # caller-owned, allocated per call, or a view of one
         self.slots, self.static = slots, static
@@ -142,8 +149,27 @@ class LoadedMethod:
         self._per_call_outputs = [
             (vid, v) for vid, v in enumerate(m.values)
             if isinstance(v, TensorValue) and v.plan is None and v.constant is None and v.alias_of is None
-            and vid not in m.inputs and self._defined_by_out_arg(vid)
+            and vid not in m.inputs and vid not in scratch and self._defined_by_out_arg(vid)
         ]
+
+    def _unread_out_args(self) -> set[int]:
+        """Unplanned values written through an out argument that no instruction, output or
+        mutable buffer reads."""
+        m = self.method
+        read = set(m.outputs) | {mb.update for mb in m.mutable_buffers}
+        for ins in m.instructions:
+            for a in ins.args:
+                if a in ins.outputs:
+                    continue
+                read.update(tensor_ids(m, a))
+                v = m.values[a] if 0 <= a < len(m.values) else None
+                if isinstance(v, TensorValue) and v.alias_of is not None:
+                    read.add(v.alias_of)
+        return {
+            o for ins in m.instructions if isinstance(ins, KernelCall) and ins.kernel not in _COPY_KERNELS
+            for o in ins.outputs
+            if o in ins.args and o not in read and m.tensor(o).plan is None and m.tensor(o).constant is None
+        }
 
     @functools.cached_property
     def caller_owned_outputs(self) -> set[int]:
