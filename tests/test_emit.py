@@ -14,6 +14,7 @@ from ferry import ops  # noqa: F401  (the et_copy ops)
 from ferry.aot.out_variants import is_view, kernel_name, out_variant, resolve_kernel
 from ferry.device import Device
 from ferry.inspect import program_json, program_summary
+from ferry.program.lifetimes import tensor_ids
 from ferry.program.schema import DelegateCall, KernelCall, TensorValue
 from ferry.runtime import emulated_device
 
@@ -69,6 +70,12 @@ def check_out_variants(program, payload=False):
     (In a delegate payload the method outputs are the caller's tensors, so not planned.)"""
     for m in program.methods.values():
         assert m.runtime_allocating_ops == []
+        read = set(m.outputs) | {mb.update for mb in m.mutable_buffers}
+        for ins in m.instructions:
+            for a in ins.args:
+                if a not in ins.outputs:
+                    read.update(tensor_ids(m, a))
+                    read.update(m.values[t].alias_of for t in tensor_ids(m, a) if m.values[t].alias_of is not None)
         for ins in m.instructions:
             if isinstance(ins, DelegateCall):
                 continue
@@ -90,7 +97,9 @@ def check_out_variants(program, payload=False):
             out_positions = [i for i, a in enumerate(op._schema.arguments) if a.is_out]
             assert tuple(ins.args[i] for i in out_positions) == ins.outputs, ins
             for o in ins.outputs:
-                assert (m.values[o].plan is not None) != (payload and o in m.outputs), (ins.kernel, m.values[o])
+                # planned, unless the caller binds it (a payload's output) or nothing reads it
+                expected = not (payload and o in m.outputs) and o in read
+                assert (m.values[o].plan is not None) == expected, (ins.kernel, m.values[o])
 
 
 # ------------------------------------------------------------------ the reference's emit facts (F)
@@ -145,8 +154,12 @@ def test_functional_ops_become_out_variants(emu, name, build, partitioner):
     program = ferry.compile(export(model, inputs), partitioner and partitioner())
     check_out_variants(program)
     m = program.methods["forward"]
-    owned = [v for v in tensors(m) if v.alias_of is None and v.constant is None]
-    assert owned and all(v.plan is not None for v in owned), "defaults plan every value that owns memory"
+    read = set(m.outputs) | {t for ins in m.instructions for a in ins.args if a not in ins.outputs
+                             for t in tensor_ids(m, a)}
+    read |= {m.values[t].alias_of for t in read if m.values[t].alias_of is not None}
+    owned = [v for vid, v in enumerate(m.values) if isinstance(v, TensorValue) and v.alias_of is None
+             and v.constant is None and vid in read]
+    assert owned and all(v.plan is not None for v in owned), "defaults plan every value that owns memory and is read"
     if partitioner is not None:
         assert any(isinstance(i, KernelCall) and i.kernel.startswith("et_copy::") for i in m.instructions)
     run_vs_eager(program, model, inputs)

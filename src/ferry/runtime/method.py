@@ -123,10 +123,10 @@ class LoadedMethod:
             elif v.constant is not None:
                 slots[vid] = self._upload_constant(v)
             elif vid in scratch:
-                # an out argument nobody reads (batch norm's saved statistics in eval, ...): its own
-                # tensor, made once; if the kernel needs it larger on this device than the trace said,
-                # resizing it reallocates it instead of writing over planned neighbours
-                slots[vid] = empty_on(v.device, v.shape, v.torch_dtype)
+                # an out argument nobody reads (batch norm's saved statistics in eval, ...): a plain,
+                # resizable PyTorch tensor made once; if the kernel needs it larger on this device
+                # than the trace said, it grows (once) instead of writing over planned neighbours
+                slots[vid] = torch.empty(v.shape, dtype=v.torch_dtype, device=v.device.to_torch())
             else:
                 static[vid] = False  # caller-owned, allocated per call, or a view of one
         self.slots, self.static = slots, static
