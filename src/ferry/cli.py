@@ -215,6 +215,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # output piped into `head`: not an error
+        sys.stderr.close()
+        return 0
     except (UserError, FerryError, ValueError, KeyError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"ferry {args.command}: error: {msg}", file=sys.stderr)
