@@ -130,7 +130,6 @@ class LoadedMethod:
             else:
                 static[vid] = False  # caller-owned, allocated per call, or a view of one
         self.slots, self.static = slots, static
-        self._planned_bytes = {vid: v.nbytes for vid, v in enumerate(m.values) if isinstance(v, TensorValue) and v.plan}
         for vid, v in enumerate(m.values):
             if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors"):
                 ids = [x for x in v.value if x is not None]
@@ -191,11 +190,18 @@ class LoadedMethod:
                 found.add(i)
         return found
 
-    def _defined_by_out_arg(self, vid) -> bool:
+    @functools.cached_property
+    def _written_through_out(self) -> set[int]:
+        """Values an instruction writes into (delegate outputs, copy and out-variant outputs), as
+        opposed to values a functional op returns."""
+        written = set()
         for ins in self.method.instructions:
-            if vid in ins.outputs:
-                return isinstance(ins, DelegateCall) or ins.kernel in _COPY_KERNELS or ".out" in ins.kernel or ins.kernel.endswith("_out")
-        return False
+            if isinstance(ins, DelegateCall) or (ins.outputs and set(ins.outputs) <= set(ins.args)):
+                written.update(ins.outputs)
+        return written
+
+    def _defined_by_out_arg(self, vid) -> bool:
+        return vid in self._written_through_out
 
     def _fill(self, dst: torch.Tensor, v: TensorValue) -> None:
         src = constant_tensor(self.program.segments[v.constant], v)
