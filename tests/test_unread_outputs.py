@@ -6,6 +6,7 @@ kernel does the same on the CPU reproduces that here."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import ferry
@@ -67,3 +68,32 @@ def test_batch_norm_statistics_are_not_planned():
     x = torch.randn_like(example[0])
     with torch.no_grad():
         torch.testing.assert_close(ferry.Module(program)(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+_lib.define("grow(Tensor x) -> Tensor")
+_lib.define("grow.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)")
+_lib.impl("grow", lambda x: torch.full((256,), 3.0), "CPU")
+
+
+def _grow_out(x, *, out):
+    out.resize_(256).fill_(3.0)  # a kernel that disagrees with its traced shape, for an output that is read
+    return out
+
+
+_lib.impl("grow.out", _grow_out, "CPU")
+
+
+@torch.library.register_fake("ferry_test_stats::grow", lib=_lib)
+def _grow_fake(x):
+    return torch.empty_like(x)
+
+
+class UsesGrow(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.ferry_test_stats.grow(x) * 2
+
+
+def test_a_read_output_larger_than_planned_is_an_error_not_a_wrong_result():
+    module = ferry.Module(ferry.compile(torch.export.export(UsesGrow(), (torch.randn(8),))))
+    with pytest.raises(ferry.InternalError, match=r"ferry_test_stats::grow.out wrote a \(256,\) output where the program planned \(8,\)"):
+        module(torch.randn(8))

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from ferry.device import Device
-from ferry.errors import BackendError, InputError, ProgramError
+from ferry.errors import BackendError, InputError, InternalError, ProgramError
 from ferry.program.schema import (
     DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Method, Program, TensorValue,
 )
@@ -140,8 +140,11 @@ class LoadedMethod:
         self._graphs: list = []
         self._graph_notes: list[str] = []
         self._shape_key = None
-        self.steps = [self._bind(i, ins, delegate_handle) for i, ins in enumerate(m.instructions)]
-        self.steps = self._schedule(self.steps, cuda_graphs)
+        bound = [self._bind(i, ins, delegate_handle) for i, ins in enumerate(m.instructions)]
+        self.steps = self._schedule(bound, cuda_graphs)
+        # the first call checks that every kernel wrote the shapes the program was planned for
+        self._first_steps = self._schedule(self._with_shape_checks(bound), False)
+        self._checked = False
         self.inputs = list(m.inputs)
         self.outputs = list(m.outputs)
         self._input_values = [m.tensor(i) for i in m.inputs]
@@ -296,6 +299,35 @@ class LoadedMethod:
             return None
         return step
 
+    def _with_shape_checks(self, steps):
+        """Steps that, after each out-variant kernel, check its planned outputs kept their planned
+        shapes. Planning follows the trace; a kernel that writes a larger output on some device
+        than the trace said would write past its slot, so the first call turns that into an error
+        instead of a wrong result (outputs nobody reads are not planned, so they may differ)."""
+        m, slots = self.method, self.slots
+        out = []
+        for step, ins in zip(steps, m.instructions):
+            planned = [] if step is None or isinstance(ins, DelegateCall) else [
+                (o, m.tensor(o).shape) for o in ins.outputs
+                if o in ins.args and m.tensor(o).plan is not None and not any(m.tensor(o).dynamic)
+            ]
+            if not planned:
+                out.append(step)
+                continue
+
+            def checked(step=step, planned=planned, kernel=ins.kernel):
+                step()
+                for o, shape in planned:
+                    if tuple(slots[o].shape) != shape:
+                        raise InternalError(
+                            f"{kernel} wrote a {tuple(slots[o].shape)} output where the program planned {shape} "
+                            f"(value {m.values[o].name!r}): this device's kernel disagrees with the traced shape, "
+                            "so its memory plan is unsafe; please report it to ferry"
+                        )
+
+            out.append(checked)
+        return out
+
     def _bind_dynamic_out(self, op, pos, kw, dynamic_outs):
         """Outputs with a dynamic dim are planned at their bound: shrink them to empty before the
         op so it sizes them (no resize warning), then check they stayed within their plan."""
@@ -440,8 +472,9 @@ class LoadedMethod:
             self._shape_key = tuple(tuple(t.shape) for t in inputs)
         try:
             self._rebuild_lists()
-            for step in self.steps:
+            for step in self.steps if self._checked else self._first_steps:
                 step()
+            self._checked = True
             for mb in self.method.mutable_buffers:
                 if slots[mb.update] is not slots[mb.value]:
                     slots[mb.value].copy_(slots[mb.update])
