@@ -435,24 +435,54 @@ class Counter(torch.nn.Module):
         return self.total * 2
 
 
-def test_skip_h2d_does_not_touch_parameters_or_buffers():
-    lp = placed(Counter(), OpSupportPartitioner("cuda:0"), inputs=small(n=1), skip_h2d_for_method_inputs=True,
-                skip_d2h_for_method_outputs=True)
+def test_buffer_updated_on_the_device_lives_there():
+    """State that only one device reads and updates (a KV cache) never crosses the host link,
+    with or without the skip flags (skip_h2d concerns user inputs only)."""
+    for skip in (False, True):
+        lp = placed(Counter(), OpSupportPartitioner("cuda:0"), inputs=small(n=1), skip_h2d_for_method_inputs=skip,
+                    skip_d2h_for_method_outputs=skip)
+        gm = lp.graph_module
+        buf = [p for p in placeholders(gm) if M.input_info(p).kind == M.BUFFER]
+        user = [p for p in placeholders(gm) if M.input_info(p).kind == M.USER_INPUT]
+        assert len(buf) == 1 and len(user) == 1
+        assert get_device(buf[0]) == CUDA0 and get_device(user[0]) == (CUDA0 if skip else CPU)
+        assert all(c.args[0] is not buf[0] for c in copy_nodes(gm))  # no copy of the buffer either way
+        infos = M.output_infos(gm.graph.output_node())
+        for info, o in zip(infos, outputs(gm)):
+            if info.kind == M.BUFFER_MUTATION:
+                assert get_device(o) == CUDA0 and not O.is_copy_node(o)
+        assert PropagateDevicePass(skip, skip)(gm).modified is False
+        m = Counter()
+        for seed in (1, 2):
+            (x,) = fresh_inputs(small(n=1), seed)
+            torch.testing.assert_close(lp(x), m(x))
+
+
+class CounterReadOnCpu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(2, 3))
+
+    def forward(self, x):
+        before = torch.relu(self.total)  # the CPU reads the buffer itself
+        self.total.add_(x)
+        return self.total * 2, before
+
+
+def test_buffer_read_on_the_cpu_stays_on_the_cpu():
+    lp = placed(CounterReadOnCpu(), OpSupportPartitioner("cuda:0", exclude=["aten.relu"]), inputs=small(n=1))
     gm = lp.graph_module
-    buf = [p for p in placeholders(gm) if M.input_info(p).kind == M.BUFFER]
-    user = [p for p in placeholders(gm) if M.input_info(p).kind == M.USER_INPUT]
-    assert len(buf) == 1 and len(user) == 1
-    assert get_device(buf[0]) == CPU and get_device(user[0]) == CUDA0
-    h2d = copy_nodes(gm, "h2d")
-    assert [c.args[0] for c in h2d] == buf  # the buffer still gets its h2d
-    # the buffer mutation goes back to the host even with skip_d2h; the user output does not
+    (buf,) = [p for p in placeholders(gm) if M.input_info(p).kind == M.BUFFER]
+    assert get_device(buf) == CPU
     infos = M.output_infos(gm.graph.output_node())
     for info, o in zip(infos, outputs(gm)):
-        assert get_device(o) == (CPU if info.kind == M.BUFFER_MUTATION else CUDA0)
-    m = Counter()
+        if info.kind == M.BUFFER_MUTATION:
+            assert get_device(o) == CPU
+    m = CounterReadOnCpu()
     for seed in (1, 2):
         (x,) = fresh_inputs(small(n=1), seed)
-        torch.testing.assert_close(lp(x), m(x))
+        for got, want in zip(lp(x), m(x)):
+            torch.testing.assert_close(got, want)
 
 
 def test_skip_h2d_parameters_absorbed_not_placed():

@@ -84,11 +84,14 @@ class PropagateDevicePass(PassBase):
             info = M.output_infos(consumer)[out_pos]
             if info.kind == M.USER_OUTPUT and self.skip_d2h and not home[value].is_cpu:
                 return home[value]
+            if info.kind == M.BUFFER_MUTATION:
+                return self._buffer_home.get(info.target, CPU)  # written back where the buffer lives
             return CPU
         return CPU
 
     def _homes(self, gm, targets) -> dict[torch.fx.Node, Device]:
         home: dict[torch.fx.Node, Device] = {}
+        self._buffer_home: dict[str, Device] = {}
         for n in gm.graph.nodes:
             if n.op in ("output",) or (n.op == "get_attr" and isinstance(getattr(gm, n.target, None), LoweredBackendModule)):
                 continue
@@ -98,12 +101,38 @@ class PropagateDevicePass(PassBase):
                 home[n] = home[n.args[0]]
             elif ops.is_copy_node(n):
                 home[n] = self._copy_destination(n, targets)
+            elif n.op == "placeholder" and M.input_info(n).mutable:
+                home[n] = self._mutable_buffer_home(gm, n, targets)
+                self._buffer_home[M.input_info(n).target] = home[n]
             elif n.op == "placeholder" and self.skip_h2d and M.input_info(n).kind == M.USER_INPUT:
                 devs = [targets[u] for u in n.users if is_delegate_node(u) and targets[u] is not None]
                 home[n] = devs[0] if devs else CPU
             else:
                 home[n] = CPU
         return home
+
+    def _mutable_buffer_home(self, gm, node, targets) -> Device:
+        """A buffer the program updates lives on a device when only delegates on that device read
+        it and one of them computes its new value: state such as a KV cache then never crosses
+        the host link. Otherwise it lives on the CPU."""
+        users = list(node.users)
+        if not users or not all(is_delegate_node(u) for u in users):
+            return CPU
+        readers = {targets[u] for u in users}
+        if len(readers) != 1 or None in readers:
+            return CPU
+        (dev,) = readers
+        target = M.input_info(node).target
+        out = gm.graph.output_node()
+        for info, value in zip(M.output_infos(out), M.flat_outputs(out)):
+            if info.kind == M.BUFFER_MUTATION and info.target == target:
+                src = value
+                if isinstance(src, torch.fx.Node) and ops.is_copy_node(src):  # a copy from an earlier run
+                    src = src.args[0]
+                produced_on = (isinstance(src, torch.fx.Node) and src.target is operator.getitem
+                               and is_delegate_node(src.args[0]) and targets[src.args[0]])
+                return dev if produced_on == dev else CPU
+        return CPU
 
     def _copy_destination(self, node, targets) -> Device:
         recorded = M.get_device(node)
