@@ -140,6 +140,7 @@ class LoadedMethod:
         self._graphs: list = []
         self._graph_notes: list[str] = []
         self._shape_key = None
+        self._delegate_handle = delegate_handle
         bound = [self._bind(i, ins, delegate_handle) for i, ins in enumerate(m.instructions)]
         self.steps = self._schedule(bound, cuda_graphs)
         # the first call checks that every kernel wrote the shapes the program was planned for
@@ -238,16 +239,23 @@ class LoadedMethod:
             slots = self.slots
             devs = {m.tensor(o).device for o in outs}
             cuda_index = next((d.index for d in devs if d.type == "cuda"), None)
+            run = None
+            if all(self.static[a] for a in args) and all(self.static[o] for o in outs) and hasattr(handle, "bind_static"):
+                # planned tensors in and out: the delegate binds them once, here
+                run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs])
+            if run is None:
+                def run():
+                    handle.execute([slots[a] for a in args], [slots[o] for o in outs])
             if cuda_index is not None:
                 current = torch.cuda.current_device
 
                 def run_on_gpu():
                     if current() == cuda_index:  # the common case: skip the device switch
-                        return handle.execute([slots[a] for a in args], [slots[o] for o in outs])
+                        return run()
                     with torch.cuda.device(cuda_index):
-                        handle.execute([slots[a] for a in args], [slots[o] for o in outs])
+                        run()
                 return run_on_gpu
-            return lambda: handle.execute([slots[a] for a in args], [slots[o] for o in outs])
+            return run
         if ins.kernel in _COPY_KERNELS:
             src_id, out_id = ins.args
             src_v, out_v = m.tensor(src_id), m.tensor(out_id)
@@ -298,6 +306,45 @@ class LoadedMethod:
                 self.static[o] = True
             return None
         return step
+
+    def bind_io(self, inputs, outputs) -> None:
+        """Bind tensors the caller passes the same on every call (a delegate's planned inputs and
+        outputs) once: the steps are then bound to them like to planned memory, so a call does
+        no per-call binding and the kernels take the fast path."""
+        m = self.method
+        bound = {}
+        for vid, t in zip(self.inputs, inputs):
+            if m.tensor(vid).plan is None:
+                bound[vid] = t
+        for vid, t in zip(self.outputs, outputs):
+            if not self.static[vid] and vid not in bound:
+                bound[vid] = t
+        for vid, t in bound.items():
+            self.slots[vid], self.static[vid] = t, True
+        for vid, v in enumerate(m.values):
+            if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors") and not self.static[vid]:
+                if all(self.static[x] for x in v.value if x is not None):
+                    self.static[vid] = True
+                    self.slots[vid] = [None if x is None else self.slots[x] for x in v.value]
+        for name in ("_transient", "_dynamic_lists", "caller_owned_outputs"):
+            self.__dict__.pop(name, None)
+        self._per_call_outputs = [(vid, v) for vid, v in self._per_call_outputs if vid not in bound]
+        bound_steps = [self._bind(i, ins, self._delegate_handle) for i, ins in enumerate(m.instructions)]
+        self.steps = self._schedule(bound_steps, False)
+        self._first_steps = self._schedule(self._with_shape_checks(bound_steps), False)
+        self._copy_back = [(t, vid) for vid, t in zip(self.outputs, outputs) if self.slots[vid] is not t]
+
+    def run_bound(self) -> None:
+        """Run with the tensors given to bind_io."""
+        for step in self.steps if self._checked else self._first_steps:
+            step()
+        self._checked = True
+        slots = self.slots
+        for t, vid in self._copy_back:
+            src = slots[vid]
+            if t.shape != src.shape:
+                t.resize_(src.shape)
+            t.copy_(src)
 
     def _with_shape_checks(self, steps):
         """Steps that, after each out-variant kernel, check its planned outputs kept their planned
