@@ -6,7 +6,6 @@ random inputs of the same shapes and dtypes, so tests never compare only on the 
 
 from __future__ import annotations
 
-import math
 
 import ferry.examples as ferry_examples
 import torch

@@ -113,7 +113,6 @@ def cmd_inspect(args) -> int:
 def _random_inputs(meta):
     import torch
 
-    from ferry.runtime.method import empty_on  # noqa: F401
 
     inputs = []
     for i in range(meta.num_inputs()):

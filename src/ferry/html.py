@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ferry.device import CPU, Device
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
-from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Method, Program, TensorValue
+from ferry.program.schema import DelegateCall, KernelCall, Method, Program, TensorValue
 from ferry.report import copy_report
 
 __all__ = ["render_html", "write_html"]

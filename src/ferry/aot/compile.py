@@ -44,10 +44,8 @@ def _check_method_names(config: CompileConfig, names: set[str]) -> None:
             unknown = sorted(set(d) - names)
             if unknown:
                 raise CompileError(f"{what} names method(s) {unknown} that are not compiled; methods: {sorted(names)}")
-    if isinstance(pd, Mapping):
-        for name in names:
-            pd_m = config.propagate_for(name)
-            pd_m.for_method(name)
+    for name in names:  # every flag of every compiled method is a bool (or a CompileError now)
+        config.propagate_for(name).for_method(name)
 
 
 def place(exported_program, partitioner=None, config: CompileConfig | None = None, method: str = "forward") -> LoweredProgram:

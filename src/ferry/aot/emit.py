@@ -15,7 +15,6 @@ import sympy
 import torch
 import torch.fx
 
-from ferry import ops
 from ferry.aot import meta as M
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
 from ferry.aot.out_variants import is_view, kernel_name, out_variant

@@ -25,7 +25,7 @@ or a device per module path (read `node.meta["nn_module_stack"]`).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 import torch

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from ferry.device import Device
-from ferry.errors import BackendError, InputError, InternalError, ProgramError
+from ferry.errors import InputError, InternalError, ProgramError
 from ferry.program.schema import (
     DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Method, Program, TensorValue,
 )

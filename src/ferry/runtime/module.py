@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import warnings
 
-import torch
-
 from ferry.errors import BackendError, FerryError
 from ferry.program.schema import MethodMeta, Program
 from ferry.runtime.method import LoadedMethod
