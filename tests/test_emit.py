@@ -15,7 +15,7 @@ from ferry.aot.out_variants import is_view, kernel_name, out_variant, resolve_ke
 from ferry.device import Device
 from ferry.inspect import program_json, program_summary
 from ferry.program.lifetimes import tensor_ids
-from ferry.program.schema import DelegateCall, KernelCall, TensorValue
+from ferry.program.schema import ConstValue, DelegateCall, KernelCall, TensorValue
 from ferry.runtime import emulated_device
 
 from models import (
@@ -358,13 +358,25 @@ def test_data_dependent_size_is_a_compile_error():
         ferry.compile(export(NonZero(), small((3, 4), n=1)))
 
 
-def test_dynamic_size_used_as_an_argument_is_a_clear_error():
-    model, (x,) = transformer_block()  # reshape(b, t, heads, d // heads) reads the batch size
+def test_dynamic_sizes_in_reshapes_are_computed_each_call(emu):
+    """reshape(b, t, heads, d // heads) reads the batch size: a size computed every call."""
+    model, (x,) = transformer_block()
     ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch", max=8)},))
-    with pytest.raises(ferry.CompileError) as info:
-        ferry.compile(ep)
-    msg = str(info.value)
-    assert "dynamic size" in msg and "reshape" in msg and "data-dependent" not in msg
+    for partitioner in (None, ferry.OpSupportPartitioner("emu:0", exclude=["aten._softmax"])):
+        program = ferry.load_program(ferry.compile(ep, partitioner).to_bytes())
+        m = program.method("forward")
+        sizes = [v for v in m.values if isinstance(v, ConstValue) and v.kind == "symint"]
+        assert sizes and all(v.value <= 8 * 64 for v in sizes)  # recorded at their bounds
+        if partitioner is None:  # with a partitioner the reshapes are inside the delegates
+            assert any(v.kind == "symints" for v in m.values if isinstance(v, ConstValue))
+        module = ferry.Module(program)
+        for batch in (2, 5, 1, 8):
+            xi = torch.randn(batch, *x.shape[1:])
+            with torch.no_grad():
+                want = model(xi)
+            got = module(xi)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ inspect: who owns each input/output

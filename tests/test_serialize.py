@@ -103,6 +103,8 @@ def every_const() -> list[ConstValue]:
         ConstValue("scalar", 2.5),
         ConstValue("scalar", False),
         ConstValue("scalar", -math.inf),
+        ConstValue("symint", 64),  # value 36 of full_program
+        ConstValue("symints", [12, 36]),  # an int constant and the symint above
     ]
 
 

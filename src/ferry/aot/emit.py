@@ -29,6 +29,7 @@ from ferry.program.schema import (
 
 
 _EXPORT_TIME_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
+_SIZE_OPS = ("add", "sub", "mul", "floordiv", "mod", "neg")
 
 
 @dataclass
@@ -79,6 +80,11 @@ def _upper_bound(dim, range_constraints, what: str) -> tuple[int, bool]:
         return int(expr), False
     subs = {}
     for sym in expr.free_symbols:
+        if str(sym).startswith("u"):  # an unbacked symbol: known only once the data is seen
+            raise CompileError(
+                f"{what} is a data-dependent size ({sym}); ferry plans memory ahead of time and needs static "
+                "or bounded shapes: keep ops like nonzero/unique out of the program"
+            )
         vr = range_constraints.get(sym) or next((v for k, v in range_constraints.items() if str(k) == str(sym)), None)
         upper = None if vr is None else vr.upper
         if upper is None or not getattr(upper, "is_finite", True) or str(upper) in ("oo", "int_oo"):
@@ -143,6 +149,12 @@ class _MethodEmitter:
         self.values.append(v)
         return len(self.values) - 1
 
+    def symint_value(self, node, val) -> int:
+        """A size computed each call (its planned upper bound recorded as the value)."""
+        bound, _ = _upper_bound(val, self.rc, f"size {node.name!r}")
+        self.values.append(ConstValue("symint", bound))
+        return len(self.values) - 1
+
     def const(self, kind: str, value) -> int:
         key = (kind, repr(value))
         if key not in self.const_ids:
@@ -180,10 +192,10 @@ class _MethodEmitter:
                     return self.const("tensors", [self.arg_value(a, None, what) for a in arg])
                 if all(a is None or (isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)) for a in arg):
                     return self.const("opt_tensors", [None if a is None else self.arg_value(a, None, what) for a in arg])
-                raise CompileError(
-                    f"{what}: symbolic sizes in list arguments are not supported yet; export with static shapes "
-                    "or keep dynamic dims away from reshapes"
-                )
+                if all(isinstance(a, int) or (isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.SymInt))
+                       for a in arg):
+                    return self.const("symints", [self.arg_value(a, None, what) for a in arg])
+                raise CompileError(f"{what}: cannot emit the list argument {arg!r}")
             if all(isinstance(a, bool) for a in arg):
                 return self.const("bools", list(arg))
             if all(isinstance(a, int) and not isinstance(a, bool) for a in arg):
@@ -221,6 +233,11 @@ class _MethodEmitter:
     def _emit_placeholder(self, node):
         info = M.input_info(node)
         val = node.meta.get("val")
+        if info.kind == M.USER_INPUT and isinstance(val, torch.SymInt):  # a size passed into a delegate
+            vid = self.symint_value(node, val)
+            self.inputs.append(vid)
+            self.env[node] = vid
+            return
         if info.kind == M.USER_INPUT:
             if not isinstance(val, torch.Tensor):
                 raise CompileError(f"method {self.name!r}: input {node.name!r} is not a tensor; ferry methods take tensors")
@@ -255,13 +272,15 @@ class _MethodEmitter:
             return
         if is_delegate_node(node):
             return self._emit_delegate(node)
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt):  # arithmetic on dynamic sizes, computed each call
+            return self._emit_size(node, val)
         op = node.target
         if not isinstance(op, torch._ops.OpOverload):
             raise CompileError(
                 f"method {self.name!r}: node {node.name!r} calls {op!r}, which is not an operator; "
                 "ferry runs ATen ops, et_copy ops and delegates"
             )
-        val = node.meta.get("val")
         if is_view(op):
             base = self._root(self.arg_value(node.args[0], None, node.name))
             many = isinstance(val, (tuple, list))
@@ -292,6 +311,18 @@ class _MethodEmitter:
                 read = {u.args[1] for u in node.users if u.target is operator.getitem}
                 self.unread.update(o for k, o in enumerate(outs) if k not in read)
         self.env[node] = outs if isinstance(val, (tuple, list)) else outs[0]
+
+    def _emit_size(self, node, val):
+        out = self.symint_value(node, val)
+        op = node.target
+        if isinstance(op, torch._ops.OpOverload):  # aten.sym_size.int, ...
+            self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), (out,)))
+        elif getattr(op, "__name__", None) in _SIZE_OPS and op.__module__ in ("_operator", "operator"):
+            args = tuple(self.arg_value(a, None, node.name) for a in node.args)
+            self.instructions.append(KernelCall(f"ferry::sym_{op.__name__}", args, (out,)))
+        else:
+            raise CompileError(f"method {self.name!r}: size {node.name!r} is computed by {op!r}, which ferry cannot run")
+        self.env[node] = out
 
     def _root(self, vid: int) -> int:
         v = self.values[vid]

@@ -109,6 +109,9 @@ class AtenOpSupport(OperatorSupportBase):
             return isinstance(src, torch.fx.Node) and self.is_node_supported(submodules, src)
         if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
             return False
+        val = node.meta.get("val")
+        if val is not None and not all(isinstance(v, torch.Tensor) for v in (val if isinstance(val, (list, tuple)) else [val])):
+            return False  # sizes (aten.sym_size, ...) are computed on the host, next to the shapes they read
         if self.ops is not None and not _matches(node.target, self.ops):
             return False
         return not _matches(node.target, self.exclude)

@@ -8,7 +8,10 @@ tensors, and has its constants uploaded to the device once, at load.
 
 from __future__ import annotations
 
+import torch
+
 from ferry.device import CPU
+from ferry.program.schema import TensorValue
 
 
 class TorchBackend:
@@ -70,15 +73,17 @@ class _Handle:
         zero-argument call, or None when this delegate must move its own data (legacy mode) or
         has dynamic shapes."""
         m = self.method.method
-        ids = list(m.inputs) + list(m.outputs)
-        if self._needs_host_io(inputs) or any(any(m.tensor(v).dynamic) for v in ids):
+        values = [m.values[v] for v in list(m.inputs) + list(m.outputs)]
+        if (self._needs_host_io(inputs) or not all(isinstance(v, TensorValue) for v in values)
+                or any(any(v.dynamic) for v in values)):
             return None
         self._host_io = False
         self.method.bind_io(inputs, outputs)
         return self.method.run_bound
 
     def _needs_host_io(self, inputs) -> bool:
-        return self.device.type == "cuda" and any(t.device.type != "cuda" for t in inputs)
+        return self.device.type == "cuda" and any(
+            isinstance(t, torch.Tensor) and t.device.type != "cuda" for t in inputs)
 
     def close(self) -> None:
         self.method.close()

@@ -88,10 +88,13 @@ class TensorValue:
 
 
 # kinds of ConstValue.value: none, int, float, bool, str, ints, floats, bools, dtype,
-# layout, memory_format, device (a torch device string), tensors (value ids), opt_tensors
+# layout, memory_format, device (a torch device string), tensors (value ids), opt_tensors,
+# symint (an int computed each call from dynamic shapes; the value is its upper bound) and
+# symints (a list of value ids of int or symint values: sizes such as [2, seq, 64])
 CONST_KINDS = (
     "none", "int", "float", "bool", "str", "ints", "floats", "bools",
     "dtype", "layout", "memory_format", "device", "tensors", "opt_tensors", "scalar",
+    "symint", "symints",
 )
 
 

@@ -215,6 +215,12 @@ def _validate_method(m: Method, seg_sizes: list[int], n_delegates: int) -> None:
             raise ProgramError(f"{pre} {what}: value {i} is not a tensor")
         return i
 
+    def int_id(x: object, what: str) -> int:
+        i = vid(x, what)
+        if not (isinstance(values[i], ConstValue) and values[i].kind in ("int", "symint")):
+            raise ProgramError(f"{pre} {what}: value {i} is not an int or a symint")
+        return i
+
     buffers = _check_seq(m.buffers, f"{pre} buffers")
     if not buffers:
         raise ProgramError(f"{pre} has no buffers; buffer 0 (reserved for constants) must exist")
@@ -235,7 +241,7 @@ def _validate_method(m: Method, seg_sizes: list[int], n_delegates: int) -> None:
                 if not isinstance(values[a], TensorValue):
                     raise ProgramError(f"{what} is an alias of value {a}, which is not a tensor")
         elif isinstance(v, ConstValue):
-            _validate_const(v, what, i, tensor_id)
+            _validate_const(v, what, i, tensor_id, int_id)
         else:
             raise ProgramError(f"{what} must be a TensorValue or ConstValue, got {type(v).__name__}")
 
@@ -354,7 +360,7 @@ def _is_float(x: object) -> bool:
     return False
 
 
-def _validate_const(c: ConstValue, what: str, i: int, tensor_id) -> None:
+def _validate_const(c: ConstValue, what: str, i: int, tensor_id, int_id) -> None:
     kind, val = c.kind, c.value
     if not isinstance(kind, str) or kind not in CONST_KINDS:
         raise ProgramError(f"{what}: unknown constant kind {_show(kind)}; kinds: {', '.join(CONST_KINDS)}")
@@ -362,7 +368,7 @@ def _validate_const(c: ConstValue, what: str, i: int, tensor_id) -> None:
     if kind == "none":
         if val is not None:
             raise ProgramError(f"{w} must hold None, got {type(val).__name__}")
-    elif kind == "int":
+    elif kind in ("int", "symint"):
         _check_int(val, w, _INT64_MIN, _INT64_MAX)
     elif kind == "float":
         if not _is_float(val):
@@ -397,6 +403,8 @@ def _validate_const(c: ConstValue, what: str, i: int, tensor_id) -> None:
             elif kind == "opt_tensors":
                 if x is not None:
                     tensor_id(x, f"value {i} ({kind})[{j}]")
+            elif kind == "symints":
+                int_id(x, f"value {i} ({kind})[{j}]")
 
 
 # ================================================================ writing
@@ -435,7 +443,7 @@ def _enc_value(v) -> dict:
         enc = [_enc_float(x) for x in val]
     elif kind == "scalar":
         enc = val if isinstance(val, int) else _enc_float(val)
-    elif kind in ("ints", "bools", "tensors", "opt_tensors"):
+    elif kind in ("ints", "bools", "tensors", "opt_tensors", "symints"):
         enc = list(val)
     else:
         enc = val
@@ -639,7 +647,7 @@ def _dec_const_value(kind: str, x: object, path: str) -> object:
         if x is not None:
             raise _bad(path, f"expected null, got {_jtype(x)}")
         return None
-    if kind == "int":
+    if kind in ("int", "symint"):
         return _int(x, path, _INT64_MIN)
     if kind == "float":
         return _float(x, path)
@@ -660,7 +668,7 @@ def _dec_const_value(kind: str, x: object, path: str) -> object:
         return [_float(e, f"{path}[{j}]") for j, e in enumerate(items)]
     if kind == "bools":
         return [_bool(e, f"{path}[{j}]") for j, e in enumerate(items)]
-    if kind == "tensors":
+    if kind in ("tensors", "symints"):
         return [_int(e, f"{path}[{j}]") for j, e in enumerate(items)]
     if kind == "opt_tensors":
         return [_opt_int(e, f"{path}[{j}]") for j, e in enumerate(items)]

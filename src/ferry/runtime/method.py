@@ -8,6 +8,7 @@ is a loop over steps with no lookups, and no allocation on any device.
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 
 import torch
@@ -49,6 +50,24 @@ def _const(v: ConstValue):
     if k in ("ints", "floats", "bools"):
         return list(x)
     return x
+
+
+LIST_KINDS = ("tensors", "opt_tensors", "symints")
+
+# kernels of the sizes arithmetic torch.export records with Python operators
+SYM_OPS = {
+    "ferry::sym_add": operator.add, "ferry::sym_sub": operator.sub, "ferry::sym_mul": operator.mul,
+    "ferry::sym_floordiv": operator.floordiv, "ferry::sym_mod": operator.mod, "ferry::sym_neg": operator.neg,
+}
+
+
+def _resolve(ref, slots):
+    kind, x = ref
+    if kind == "c":
+        return x
+    if kind == "v":
+        return slots[x]
+    return [None if e is None else slots[e] for e in x]
 
 
 def _uses_cuda(method: Method) -> bool:
@@ -110,9 +129,11 @@ class LoadedMethod:
         scratch = self._unread_out_args()
         for vid, v in enumerate(m.values):
             if isinstance(v, ConstValue):
-                if v.kind in ("tensors", "opt_tensors"):
-                    continue  # built after tensors
+                if v.kind in LIST_KINDS:
+                    continue  # built after the values they list
                 slots[vid] = _const(v)
+                if v.kind == "symint":
+                    static[vid] = False  # computed each call from the input shapes
             elif v.plan is not None:
                 mem = buffers[v.plan.buffer]
                 if mem is None:
@@ -131,7 +152,7 @@ class LoadedMethod:
                 static[vid] = False  # caller-owned, allocated per call, or a view of one
         self.slots, self.static = slots, static
         for vid, v in enumerate(m.values):
-            if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors"):
+            if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
                 ids = [x for x in v.value if x is not None]
                 static[vid] = all(static[x] for x in ids)
                 if static[vid]:
@@ -148,7 +169,7 @@ class LoadedMethod:
         self._checked = False
         self.inputs = list(m.inputs)
         self.outputs = list(m.outputs)
-        self._input_values = [m.tensor(i) for i in m.inputs]
+        self._input_values = [v if isinstance(v := m.values[i], TensorValue) else None for i in m.inputs]
         self._per_call_outputs = [
             (vid, v) for vid, v in enumerate(m.values)
             if isinstance(v, TensorValue) and v.plan is None and v.constant is None and v.alias_of is None
@@ -229,7 +250,14 @@ class LoadedMethod:
     # ---------------------------------------------------------------- bind
 
     def _ref(self, vid):
-        return ("c", self.slots[vid]) if self.static[vid] else ("v", vid)
+        """('c', value) for what is fixed at load, ('v', id) for a value of this call, ('l', ids)
+        for a list with members of this call (built when the instruction runs)."""
+        if self.static[vid]:
+            return ("c", self.slots[vid])
+        v = self.method.values[vid]
+        if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
+            return ("l", list(v.value))
+        return ("v", vid)
 
     def _bind(self, index: int, ins, delegate_handle):
         m = self.method
@@ -276,10 +304,19 @@ class LoadedMethod:
                 return functools.partial(kernel, self.slots[src_id], self.slots[out_id])
             slots = self.slots
             return lambda: kernel(slots[src_id], slots[out_id])
+        if ins.kernel in SYM_OPS:  # arithmetic on dynamic sizes
+            fn, refs, (out,) = SYM_OPS[ins.kernel], [self._ref(a) for a in ins.args], ins.outputs
+            slots = self.slots
+
+            def sym_step():
+                slots[out] = fn(*[_resolve(r, slots) for r in refs])
+
+            return sym_step
         op = resolve_op(ins.kernel)
         pos, kw = bind_aten(op, ins.args, self._ref)
         out_is_arg = all(o in ins.args for o in ins.outputs) and bool(ins.outputs)
-        dynamic_outs = [o for o in ins.outputs if any(m.tensor(o).dynamic) and m.tensor(o).plan is not None]
+        dynamic_outs = [o for o in ins.outputs if isinstance(m.values[o], TensorValue)
+                        and any(m.tensor(o).dynamic) and m.tensor(o).plan is not None]
         if out_is_arg and dynamic_outs:
             return self._bind_dynamic_out(op, pos, kw, dynamic_outs)
         if out_is_arg and all(r[0] == "c" for r in pos) and all(r[0] == "c" for r in kw.values()):
@@ -289,8 +326,8 @@ class LoadedMethod:
         outputs = ins.outputs
 
         def step():
-            a = [r[1] if r[0] == "c" else slots[r[1]] for r in pos]
-            k = {n: (r[1] if r[0] == "c" else slots[r[1]]) for n, r in kw.items()}
+            a = [_resolve(r, slots) for r in pos]
+            k = {n: _resolve(r, slots) for n, r in kw.items()}
             result = op(*a, **k)
             if not out_is_arg and outputs:
                 if len(outputs) == 1:
@@ -322,11 +359,11 @@ class LoadedMethod:
         for vid, t in bound.items():
             self.slots[vid], self.static[vid] = t, True
         for vid, v in enumerate(m.values):
-            if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors") and not self.static[vid]:
+            if isinstance(v, ConstValue) and v.kind in LIST_KINDS and not self.static[vid]:
                 if all(self.static[x] for x in v.value if x is not None):
                     self.static[vid] = True
                     self.slots[vid] = [None if x is None else self.slots[x] for x in v.value]
-        for name in ("_transient", "_dynamic_lists", "caller_owned_outputs"):
+        for name in ("_transient", "caller_owned_outputs"):
             self.__dict__.pop(name, None)
         self._per_call_outputs = [(vid, v) for vid, v in self._per_call_outputs if vid not in bound]
         bound_steps = [self._bind(i, ins, self._delegate_handle) for i, ins in enumerate(m.instructions)]
@@ -384,8 +421,7 @@ class LoadedMethod:
         def step():
             for o, _ in capacity:
                 slots[o].resize_(0)
-            op(*[r[1] if r[0] == "c" else slots[r[1]] for r in pos],
-               **{n: (r[1] if r[0] == "c" else slots[r[1]]) for n, r in kw.items()})
+            op(*[_resolve(r, slots) for r in pos], **{n: _resolve(r, slots) for n, r in kw.items()})
             for o, cap in capacity:
                 t = slots[o]
                 if t.numel() * t.element_size() > cap:
@@ -501,7 +537,7 @@ class LoadedMethod:
         for vid, v in self._per_call_outputs:
             slots[vid] = None
         for t, vid, v in zip(inputs, self.inputs, self._input_values):
-            if v.plan is not None:
+            if v is not None and v.plan is not None:
                 dst = slots[vid]
                 if dst.shape != t.shape:
                     dst.resize_(t.shape)
@@ -518,7 +554,6 @@ class LoadedMethod:
         if self._graphs:
             self._shape_key = tuple(tuple(t.shape) for t in inputs)
         try:
-            self._rebuild_lists()
             for step in self.steps if self._checked else self._first_steps:
                 step()
             self._checked = True
@@ -543,16 +578,6 @@ class LoadedMethod:
     def _transient(self) -> list[int]:
         """Slots that hold per-call tensors (everything not bound once at load)."""
         return [vid for vid, st in enumerate(self.static) if not st]
-
-    def _rebuild_lists(self):
-        for vid in self._dynamic_lists:
-            v = self.method.values[vid]
-            self.slots[vid] = [None if x is None else self.slots[x] for x in v.value]
-
-    @functools.cached_property
-    def _dynamic_lists(self):
-        return [vid for vid, v in enumerate(self.method.values)
-                if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors") and not self.static[vid]]
 
     def close(self) -> None:
         for b in self._owned:
