@@ -353,9 +353,12 @@ class LoadedMethod:
         for vid, t in zip(self.inputs, inputs):
             if m.tensor(vid).plan is None:
                 bound[vid] = t
+        bound_outputs = set()
         for vid, t in zip(self.outputs, outputs):
-            if not self.static[vid] and vid not in bound:
+            # only outputs an instruction writes into; a view, an input or a run-time result is copied over
+            if not self.static[vid] and vid not in bound and vid in self._written_through_out:
                 bound[vid] = t
+                bound_outputs.add(vid)
         for vid, t in bound.items():
             self.slots[vid], self.static[vid] = t, True
         for vid, v in enumerate(m.values):
@@ -369,7 +372,7 @@ class LoadedMethod:
         bound_steps = [self._bind(i, ins, self._delegate_handle) for i, ins in enumerate(m.instructions)]
         self.steps = self._schedule(bound_steps, False)
         self._first_steps = self._schedule(self._with_shape_checks(bound_steps), False)
-        self._copy_back = [(t, vid) for vid, t in zip(self.outputs, outputs) if self.slots[vid] is not t]
+        self._copy_back = [(t, vid) for vid, t in zip(self.outputs, outputs) if vid not in bound_outputs]
 
     def run_bound(self) -> None:
         """Run with the tensors given to bind_io."""
@@ -379,6 +382,8 @@ class LoadedMethod:
         slots = self.slots
         for t, vid in self._copy_back:
             src = slots[vid]
+            if src is t:
+                continue
             if t.shape != src.shape:
                 t.resize_(src.shape)
             t.copy_(src)
