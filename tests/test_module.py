@@ -592,3 +592,26 @@ def test_mutable_buffers_survive_a_rejected_call(emu):
         mod(x.double())
     (x,) = fresh_inputs((x0,), 2)
     assert close(mod(x), eager(x))
+
+
+class _InputViewAndProduct(torch.nn.Module):
+    def forward(self, x, w):
+        return x, x * w, w.t()
+
+
+class _OneDelegate:
+    def partition(self, ep):
+        nodes = [n.name for n in ep.graph.nodes if n.op == "call_function"]
+        return [ferry.Partition(nodes, ferry.target_device("emu:0"))]
+
+
+def test_delegate_outputs_that_are_inputs_or_views_reach_the_caller():
+    """A delegate bound once to planned tensors still hands back outputs it does not compute."""
+    with emulated_device():
+        x0, w0 = torch.randn(3, 3), torch.randn(3, 3)
+        program = ferry.compile(torch.export.export(_InputViewAndProduct(), (x0, w0)), _OneDelegate())
+        module = ferry.Module(program)
+        for _ in range(3):
+            x, w = torch.randn(3, 3), torch.randn(3, 3)
+            for got, want in zip(module(x, w), _InputViewAndProduct()(x, w)):
+                assert torch.equal(got, want)
