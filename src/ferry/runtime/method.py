@@ -151,12 +151,7 @@ class LoadedMethod:
             else:
                 static[vid] = False  # caller-owned, allocated per call, or a view of one
         self.slots, self.static = slots, static
-        for vid, v in enumerate(m.values):
-            if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
-                ids = [x for x in v.value if x is not None]
-                static[vid] = all(static[x] for x in ids)
-                if static[vid]:
-                    slots[vid] = [None if x is None else slots[x] for x in v.value]
+        self._fix_static_lists()
         self.streams = CopyStreams() if _uses_cuda(m) else None
         self._graphs: list = []
         self._graph_notes: list[str] = []
@@ -173,8 +168,16 @@ class LoadedMethod:
         self._per_call_outputs = [
             (vid, v) for vid, v in enumerate(m.values)
             if isinstance(v, TensorValue) and v.plan is None and v.constant is None and v.alias_of is None
-            and vid not in m.inputs and vid not in scratch and self._defined_by_out_arg(vid)
+            and vid not in m.inputs and vid not in scratch and vid in self._written_through_out
         ]
+
+    def _fix_static_lists(self) -> None:
+        """A list whose members are all fixed is built once; the others are built per call."""
+        for vid, v in enumerate(self.method.values):
+            if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
+                self.static[vid] = all(self.static[x] for x in v.value if x is not None)
+                if self.static[vid]:
+                    self.slots[vid] = [None if x is None else self.slots[x] for x in v.value]
 
     def _unread_out_args(self) -> set[int]:
         """Unplanned values written through an out argument that no instruction, output or
@@ -224,9 +227,6 @@ class LoadedMethod:
             if isinstance(ins, DelegateCall) or (ins.outputs and set(ins.outputs) <= set(ins.args)):
                 written.update(ins.outputs)
         return written
-
-    def _defined_by_out_arg(self, vid) -> bool:
-        return vid in self._written_through_out
 
     def _fill(self, dst: torch.Tensor, v: TensorValue) -> None:
         src = constant_tensor(self.program.segments[v.constant], v)
@@ -361,11 +361,7 @@ class LoadedMethod:
                 bound_outputs.add(vid)
         for vid, t in bound.items():
             self.slots[vid], self.static[vid] = t, True
-        for vid, v in enumerate(m.values):
-            if isinstance(v, ConstValue) and v.kind in LIST_KINDS and not self.static[vid]:
-                if all(self.static[x] for x in v.value if x is not None):
-                    self.static[vid] = True
-                    self.slots[vid] = [None if x is None else self.slots[x] for x in v.value]
+        self._fix_static_lists()
         for name in ("_transient", "caller_owned_outputs"):
             self.__dict__.pop(name, None)
         self._per_call_outputs = [(vid, v) for vid, v in self._per_call_outputs if vid not in bound]
