@@ -9,9 +9,10 @@ the same work: x_cpu.cuda() -> model -> .cpu(). Target: ferry with CUDA graphs >
 than eager.
 
 Device-resident: compiled with skip_h2d/skip_d2h (PropagateDeviceConfig(True, True)), so the
-caller passes a GPU tensor and gets a GPU tensor back, against eager on GPU tensors. Segments
-that touch tensors the caller passes per call are not captured (the runtime warns and runs
-them eagerly); the table reports how many graphs were actually captured.
+caller passes a GPU tensor and gets a GPU tensor back, against eager on GPU tensors. With
+cuda_graphs=True the runtime copies the caller's tensor into a fixed device tensor (one
+device-to-device copy) so the segment can be captured; the table reports how many graphs were
+actually captured.
 
 Results are checked against eager (torch.allclose) before timing, and again after graph capture
 on a fresh input (a replay must read the new input).

@@ -30,7 +30,9 @@ def _full_fp32():
 
 
 class _Counting:
-    """Counts copy calls of the registered CUDA allocator by direction, with bytes and index."""
+    """Counts copy calls of the registered CUDA allocator by direction, with bytes. Install it
+    before loading (copies between planned tensors are bound at load) and `reset()` after, so
+    the constants uploaded at load are not counted."""
 
     def __init__(self, monkeypatch):
         self.calls = []
@@ -43,6 +45,21 @@ class _Counting:
                 return _orig(*a)
 
             monkeypatch.setattr(alloc, name, wrapped)
+        orig_bind = alloc._bind_copy
+
+        def bind(direction, dst, src, nbytes, *indices):
+            copy = orig_bind(direction, dst, src, nbytes, *indices)
+
+            def counted():
+                self.calls.append((direction, nbytes))
+                return copy()
+
+            return counted
+
+        monkeypatch.setattr(alloc, "_bind_copy", bind)
+
+    def reset(self):
+        self.calls.clear()
 
     def totals(self):
         out = {"h2d": (0, 0), "d2h": (0, 0), "d2d": (0, 0)}
@@ -129,8 +146,9 @@ def test_models_match_eager_and_copies_match_report(factory, exclude, tmp_path, 
     program = _compile(model, example, exclude=exclude)
     program.save(tmp_path / "m.ferry")
     module = ferry.Module(tmp_path / "m.ferry")
-    module.load_method()
     counting = _Counting(monkeypatch)
+    module.load_method()
+    counting.reset()
     for _ in range(3):
         x = torch.randn_like(example[0])
         with torch.no_grad():
@@ -184,9 +202,10 @@ def test_prefill_decode_hand_off_stays_on_gpu(monkeypatch):
     })
     program = ferry.compile(eps, ferry.OpSupportPartitioner("cuda:0"), cfg)
     module = ferry.Module(program)
+    counting = _Counting(monkeypatch)
     module.load_method("prefill")
     module.load_method("decode")
-    counting = _Counting(monkeypatch)
+    counting.reset()
     h = module.run_method("prefill", [x])[0]
     assert h.is_cuda
     y_dev = y.cuda()
@@ -261,6 +280,47 @@ def test_cuda_graph_capture_failure_falls_back_with_warning():
     # the segment reads pageable host memory: it is never captured, and the user is told so
     assert module._methods["forward"]._graphs == []
     assert any("without a CUDA graph" in str(m.message) for m in w)
+
+
+def test_cuda_graphs_capture_device_resident_io():
+    """skip_h2d/skip_d2h: the caller's device tensors are copied into fixed tensors, so the
+    segment is captured; replays read each call's new inputs and outputs stay correct."""
+    a, b = torch.randn(128, 64), torch.randn(128, 64)
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+    program = _compile(Chain(), (a, b), config=cfg)
+    for outputs in ("copy", "view"):
+        module = ferry.Module(program, cuda_graphs=True, outputs=outputs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "without a CUDA graph" note
+            module.load_method()
+        kept = []
+        for _ in range(5):
+            a, b = torch.randn(128, 64, device="cuda"), torch.randn(128, 64, device="cuda")
+            out = module(a, b)
+            assert out.is_cuda
+            torch.testing.assert_close(out, Chain()(a, b))
+            kept.append((out, Chain()(a, b)))
+        graphs = module._methods["forward"]._graphs
+        assert len(graphs) == 1 and graphs[0].graph is not None
+        if outputs == "copy":  # the caller owns each result: later replays do not change it
+            for out, want in kept:
+                torch.testing.assert_close(out, want)
+        module.close()
+
+
+def test_cuda_graphs_device_input_handed_back_is_the_callers():
+    class PassAndAdd(torch.nn.Module):
+        def forward(self, x, y):
+            return x, x + y
+
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+    module = ferry.Module(_compile(PassAndAdd(), (x, y), config=cfg), cuda_graphs=True)
+    for _ in range(4):
+        x, y = torch.randn(16, 8, device="cuda"), torch.randn(16, 8, device="cuda")
+        same, total = module(x, y)
+        assert same is x
+        torch.testing.assert_close(total, x + y)
 
 
 def test_cuda_graph_shape_change_falls_back():
@@ -352,9 +412,38 @@ def test_two_gpus_move_with_one_device_to_device_copy(monkeypatch):
     rep = ferry.copy_report(program, "forward")
     assert rep.count("d2d") == 1 and rep.count("h2d") == 2 and rep.count("d2h") == 1
     module = ferry.Module(program)
-    module.load_method()
     counting = _Counting(monkeypatch)
+    module.load_method()
+    counting.reset()
     torch.testing.assert_close(module(a, b), TwoStage()(a, b))
     assert counting.totals()["d2d"][0] == 1
     t = torch.ops.et_copy._d2d_copy.out(torch.randn(4, device="cuda:0"), out=torch.empty(4, device="cuda:1"))
     assert t.device.index == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_capture_one_graph_each():
+    class TwoStage(torch.nn.Module):
+        def forward(self, a, b):
+            t = (a + b).relu()
+            return t * t + a.sum()
+
+    class Halves:
+        def partition(self, ep):
+            nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
+            half = len(nodes) // 2
+            return [ferry.Partition([n.name for n in nodes[:half]], ferry.target_device("cuda:0")),
+                    ferry.Partition([n.name for n in nodes[half:]], ferry.target_device("cuda:1"))]
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    program = ferry.compile(torch.export.export(TwoStage(), (a, b)), Halves())
+    assert ferry.copy_report(program, "forward").count("d2d") >= 1
+    module = ferry.Module(program, cuda_graphs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the copy between the GPUs is no reason to warn
+        module.load_method()
+    for _ in range(5):
+        a, b = torch.randn(64, 64), torch.randn(64, 64)
+        torch.testing.assert_close(module(a, b), TwoStage()(a, b))
+    graphs = module._methods["forward"]._graphs
+    assert {g.index for g in graphs} == {0, 1} and all(g.graph is not None for g in graphs)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ferry
-from ferry import LoweredBackendModule, LoweredProgram, OpSupportPartitioner, Partition, target_device, to_backend
+from ferry import LoweredBackendModule, LoweredProgram, OpSupportPartitioner, Partition, to_backend
 from ferry.aot import meta as M
 from ferry.aot.lower import call_delegate, is_delegate_node
 from models import (

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ferry.aot.plan import DEFAULT_ALIGNMENT, MemoryPlan, PlanValue, lower_bound, plan_memory
 from ferry.device import CPU, Device
-from ferry.program.schema import Buffer, PlanEntry
+from ferry.program.schema import Buffer
 
 CUDA0 = Device("cuda", 0)
 CUDA1 = Device("cuda", 1)

@@ -11,6 +11,8 @@ implements only the small underscore hooks.
 
 from __future__ import annotations
 
+import functools
+
 import threading
 import weakref
 
@@ -116,6 +118,8 @@ class DeviceAllocator:
     - optionally ``_copy_d2d(dst, src, nbytes, dst_index, src_index)``
     - optionally ``_normalize_index(index)`` (e.g. to accept -1 for "current device")
     - optionally ``device_index_of(tensor)`` for host-backed device memory
+    - optionally ``_bind_copy(direction, dst, src, nbytes, *indices)``: a copy a method repeats
+      on every call, with whatever can be decided once decided here
 
     Copy hooks receive flat uint8 tensors of exactly ``nbytes`` bytes.
     """
@@ -241,6 +245,12 @@ class DeviceAllocator:
             raise DeviceError(f"{_DIRECTIONS[direction]} copy of {nbytes} bytes {where} failed: {exc}") from exc
 
     # ---- hooks
+
+    def _bind_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, nbytes: int, *indices: int):
+        """A zero-argument copy between two fixed byte views (``indices``: the device index, or
+        destination and source index for d2d). The default calls the copy hook each time."""
+        hook = {"h2d": self._copy_h2d, "d2h": self._copy_d2h, "d2d": self._copy_d2d}[direction]
+        return functools.partial(hook, dst, src, nbytes, *indices)
 
     def _allocate(self, nbytes: int, index: int, alignment: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not implement _allocate")

@@ -15,6 +15,8 @@ read a `_d2h_copy` result or overwrite memory a pending `_h2d_copy` still reads.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ferry.device import Device
@@ -64,18 +66,25 @@ class CudaAllocator(DeviceAllocator):
     def _copy_d2d(self, dst, src, nbytes, dst_index, src_index):
         dst.copy_(src, non_blocking=True)
 
+    def _bind_copy(self, direction, dst, src, nbytes, *indices):
+        # page-locked or not is fixed for planned memory: ask once, not on every copy
+        host = {"h2d": src, "d2h": dst}.get(direction)
+        return functools.partial(dst.copy_, src, non_blocking=True if host is None else host.is_pinned())
+
 
 class CopyStreams:
     """Per-method stream discipline for copies on CUDA devices.
 
-    `run(kernel, src, out, device)` issues the copy on the device's copy stream ordered after the
-    compute work already queued there; the device's compute stream then waits for the copy. The
-    host syncs in `wait_host()`, called before host code touches memory a copy may still use.
+    `bind` (planned tensors, decided at load) and `run` (tensors bound per call) issue a copy the
+    same way: on the device's copy stream, ordered after the compute work already queued there,
+    with the compute stream then waiting for the copy (small copies stay on the compute stream).
+    The host syncs in `wait_host()`, called before host code touches memory a copy may still use.
     """
 
     def __init__(self):
         self._copy: dict[int, torch.cuda.Stream] = {}
         self._events: dict[object, torch.cuda.Event] = {}
+        self._issuers: dict[object, object] = {}
         self._pending: list[torch.cuda.Event] = []
         self.capturing = False
 
@@ -93,50 +102,61 @@ class CopyStreams:
         return s
 
     def run(self, key, kernel, src: torch.Tensor, out: torch.Tensor, devices: tuple[Device, ...]):
-        cuda = sorted({d.index for d in devices if d.type == "cuda"})
+        """A copy between tensors bound per call (the caller's, or sized per call)."""
         if self.capturing:
             return kernel(src, out)  # inside a CUDA graph: stay on the capture stream
-        idx = cuda[0]
-        cs = self.copy_stream(idx)
-        for i in cuda:
-            cs.wait_stream(torch.cuda.current_stream(i))
-        with torch.cuda.stream(cs):
-            kernel(src, out)
-        done = self.event(key)
-        done.record(cs)
-        for i in cuda:
-            torch.cuda.current_stream(i).wait_event(done)
+        issue = self._issuers.get(key)
+        if issue is None:  # sizes vary per call here: always the copy stream
+            issue = self._issuers[key] = self._issuer(key, devices, None)
+        issue(lambda: kernel(src, out))
         # memory the caller owns may be freed after this call: keep the caching allocator from
         # reusing it before the copy stream is done (planned memory lives until close anyway)
-        if src.is_cuda and src.untyped_storage().nbytes() == src.nbytes:
-            src.record_stream(cs)
-        if out.is_cuda and out.untyped_storage().nbytes() == out.nbytes:
-            out.record_stream(cs)
-        if any(d.is_cpu for d in devices):
-            self._pending.append(done)
+        cs = issue.stream
+        for t in (src, out):
+            if t.is_cuda and t.untyped_storage().nbytes() == t.nbytes:
+                t.record_stream(cs)
         return out
 
     def bind(self, key, copy, devices: tuple[Device, ...], nbytes: int | None = None):
         """The hot path for copies between planned tensors: everything but the event traffic is
-        decided here, at load. Copies up to SMALL_COPY_BYTES stay on the compute stream: the two
-        events a copy stream needs cost more than such a copy could overlap."""
+        decided here, at load."""
+        issue = self._issuer(key, devices, nbytes)
+        streams = self
+
+        def run():
+            if streams.capturing:
+                return copy()
+            issue(copy)
+
+        return run
+
+    def _issuer(self, key, devices: tuple[Device, ...], nbytes: int | None):
+        """How a copy between `devices` is issued, decided once per call site. Copies up to
+        SMALL_COPY_BYTES on one GPU stay on its compute stream: the two events a copy stream
+        needs cost more than such a copy could overlap, and stream order alone is enough."""
         cuda = sorted({d.index for d in devices if d.type == "cuda"})
         touches_host = any(d.is_cpu for d in devices)
-        if nbytes is not None and nbytes <= SMALL_COPY_BYTES and len(cuda) == 1:
-            return self._bind_on_compute(key, copy, cuda[0], touches_host)
-        cs = self.copy_stream(cuda[0])
-        ready = [self.event((key, "ready", i)) for i in cuda]
         done = self.event(key)
         pending = self._pending
         current = torch.cuda.current_stream
+        if nbytes is not None and nbytes <= SMALL_COPY_BYTES and len(cuda) == 1:
+            index = cuda[0]
+
+            def on_compute(copy):
+                copy()
+                if touches_host:
+                    done.record(current(index))
+                    pending.append(done)
+
+            return on_compute
+        cs = self.copy_stream(cuda[0])
+        ready = [self.event((key, "ready", i)) for i in cuda]
         stream_ctx = torch.cuda.stream
 
-        def run():
-            if self.capturing:
-                return copy()
+        def on_copy_stream(copy):
             computes = [current(i) for i in cuda]
             for ev, compute in zip(ready, computes):
-                ev.record(compute)
+                ev.record(compute)  # the copy waits for the compute work already queued
                 cs.wait_event(ev)
             with stream_ctx(cs):
                 copy()
@@ -146,20 +166,8 @@ class CopyStreams:
             if touches_host:
                 pending.append(done)
 
-        return run
-
-    def _bind_on_compute(self, key, copy, index: int, touches_host: bool):
-        done = self.event(key)
-        pending = self._pending
-        current = torch.cuda.current_stream
-
-        def run():
-            copy()  # stream order alone orders it after the producer and before the consumers
-            if touches_host and not self.capturing:
-                done.record(current(index))
-                pending.append(done)
-
-        return run
+        on_copy_stream.stream = cs
+        return on_copy_stream
 
     def note_host_dependency(self, key, index: int) -> None:
         """After a captured graph replays copies touching host memory: host waits on its stream."""

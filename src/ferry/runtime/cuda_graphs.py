@@ -1,7 +1,7 @@
 """CUDA-graph replay of device segments.
 
 A device segment is a maximal run of instructions that only touch one GPU (delegates and
-copies) between two host instructions. Every address in it is planned, so after one eager
+copies) between two host instructions or copies between GPUs. Every address in it is planned, so after one eager
 warm-up call the segment is captured once and replayed on every later call. A segment that
 reads tensors the caller passes per call, or whose capture fails, runs eagerly with a warning:
 never a wrong result.

@@ -45,19 +45,17 @@ class CopyKernel:
         self.direction, self.src, self.dst = direction, src, dst
         self.capacity = capacity  # bytes `out` may hold; None = not planned (sized per call)
         if direction == "h2d":
-            alloc = _allocator_for(dst)
+            alloc, indices = _allocator_for(dst), (dst.index,)
             self._copy = lambda d, s, n: alloc.copy_host_to_device(d, s, n, dst.index)
-            self._hook = lambda d, s, n: alloc._copy_h2d(d, s, n, dst.index)
         elif direction == "d2h":
-            alloc = _allocator_for(src)
+            alloc, indices = _allocator_for(src), (src.index,)
             self._copy = lambda d, s, n: alloc.copy_device_to_host(d, s, n, src.index)
-            self._hook = lambda d, s, n: alloc._copy_d2h(d, s, n, src.index)
         else:
             if src.type != dst.type:
                 raise DeviceError(f"_d2d_copy between different device types ({src} -> {dst}) is not supported")
-            alloc = _allocator_for(dst)
+            alloc, indices = _allocator_for(dst), (dst.index, src.index)
             self._copy = lambda d, s, n: alloc.copy_device_to_device(d, s, n, dst.index, src.index)
-            self._hook = lambda d, s, n: alloc._copy_d2d(d, s, n, dst.index, src.index)
+        self._alloc, self._indices = alloc, indices
 
     def bind_static(self, src: torch.Tensor, out: torch.Tensor):
         """A zero-argument copy between two planned tensors of fixed shape, validated once here:
@@ -70,12 +68,13 @@ class CopyKernel:
         nbytes = src.numel() * src.element_size()
         if nbytes == 0:
             return lambda: out
-        d, s, hook, direction = as_bytes(out)[:nbytes], as_bytes(src)[:nbytes], self._hook, self.direction
-        where = f"{self.src} -> {self.dst}"
+        bound = self._alloc._bind_copy(self.direction, as_bytes(out)[:nbytes], as_bytes(src)[:nbytes], nbytes,
+                                       *self._indices)
+        direction, where = self.direction, f"{self.src} -> {self.dst}"
 
         def copy():
             try:
-                hook(d, s, nbytes)
+                bound()
             except Exception as e:
                 raise DeviceError(f"_{direction}_copy of {nbytes} bytes {where} failed: {e}") from e
             return out

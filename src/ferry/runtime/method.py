@@ -150,9 +150,12 @@ class LoadedMethod:
                 slots[vid] = torch.empty(v.shape, dtype=v.torch_dtype, device=v.device.to_torch())
             else:
                 static[vid] = False  # caller-owned, allocated per call, or a view of one
+        self.streams = CopyStreams() if _uses_cuda(m) else None
+        self._staged_inputs: list[tuple[int, int]] = []
+        if cuda_graphs and self.streams is not None:
+            self._stage_caller_tensors(slots, static, scratch)
         self.slots, self.static = slots, static
         self._fix_static_lists()
-        self.streams = CopyStreams() if _uses_cuda(m) else None
         self._graphs: list = []
         self._graph_notes: list[str] = []
         self._shape_key = None
@@ -168,8 +171,40 @@ class LoadedMethod:
         self._per_call_outputs = [
             (vid, v) for vid, v in enumerate(m.values)
             if isinstance(v, TensorValue) and v.plan is None and v.constant is None and v.alias_of is None
-            and vid not in m.inputs and vid not in scratch and vid in self._written_through_out
+            and vid not in m.inputs and vid not in scratch and vid in self._written_through_out and not static[vid]
         ]
+        staged = {vid: pos for pos, vid in self._staged_inputs}
+        self._input_modes = [
+            "copy" if v is not None and v.plan is not None else "stage" if vid in staged else "bind"
+            for vid, v in zip(self.inputs, self._input_values)
+        ]
+        # a staged input handed straight back is the caller's own tensor, not the staging copy
+        self._passthrough = [(i, staged[vid]) for i, vid in enumerate(self.outputs) if vid in staged]
+
+    def _stage_caller_tensors(self, slots, static, scratch) -> None:
+        """For CUDA graphs: give the method's device inputs and fresh device outputs (skip_h2d /
+        skip_d2h) fixed tensors of their own, allocated here. A call copies each input into its
+        fixed tensor on the device (stream-ordered, at device bandwidth) and outputs are handed
+        out as planned outputs are, so the segments that read or write them keep fixed addresses
+        and can be captured. Dynamic shapes keep the caller's tensors (and run without a graph)."""
+        m = self.method
+        written = self._written_through_out
+        for pos, vid in enumerate(m.inputs):
+            v = m.values[vid]
+            if isinstance(v, TensorValue) and v.plan is None and v.device.type == "cuda" and not any(v.dynamic):
+                slots[vid], static[vid] = self._owned_empty(v), True
+                self._staged_inputs.append((pos, vid))
+        for vid in m.outputs:
+            v = m.values[vid]
+            if (isinstance(v, TensorValue) and v.plan is None and v.constant is None and v.alias_of is None
+                    and v.device.type == "cuda" and not any(v.dynamic) and not static[vid]
+                    and vid in written and vid not in scratch and vid not in m.inputs):
+                slots[vid], static[vid] = self._owned_empty(v), True
+
+    def _owned_empty(self, v: TensorValue) -> torch.Tensor:
+        buf = DeviceMemoryBuffer.create(v.nbytes, v.device)
+        self._owned.append(buf)
+        return make_tensor(buf.memory, v.shape, v.torch_dtype, v.device)
 
     def _fix_static_lists(self) -> None:
         """A list whose members are all fixed is built once; the others are built per call."""
@@ -240,9 +275,7 @@ class LoadedMethod:
         host = constant_tensor(self.program.segments[v.constant], v)
         if v.device.is_cpu:
             return host
-        buf = DeviceMemoryBuffer.create(v.nbytes, v.device)
-        self._owned.append(buf)
-        t = make_tensor(buf.memory, v.shape, v.torch_dtype, v.device)
+        t = self._owned_empty(v)
         if v.nbytes:
             get_allocator(v.device.type).copy_host_to_device(as_bytes(t), as_bytes(host), v.nbytes, v.device.index)
         return t
@@ -459,7 +492,8 @@ class LoadedMethod:
 
     def _schedule(self, steps, cuda_graphs: bool):
         """Drop load-time-only steps; make the host wait for pending copies exactly where host code
-        next touches memory; group device segments into CUDA graphs when asked."""
+        next touches memory; group device segments (runs of steps on one GPU) into CUDA graphs
+        when asked."""
         if self.streams is None:
             return [s for s in steps if s is not None]
         out, pending, segment = [], False, []
@@ -468,17 +502,17 @@ class LoadedMethod:
         def close_segment():
             if not segment:
                 return
-            idxs = {k[1] for k in segment}
-            if cuda_graphs and len(idxs) == 1 and -1 not in idxs and all(k[3] for k in segment):
+            index = segment[0][1]
+            if cuda_graphs and index != -1 and all(k[3] for k in segment):
                 label = f"method {self.name!r} instructions {segment[0][4]}..{segment[-1][4]}"
-                g = GraphSegment([k[0] for k in segment], idxs.pop(), self.streams, any(k[2] for k in segment), label)
+                g = GraphSegment([k[0] for k in segment], index, self.streams, any(k[2] for k in segment), label)
                 self._graphs.append(g)
                 out.append(lambda g=g: g(self._shape_key))
             else:
-                if cuda_graphs:
+                if cuda_graphs and index != -1:  # a copy between two GPUs simply runs between their graphs
                     self._graph_notes.append(
                         f"instructions {segment[0][4]}..{segment[-1][4]} run without a CUDA graph "
-                        "(they use several GPUs, tensors the caller passes per call, or pageable host memory)")
+                        "(they read tensors the caller passes per call, or pageable host memory)")
                 out.extend(k[0] for k in segment)
             segment.clear()
 
@@ -493,6 +527,9 @@ class LoadedMethod:
                     pending = False
                 out.append(step)
             else:
+                # one segment per GPU: a copy between two GPUs runs on its own, between their graphs
+                if segment and (idx != segment[0][1] or idx == -1):
+                    close_segment()
                 segment.append((step, idx, touches_host, self._capturable(ins), i))
                 pending = pending or touches_host
         close_segment()
@@ -537,14 +574,16 @@ class LoadedMethod:
         slots = self.slots
         for vid, v in self._per_call_outputs:
             slots[vid] = None
-        for t, vid, v in zip(inputs, self.inputs, self._input_values):
-            if v is not None and v.plan is not None:
+        for t, vid, mode in zip(inputs, self.inputs, self._input_modes):
+            if mode == "bind":
+                slots[vid] = t
+            elif mode == "stage":
+                slots[vid].copy_(t)
+            else:
                 dst = slots[vid]
                 if dst.shape != t.shape:
                     dst.resize_(t.shape)
                 dst.copy_(t)
-            else:
-                slots[vid] = t
         if bind_outputs is not None:
             for vid, t in zip(self.outputs, bind_outputs):
                 if not self.static[vid] and slots[vid] is None:
@@ -562,6 +601,8 @@ class LoadedMethod:
                 if slots[mb.update] is not slots[mb.value]:
                     slots[mb.value].copy_(slots[mb.update])
             outs = [slots[vid] for vid in self.outputs]
+            for i, pos in self._passthrough:
+                outs[i] = inputs[pos]
             if bind_outputs is not None:
                 for t, o in zip(bind_outputs, outs):
                     if o is not t:

@@ -14,11 +14,13 @@ class Module:
     """Runs a ferry Program.
 
     cuda_graphs=True captures each device segment (the delegates and copies between two host
-    instructions) as a CUDA graph after one warm-up call and replays it afterwards.
+    instructions) as a CUDA graph after one warm-up call and replays it afterwards. Device
+    inputs (skip_h2d) are then copied on the device into fixed tensors each call, and device
+    outputs (skip_d2h) come from fixed tensors, so those segments are captured too.
 
     outputs="copy" (default) returns tensors the caller owns; outputs="view" returns views of
-    planned memory, valid until the next call (zero copy). Outputs kept on a device by
-    skip_d2h come back as device tensors the caller owns either way.
+    planned memory, valid until the next call (zero copy). Without CUDA graphs, outputs kept on
+    a device by skip_d2h come back as device tensors the caller owns either way.
     """
 
     def __init__(self, program: "Program | str | os.PathLike", *, outputs: str = "copy", pin_host_memory: bool = True,
