@@ -447,3 +447,21 @@ def test_two_gpus_capture_one_graph_each():
         torch.testing.assert_close(module(a, b), TwoStage()(a, b))
     graphs = module._methods["forward"]._graphs
     assert {g.index for g in graphs} == {0, 1} and all(g.graph is not None for g in graphs)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_graph_captured_on_the_wrong_gpu_is_never_replayed(monkeypatch):
+    """Work launched outside the capture leaves an empty graph; replaying it would return stale
+    memory. ferry treats it as a failed capture: a warning, then eager and correct."""
+    from ferry.runtime.cuda import CopyStreams
+
+    wrong = {}
+    monkeypatch.setattr(CopyStreams, "capture_stream",
+                        lambda self, index: wrong.setdefault(index, torch.cuda.Stream(device=1 - index)))
+    a, b = torch.randn(64, 32), torch.randn(64, 32)
+    module = ferry.Module(_compile(Chain(), (a, b)), cuda_graphs=True)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        for _ in range(4):
+            a, b = torch.randn(64, 32), torch.randn(64, 32)
+            torch.testing.assert_close(module(a, b), Chain()(a, b))
+    assert all(g.graph is None for g in module._methods["forward"]._graphs)

@@ -85,6 +85,7 @@ class CopyStreams:
         self._copy: dict[int, torch.cuda.Stream] = {}
         self._events: dict[object, torch.cuda.Event] = {}
         self._issuers: dict[object, object] = {}
+        self._capture: dict[int, torch.cuda.Stream] = {}
         self._pending: list[torch.cuda.Event] = []
         self.capturing = False
 
@@ -100,6 +101,10 @@ class CopyStreams:
         if s is None:
             s = self._copy[index] = torch.cuda.Stream(device=index)
         return s
+
+    def capture_stream(self, index: int) -> torch.cuda.Stream:
+        """The side stream CUDA graphs of device `index` are captured on."""
+        return self._capture.get(index) or self._capture.setdefault(index, torch.cuda.Stream(device=index))
 
     def run(self, key, kernel, src: torch.Tensor, out: torch.Tensor, devices: tuple[Device, ...]):
         """A copy between tensors bound per call (the caller's, or sized per call)."""

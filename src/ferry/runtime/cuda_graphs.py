@@ -52,8 +52,17 @@ class GraphSegment:
         self.streams.wait_host()
         self.streams.capturing = True
         try:
-            with torch.cuda.device(self.index), torch.cuda.graph(g):
-                self._eager()
+            # a capture stream on this segment's GPU: torch.cuda.graph's default is one stream
+            # made on whichever device was current at its first use, which records nothing for
+            # work on another GPU (an empty graph that replays as a no-op)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.cuda.device(self.index), torch.cuda.graph(g, stream=self.streams.capture_stream(self.index)):
+                    self._eager()
+            for w in caught:
+                if "Graph is empty" in str(w.message):  # its work went to another stream or GPU
+                    raise RuntimeError("the captured graph is empty")
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         except Exception as e:  # an op that cannot be captured (host sync, pageable copy, ...)
             self.failed = True
             warnings.warn(f"{self.label}: CUDA-graph capture failed ({type(e).__name__}: {e}); "
