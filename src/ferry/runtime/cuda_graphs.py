@@ -51,6 +51,7 @@ class GraphSegment:
         g = torch.cuda.CUDAGraph()
         self.streams.wait_host()
         self.streams.capturing = True
+        failure = None
         try:
             # a capture stream on this segment's GPU: torch.cuda.graph's default is one stream
             # made on whichever device was current at its first use, which records nothing for
@@ -64,13 +65,15 @@ class GraphSegment:
                     raise RuntimeError("the captured graph is empty")
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         except Exception as e:  # an op that cannot be captured (host sync, pageable copy, ...)
+            failure = e
+        finally:
+            self.streams.capturing = False  # before any eager run: its copies need their events
+        if failure is not None:
             self.failed = True
-            warnings.warn(f"{self.label}: CUDA-graph capture failed ({type(e).__name__}: {e}); "
+            warnings.warn(f"{self.label}: CUDA-graph capture failed ({type(failure).__name__}: {failure}); "
                           "running it eagerly from now on", RuntimeWarning, stacklevel=3)
             torch.cuda.synchronize(self.index)
             return self._eager()
-        finally:
-            self.streams.capturing = False
         self.graph, self.key = g, key
         g.replay()
         if self.touches_host:
