@@ -449,10 +449,33 @@ def test_two_gpus_capture_one_graph_each():
     assert {g.index for g in graphs} == {0, 1} and all(g.graph is not None for g in graphs)
 
 
+def test_capture_that_fails_midway_falls_back_with_correct_results(monkeypatch):
+    """An operation that is illegal during capture (a device synchronisation) aborts it: the
+    call that tried still returns the right result, with a warning, and later calls run eagerly."""
+    import ferry.runtime.cuda_graphs as cuda_graphs
+
+    eager = cuda_graphs.GraphSegment._eager
+
+    def syncs_while_capturing(self):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        return eager(self)
+
+    monkeypatch.setattr(cuda_graphs.GraphSegment, "_eager", syncs_while_capturing)
+    a, b = torch.randn(64, 32), torch.randn(64, 32)
+    module = ferry.Module(_compile(Chain(), (a, b)), cuda_graphs=True, outputs="view")
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        for _ in range(5):
+            a, b = torch.randn(64, 32), torch.randn(64, 32)
+            torch.testing.assert_close(module(a, b), Chain()(a, b))
+    assert all(g.graph is None and g.failed for g in module._methods["forward"]._graphs)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_a_graph_captured_on_the_wrong_gpu_is_never_replayed(monkeypatch):
-    """Work launched outside the capture leaves an empty graph; replaying it would return stale
-    memory. ferry treats it as a failed capture: a warning, then eager and correct."""
+def test_an_empty_capture_is_never_replayed(monkeypatch):
+    """Capturing on another GPU's stream records nothing (the work runs outside the capture,
+    with undefined results for that one call). ferry detects the empty graph, warns, and never
+    replays it: every later call runs eagerly and is correct."""
     from ferry.runtime.cuda import CopyStreams
 
     wrong = {}
@@ -460,8 +483,10 @@ def test_a_graph_captured_on_the_wrong_gpu_is_never_replayed(monkeypatch):
                         lambda self, index: wrong.setdefault(index, torch.cuda.Stream(device=1 - index)))
     a, b = torch.randn(64, 32), torch.randn(64, 32)
     module = ferry.Module(_compile(Chain(), (a, b)), cuda_graphs=True)
-    with pytest.warns(RuntimeWarning, match="capture failed"):
-        for _ in range(4):
-            a, b = torch.randn(64, 32), torch.randn(64, 32)
-            torch.testing.assert_close(module(a, b), Chain()(a, b))
-    assert all(g.graph is None for g in module._methods["forward"]._graphs)
+    with pytest.warns(RuntimeWarning, match="graph is empty"):
+        for _ in range(3):  # first call, warm-up, capture
+            module(torch.randn(64, 32), torch.randn(64, 32))
+    assert all(g.graph is None and g.failed for g in module._methods["forward"]._graphs)
+    for _ in range(3):
+        a, b = torch.randn(64, 32), torch.randn(64, 32)
+        torch.testing.assert_close(module(a, b), Chain()(a, b))
