@@ -12,7 +12,6 @@ implements only the small underscore hooks.
 from __future__ import annotations
 
 import functools
-
 import threading
 import weakref
 

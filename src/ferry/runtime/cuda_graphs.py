@@ -1,10 +1,11 @@
 """CUDA-graph replay of device segments.
 
 A device segment is a maximal run of instructions that only touch one GPU (delegates and
-copies) between two host instructions or copies between GPUs. Every address in it is planned, so after one eager
+copies), ended by a host instruction or a copy between GPUs. Every address in it is fixed
+(planned memory, or the fixed tensors device inputs are staged into), so after one eager
 warm-up call the segment is captured once and replayed on every later call. A segment that
-reads tensors the caller passes per call, or whose capture fails, runs eagerly with a warning:
-never a wrong result.
+reads per-call host tensors, or whose capture fails, runs eagerly with a warning: never a
+wrong result.
 """
 
 from __future__ import annotations
