@@ -76,6 +76,18 @@ class MultiOutput(nn.Module):
         return torch.relu(s), torch.relu(p), p - s
 
 
+class RunningSum(nn.Module):
+    """A (2, 3) buffer that adds every input: a mutable buffer read and written in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("total", torch.zeros(2, 3))
+
+    def forward(self, x):
+        self.total.add_(x)
+        return self.total * 2
+
+
 class WithParams(nn.Module):
     def __init__(self):
         super().__init__()

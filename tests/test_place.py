@@ -16,8 +16,8 @@ from ferry.aot.lower import call_delegate
 from ferry.aot.meta import get_device
 from ferry.passes import PropagateDevicePass
 from models import (
-    Add, AddChain, FanOut, Fixed, InputToCpuAndDelegate, PerAdd, SharedOutput, copy_nodes, count_copies,
-    delegate_nodes, export, fresh_inputs, small,
+    Add, AddChain, FanOut, Fixed, InputToCpuAndDelegate, PerAdd, RunningSum, SharedOutput, copy_nodes,
+    count_copies, delegate_nodes, export, fresh_inputs, small,
 )
 
 CPU = Device("cpu", 0)
@@ -425,21 +425,11 @@ def test_without_skip_input_on_two_devices_gets_one_h2d_per_device():
     assert sorted(str(get_device(c)) for c in x_copies) == ["cuda:0", "cuda:1"]
 
 
-class Counter(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("total", torch.zeros(2, 3))
-
-    def forward(self, x):
-        self.total.add_(x)
-        return self.total * 2
-
-
 def test_buffer_updated_on_the_device_lives_there():
     """State that only one device reads and updates (a KV cache) never crosses the host link,
     with or without the skip flags (skip_h2d concerns user inputs only)."""
     for skip in (False, True):
-        lp = placed(Counter(), OpSupportPartitioner("cuda:0"), inputs=small(n=1), skip_h2d_for_method_inputs=skip,
+        lp = placed(RunningSum(), OpSupportPartitioner("cuda:0"), inputs=small(n=1), skip_h2d_for_method_inputs=skip,
                     skip_d2h_for_method_outputs=skip)
         gm = lp.graph_module
         buf = [p for p in placeholders(gm) if M.input_info(p).kind == M.BUFFER]
@@ -452,7 +442,7 @@ def test_buffer_updated_on_the_device_lives_there():
             if info.kind == M.BUFFER_MUTATION:
                 assert get_device(o) == CUDA0 and not O.is_copy_node(o)
         assert PropagateDevicePass(skip, skip)(gm).modified is False
-        m = Counter()
+        m = RunningSum()
         for seed in (1, 2):
             (x,) = fresh_inputs(small(n=1), seed)
             torch.testing.assert_close(lp(x), m(x))

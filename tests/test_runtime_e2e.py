@@ -24,8 +24,8 @@ from ferry.program.schema import DelegateCall, TensorValue
 from ferry.runtime import clone_to, device_of, emulated_device
 
 from models import (
-    Add, AddChain, ByModulePath, FanOut, InputToCpuAndDelegate, MultiOutput, PerAdd, SharedOutput, TwoLinears,
-    WithParams, fresh_inputs, small, small_cnn, transformer_block,
+    Add, AddChain, ByModulePath, FanOut, InputToCpuAndDelegate, MultiOutput, PerAdd, RunningSum, SharedOutput,
+    TwoLinears, WithParams, fresh_inputs, small, small_cnn, transformer_block,
 )
 
 EMU0 = Device("emu", 0)
@@ -55,16 +55,6 @@ class PassThrough(nn.Module):
 
     def forward(self, x, y):
         return x + y, x
-
-
-class BufferCounter(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("total", torch.zeros(2, 3))
-
-    def forward(self, x):
-        self.total.add_(x)
-        return self.total * 2
 
 
 def emu_all(**kw):
@@ -97,7 +87,7 @@ CASES = {
     "multi-output": Case(_pair(MultiOutput), emu_all(exclude=["aten.relu"]), None),
     "params-and-buffer": Case(lambda: (WithParams(), (torch.randn(3, 8),)), emu_all(exclude=["aten.relu"]), None),
     "two-linears-two-devices": Case(lambda: (TwoLinears(), (torch.randn(3, 4),)), lambda: ByModulePath({"a": "emu:0", "b": "emu:1"}), None),
-    "mutable-buffer": Case(lambda: (BufferCounter(), small(n=1)), emu_all(), None, {"h2d": 1, "d2h": 1, "d2d": 0}),
+    "mutable-buffer": Case(lambda: (RunningSum(), small(n=1)), emu_all(), None, {"h2d": 1, "d2h": 1, "d2d": 0}),
     "skip-h2d": Case(_pair(Add), emu_all(), cfg(skip_h2d=True), {"h2d": 0, "d2h": 1, "d2d": 0}),
     "skip-d2h": Case(_pair(Add), emu_all(), cfg(skip_d2h=True), {"h2d": 2, "d2h": 0, "d2d": 0}),
     "skip-both": Case(_pair(AddChain), lambda: PerAdd("emu:0"), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
@@ -108,7 +98,7 @@ CASES = {
     "skip-h2d-input-on-two-devices": Case(_pair(TwoDevices, n=3), lambda: PerAdd("emu:0", "emu:1"), cfg(skip_h2d=True), {"h2d": 0, "d2h": 2, "d2d": 1}),
     "skip-d2h-output-read-on-cpu": Case(_pair(SharedOutput), lambda: PerAdd("emu:0"), cfg(skip_d2h=True), {"h2d": 2, "d2h": 1, "d2d": 0}),
     "skip-h2d-params-absorbed": Case(lambda: (WithParams(), (torch.randn(3, 8),)), emu_all(), cfg(skip_h2d=True), {"h2d": 0, "d2h": 1, "d2d": 0}),
-    "skip-both-mutable-buffer": Case(lambda: (BufferCounter(), small(n=1)), emu_all(), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
+    "skip-both-mutable-buffer": Case(lambda: (RunningSum(), small(n=1)), emu_all(), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
     "cnn-relu-on-cpu": Case(small_cnn, emu_all(exclude=["aten.relu"]), None),
     "cnn-all-delegated": Case(small_cnn, emu_all(), None, {"h2d": 1, "d2h": 1, "d2d": 0}),
     "cnn-cpu-only": Case(small_cnn, lambda: None, None, {"h2d": 0, "d2h": 0, "d2d": 0}),
