@@ -151,9 +151,7 @@ class LoadedMethod:
             else:
                 static[vid] = False  # caller-owned, allocated per call, or a view of one
         self.streams = CopyStreams() if _uses_cuda(m) else None
-        self._staged_inputs: list[tuple[int, int]] = []
-        if cuda_graphs and self.streams is not None:
-            self._stage_caller_tensors(slots, static, scratch)
+        staged = self._stage_caller_tensors(slots, static, scratch) if cuda_graphs and self.streams is not None else {}
         self.slots, self.static = slots, static
         self._fix_static_lists()
         self._graphs: list = []
@@ -173,7 +171,6 @@ class LoadedMethod:
             if isinstance(v, TensorValue) and v.plan is None and v.constant is None and v.alias_of is None
             and vid not in m.inputs and vid not in scratch and vid in self._written_through_out and not static[vid]
         ]
-        staged = {vid: pos for pos, vid in self._staged_inputs}
         self._input_modes = [
             "copy" if v is not None and v.plan is not None else "stage" if vid in staged else "bind"
             for vid, v in zip(self.inputs, self._input_values)
@@ -181,25 +178,28 @@ class LoadedMethod:
         # a staged input handed straight back is the caller's own tensor, not the staging copy
         self._passthrough = [(i, staged[vid]) for i, vid in enumerate(self.outputs) if vid in staged]
 
-    def _stage_caller_tensors(self, slots, static, scratch) -> None:
+    def _stage_caller_tensors(self, slots, static, scratch) -> dict[int, int]:
         """For CUDA graphs: give the method's device inputs and fresh device outputs (skip_h2d /
         skip_d2h) fixed tensors of their own, allocated here. A call copies each input into its
         fixed tensor on the device (stream-ordered, at device bandwidth) and outputs are handed
         out as planned outputs are, so the segments that read or write them keep fixed addresses
-        and can be captured. Dynamic shapes keep the caller's tensors (and run without a graph)."""
+        and can be captured. Dynamic shapes keep the caller's tensors (and run without a graph).
+        Returns {value id: input position} of the staged inputs."""
         m = self.method
         written = self._written_through_out
+        staged = {}
         for pos, vid in enumerate(m.inputs):
             v = m.values[vid]
             if isinstance(v, TensorValue) and v.plan is None and v.device.type == "cuda" and not any(v.dynamic):
                 slots[vid], static[vid] = self._owned_empty(v), True
-                self._staged_inputs.append((pos, vid))
+                staged[vid] = pos
         for vid in m.outputs:
             v = m.values[vid]
             if (isinstance(v, TensorValue) and v.plan is None and v.constant is None and v.alias_of is None
                     and v.device.type == "cuda" and not any(v.dynamic) and not static[vid]
                     and vid in written and vid not in scratch and vid not in m.inputs):
                 slots[vid], static[vid] = self._owned_empty(v), True
+        return staged
 
     def _owned_empty(self, v: TensorValue) -> torch.Tensor:
         buf = DeviceMemoryBuffer.create(v.nbytes, v.device)
