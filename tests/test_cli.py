@@ -130,7 +130,7 @@ def test_run_prints_latency_and_copies(compiled):
     rc, out, err = call(["run", path, "--repeat", "3"])
     assert rc == 0, err
     assert "running on the emulated device" in out
-    stats = re.search(r"method 'forward': 3 runs, median ([\d.]+) ms, p90 ([\d.]+) ms", out)
+    stats = re.search(r"method 'forward': 3 runs after 3 warm-up, median ([\d.]+) ms, p90 ([\d.]+) ms", out)
     assert stats and 0 < float(stats.group(1)) <= float(stats.group(2))
     assert "output 0: float32[2, 16, 64]" in out
     assert "copies of method 'forward'" in out
@@ -143,7 +143,7 @@ def test_run_with_inputs_from_npz(compiled, tmp_path):
     np.savez(good, x=np.random.randn(2, 16, 64).astype(np.float32))
     rc, out, err = call(["run", path, "--inputs", good, "--repeat", "1"])
     assert rc == 0, err
-    assert "method 'forward': 1 runs" in out
+    assert "method 'forward': 1 runs after" in out
     bad = tmp_path / "two.npz"
     np.savez(bad, a=np.zeros((2, 16, 64), np.float32), b=np.zeros((2, 16, 64), np.float32))
     rc, out, err = call(["run", path, "--inputs", bad])
@@ -166,6 +166,12 @@ def _garbage(tmp_path):
     (["compile", "ferry_no_such_module_xyz:build", "-o", "{tmp}/out.ferry"], "cannot import 'ferry_no_such_module_xyz'"),
     (["compile", "ferry.examples:no_such_factory", "-o", "{tmp}/out.ferry"], "no function 'no_such_factory'"),
     (["compile", "ferry.examples:transformer_block", "-o", "{tmp}/out.ferry", "--device", "tpu:0"], "unknown device type 'tpu'"),
+    (["compile", "ferry.examples:transformer_block", "-o", "{tmp}/out.ferry", "--device", "gpu:0"], "known types: cpu, cuda, emu"),
+    (["compile", "ferry.examples:transformer_block", "-o", "{tmp}/no/such/dir/out.ferry", "--device", "emu:0"], "does not exist"),
+    (["compile", "ferry.examples:transformer_block", "-o", "{tmp}", "--device", "emu:0"], "is a directory"),
+    (["run", "{garbage}", "--repeat", "0"], "--repeat: must be a positive integer"),
+    (["run", "{garbage}", "--warmup", "-1"], "--warmup: must be a non-negative integer"),
+    (["inspect", "{garbage}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["compile", "ferry.examples:transformer_block", "-o", "{tmp}/out.ferry", "--device", "emu:0", "--exclude", "aten.no_such_op"], "no_such_op"),
 ])
 def test_errors_are_one_line_exit_2(tmp_path, argv, message):
@@ -178,9 +184,23 @@ def test_errors_are_one_line_exit_2(tmp_path, argv, message):
     assert not (tmp_path / "out.ferry").exists()
 
 
-def test_run_unknown_method_is_an_error(compiled):
-    rc, out, err = call(["run", compiled[0], "--method", "nope"])
-    assert rc == 2 and err.startswith("ferry run: error:") and "no method 'nope'" in err and err.count("\n") == 1
+@pytest.mark.parametrize("command", ["run", "inspect"])
+def test_unknown_method_is_an_error(compiled, command):
+    rc, out, err = call([command, compiled[0], "--method", "nope"])
+    assert rc == 2 and err.startswith(f"ferry {command}: error:") and "no method 'nope'" in err
+    assert err.count("\n") == 1 and "methods: forward" in err
+
+
+def test_inspect_one_method(compiled):
+    rc, out, err = call(["inspect", compiled[0], "--method", "forward", "--json"])
+    assert rc == 0, err
+    assert list(json.loads(out)["methods"]) == ["forward"]
+
+
+def test_compile_with_a_missing_output_folder_fails_before_any_work(tmp_path):
+    rc, out, err = call(["compile", "ferry.examples:transformer_block", "-o", tmp_path / "missing" / "x.ferry",
+                         "--device", "emu:0"])
+    assert rc == 2 and "[ferry]" not in err, "checked before loading, exporting or compiling the model"
 
 
 class Masked(torch.nn.Module):

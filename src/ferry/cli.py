@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -27,6 +28,52 @@ def _stage(name: str):
                 print(f"[ferry] {name} done in {time.perf_counter() - self.t:.2f}s", file=sys.stderr, flush=True)
 
     return _Timer()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return n
+
+
+def _parse_device(text: str):
+    """The --device value as a Device; `emu` (the emulated device) is known to the CLI."""
+    from ferry.device import Device, known_device_types
+
+    kind = text.strip().lower().partition(":")[0].strip()
+    known = tuple(dict.fromkeys(known_device_types() + ("emu",)))
+    if kind not in known:
+        raise UserError(f"unknown device type {kind!r} in --device {text!r}; known types: {', '.join(known)}")
+    _ensure_device_type(kind)
+    try:
+        return Device.parse(text)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _check_output_path(path: str) -> None:
+    """Fail before any slow work when the program file cannot be written where asked."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    if os.path.isdir(path):
+        raise UserError(f"-o {path}: is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise UserError(f"-o {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"-o {path}: folder {parent} is not writable")
 
 
 def _ensure_device_type(device_type: str) -> None:
@@ -66,10 +113,10 @@ def cmd_compile(args) -> int:
 
     import ferry
 
-    device = args.device.strip().lower()
-    _ensure_device_type(device.partition(":")[0])
-    # check the device, the op names and SPEC before any progress output or slow work, so that a
-    # mistake on the command line is one error line
+    # check the device, the output path, the op names and SPEC before any progress output or
+    # slow work, so that a mistake on the command line is one error line
+    device = str(_parse_device(args.device))
+    _check_output_path(args.output)
     exclude = [s for s in (args.exclude or "").split(",") if s.strip()]
     partitioner = ferry.OpSupportPartitioner(device, exclude=exclude)
     factory = _resolve_spec(args.spec)
@@ -97,6 +144,8 @@ def cmd_inspect(args) -> int:
     from ferry.inspect import program_json, program_summary
 
     program = ferry.load_program(args.file)
+    if args.method is not None and args.method not in program.methods:
+        raise UserError(f"{args.file} has no method {args.method!r}; methods: {', '.join(program.methods)}")
     if args.html:
         from ferry.html import write_html
 
@@ -104,9 +153,9 @@ def cmd_inspect(args) -> int:
         print(f"wrote {args.html}")
         return 0
     if args.json:
-        print(json.dumps(program_json(program), indent=1))
+        print(json.dumps(program_json(program, args.method), indent=1))
     else:
-        print(program_summary(program, instructions=True))
+        print(program_summary(program, instructions=True, method=args.method))
     return 0
 
 
@@ -159,15 +208,18 @@ def cmd_run(args) -> int:
     meta = module.method_meta(args.method)
     inputs = _random_inputs(meta) if args.inputs == "random" else _npz_inputs(args.inputs, meta)
     module.load_method(args.method)
+    for _ in range(args.warmup):  # first calls bind, check shapes and capture graphs: not timed
+        module.run_method(args.method, inputs)
+    _sync()
     times = []
-    for _ in range(max(1, args.repeat)):
+    for _ in range(args.repeat):
         t0 = time.perf_counter()
         outs = module.run_method(args.method, inputs)
         _sync()
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     p90 = times[min(len(times) - 1, int(0.9 * len(times)))]
-    print(f"method {args.method!r}: {len(times)} runs, median {statistics.median(times):.3f} ms, p90 {p90:.3f} ms")
+    print(f"method {args.method!r}: {len(times)} runs after {args.warmup} warm-up, median {statistics.median(times):.3f} ms, p90 {p90:.3f} ms")
     for i, o in enumerate(outs):
         print(f"  output {i}: {str(o.dtype).removeprefix('torch.')}{list(o.shape)}")
     print(copy_report(program, args.method))
@@ -181,8 +233,15 @@ def _sync():
         torch.cuda.synchronize()
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is one line on stderr and exit status 2 (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ferry", description="Place, plan and run torch.export programs on the CPU plus GPUs.")
+    p = _Parser(prog="ferry", description="Place, plan and run torch.export programs on the CPU plus GPUs.")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="export a model and compile it to a .ferry file")
@@ -198,20 +257,28 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("file")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--html", metavar="OUT", help="write a picture of the placement and memory plan")
-    i.add_argument("--method", default=None, help="method to draw with --html (default: the first)")
+    i.add_argument("--method", default=None, help="only this method (with --html, default: the first)")
     i.set_defaults(func=cmd_inspect)
 
     r = sub.add_parser("run", help="run a program file and print latency and copy statistics")
     r.add_argument("file")
     r.add_argument("--method", default="forward")
     r.add_argument("--inputs", default="random", help="'random' or an .npz file with one array per input")
-    r.add_argument("--repeat", type=int, default=10)
+    r.add_argument("--repeat", type=_positive_int, default=10, help="timed calls (default 10)")
+    r.add_argument("--warmup", type=_non_negative_int, default=3, help="untimed calls first (default 3)")
     r.set_defaults(func=cmd_run)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args, extra = build_parser().parse_known_args(argv)
+    except SystemExit as e:  # --help, or a mistake argparse found (already printed as one line)
+        return e.code if isinstance(e.code, int) else 2
+    if extra:
+        print(f"ferry {args.command}: error: unrecognized arguments: {' '.join(extra)} "
+              f"(see ferry {args.command} --help)", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head`: not an error

@@ -47,9 +47,14 @@ def _tensor_line(v: TensorValue) -> str:
     return f"{v.dtype}{list(v.shape)} on {v.device}" + (" (dynamic)" if any(v.dynamic) else "")
 
 
-def program_summary(program: Program, instructions: bool = True) -> str:
+def _methods(program: Program, method: str | None):
+    """(name, method) pairs: all of them, or the one asked for."""
+    return [(method, program.methods[method])] if method is not None else list(program.methods.items())
+
+
+def program_summary(program: Program, instructions: bool = True, method: str | None = None) -> str:
     out = []
-    for name, m in program.methods.items():
+    for name, m in _methods(program, method):
         out.append(f"method {name!r}: {len(m.instructions)} instructions, {len(m.values)} values")
         for kind, ids in (("input", m.inputs), ("output", m.outputs)):
             for i, vid in enumerate(ids):
@@ -95,13 +100,13 @@ def _finite(x):
     return x
 
 
-def program_json(program: Program) -> dict:
-    return _finite(_program_json(program))
+def program_json(program: Program, method: str | None = None) -> dict:
+    return _finite(_program_json(program, method))
 
 
-def _program_json(program: Program) -> dict:
+def _program_json(program: Program, method: str | None) -> dict:
     methods = {}
-    for name, m in program.methods.items():
+    for name, m in _methods(program, method):
         rep = copy_report(program, name)
         methods[name] = {
             "inputs": [_tensor_json(m.values[v]) for v in m.inputs],

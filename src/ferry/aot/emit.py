@@ -7,6 +7,7 @@ listed in the method's report because they allocate at run time.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import operator
 from dataclasses import dataclass, field
@@ -55,10 +56,11 @@ class ProgramBuilder:
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous().cpu()
+    """The tensor's elements as raw bytes, in row-major order (no numpy needed)."""
+    t = t.detach().cpu().contiguous()
     if t.numel() == 0:
         return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +99,14 @@ _INPUT_KINDS = {
 
 def _core_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Functional core ATen: every op has a fixed schema and (mostly) an out variant."""
-    return ep.run_decompositions()
+    with warnings.catch_warnings():
+        # torch >= 2.13 deep-copies the program's call signature here, and copying its
+        # LeafSpec trips torch's own deprecation of `isinstance(treespec, LeafSpec)`: noise
+        # from torch's internals that the user can do nothing about (any warning from
+        # elsewhere still shows).
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning,
+                                module="copyreg")
+        return ep.run_decompositions()
 
 
 def _annotate(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
