@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from ferry.alignment import default_alignment
 from ferry.device import Device
 from ferry.errors import AllocationError, DeviceError
 from ferry.runtime import allocator as alloc_mod
@@ -470,7 +471,7 @@ def test_host_buffer_is_aligned_plain_memory(alignment):
     buf = DeviceMemoryBuffer.create(1000, Device("cpu"), alignment=alignment)
     mem = buf.memory
     assert mem.device.type == "cpu" and mem.dtype == torch.uint8 and mem.shape == (1000,)
-    assert mem.data_ptr() % (alignment or alloc_mod.HOST_ALIGNMENT) == 0
+    assert mem.data_ptr() % (alignment or default_alignment("cpu")) == 0
     data = random_bytes(1000)
     mem.copy_(data)  # usable memory
     assert torch.equal(buf.memory, data)

@@ -19,7 +19,7 @@ import torch
 import ferry
 import ferry.examples
 from ferry.cli import main
-from ferry.report import copy_report
+from ferry.program.report import copy_report
 from ferry.runtime import emulated_device, get_allocator, unregister_allocator
 
 from models import Add, fresh_inputs, small

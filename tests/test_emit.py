@@ -11,7 +11,8 @@ from torch import nn
 
 import ferry
 from ferry import ops  # noqa: F401  (the et_copy ops)
-from ferry.aot.out_variants import is_view, kernel_name, out_variant, resolve_kernel
+from ferry.aot.out_variants import is_view, out_variant
+from ferry.op_names import kernel_name, resolve_kernel
 from ferry.device import Device
 from ferry.inspect import program_json, program_summary
 from ferry.program.lifetimes import tensor_ids

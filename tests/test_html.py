@@ -15,10 +15,10 @@ from ferry import OpSupportPartitioner, Partition, target_device
 from ferry.device import CPU, Device
 from ferry.examples import TransformerBlock, transformer_block
 from ferry.html import fmt_bytes, render_html, write_html
-from ferry.program.schema import (
+from ferry.program import (
     DEFAULT_ARG, Buffer, ConstValue, Delegate, DelegateCall, KernelCall, Method, PlanEntry, Program, TensorValue,
 )
-from ferry.report import copy_report
+from ferry.program.report import copy_report
 
 CUDA0 = Device("cuda", 0)
 

@@ -322,7 +322,7 @@ def test_forward_and_run_method_agree(emu):
     assert isinstance(listed, list) and len(listed) == 2
     for a, b, r in zip(got, listed, model(x, y)):
         assert close(a, r) and torch.equal(a, b)
-    with pytest.raises(KeyError, match="nope"):
+    with pytest.raises(ferry.UnknownMethodError, match="nope"):
         mod.run_method("nope", [x, y])
 
 

@@ -14,6 +14,7 @@ from ferry import ops as O
 from ferry.aot import meta as M
 from ferry.aot.lower import call_delegate
 from ferry.aot.meta import get_device
+from ferry.aot.place import lowered_module_of
 from ferry.passes import PropagateDevicePass
 from models import (
     Add, AddChain, FanOut, Fixed, InputToCpuAndDelegate, PerAdd, RunningSum, SharedOutput, copy_nodes,
@@ -306,20 +307,25 @@ def test_cpu_only_graph_is_modified_once_then_not():
 # legacy mode
 
 
-def test_legacy_mode_inserts_no_copies_and_tags_delegate_io():
+def test_legacy_mode_inserts_no_copies_and_places_every_value_in_host_memory():
+    """The reference tags delegate inputs and outputs with the delegate's device although its
+    planner then ignores devices; ferry places values where their memory is (the host), so
+    emit and the planner read one fact and decide nothing again. The delegates keep their
+    target device and move their own data."""
     m = AddChain()
     lp = placed(m, PerAdd("cuda:0"), enable_non_cpu_memory_planning=False)
     gm = lp.graph_module
     assert count_copies(gm) == {"h2d": 0, "d2h": 0, "d2d": 0}
     d0, d1 = delegate_nodes(gm)
     for d in (d0, d1):
-        assert get_device(d) == CUDA0
+        assert get_device(d) == CPU
+        assert lowered_module_of(gm, d).compile_spec("target_device") == b"cuda:0"
         for a in d.args[1:]:
-            assert get_device(a) == CUDA0
+            assert get_device(a) == CPU
         for u in d.users:
-            assert get_device(u) == CUDA0
+            assert get_device(u) == CPU
     x, y = placeholders(gm)
-    assert get_device(x) == CUDA0 and get_device(y) == CUDA0  # in-place tags of delegate inputs
+    assert get_device(x) == CPU and get_device(y) == CPU
     check_matches_eager(lp, m)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import pytest
@@ -135,10 +137,15 @@ def test_cpu_buffer_first_even_if_another_type_sorts_before_cpu():
     assert plan.entries[2].buffer == 1
 
 
+def _on_cpu(values):
+    """Legacy mode: placement puts every value on the CPU, and the planner sees just that."""
+    return [dataclasses.replace(v, device=CPU) for v in values]
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_legacy_mode_one_cpu_buffer(algo):
-    values = [pv(0, 100, CPU, 0, 3), pv(1, 100, CUDA0, 0, 3), pv(2, 100, CUDA1, 0, 3)]
-    plan = check_plan(values, plan_memory(values, algorithm=algo, enable_non_cpu_memory_planning=False))
+    values = _on_cpu([pv(0, 100, CPU, 0, 3), pv(1, 100, CUDA0, 0, 3), pv(2, 100, CUDA1, 0, 3)])
+    plan = check_plan(values, plan_memory(values, algorithm=algo))
     assert plan.buffers == [Buffer(0, CPU), Buffer(plan.buffers[1].size, CPU)]
     assert {e.buffer for e in plan.entries.values()} == {1}
     assert plan.lower_bounds == {CPU: 300}
@@ -147,9 +154,8 @@ def test_legacy_mode_one_cpu_buffer(algo):
     assert sorted(e.offset for e in plan.entries.values()) == [0, 128, 256]
 
 
-@pytest.mark.parametrize("legacy", [False, True])
-def test_no_values_only_buffer_zero(legacy):
-    plan = plan_memory([], enable_non_cpu_memory_planning=not legacy)
+def test_no_values_only_buffer_zero():
+    plan = plan_memory([])
     assert plan.buffers == [Buffer(0, CPU)]
     assert plan.entries == {}
     assert plan.lower_bounds == {}
@@ -414,7 +420,8 @@ def test_property_greedy_matches_reference(values):
 @settings(max_examples=100, deadline=None)
 @given(value_lists())
 def test_property_legacy_single_cpu_buffer(values):
-    plan = check_plan(values, plan_memory(values, enable_non_cpu_memory_planning=False), lambda d: 64)
+    values = _on_cpu(values)
+    plan = check_plan(values, plan_memory(values), lambda d: 64)
     assert len(plan.buffers) == (2 if values else 1)
     assert all(e.buffer == 1 for e in plan.entries.values())
     assert all(b.device == CPU for b in plan.buffers)

@@ -9,7 +9,7 @@ import ferry
 from ferry import CompileConfig, CopyReport, OpSupportPartitioner, PropagateDeviceConfig
 from ferry.aot.meta import get_device
 from ferry.program.schema import KernelCall
-from ferry.report import CopyRow
+from ferry.program.report import CopyRow
 from models import (
     Add, AddChain, PerAdd, count_copies, delegate_nodes, export, fresh_inputs, small, small_cnn, transformer_block,
 )

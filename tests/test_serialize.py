@@ -1,4 +1,4 @@
-"""Tests of the ferry file format (src/ferry/program/serialize.py)."""
+"""Tests of the ferry file format (src/ferry/program/format.py, codec.py, validate.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from ferry.program import (
     save_program,
     validate_program,
 )
-from ferry.program import serialize as ser
+from ferry.program import format as ser
 from ferry.program.schema import CONST_KINDS
 
 HEADER = struct.Struct("<8sIIQQ")
@@ -53,7 +53,7 @@ def cpu_program() -> Program:
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     b = torch.tensor([0.5, -1.0, 2.0])
     values = [
-        TensorValue("float32", (2, 3), name="x"),
+        TensorValue("float32", (2, 3), name="x", storage="input"),
         TensorValue("float32", (2, 3), constant=0, name="weight"),
         TensorValue("float32", (3,), constant=1, name="bias"),
         ConstValue("scalar", 1),
@@ -112,7 +112,7 @@ def full_program() -> Program:
     """Two GPUs, a custom device, delegates, mutable buffers, dynamic dims, aliases, all kinds."""
     f32 = 4
     values = [
-        TensorValue("float32", (4, 8), dynamic=(True, False), name="x"),  # 0: caller-owned input
+        TensorValue("float32", (4, 8), dynamic=(True, False), name="x", storage="input"),  # 0: caller-owned input
         TensorValue("float32", (4, 8), CUDA0, plan=PlanEntry(1, 0), dynamic=(True, False)),  # 1
         TensorValue("float32", (4, 8), CUDA0, plan=PlanEntry(1, 128)),  # 2
         TensorValue("float32", (4, 8), CUDA1, plan=PlanEntry(2, 0)),  # 3
@@ -189,7 +189,7 @@ def rebuild(data: bytes, meta: object, *, raw: bytes | None = None) -> bytes:
     area = header_of(data)[4]
     meta_bytes = raw if raw is not None else json.dumps(meta).encode()
     new_area = -(-(32 + len(meta_bytes)) // 64) * 64
-    head = HEADER.pack(ser.MAGIC, 1, 0, len(meta_bytes), new_area)
+    head = HEADER.pack(ser.MAGIC, ser.FORMAT_VERSION, 0, len(meta_bytes), new_area)
     return head + meta_bytes + bytes(new_area - 32 - len(meta_bytes)) + data[area:]
 
 
@@ -347,7 +347,7 @@ def test_layout_matches_the_spec():
     data = program_to_bytes(prog)
     magic, version, flags, meta_len, area = header_of(data)
     assert magic == b"FERRY\x00PG" == ser.MAGIC
-    assert (version, flags) == (1, 0)
+    assert (version, flags) == (2, 0)
     assert area % 64 == 0 and 32 + meta_len <= area < 32 + meta_len + 64
     assert data[32 + meta_len : area] == bytes(area - 32 - meta_len)
     meta = metadata_of(data)
@@ -371,19 +371,19 @@ def test_empty_program_round_trips():
 # ------------------------------------------------------------------ versions and headers
 
 
-@pytest.mark.parametrize("version", [2, 7, 2**32 - 1])
+@pytest.mark.parametrize("version", [3, 7, 2**32 - 1])
 def test_newer_version_is_refused(version):
     data = bytearray(program_to_bytes(cpu_program()))
     struct.pack_into("<I", data, 8, version)
-    with pytest.raises(ProgramError, match=rf"format version {version} is newer than this ferry supports \(1\); upgrade ferry"):
+    with pytest.raises(ProgramError, match=rf"format version {version} is newer than this ferry supports \(2\); upgrade ferry"):
         load_program(bytes(data))
 
 
 def test_newer_version_is_refused_from_file(tmp_path):
     data = bytearray(program_to_bytes(cpu_program()))
-    struct.pack_into("<I", data, 8, 2)
+    struct.pack_into("<I", data, 8, 3)
     (tmp_path / "new.ferry").write_bytes(data)
-    with pytest.raises(ProgramError, match=r"new\.ferry.*format version 2 is newer .*\(1\); upgrade ferry"):
+    with pytest.raises(ProgramError, match=r"new\.ferry.*format version 3 is newer .*\(2\); upgrade ferry"):
         load_program(tmp_path / "new.ferry")
 
 
@@ -392,6 +392,7 @@ def test_newer_version_is_refused_from_file(tmp_path):
     [
         (0, "8s", b"PK\x03\x04xxxx", "not a ferry program"),
         (8, "<I", 0, "format version 0 is not valid"),
+        (8, "<I", 1, "format version 1 is no longer read: it predates storage kinds .* compile the model again"),
         (12, "<I", 1, "flags 0x1"),
         (16, "<Q", 2**64 - 1, "metadata length 18446744073709551615 exceeds the file"),
         (24, "<Q", 2**63, "segment-area offset 9223372036854775808 is invalid"),
@@ -486,10 +487,10 @@ def _value(meta, i):
         (lambda m: _value(m, 4).update(alias_of=3), "alias of value 3, which is not a tensor"),
         (lambda m: _value(m, 3).update(kind="complex"), "unknown constant kind 'complex'"),
         (lambda m: _value(m, 3).update(kind="tensors", value=[0, 3]), r"value 3 \(tensors\)\[1\]: value 3 is not a tensor"),
-        (lambda m: _value(m, 3).update(kind="bool", value=1), "expected true or false, got number"),
-        (lambda m: _value(m, 3).update(kind="int", value=2**63), "out of range"),
+        (lambda m: _value(m, 3).update(kind="bool", value=1), "expected a bool, got number 1"),
+        (lambda m: _value(m, 3).update(kind="int", value=2**63), "expected an int64"),
         (lambda m: _value(m, 3).update(kind="float", value="Infinity"), "expected a number or 'inf'"),
-        (lambda m: _value(m, 3).update(kind="dtype", value="floaty"), "unknown dtype 'floaty'"),
+        (lambda m: _value(m, 3).update(kind="dtype", value="floaty"), "expected a dtype name, got string 'floaty'"),
         (lambda m: _value(m, 3).update(type="pickle"), "expected 'tensor' or 'const'"),
         (lambda m: _value(m, 0).pop("name"), "missing key"),
         (lambda m: m["methods"][0]["instructions"][1].update(args=[4, 2, 3, 6]), r"instruction 1 \(aten::add.out\) argument 3: value id 6 is out of range \(method has 6 values\)"),
@@ -502,14 +503,14 @@ def _value(meta, i):
         (lambda m: m["methods"][0].update(mutable_buffers=[{"value": 3, "update": 5, "name": ""}]), "mutable buffer 0 value: value 3 is not a tensor"),
         (lambda m: m["methods"][0].update(lower_bounds={"cpu:0": "big"}), "expected an integer, got string"),
         (lambda m: m["methods"].append(copy.deepcopy(m["methods"][0])), "duplicate method name 'forward'"),
-        (lambda m: m["methods"][0].update(name=""), "method name must be a non-empty string"),
+        (lambda m: m["methods"][0].update(name=""), r"methods\[0\].name: must be a non-empty string"),
         (lambda m: m["segments"][1].__setitem__(0, 32), "segment 1 offset 32 is not a multiple of 64"),
         (lambda m: m["segments"][1].__setitem__(0, 0), "overlaps"),
         (lambda m: m["segments"][1].__setitem__(1, 2**62), "exceeds the segment area"),
         (lambda m: m["segments"].pop(), "does not match its layout"),
         (lambda m: m["delegates"].append({"backend_id": "torch", "compile_specs": [["k", "not base64!"]], "payload": 0}), "not valid base64"),
         (lambda m: m["delegates"].append({"backend_id": "torch", "compile_specs": [], "payload": 5}), "payload segment 5 is out of range"),
-        (lambda m: m["delegates"].append({"backend_id": "", "compile_specs": [], "payload": 0}), "backend_id must be a non-empty string"),
+        (lambda m: m["delegates"].append({"backend_id": "", "compile_specs": [], "payload": 0}), r"delegates\[0\].backend_id: must be a non-empty string"),
     ],
 )
 def test_edited_metadata_is_refused_with_a_clear_message(edit, message):
@@ -553,9 +554,9 @@ def test_validate_program_messages():
 
     assert m.tensor(5).nbytes == 24
     check(set_value(5, plan=PlanEntry(1, 112)), r"method 'forward' value 5: plan offset 112 \+ 24 bytes exceeds buffer 1 size 128")
-    check(set_value(5, shape=(2, "3")), r"value 5 shape\[1\] must be an integer, got str")
+    check(set_value(5, shape=(2, "3")), r"values\[5\] shape\[1\] must be an integer, got str")
     check(set_value(5, dtype=torch.float32), "dtype must be a dtype name string")
-    check(set_value(3, value=2**64), "must be in")
+    check(set_value(3, value=2**64), "must hold an int64, float or bool")
     check(set_value(3, kind="float", value=10**400), "must hold a float")
     check(set_value(3, kind="float", value="1.0"), "must hold a float, got str")
     check(set_value(3, kind="opt_tensors", value=[None, 9]), "value id 9 is out of range")
@@ -567,7 +568,7 @@ def test_validate_program_messages():
     check(lambda p: p.method("forward").instructions.append(DelegateCall(0, (0,), (5,))), "delegate 0 is out of range")
     check(lambda p: p.method("forward").instructions.append("aten::add"), "must be a KernelCall or DelegateCall")
     check(lambda p: p.method("forward").values.append(3), "must be a TensorValue or ConstValue")
-    check(lambda p: p.method("forward").lower_bounds.update({"cpu:0": -5}), "lower bound for 'cpu:0' must be in")
+    check(lambda p: p.method("forward").lower_bounds.update({"cpu:0": -5}), "lower_bounds for 'cpu:0' must be in")
     with pytest.raises(ProgramError, match="expected a ferry Program"):
         validate_program({"methods": {}})
 

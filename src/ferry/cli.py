@@ -196,7 +196,7 @@ def _npz_inputs(path, meta):
 
 def cmd_run(args) -> int:
     import ferry
-    from ferry.report import copy_report
+    from ferry.program.report import copy_report
 
     program = ferry.load_program(args.file)
     types = {b.device.type for m in program.methods.values() for b in m.buffers}

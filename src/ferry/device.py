@@ -1,17 +1,56 @@
-"""The Device value type: where a tensor lives, independent of torch.device."""
+"""The Device value type: where a tensor lives, independent of torch.device.
+
+This module also holds the table of registered device types (type -> its allocator): the
+one fact both parsing ("is 'emu' a known type?") and the runtime ("which allocator serves
+'emu'?") read. `ferry.runtime.register_allocator` validates and writes it.
+"""
 
 from __future__ import annotations
 
+import re
+import threading
 from dataclasses import dataclass
 
 BUILTIN_DEVICE_TYPES = ("cpu", "cuda")
 
+_allocators: dict[str, object] = {}
+_allocators_lock = threading.Lock()
+
+# the canonical spelling, as program files store it: lowercase type, ':' and an index
+_CANONICAL = re.compile(r"([a-z_][a-z0-9_]*):(0|[1-9][0-9]{0,17})\Z")
+
+
+def registered_allocator(device_type: str):
+    """The allocator registered for `device_type`, or None."""
+    with _allocators_lock:
+        return _allocators.get(device_type)
+
+
+def _set_allocator(device_type: str, allocator) -> None:
+    """Write the table (ferry.runtime.allocator validates first); ValueError if taken."""
+    with _allocators_lock:
+        existing = _allocators.get(device_type)
+        if existing is not None:
+            raise ValueError(
+                f"an allocator for device type {device_type!r} is already registered ({existing!r}); "
+                f"call ferry.runtime.unregister_allocator({device_type!r}) first to replace it"
+            )
+        _allocators[device_type] = allocator
+
+
+def _pop_allocator(device_type: str):
+    with _allocators_lock:
+        return _allocators.pop(device_type, None)
+
+
+def _allocator_snapshot() -> dict[str, object]:
+    with _allocators_lock:
+        return dict(_allocators)
+
 
 def known_device_types() -> tuple[str, ...]:
     """cpu and cuda, plus every type with a registered allocator."""
-    from ferry.runtime.allocator import registered_device_types
-
-    extra = tuple(t for t in registered_device_types() if t not in BUILTIN_DEVICE_TYPES)
+    extra = tuple(t for t in _allocator_snapshot() if t not in BUILTIN_DEVICE_TYPES)
     return BUILTIN_DEVICE_TYPES + tuple(sorted(extra))
 
 
@@ -50,6 +89,15 @@ class Device:
         if not idx.isdigit():
             raise ValueError(f"device index in {text!r} must be a non-negative integer, got {idx!r}")
         return cls(kind, int(idx))
+
+    @classmethod
+    def from_canonical(cls, text: str) -> "Device":
+        """Exactly 'type:index' (as str(device) writes it and program files store it); any
+        device type, known here or not. ValueError otherwise."""
+        m = _CANONICAL.match(text) if isinstance(text, str) else None
+        if m is None:
+            raise ValueError(f"device {text!r} is not 'type:index' (lowercase type, index >= 0), e.g. 'cuda:0'")
+        return cls(m.group(1), int(m.group(2)))
 
     @property
     def is_cpu(self) -> bool:

@@ -9,12 +9,23 @@ class CompileError(FerryError, ValueError):
     """The model, partitioner or configuration cannot be compiled as given."""
 
 
+class ConfigError(CompileError):
+    """A compile setting is invalid (a bad flag, alignment, algorithm or method name)."""
+
+
 class ProgramError(FerryError, ValueError):
     """A program file or Program object is malformed, truncated or from a newer format."""
 
 
 class InputError(FerryError, ValueError):
     """A method was called with the wrong number, dtype, shape or device of inputs."""
+
+
+class UnknownMethodError(FerryError, KeyError):
+    """A method name the program does not have (a KeyError too, like a missing dict key)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class AllocationError(FerryError, RuntimeError):

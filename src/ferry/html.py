@@ -28,8 +28,10 @@ from pathlib import Path
 
 from ferry.device import CPU, Device
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
-from ferry.program.schema import DelegateCall, KernelCall, Method, Program, TensorValue
-from ferry.report import copy_report
+from ferry.inspect import owner
+from ferry.program import Program
+from ferry.program.schema import DelegateCall, KernelCall, Method, TensorValue
+from ferry.program.report import copy_report
 
 __all__ = ["render_html", "write_html"]
 
@@ -132,14 +134,12 @@ def _vdesc(m: Method, vid: int, device: bool = True) -> str:
     if not isinstance(v, TensorValue):
         return f"{v.kind} {v.value!r}"
     name = v.name or f"v{vid}"
-    if v.plan is not None:
+    if v.storage == "planned":
         where = f"buffer {v.plan.buffer} + {v.plan.offset}"
-    elif v.alias_of is not None:
-        where = f"view of %{m.values[v.alias_of].name or v.alias_of}" if 0 <= v.alias_of < len(m.values) else "view"
-    elif v.constant is not None:
-        where = "constant"
+    elif v.storage == "view" and 0 <= v.alias_of < len(m.values):
+        where = f"view of %{m.values[v.alias_of].name or v.alias_of}"
     else:
-        where = "caller-owned / run-time"
+        where = owner(m, vid)
     dev = f" on {v.device}" if device else ""
     return f"%{name} {_shape(v)}{dev} ({fmt_bytes(v.nbytes)}, {where})"
 
@@ -149,14 +149,7 @@ def _vshort(m: Method, vid: int) -> str:
     v = m.values[vid]
     if not isinstance(v, TensorValue):
         return f"{v.kind} {v.value!r}"
-    if v.plan is not None:
-        where = f"b{v.plan.buffer}+{v.plan.offset}"
-    elif v.alias_of is not None:
-        where = "view"
-    elif v.constant is not None:
-        where = "constant"
-    else:
-        where = "caller-owned"
+    where = f"b{v.plan.buffer}+{v.plan.offset}" if v.storage == "planned" else owner(m, vid)
     return f"%{v.name or f'v{vid}'}  {_shape(v)}  {where}"
 
 
@@ -213,9 +206,9 @@ def _build_graph(program: Program, m: Method) -> tuple[list[_Node], list[_Edge]]
         v = m.values[vid]
         dev = v.device if isinstance(v, TensorValue) else CPU
         name = v.name if isinstance(v, TensorValue) else ""
-        owner = "planned" if isinstance(v, TensorValue) and v.plan is not None else "caller-owned"
+        who = owner(m, vid) if isinstance(v, TensorValue) else v.kind
         pos = add(_Node(f"in{k}", "input", len(nodes), _clip(f"input {k}" + (f": {name}" if name else ""), 28),
-                        f"method input {k} ({owner})\n{_vdesc(m, vid)}", dev, info=_vshort(m, vid)))
+                        f"method input {k} ({who})\n{_vdesc(m, vid)}", dev, info=_vshort(m, vid)))
         last_def.setdefault(vid, pos)
     for k, mb in enumerate(m.mutable_buffers):
         if mb.value in last_def or not 0 <= mb.value < len(m.values):
@@ -240,7 +233,7 @@ def _build_graph(program: Program, m: Method) -> tuple[list[_Node], list[_Edge]]
         reads = _reads(m, ins)
         dev = _instr_device(program, m, ins)
         outs = [t for o in ins.outputs for t in _tensor_ids(m, o)]
-        consts = [r for r in reads if r not in last_def and m.values[r].constant is not None]
+        consts = [r for r in reads if r not in last_def and m.values[r].storage == "constant"]
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate] if 0 <= ins.delegate < len(program.delegates) else None
             backend = d.backend_id if d is not None else "?"
@@ -278,8 +271,8 @@ def _build_graph(program: Program, m: Method) -> tuple[list[_Node], list[_Edge]]
     for k, vid in enumerate(m.outputs):
         v = m.values[vid]
         dev = v.device if isinstance(v, TensorValue) else CPU
-        owner = "planned" if isinstance(v, TensorValue) and v.plan is not None else "caller-owned"
-        pos = add(_Node(f"out{k}", "output", len(nodes), f"output {k}", f"method output {k} ({owner})\n{_vdesc(m, vid)}",
+        who = owner(m, vid) if isinstance(v, TensorValue) else v.kind
+        pos = add(_Node(f"out{k}", "output", len(nodes), f"output {k}", f"method output {k} ({who})\n{_vdesc(m, vid)}",
                         dev, info=_vshort(m, vid)))
         if vid in last_def:
             link(last_def[vid], pos, vid)
@@ -571,7 +564,7 @@ def _legend(pal: _Palette, nodes: list[_Node]) -> str:
 
 def _lifetimes(m: Method) -> dict[int, tuple[int, int]]:
     """(first, last) instruction of every planned value: the lifetimes the planner used."""
-    return {vid: life for vid, life in value_lifetimes(m).items() if m.values[vid].plan is not None}
+    return {vid: life for vid, life in value_lifetimes(m).items() if m.values[vid].storage == "planned"}
 
 
 def _byte_ticks(size: int) -> list[int]:

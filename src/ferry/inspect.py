@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import math
 
-from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, KernelCall, Program, TensorValue
-from ferry.report import copy_report
+from ferry.program import Program
+from ferry.program.report import copy_report
+from ferry.program.schema import DEFAULT_ARG, STORAGE_KINDS, ConstValue, DelegateCall, TensorValue, root_storage
+
+# the short tag an instruction listing shows per storage kind (planned values show their place)
+_SHORT = {"constant": "const", "input": "caller", "output": "caller", "runtime": "run time", "scratch": "scratch",
+          "view": "view"}
 
 
 def _value(m, vid: int) -> str:
@@ -14,25 +19,15 @@ def _value(m, vid: int) -> str:
     v = m.values[vid]
     if isinstance(v, ConstValue):
         return repr(v.value) if v.kind != "none" else "None"
-    where = "const" if v.constant is not None and v.plan is None else (
-        f"b{v.plan.buffer}+{v.plan.offset}" if v.plan else ("view" if v.alias_of is not None else "caller/runtime"))
+    where = f"b{v.plan.buffer}+{v.plan.offset}" if v.storage == "planned" else _SHORT[v.storage]
     return f"%{v.name or vid}@{v.device}[{where}]"
 
 
-def _owner(m, vid: int) -> str:
-    """Who holds the memory of an input/output: planned, a view, a constant, run time or the caller."""
+def owner(m, vid: int) -> str:
+    """Who holds the memory of a value, in words, as the program states it."""
     v = m.values[vid]
-    if v.plan is not None:
-        return "planned"
-    if v.alias_of is not None:
-        inner = _owner(m, v.alias_of)
-        return inner if inner.startswith("view") else f"view, {inner}"
-    if v.constant is not None:
-        return "constant"
-    for ins in m.instructions:
-        if vid in ins.outputs:  # a functional op (no out argument) allocates its result
-            return "allocated at run time" if isinstance(ins, KernelCall) and vid not in ins.args else "caller-owned"
-    return "caller-owned"
+    short = STORAGE_KINDS[v.storage][0]
+    return short if v.storage != "view" else f"view, {STORAGE_KINDS[root_storage(m.values, vid)][0]}"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -59,8 +54,7 @@ def program_summary(program: Program, instructions: bool = True, method: str | N
         for kind, ids in (("input", m.inputs), ("output", m.outputs)):
             for i, vid in enumerate(ids):
                 v = m.values[vid]
-                owner = _owner(m, vid)
-                out.append(f"  {kind} {i}: {_tensor_line(v)} ({owner})")
+                out.append(f"  {kind} {i}: {_tensor_line(v)} ({owner(m, vid)})")
         if instructions:
             out.append("  instructions:")
             for i, ins in enumerate(m.instructions):
@@ -137,8 +131,8 @@ def _program_json(program: Program, method: str | None) -> dict:
 
 
 def _tensor_json(v: TensorValue) -> dict:
-    return {"dtype": v.dtype, "shape": list(v.shape), "device": str(v.device), "planned": v.plan is not None,
-            "dynamic": list(v.dynamic)}
+    return {"dtype": v.dtype, "shape": list(v.shape), "device": str(v.device), "storage": v.storage,
+            "planned": v.storage == "planned", "dynamic": list(v.dynamic)}
 
 
 def _arg_json(m, vid):

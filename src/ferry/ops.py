@@ -14,6 +14,8 @@ import threading
 
 import torch
 
+from ferry.op_names import kernel_name
+
 NAMESPACE = "et_copy"
 COPY_OPS = ("_h2d_copy", "_d2h_copy", "_d2d_copy")
 
@@ -174,6 +176,9 @@ COPY_DIRECTION = {
     h2d_copy.out: "h2d", d2h_copy.out: "d2h", d2d_copy.out: "d2d",
 }
 FUNCTIONAL_COPY_FOR = {"h2d": h2d_copy.default, "d2h": d2h_copy.default, "d2d": d2d_copy.default}
+# the same table by the kernel names programs store ("et_copy::_h2d_copy.out" -> "h2d")
+COPY_KERNELS = {kernel_name(op): direction for op, direction in COPY_DIRECTION.items()}
+OUT_COPY_KERNELS = {kernel_name(op): COPY_DIRECTION[op] for op in OUT_COPIES}
 
 
 def is_copy_node(node) -> bool:

@@ -6,12 +6,12 @@ from typing import Mapping
 
 import torch
 
-from ferry.aot.config import CompileConfig, PropagateDeviceConfig
-from ferry.aot.emit import EmitOptions, ProgramBuilder, emit_method
+from ferry.aot.config import CompileConfig, MethodOptions
+from ferry.aot.emit import ProgramBuilder, emit_method
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
 from ferry.errors import CompileError
-from ferry.program.schema import Program
+from ferry.program import Program
 
 
 def _methods(ep_or_dict) -> dict[str, torch.export.ExportedProgram]:
@@ -30,46 +30,26 @@ def _methods(ep_or_dict) -> dict[str, torch.export.ExportedProgram]:
     )
 
 
-def _check_method_names(config: CompileConfig, names: set[str]) -> None:
-    """A per-method setting for a method that is not compiled is a typo, not a default."""
-    pd = config.propagate_device
-    if not isinstance(pd, (Mapping, PropagateDeviceConfig)):
-        raise CompileError(f"propagate_device must be a PropagateDeviceConfig or a dict of them, got {pd!r}")
-    dicts = [("propagate_device", pd)] if isinstance(pd, Mapping) else [
-        ("skip_h2d_for_method_inputs", pd.skip_h2d_for_method_inputs),
-        ("skip_d2h_for_method_outputs", pd.skip_d2h_for_method_outputs),
-    ]
-    for what, d in dicts:
-        if isinstance(d, Mapping):
-            unknown = sorted(set(d) - names)
-            if unknown:
-                raise CompileError(f"{what} names method(s) {unknown} that are not compiled; methods: {sorted(names)}")
-    for name in names:  # every flag of every compiled method is a bool (or a CompileError now)
-        config.propagate_for(name).for_method(name)
-
-
 def place(exported_program, partitioner=None, config: CompileConfig | None = None, method: str = "forward") -> LoweredProgram:
     """Lower and place one method: every value gets a Device, every transfer an et_copy op."""
-    config = config or CompileConfig()
-    skip_h2d, skip_d2h = config.propagate_for(method).for_method(method)
+    options = (config or CompileConfig()).options_for(method)
+    return _place(exported_program, partitioner, options)
+
+
+def _place(exported_program, partitioner, options: MethodOptions) -> LoweredProgram:
     lowered = to_backend(exported_program, partitioner)
-    PropagateDevicePass(skip_h2d, skip_d2h, config.enable_non_cpu_memory_planning)(lowered.graph_module)
+    PropagateDevicePass.for_options(options)(lowered.graph_module)
     return lowered
 
 
 def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None) -> Program:  # noqa: A001
     """Compile one program (method 'forward') or several named methods into a ferry Program."""
-    config = config or CompileConfig()
-    builder = ProgramBuilder()
-    opts = EmitOptions(
-        enable_non_cpu_memory_planning=config.enable_non_cpu_memory_planning,
-        alloc_graph_input=config.alloc_graph_input, alloc_graph_output=config.alloc_graph_output,
-        algorithm=config.memory_planning, alignment=config.alignment,
-    )
     eps = _methods(ep_or_dict)
-    _check_method_names(config, set(eps))
+    options = (config or CompileConfig()).resolve(eps)
+    builder = ProgramBuilder()
     methods = {}
     for name, ep in eps.items():
-        placed = place(ep, partitioner, config, name)
-        methods[name] = emit_method(name, placed.graph_module, placed.constants, builder, opts, placed.range_constraints)
+        placed = _place(ep, partitioner, options[name])
+        methods[name] = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
+                                    placed.range_constraints)
     return Program(methods, builder.delegates, builder.segments)

@@ -1,11 +1,17 @@
-"""Compile configuration. Per-method settings are plain dicts keyed by method name."""
+"""Compile configuration. Per-method settings are plain dicts keyed by method name.
+
+`CompileConfig.resolve(names)` turns a configuration into one frozen, validated
+`MethodOptions` per method, once; placement, emit and planning read only that. Every bad
+setting is a `ConfigError`, found before any work.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping, Union
 
-from ferry.errors import CompileError
+from ferry.alignment import AlignmentSpec, alignment_for, resolve_alignment
+from ferry.errors import ConfigError
 
 Flag = Union[bool, Mapping[str, bool]]
 
@@ -16,9 +22,9 @@ def _flag_for(value: Flag, method: str, name: str) -> bool:
     if isinstance(value, Mapping):
         got = value.get(method, False)
         if not isinstance(got, bool):
-            raise CompileError(f"{name}[{method!r}] must be a bool, got {got!r}")
+            raise ConfigError(f"{name}[{method!r}] must be a bool, got {got!r}")
         return got
-    raise CompileError(f"{name} must be a bool or a {{method name: bool}} dict, got {value!r}")
+    raise ConfigError(f"{name} must be a bool or a {{method name: bool}} dict, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -59,17 +65,18 @@ class CompileConfig:
     alloc_graph_input: bool = True
     alloc_graph_output: bool = True
     memory_planning: str = "greedy"
-    alignment: Union[int, Mapping[str, int], None] = None
+    alignment: AlignmentSpec = None
 
     def __post_init__(self):
         if self.memory_planning not in ("greedy", "naive"):
-            raise CompileError(f"memory_planning must be 'greedy' or 'naive', got {self.memory_planning!r}")
-        aligns = self.alignment.values() if isinstance(self.alignment, Mapping) else [self.alignment]
-        for a in aligns:
-            if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 1 or a & (a - 1)):
-                raise CompileError(f"alignment must be a power of two (bytes), got {a!r}")
-        if not isinstance(self.enable_non_cpu_memory_planning, bool):
-            raise CompileError("enable_non_cpu_memory_planning must be a bool")
+            raise ConfigError(f"memory_planning must be 'greedy' or 'naive', got {self.memory_planning!r}")
+        try:
+            resolve_alignment(self.alignment)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("enable_non_cpu_memory_planning", "alloc_graph_input", "alloc_graph_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def propagate_for(self, method: str) -> PropagateDeviceConfig:
         pd = self.propagate_device
@@ -78,6 +85,57 @@ class CompileConfig:
         if isinstance(pd, Mapping):
             got = pd.get(method, PropagateDeviceConfig())
             if not isinstance(got, PropagateDeviceConfig):
-                raise CompileError(f"propagate_device[{method!r}] must be a PropagateDeviceConfig, got {got!r}")
+                raise ConfigError(f"propagate_device[{method!r}] must be a PropagateDeviceConfig, got {got!r}")
             return got
-        raise CompileError(f"propagate_device must be a PropagateDeviceConfig or a dict of them, got {pd!r}")
+        raise ConfigError(f"propagate_device must be a PropagateDeviceConfig or a dict of them, got {pd!r}")
+
+    def resolve(self, methods) -> dict[str, "MethodOptions"]:
+        """One validated option set per method name; a per-method setting naming a method
+        that is not compiled is a typo, not a default."""
+        names = set(methods)
+        pd = self.propagate_device
+        dicts = [("propagate_device", pd)] if isinstance(pd, Mapping) else [
+            ("skip_h2d_for_method_inputs", getattr(pd, "skip_h2d_for_method_inputs", None)),
+            ("skip_d2h_for_method_outputs", getattr(pd, "skip_d2h_for_method_outputs", None)),
+        ]
+        for what, d in dicts:
+            if isinstance(d, Mapping):
+                unknown = sorted(set(d) - names)
+                if unknown:
+                    raise ConfigError(f"{what} names method(s) {unknown} that are not compiled; methods: {sorted(names)}")
+        return {name: self.options_for(name) for name in methods}
+
+    def options_for(self, name: str) -> "MethodOptions":
+        """The validated options of one method (per-method dicts may name others)."""
+        skip_h2d, skip_d2h = self.propagate_for(name).for_method(name)
+        if not self.enable_non_cpu_memory_planning and (skip_h2d or skip_d2h):
+            raise ConfigError(
+                "skip_h2d_for_method_inputs / skip_d2h_for_method_outputs need enable_non_cpu_memory_planning=True: "
+                "without device placement there is no device tensor to pass in or out; enable it or drop the skip flag"
+            )
+        return MethodOptions(
+            name=name, device_placement=self.enable_non_cpu_memory_planning, skip_h2d=skip_h2d, skip_d2h=skip_d2h,
+            alloc_graph_input=self.alloc_graph_input, alloc_graph_output=self.alloc_graph_output,
+            memory_planning=self.memory_planning, alignment=resolve_alignment(self.alignment),
+        )
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """The resolved settings of one method: what placement, emit and planning read.
+
+    device_placement=False is the legacy mode (placement puts every value on the CPU; the
+    delegates move their own data). alignment is {device type or 'default': bytes}.
+    """
+
+    name: str = "forward"
+    device_placement: bool = True
+    skip_h2d: bool = False
+    skip_d2h: bool = False
+    alloc_graph_input: bool = True
+    alloc_graph_output: bool = True
+    memory_planning: str = "greedy"
+    alignment: Mapping[str, int] = field(default_factory=lambda: resolve_alignment(None))
+
+    def alignment_of(self, device_type: str) -> int:
+        return alignment_for(self.alignment, device_type)

@@ -17,8 +17,11 @@ import torch
 import torch.fx
 
 from ferry.aot import meta as M
+from ferry.aot.config import MethodOptions
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
-from ferry.aot.out_variants import is_view, kernel_name, out_variant
+from ferry.aot.out_variants import is_view, out_variant
+from ferry.backend_registry import get_backend
+from ferry.op_names import kernel_name
 from ferry.aot.plan import PlanValue, plan_memory
 from ferry.device import CPU, Device
 from ferry.errors import CompileError
@@ -63,17 +66,6 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
-@dataclass(frozen=True)
-class EmitOptions:
-    enable_non_cpu_memory_planning: bool = True
-    alloc_graph_input: bool = True
-    alloc_graph_output: bool = True
-    algorithm: str = "greedy"
-    alignment: object = None
-    default_device: Device = CPU  # device of values with no recorded device (delegate subgraphs)
-    range_constraints: object = None  # bounds of the export's dynamic dimensions
-
-
 def _upper_bound(dim, range_constraints, what: str) -> tuple[int, bool]:
     if isinstance(dim, int):
         return dim, False
@@ -99,13 +91,15 @@ def _upper_bound(dim, range_constraints, what: str) -> tuple[int, bool]:
 
 
 class _MethodEmitter:
-    def __init__(self, name, gm, constants, builder: ProgramBuilder, opts: EmitOptions, range_constraints):
+    def __init__(self, name, gm, constants, builder: ProgramBuilder, opts: MethodOptions, range_constraints,
+                 default_device: Device):
         self.name = name
         self.gm = gm
         self.constants = constants
         self.b = builder
         self.opts = opts
-        self.rc = range_constraints or opts.range_constraints or {}
+        self.default_device = default_device  # of values with no recorded device (delegate subgraphs)
+        self.rc = range_constraints or {}
         self.values: list = []
         self.instructions: list = []
         self.env: dict[torch.fx.Node, object] = {}  # node -> value id, or tuple of ids
@@ -122,9 +116,7 @@ class _MethodEmitter:
     # ---------------------------------------------------------------- values
 
     def device_of(self, node) -> Device:
-        if not self.opts.enable_non_cpu_memory_planning:
-            return CPU
-        return M.get_device(node) or self.opts.default_device
+        return M.get_device(node) or self.default_device
 
     def tensor_value(self, node, val, device, **kw) -> int:
         if isinstance(val, torch.SymInt):
@@ -331,15 +323,13 @@ class _MethodEmitter:
         return v.alias_of if isinstance(v, TensorValue) and v.alias_of is not None else vid
 
     def _emit_delegate(self, node):
-        from ferry.backends import preprocess
-
         lowered: LoweredBackendModule = self.env[node.args[0]]
         args = tuple(self.arg_value(a, None, node.name) for a in node.args[1:])
         vals = node.meta.get("val") or ()
         dev = self.device_of(node)
         users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
-        payload = preprocess(lowered, dataclasses.replace(self.opts, range_constraints=self.rc))
+        payload = get_backend(lowered.backend_id).preprocess(lowered, self.opts, self.rc)
         self.b.delegates.append(Delegate(lowered.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
         self.instructions.append(DelegateCall(len(self.b.delegates) - 1, args, outs))
         self.env[node] = outs
@@ -366,22 +356,15 @@ class _MethodEmitter:
             outputs=self.outputs, buffers=[], mutable_buffers=self.mutable,
         )
         life = value_lifetimes(method)
-
-        plan_values = []
-        for vid, (first, last) in life.items():
-            v = self.values[vid]
-            if vid in self.runtime_alloc or vid in self.caller_owned or vid in self.unread:
-                continue
-            if v.constant is not None and vid not in self.mutable_ids:
-                continue
-            plan_values.append(PlanValue(vid, v.nbytes, v.device, first, last))
-        plan = plan_memory(
-            plan_values, algorithm=self.opts.algorithm, alignment=self.opts.alignment,
-            enable_non_cpu_memory_planning=self.opts.enable_non_cpu_memory_planning,
-        )
+        plan_values = [PlanValue(vid, self.values[vid].nbytes, self.values[vid].device, first, last)
+                       for vid, (first, last) in life.items() if self._planned(vid)]
+        plan = plan_memory(plan_values, algorithm=self.opts.memory_planning, alignment=self.opts.alignment)
         values = list(self.values)
         for vid, entry in plan.entries.items():
-            values[vid] = _replace(values[vid], plan=entry)
+            values[vid] = dataclasses.replace(values[vid], plan=entry)
+        for vid, v in enumerate(values):
+            if isinstance(v, TensorValue):
+                values[vid] = dataclasses.replace(v, storage=self._storage(vid, v))
         return Method(
             name=self.name, values=values, instructions=self.instructions, inputs=self.inputs,
             outputs=self.outputs, buffers=plan.buffers, mutable_buffers=self.mutable,
@@ -389,12 +372,31 @@ class _MethodEmitter:
             runtime_allocating_ops=sorted(set(self.allocating_ops)),
         )
 
+    def _planned(self, vid: int) -> bool:
+        """Whether a memory-owning value gets a place in a planned buffer."""
+        if vid in self.runtime_alloc or vid in self.caller_owned or vid in self.unread:
+            return False
+        return self.values[vid].constant is None or vid in self.mutable_ids
 
-def _replace(v: TensorValue, **kw) -> TensorValue:
-    import dataclasses
+    def _storage(self, vid: int, v: TensorValue) -> str:
+        """Who owns the value's memory: decided here, once, and written into the program."""
+        if v.alias_of is not None:
+            return "view"
+        if v.plan is not None:
+            return "planned"
+        if v.constant is not None:
+            return "constant"
+        if vid in self.inputs:
+            return "input"
+        if vid in self.runtime_alloc:
+            return "runtime"
+        if vid in self.unread:
+            return "scratch"
+        if vid in self.caller_owned:
+            return "output"
+        raise CompileError(f"method {self.name!r}: value {v.name or vid!r} has no storage (a ferry bug: please report it)")
 
-    return dataclasses.replace(v, **kw)
 
-
-def emit_method(name, gm, constants, builder: ProgramBuilder, opts: EmitOptions, range_constraints=None) -> Method:
-    return _MethodEmitter(name, gm, constants, builder, opts, range_constraints).emit()
+def emit_method(name, gm, constants, builder: ProgramBuilder, opts: MethodOptions, range_constraints=None,
+                default_device: Device = CPU) -> Method:
+    return _MethodEmitter(name, gm, constants, builder, opts, range_constraints, default_device).emit()

@@ -57,19 +57,3 @@ def is_view(op: torch._ops.OpOverload) -> bool:
     writing: view, permute, split, unbind, …"""
     rets = op._schema.returns
     return len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write
-
-
-def kernel_name(op: torch._ops.OpOverload) -> str:
-    return f"{op.namespace}::{op._opname}.{op._overloadname}"
-
-
-def resolve_kernel(name: str) -> torch._ops.OpOverload:
-    """'aten::add.out' -> torch.ops.aten.add.out; raises LookupError for unknown kernels."""
-    ns, _, rest = name.partition("::")
-    opname, _, overload = rest.rpartition(".")
-    if not ns or not opname:
-        raise LookupError(f"malformed kernel name {name!r}")
-    try:
-        return getattr(getattr(getattr(torch.ops, ns), opname), overload)
-    except (AttributeError, RuntimeError):
-        raise LookupError(f"no kernel {name!r} is registered in this process") from None

@@ -69,6 +69,11 @@ class PropagateDevicePass(PassBase):
         self.skip_d2h = bool(skip_d2h_for_method_outputs)
         self.enabled = bool(enable_non_cpu_memory_planning)
 
+    @classmethod
+    def for_options(cls, options) -> "PropagateDevicePass":
+        """The pass for one method's resolved MethodOptions."""
+        return cls(options.skip_h2d, options.skip_d2h, options.device_placement)
+
     # ------------------------------------------------------------------ decide
 
     def _delegate_devices(self, gm) -> dict[torch.fx.Node, Device | None]:
@@ -214,21 +219,13 @@ class PropagateDevicePass(PassBase):
         consumer.args = (type(orig)(outs) if isinstance(orig, (tuple, list)) else outs[0],)
 
     def _tag_legacy(self, gm, targets) -> bool:
-        """Legacy mode: no copies; delegate inputs and outputs are only tagged with the device."""
+        """Legacy mode: no copies, and every value lives in host memory, so it is placed on the
+        CPU (the reference tags delegate inputs and outputs with the delegate's device although
+        its planner then ignores devices; ferry records where the memory is, and nothing later
+        decides again). Each delegate moves its own data, as its target_device says."""
         modified = False
         for n in gm.graph.nodes:
-            dev = None
-            if is_delegate_node(n):
-                dev = targets[n] or CPU
-                for inp in n.args[1:]:
-                    if isinstance(inp, torch.fx.Node) and M.get_device(inp) != dev and targets[n] is not None:
-                        M.set_device(inp, dev)
-                        modified = True
-            elif n.target is operator.getitem and is_delegate_node(n.args[0]):
-                dev = targets[n.args[0]] or CPU
-            elif n.op in ("placeholder", "call_function") and M.get_device(n) is None:
-                dev = CPU
-            if dev is not None and M.get_device(n) != dev:
-                M.set_device(n, dev)
+            if n.op in ("placeholder", "call_function") and M.get_device(n) != CPU:
+                M.set_device(n, CPU)
                 modified = True
         return modified

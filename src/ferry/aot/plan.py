@@ -7,20 +7,18 @@ memory are planned separately because one buffer lives in exactly one memory.
 This module is pure: it sees only sizes, devices and lifetimes (`PlanValue`), never
 torch.fx, so it can be tested with hand-built inputs.
 
-Alignment defaults (`DEFAULT_ALIGNMENT`):
-  * cpu: 64 bytes, one cache line on x86/ARM and one AVX-512 vector, so no planned tensor
-    shares a line with its neighbour (no false sharing) and vector loads are aligned.
-  * everything else: 256 bytes, the alignment cudaMalloc guarantees; cuBLAS/cuDNN and
-    vectorized (128-bit per thread) kernels assume at least that, so a tensor at a planned
-    offset behaves like one that was allocated on its own.
+Offsets are aligned per device type (defaults and why: ferry/alignment.py), and each buffer
+records its alignment so the runtime allocates it there: aligned offsets stay aligned in
+real addresses.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
+from ferry.alignment import DEFAULT_ALIGNMENT, AlignmentSpec, alignment_for, resolve_alignment
 from ferry.device import CPU, Device
 from ferry.program.schema import Buffer, PlanEntry
 
@@ -32,8 +30,6 @@ __all__ = [
     "plan_memory",
     "lower_bound",
 ]
-
-DEFAULT_ALIGNMENT: dict[str, int] = {"cpu": 64, "default": 256}
 
 ALGORITHMS = ("greedy", "naive")
 
@@ -74,39 +70,6 @@ class MemoryPlan:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_alignment(a, what: str) -> int:
-    if not _is_int(a) or a < 1 or (a & (a - 1)) != 0:
-        where = f" {what}" if what else ""
-        raise ValueError(f"alignment{where} must be a power of two >= 1, got {a!r}")
-    return a
-
-
-def _alignment_lookup(alignment: int | Mapping[str, int] | None):
-    """Return device type -> alignment, after validating every given number."""
-    if alignment is None:
-        table: Mapping[str, int] = DEFAULT_ALIGNMENT
-    elif isinstance(alignment, Mapping):
-        table = {}
-        for k, v in alignment.items():
-            if not isinstance(k, str) or not k:
-                raise ValueError(f"alignment keys must be device type strings or 'default', got {k!r}")
-            table[k] = _check_alignment(v, f"for {k!r}")
-    else:
-        a = _check_alignment(alignment, "")  # applies to every device type
-        return lambda device_type: a
-
-    def lookup(device_type: str) -> int:
-        # an explicit mapping falls back to its own "default", then to ferry's defaults
-        for t in (table, DEFAULT_ALIGNMENT):
-            if device_type in t:
-                return t[device_type]
-            if "default" in t:
-                return t["default"]
-        return DEFAULT_ALIGNMENT["default"]  # unreachable: DEFAULT_ALIGNMENT has "default"
-
-    return lookup
 
 
 def _validate(values: Sequence[PlanValue]) -> None:
@@ -269,23 +232,22 @@ def plan_memory(
     values: Sequence[PlanValue],
     *,
     algorithm: str = "greedy",
-    alignment: int | Mapping[str, int] | None = None,
-    enable_non_cpu_memory_planning: bool = True,
+    alignment: AlignmentSpec = None,
 ) -> MemoryPlan:
     """Plan every value into one buffer per device (buffers[0] stays the constants slot).
 
-    With enable_non_cpu_memory_planning=False, devices are ignored and everything shares
-    one CPU buffer aligned for the CPU (the legacy single-pool layout)."""
+    `alignment`: one int for every device, {device type or 'default': int}, or None for
+    ferry's defaults. Legacy mode (one host pool) is decided by placement: its values all
+    arrive here on the CPU."""
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"unknown memory planning algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
-    align_for = _alignment_lookup(alignment)
+    table = resolve_alignment(alignment)
     values = list(values)
     _validate(values)
 
     groups: dict[Device, list[PlanValue]] = {}
     for v in values:
-        key = v.device if enable_non_cpu_memory_planning else CPU
-        groups.setdefault(key, []).append(v)
+        groups.setdefault(v.device, []).append(v)
     order = sorted(groups, key=lambda d: (d != CPU, d.type, d.index))
 
     run = _ALGORITHMS[algorithm]
@@ -294,9 +256,10 @@ def plan_memory(
     lower_bounds: dict[Device, int] = {}
     for device in order:
         group = groups[device]
-        offsets, size = run(group, align_for(device.type))
+        align = alignment_for(table, device.type)
+        offsets, size = run(group, align)
         buf = len(buffers)
-        buffers.append(Buffer(size, device))
+        buffers.append(Buffer(size, device, align))
         for v in group:
             entries[v.id] = PlanEntry(buf, offsets[v.id])
         lower_bounds[device] = lower_bound(group)

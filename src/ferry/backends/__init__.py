@@ -1,43 +1,13 @@
-"""Delegate backends, keyed by backend id.
+"""The built-in delegate backends; importing this package registers them.
 
-A backend has two halves: `preprocess(lowered, options) -> bytes` runs at compile time and
-turns a lowered subgraph into the payload stored in the program file; `init(payload,
-compile_specs) -> handle` runs at load and returns an object whose `execute(inputs, outputs)`
-writes the delegate's results into the planned output tensors.
+The registry itself is ferry/backend_registry.py (compile and load both read it).
 """
 
 from __future__ import annotations
 
-import threading
-
-from ferry.errors import BackendError
-
-_lock = threading.Lock()
-_backends: dict[str, object] = {}
-
-
-def register_backend(backend) -> None:
-    with _lock:
-        if backend.backend_id in _backends:
-            raise ValueError(f"a backend with id {backend.backend_id!r} is already registered")
-        _backends[backend.backend_id] = backend
-
-
-def get_backend(backend_id: str):
-    with _lock:
-        b = _backends.get(backend_id)
-    if b is None:
-        raise BackendError(
-            f"no backend {backend_id!r} is registered (known: {', '.join(sorted(_backends)) or 'none'}); "
-            "register it with ferry.backends.register_backend before loading the program"
-        )
-    return b
-
-
-def preprocess(lowered, options) -> bytes:
-    return get_backend(lowered.backend_id).preprocess(lowered, options)
-
-
-from ferry.backends.torch import TorchBackend  # noqa: E402
+from ferry.backend_registry import get_backend, register_backend, registered_backends
+from ferry.backends.torch import TorchBackend
 
 register_backend(TorchBackend())
+
+__all__ = ["TorchBackend", "get_backend", "register_backend", "registered_backends"]

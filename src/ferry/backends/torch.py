@@ -8,44 +8,37 @@ tensors, and has its constants uploaded to the device once, at load.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ferry.aot.emit import ProgramBuilder, emit_method
+from ferry.aot.place import delegate_target_device
 from ferry.device import CPU
+from ferry.errors import ProgramError
+from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.schema import TensorValue
+from ferry.runtime.method import LoadedMethod
 
 
 class TorchBackend:
     backend_id = "torch"
 
-    def preprocess(self, lowered, options) -> bytes:
-        import dataclasses
-
-        from ferry.aot.emit import ProgramBuilder, emit_method
-        from ferry.aot.place import delegate_target_device
-        from ferry.program.schema import Program
-        from ferry.program.serialize import program_to_bytes
-
+    def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         device = delegate_target_device(lowered) or CPU
-        opts = dataclasses.replace(
-            options, enable_non_cpu_memory_planning=True, alloc_graph_input=False,
-            alloc_graph_output=False, default_device=device,
-        )
+        opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False)
         builder = ProgramBuilder()
-        method = emit_method("forward", lowered.original_module, {}, builder, opts)
+        method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
         return program_to_bytes(Program({"forward": method}, builder.delegates, builder.segments))
 
     def init(self, payload, compile_specs, pin_host: bool = True):
-        from ferry.program.serialize import load_program
-        from ferry.runtime.method import LoadedMethod
-
         program = load_program(payload)
-        nested = LoadedMethod(program, program.method("forward"), _no_nested_delegates)
+        # the delegate's steps run inside one step of the caller, already on its device's stream
+        nested = LoadedMethod(program, program.method("forward"), _no_nested_delegates, asynchronous=False)
         return _Handle(nested)
 
 
 def _no_nested_delegates(index):
-    from ferry.errors import ProgramError
-
     raise ProgramError("a torch-backend payload must not contain delegates")
 
 
@@ -78,8 +71,7 @@ class _Handle:
                 or any(any(v.dynamic) for v in values)):
             return None
         self._host_io = False
-        self.method.bind_io(inputs, outputs)
-        return self.method.run_bound
+        return self.method.rebind(inputs, outputs)
 
     def _needs_host_io(self, inputs) -> bool:
         return self.device.type == "cuda" and any(

@@ -7,10 +7,13 @@ a planned tensor has a (buffer, offset) in one of the method's per-device buffer
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Callable, Union
 
 import torch
+
+from ferry.alignment import default_alignment
 
 from ferry.device import CPU, Device
 from ferry.errors import ProgramError
@@ -52,14 +55,29 @@ class PlanEntry:
     offset: int
 
 
+# Who owns a tensor's memory: written once by emit, read by the runtime, inspect and the
+# picture. kind -> (what inspect calls it, what it means)
+STORAGE_KINDS: dict[str, tuple[str, str]] = {
+    "planned": ("planned", "a fixed place in a buffer allocated at load"),
+    "constant": ("constant", "bytes of the program file (weights), read-only"),
+    "input": ("caller-owned", "the caller's tensor, passed in each call"),
+    "output": ("caller-owned", "a fresh tensor for the caller each call, written through an out argument"),
+    "runtime": ("allocated at run time", "returned by a kernel with no out variant, each call"),
+    "scratch": ("scratch", "an out argument nobody reads: a resizable tensor made at load"),
+    "view": ("view", "a view of another value (alias_of); owns no memory"),
+}
+
+
 @dataclass(frozen=True)
 class TensorValue:
     """A tensor of the method. `shape` is the planned shape (upper bounds for dynamic dims).
 
-    plan:      set for a planned tensor; None for caller-owned inputs/outputs, views and
-               tensors a functional op allocates at run time.
-    constant:  index of the program segment that holds its bytes (weights, initial buffers).
-    alias_of:  value id this tensor is a view of; it owns no memory.
+    storage:   who owns its memory, one of STORAGE_KINDS (left out: implied by plan, alias_of
+               or constant; caller-owned, run-time and scratch values must state it).
+    plan:      (buffer, offset), set exactly when storage is 'planned'.
+    constant:  segment holding its bytes: storage 'constant', or the initial value of a
+               planned mutable buffer.
+    alias_of:  value id this tensor is a view of (storage 'view').
     """
 
     dtype: str
@@ -70,6 +88,15 @@ class TensorValue:
     dynamic: tuple[bool, ...] = ()
     alias_of: int | None = None
     name: str = ""
+    storage: str = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        # a hand-built value may leave out what its plan, alias or constant already say;
+        # caller-owned, run-time and scratch values must say so (emit always writes it)
+        if self.storage is None:
+            implied = ("view" if self.alias_of is not None else "planned" if self.plan is not None
+                       else "constant" if self.constant is not None else None)
+            object.__setattr__(self, "storage", implied)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -87,20 +114,100 @@ class TensorValue:
         return self.numel * element_size(self.dtype)
 
 
-# kinds of ConstValue.value: none, int, float, bool, str, ints, floats, bools, dtype,
-# layout, memory_format, device (a torch device string), tensors (value ids), opt_tensors,
-# symint (an int computed each call from dynamic shapes; the value is its upper bound) and
-# symints (a list of value ids of int or symint values: sizes such as [2, seq, 64])
-CONST_KINDS = (
-    "none", "int", "float", "bool", "str", "ints", "floats", "bools",
-    "dtype", "layout", "memory_format", "device", "tensors", "opt_tensors", "scalar",
-    "symint", "symints",
-)
+def root_storage(values: "list[Value]", vid: int) -> str:
+    """The storage behind a value: a view's is its base's."""
+    v = values[vid]
+    while isinstance(v, TensorValue) and v.storage == "view" and v.alias_of is not None:
+        v = values[v.alias_of]
+    return v.storage if isinstance(v, TensorValue) else "constant"
+
+
+# ---------------------------------------------------------------- constants (non-tensor arguments)
+
+_LAYOUTS = {name: getattr(torch, name) for name in ("strided", "sparse_coo", "sparse_csr", "sparse_csc",
+                                                    "sparse_bsr", "sparse_bsc", "jagged")}
+_MEMORY_FORMATS = {name: getattr(torch, name) for name in ("contiguous_format", "preserve_format", "channels_last",
+                                                           "channels_last_3d")}
+_TORCH_DEVICE = re.compile(r"(cpu|cuda|meta)(:(0|[1-9][0-9]{0,3}))?\Z")
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_float(x: object) -> bool:
+    return isinstance(x, float) or (_is_int(x) and abs(x) < 2**1023)  # type: ignore[operator]
+
+
+def _int64(x: object) -> bool:
+    return _is_int(x) and INT64[0] <= x <= INT64[1]  # type: ignore[operator]
+
+
+def _each(check):
+    return lambda v: isinstance(v, (list, tuple)) and all(check(x) for x in v)
+
+
+def _optional_id(x: object) -> bool:
+    return x is None or _is_int(x)
+
+
+def _scalar(x: object) -> bool:
+    return isinstance(x, (bool, float)) or _int64(x)
+
+
+@dataclass(frozen=True)
+class ConstKind:
+    """One kind of ConstValue: what a value of it is, what it refers to, what a kernel gets.
+
+    check:    is a Python value of this kind well formed (type and range; ids are checked
+              against the method by the validator)
+    refs:     None, or what each list member is: 'tensor', 'opt_tensor' (None or a tensor id)
+              or 'int' (the id of an int or symint value)
+    runtime:  the object a kernel receives for the stored value
+    floats:   True when the value holds floats (the file writes inf/nan as strings)
+    """
+
+    name: str
+    description: str
+    check: Callable[[object], bool]
+    refs: str | None = None
+    runtime: Callable[[object], object] = staticmethod(lambda v: v)  # type: ignore[assignment]
+    floats: bool = False
+
+
+CONST_KIND_TABLE: dict[str, ConstKind] = {k.name: k for k in (
+    ConstKind("none", "None", lambda v: v is None),
+    ConstKind("int", "an int64", _int64),
+    ConstKind("float", "a float", _is_float, floats=True),
+    ConstKind("bool", "a bool", lambda v: isinstance(v, bool)),
+    ConstKind("str", "a string", lambda v: isinstance(v, str)),
+    ConstKind("scalar", "an int64, float or bool", _scalar, floats=True),
+    ConstKind("ints", "a list of int64", _each(_int64), runtime=list),
+    ConstKind("floats", "a list of floats", _each(_is_float), runtime=list, floats=True),
+    ConstKind("bools", "a list of bools", _each(lambda x: isinstance(x, bool)), runtime=list),
+    ConstKind("dtype", "a dtype name", lambda v: isinstance(v, str) and v in _DTYPES, runtime=lambda v: _DTYPES[v]),
+    ConstKind("layout", f"a layout ({', '.join(_LAYOUTS)})", lambda v: isinstance(v, str) and v in _LAYOUTS,
+              runtime=_LAYOUTS.__getitem__),
+    ConstKind("memory_format", f"a memory format ({', '.join(_MEMORY_FORMATS)})",
+              lambda v: isinstance(v, str) and v in _MEMORY_FORMATS,
+              runtime=_MEMORY_FORMATS.__getitem__),
+    ConstKind("device", "a torch device string (cpu, cuda:N, meta)",
+              lambda v: isinstance(v, str) and _TORCH_DEVICE.match(v) is not None, runtime=torch.device),
+    ConstKind("tensors", "a list of tensor value ids", _each(_is_int), refs="tensor"),
+    ConstKind("opt_tensors", "a list of tensor value ids or None", _each(_optional_id), refs="opt_tensor"),
+    # an int computed each call from dynamic input shapes; the stored value is its upper bound
+    ConstKind("symint", "an int64 (the bound of a size computed each call)", _int64),
+    # a list of ids of int or symint values: sizes such as [2, seq, 64]
+    ConstKind("symints", "a list of int or symint value ids", _each(_is_int), refs="int"),
+)}
+CONST_KINDS = tuple(CONST_KIND_TABLE)
+LIST_KINDS = tuple(k.name for k in CONST_KIND_TABLE.values() if k.refs is not None)
 
 
 @dataclass(frozen=True)
 class ConstValue:
-    """A non-tensor argument (int, list of ints, dtype, …) or a list of tensor value ids."""
+    """A non-tensor argument (int, list of ints, dtype, …) or a list of value ids."""
 
     kind: str
     value: object
@@ -139,10 +246,17 @@ Instruction = Union[KernelCall, DelegateCall]
 
 @dataclass(frozen=True)
 class Buffer:
-    """One planned buffer: `size` bytes on `device`. Buffer 0 is reserved for constants."""
+    """One planned buffer: `size` bytes on `device`, allocated at `alignment` bytes (None: the
+    device type's default), so offsets aligned within it are aligned in real addresses.
+    Buffer 0 is reserved for constants."""
 
     size: int
     device: Device = CPU
+    alignment: int = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.alignment is None and isinstance(self.device, Device):
+            object.__setattr__(self, "alignment", default_alignment(self.device.type))
 
 
 @dataclass(frozen=True)
@@ -245,38 +359,3 @@ class MethodMeta:
 
     def output_meta(self, i: int) -> TensorMeta:
         return self._meta(self._m.outputs, i, "output")
-
-
-@dataclass
-class Program:
-    """A compiled program: methods, delegates, and byte segments (constants and payloads).
-
-    Segments are bytes-like objects (bytes, or memoryviews into a mapped file)."""
-
-    methods: dict[str, Method]
-    delegates: list[Delegate] = field(default_factory=list)
-    segments: list = field(default_factory=list)
-
-    def method(self, name: str) -> Method:
-        try:
-            return self.methods[name]
-        except KeyError:
-            raise KeyError(f"program has no method {name!r}; methods: {', '.join(self.methods) or 'none'}") from None
-
-    def method_meta(self, name: str) -> MethodMeta:
-        return MethodMeta(self.method(name))
-
-    def save(self, path) -> None:
-        from ferry.program.serialize import save_program
-
-        save_program(self, path)
-
-    def to_bytes(self) -> bytes:
-        from ferry.program.serialize import program_to_bytes
-
-        return program_to_bytes(self)
-
-    def copy_report(self, method: str | None = None):
-        from ferry.report import copy_report
-
-        return copy_report(self, method)

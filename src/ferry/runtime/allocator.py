@@ -12,29 +12,27 @@ implements only the small underscore hooks.
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 
 import torch
 
+from ferry import device as _device
+from ferry.alignment import check_alignment, default_alignment
 from ferry.device import Device
 from ferry.errors import AllocationError, DeviceError
 
 __all__ = [
     "DeviceAllocator",
     "DeviceMemoryBuffer",
-    "HOST_ALIGNMENT",
     "allocate_aligned",
     "as_bytes",
     "get_allocator",
     "register_allocator",
     "registered_allocators",
     "registered_device_types",
+    "require_allocator",
     "unregister_allocator",
 ]
-
-HOST_ALIGNMENT = 256
-"""Default alignment, in bytes, of host buffers made by DeviceMemoryBuffer."""
 
 _DIRECTIONS = {
     "h2d": "host-to-device",
@@ -58,9 +56,7 @@ def _check_int(name: str, value, minimum: int) -> int:
 def _check_alignment(alignment) -> int:
     if isinstance(alignment, bool) or not isinstance(alignment, int):
         raise TypeError(f"alignment must be an int, got {type(alignment).__name__} {alignment!r}")
-    if alignment < 1 or alignment & (alignment - 1):
-        raise ValueError(f"alignment must be a power of two >= 1, got {alignment}")
-    return alignment
+    return check_alignment(alignment)
 
 
 def as_bytes(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
@@ -119,12 +115,13 @@ class DeviceAllocator:
     - optionally ``device_index_of(tensor)`` for host-backed device memory
     - optionally ``_bind_copy(direction, dst, src, nbytes, *indices)``: a copy a method repeats
       on every call, with whatever can be decided once decided here
+    - optionally ``streams_api()``: for a device that runs asynchronously to the host
 
     Copy hooks receive flat uint8 tensors of exactly ``nbytes`` bytes.
     """
 
     device_type: str = ""
-    default_alignment: int = 256
+    default_alignment: int = default_alignment("device")
 
     # ---- helpers
 
@@ -245,6 +242,11 @@ class DeviceAllocator:
 
     # ---- hooks
 
+    def streams_api(self):
+        """The streams API of an asynchronous device (runtime/streams.py), or None: copies and
+        kernels on this device finish before the host goes on."""
+        return None
+
     def _bind_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, nbytes: int, *indices: int):
         """A zero-argument copy between two fixed byte views (``indices``: the device index, or
         destination and source index for d2d). The default calls the copy hook each time."""
@@ -271,10 +273,7 @@ class DeviceAllocator:
 
 
 # ----------------------------------------------------------------------------------------
-# the registry
-
-_registry: dict[str, DeviceAllocator] = {}
-_registry_lock = threading.Lock()
+# the registry (the table itself lives in ferry.device: parsing reads it too)
 
 
 def register_allocator(allocator: DeviceAllocator) -> None:
@@ -288,38 +287,41 @@ def register_allocator(allocator: DeviceAllocator) -> None:
         )
     if kind == "cpu":
         raise ValueError("cannot register an allocator for 'cpu': host memory is built in")
-    with _registry_lock:
-        existing = _registry.get(kind)
-        if existing is not None:
-            raise ValueError(
-                f"an allocator for device type {kind!r} is already registered ({existing!r}); "
-                f"call ferry.runtime.unregister_allocator({kind!r}) first to replace it"
-            )
-        _registry[kind] = allocator
+    _device._set_allocator(kind, allocator)
 
 
 def get_allocator(device_type: str) -> DeviceAllocator | None:
     """The registered allocator of ``device_type``, or None."""
-    with _registry_lock:
-        return _registry.get(device_type)
+    return _device.registered_allocator(device_type)
+
+
+def require_allocator(device: Device, need: str = "") -> DeviceAllocator:
+    """The allocator of ``device``'s type; DeviceError saying how to register one if there is none."""
+    allocator = _device.registered_allocator(device.type)
+    if allocator is None:
+        needed = f" (needed for {need})" if need else ""
+        raise DeviceError(
+            f"no allocator is registered for device type {device.type!r}{needed}; register one with "
+            "ferry.runtime.register_allocator(...) (CUDA registers itself when a GPU is present; the "
+            "emulated device needs ferry.runtime.register_allocator(ferry.runtime.EmulatedAllocator()))"
+        )
+    return allocator
 
 
 def unregister_allocator(device_type: str) -> DeviceAllocator | None:
     """Remove and return the allocator of ``device_type`` (None if there was none)."""
-    with _registry_lock:
-        return _registry.pop(device_type, None)
+    return _device._pop_allocator(device_type)
 
 
 def registered_device_types() -> tuple[str, ...]:
     """Device types with a registered allocator, sorted."""
-    with _registry_lock:
-        return tuple(sorted(_registry))
+    return tuple(sorted(_device._allocator_snapshot()))
 
 
 def registered_allocators() -> tuple[DeviceAllocator, ...]:
     """A snapshot of every registered allocator, ordered by device type."""
-    with _registry_lock:
-        return tuple(_registry[k] for k in sorted(_registry))
+    table = _device._allocator_snapshot()
+    return tuple(table[k] for k in sorted(table))
 
 
 # ----------------------------------------------------------------------------------------
@@ -370,7 +372,7 @@ class DeviceMemoryBuffer:
         device = Device.parse(device)
         _check_int("nbytes", nbytes, 0)
         if device.is_cpu:
-            alignment = _check_alignment(HOST_ALIGNMENT if alignment is None else alignment)
+            alignment = _check_alignment(default_alignment("cpu") if alignment is None else alignment)
             pin = bool(pin_memory) and torch.cuda.is_available()
             try:
                 memory = allocate_aligned(nbytes, alignment, pin_memory=pin)
@@ -378,12 +380,7 @@ class DeviceMemoryBuffer:
                 raise AllocationError(f"allocation of {nbytes} bytes on {device} failed: {exc}") from exc
             return cls(memory, device, None, alignment, pinned=pin)
 
-        allocator = get_allocator(device.type)
-        if allocator is None:
-            raise DeviceError(
-                f"no allocator is registered for device type {device.type!r} (needed for {nbytes} bytes "
-                f"on {device}); register one with ferry.runtime.register_allocator(...)"
-            )
+        allocator = require_allocator(device, f"{nbytes} bytes on {device}")
         if alignment is None:
             alignment = allocator.default_alignment
         memory = allocator.allocate(nbytes, device.index, alignment)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferry.runtime.simulated import SimulatedApi
 from ferry.runtime.allocator import (
     DeviceAllocator,
     allocate_aligned,
@@ -71,6 +72,9 @@ class EmulatedAllocator(DeviceAllocator):
         capacity: bytes each index may hold at once (None: unlimited).
         fill: byte written into fresh allocations (None: leave uninitialised), so reads of
             memory nobody wrote show up as garbage instead of plausible zeros.
+        asynchronous: run device work as a GPU does, after the host moves on (simulated
+            streams, events and graphs: runtime/simulated.py), so a missing host wait gives a
+            wrong answer here too.
 
     Counters (reset by ``reset_counters()``): ``allocations``, ``deallocations``,
     ``failed_allocations``, ``copy_counts[direction]``, ``copy_bytes[direction]``,
@@ -86,8 +90,10 @@ class EmulatedAllocator(DeviceAllocator):
         capacity: int | None = None,
         fill: int | None = 0xA5,
         default_alignment: int = 256,
+        asynchronous: bool = False,
     ):
         self.device_type = device_type
+        self._streams = SimulatedApi(device_type) if asynchronous else None
         self.default_alignment = default_alignment
         self.num_devices = num_devices
         self.capacity = capacity
@@ -144,6 +150,9 @@ class EmulatedAllocator(DeviceAllocator):
         """direction -> (count, bytes)."""
         with self._lock:
             return {d: (self.copy_counts[d], self.copy_bytes[d]) for d in DIRECTIONS}
+
+    def streams_api(self):
+        return self._streams
 
     # ---- lookups
 

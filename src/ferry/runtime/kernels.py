@@ -11,7 +11,7 @@ import torch
 
 from ferry.device import Device
 from ferry.errors import DeviceError, InputError, ProgramError
-from ferry.runtime.allocator import as_bytes, get_allocator
+from ferry.runtime.allocator import as_bytes, require_allocator
 
 
 def copy_direction_check(direction: str, src: Device, dst: Device) -> None:
@@ -26,17 +26,6 @@ def copy_direction_check(direction: str, src: Device, dst: Device) -> None:
         raise DeviceError(f"_{direction}_copy needs {need}, but the program moves {src} -> {dst}")
 
 
-def _allocator_for(device: Device):
-    alloc = get_allocator(device.type)
-    if alloc is None:
-        raise DeviceError(
-            f"no allocator is registered for device type {device.type!r}; register one with "
-            "ferry.runtime.register_allocator(...) (CUDA registers itself when a GPU is present; "
-            "the emulated device needs ferry.runtime.register_allocator(EmulatedAllocator()))"
-        )
-    return alloc
-
-
 class CopyKernel:
     """et_copy::_{h2d,d2h,d2d}_copy.out for one instruction, resolved at load."""
 
@@ -45,15 +34,15 @@ class CopyKernel:
         self.direction, self.src, self.dst = direction, src, dst
         self.capacity = capacity  # bytes `out` may hold; None = not planned (sized per call)
         if direction == "h2d":
-            alloc, indices = _allocator_for(dst), (dst.index,)
+            alloc, indices = require_allocator(dst), (dst.index,)
             self._copy = lambda d, s, n: alloc.copy_host_to_device(d, s, n, dst.index)
         elif direction == "d2h":
-            alloc, indices = _allocator_for(src), (src.index,)
+            alloc, indices = require_allocator(src), (src.index,)
             self._copy = lambda d, s, n: alloc.copy_device_to_host(d, s, n, src.index)
         else:
             if src.type != dst.type:
                 raise DeviceError(f"_d2d_copy between different device types ({src} -> {dst}) is not supported")
-            alloc, indices = _allocator_for(dst), (dst.index, src.index)
+            alloc, indices = require_allocator(dst), (dst.index, src.index)
             self._copy = lambda d, s, n: alloc.copy_device_to_device(d, s, n, dst.index, src.index)
         self._alloc, self._indices = alloc, indices
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import warnings
 
+from ferry.backend_registry import get_backend
 from ferry.errors import BackendError, FerryError
-from ferry.program.schema import MethodMeta, Program
+from ferry.program import Program, load_program
+from ferry.program.schema import MethodMeta
 from ferry.runtime.method import LoadedMethod
 
 
@@ -26,8 +28,6 @@ class Module:
     def __init__(self, program: "Program | str | os.PathLike", *, outputs: str = "copy", pin_host_memory: bool = True,
                  cuda_graphs: bool = False):
         if not isinstance(program, Program):
-            from ferry.program.serialize import load_program
-
             program = load_program(program)
         if outputs not in ("copy", "view"):
             raise ValueError(f"outputs must be 'copy' or 'view', got {outputs!r}")
@@ -62,7 +62,7 @@ class Module:
         try:
             loaded = LoadedMethod(self.program, method, delegate, pin_host=self.pin_host_memory,
                                   cuda_graphs=self.cuda_graphs)
-            for note in loaded._graph_notes:
+            for note in loaded.notes:
                 warnings.warn(f"method {name!r}: {note}", RuntimeWarning, stacklevel=2)
             self._methods[name] = loaded
         except BaseException:
@@ -71,8 +71,6 @@ class Module:
             raise
 
     def _init_delegate(self, index: int):
-        from ferry.backends import get_backend
-
         d = self.program.delegates[index]
         backend = get_backend(d.backend_id)
         try:

@@ -12,13 +12,11 @@ import math
 import torch
 
 from ferry.device import CPU, Device
-from ferry.errors import DeviceError
 from ferry.runtime.allocator import (
-    DeviceAllocator,
     DeviceMemoryBuffer,
     as_bytes,
-    get_allocator,
     registered_allocators,
+    require_allocator,
 )
 
 __all__ = ["buffer_of", "clone_to", "device_of", "make_tensor"]
@@ -135,16 +133,6 @@ def buffer_of(tensor: torch.Tensor) -> DeviceMemoryBuffer | None:
     return getattr(tensor, _BUFFER_ATTR, None)
 
 
-def _require_allocator(device: Device) -> DeviceAllocator:
-    allocator = get_allocator(device.type)
-    if allocator is None:
-        raise DeviceError(
-            f"no allocator is registered for device type {device.type!r} (needed to copy to or from "
-            f"{device}); register one with ferry.runtime.register_allocator(...)"
-        )
-    return allocator
-
-
 def _contiguous_on(tensor: torch.Tensor, device: Device) -> tuple[torch.Tensor, DeviceMemoryBuffer | None]:
     """A contiguous, conj/neg-resolved equal of ``tensor`` on the same device (plus a staging buffer to close)."""
     if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
@@ -168,12 +156,12 @@ def _contiguous_on(tensor: torch.Tensor, device: Device) -> tuple[torch.Tensor, 
 def _copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int, dst_device: Device, src_device: Device) -> None:
     d, s = as_bytes(dst, "dst"), as_bytes(src, "src")
     if src_device.is_cpu:
-        _require_allocator(dst_device).copy_host_to_device(d, s, nbytes, dst_device.index)
+        require_allocator(dst_device).copy_host_to_device(d, s, nbytes, dst_device.index)
     elif dst_device.is_cpu:
-        _require_allocator(src_device).copy_device_to_host(d, s, nbytes, src_device.index)
+        require_allocator(src_device).copy_device_to_host(d, s, nbytes, src_device.index)
     else:
-        src_alloc = _require_allocator(src_device)
-        dst_alloc = _require_allocator(dst_device)
+        src_alloc = require_allocator(src_device)
+        dst_alloc = require_allocator(dst_device)
         if src_alloc is dst_alloc and src_alloc.supports_device_to_device:
             src_alloc.copy_device_to_device(d, s, nbytes, dst_device.index, src_device.index)
             return

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ferry.program.schema import KernelCall, Program
-
-_COPY = {"et_copy::_h2d_copy.out": "h2d", "et_copy::_d2h_copy.out": "d2h", "et_copy::_d2d_copy.out": "d2d",
-         "et_copy::_h2d_copy.default": "h2d", "et_copy::_d2h_copy.default": "d2h", "et_copy::_d2d_copy.default": "d2d"}
+from ferry.ops import COPY_KERNELS
+from ferry.program.schema import KernelCall
 
 
 @dataclass(frozen=True)
@@ -49,14 +47,14 @@ class CopyReport:
         return "\n".join(lines)
 
 
-def copy_report(program: Program, method: str | None = None):
+def copy_report(program, method: str | None = None):
     """One report for `method`; a dict of reports by method name when `method` is None."""
     if method is None:
         return {name: copy_report(program, name) for name in program.methods}
     m = program.method(method)
     rows = []
     for i, ins in enumerate(m.instructions):
-        if isinstance(ins, KernelCall) and ins.kernel in _COPY:
+        if isinstance(ins, KernelCall) and ins.kernel in COPY_KERNELS:
             src, dst = m.tensor(ins.args[0]), m.tensor(ins.outputs[0])
-            rows.append(CopyRow(i, _COPY[ins.kernel], str(src.device), str(dst.device), src.shape, src.dtype, src.nbytes, src.name))
+            rows.append(CopyRow(i, COPY_KERNELS[ins.kernel], str(src.device), str(dst.device), src.shape, src.dtype, src.nbytes, src.name))
     return CopyReport(method, tuple(rows))

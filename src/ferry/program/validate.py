@@ -1,0 +1,220 @@
+"""Semantic checks of a program: everything the file's types alone cannot say.
+
+Value ids in range and of the right kind, planned tensors inside their buffer and on its
+device, constants the size of their segment, alias chains that end, and each tensor's
+storage agreeing with its plan, constant and alias. Runs on every load and save;
+`validate_program` is also public for programs built in memory.
+"""
+
+from __future__ import annotations
+
+from ferry.errors import ProgramError
+from ferry.program import codec
+from ferry.program.schema import (
+    CONST_KIND_TABLE,
+    DEFAULT_ARG,
+    ConstValue,
+    DelegateCall,
+    Method,
+    TensorValue,
+    element_size,
+)
+
+__all__ = ["validate_program", "check_types", "check_semantics"]
+
+
+def segment_size(seg: object, i: int) -> int:
+    try:
+        with memoryview(seg) as mv:  # type: ignore[arg-type]
+            return mv.nbytes
+    except TypeError:
+        raise ProgramError(
+            f"segment {i} must be bytes-like (bytes, bytearray, memoryview), got {type(seg).__name__}"
+        ) from None
+
+
+def validate_program(program: object) -> None:
+    """Check that `program` is well formed; raise ProgramError naming the first problem."""
+    check_types(program)
+    check_semantics(program)
+
+
+def check_types(program: object) -> None:
+    """Every record has the types the file format describes (program/codec.py)."""
+    if not all(hasattr(program, a) for a in ("methods", "delegates", "segments")):
+        raise ProgramError(f"expected a ferry Program, got {type(program).__name__}")
+    codec.Seq(codec.ANY).check(program.segments, "program segments")  # type: ignore[attr-defined]
+    codec.Seq(codec.DELEGATE).check(program.delegates, "program delegates")  # type: ignore[attr-defined]
+    if not isinstance(program.methods, dict):  # type: ignore[attr-defined]
+        raise ProgramError(f"program methods must be a dict of name -> Method, got {type(program.methods).__name__}")
+    for key, m in program.methods.items():  # type: ignore[attr-defined]
+        codec.Str(nonempty=True).check(key, "method name")
+        codec.METHOD.check(m, f"method {key!r}")
+        if m.name != key:
+            raise ProgramError(f"method stored under {key!r} is named {codec.show(m.name)}")
+
+
+def check_semantics(program) -> None:
+    """Cross references, sizes and storage facts (types already checked)."""
+    seg_sizes = [segment_size(s, i) for i, s in enumerate(program.segments)]
+    for i, d in enumerate(program.delegates):
+        if d.payload >= len(seg_sizes):
+            raise ProgramError(
+                f"delegate {i} ({d.backend_id}): payload segment {d.payload} is out of range "
+                f"(program has {len(seg_sizes)} segments)"
+            )
+    for m in program.methods.values():
+        _MethodChecks(m, seg_sizes, len(program.delegates)).run()
+
+
+class _MethodChecks:
+    def __init__(self, m: Method, seg_sizes: list[int], n_delegates: int):
+        self.m, self.seg_sizes, self.n_delegates = m, seg_sizes, n_delegates
+        self.pre = f"method {m.name!r}"
+        self.n = len(m.values)
+
+    def run(self) -> None:
+        m = self.m
+        if not m.buffers:
+            raise ProgramError(f"{self.pre} has no buffers; buffer 0 (reserved for constants) must exist")
+        for b, buf in enumerate(m.buffers):
+            codec.Int(1).check(buf.alignment, f"{self.pre} buffer {b} alignment")
+            if buf.alignment & (buf.alignment - 1):
+                raise ProgramError(f"{self.pre} buffer {b} alignment {buf.alignment} is not a power of two")
+        for i, v in enumerate(m.values):
+            if isinstance(v, TensorValue):
+                self.tensor(v, i)
+            else:
+                self.const(v, i)
+        self.aliases_end()
+        for i, v in enumerate(m.values):
+            if isinstance(v, TensorValue):
+                self.storage(v, f"{self.pre} value {i}")
+        self.instructions()
+        for j, x in enumerate(m.inputs):
+            self.vid(x, f"input {j}")
+        for j, x in enumerate(m.outputs):
+            self.vid(x, f"output {j}")
+        self.io_storage()
+        for j, mb in enumerate(m.mutable_buffers):
+            self.tensor_id(mb.value, f"mutable buffer {j} value")
+            self.tensor_id(mb.update, f"mutable buffer {j} update")
+
+    # ---- ids
+
+    def vid(self, x: int, what: str, allow_default: bool = False) -> int:
+        lo = DEFAULT_ARG if allow_default else 0
+        if not lo <= x < self.n:
+            raise ProgramError(f"{self.pre} {what}: value id {codec.show(x)} is out of range (method has {self.n} values)")
+        return x
+
+    def tensor_id(self, x: int, what: str) -> int:
+        i = self.vid(x, what)
+        if not isinstance(self.m.values[i], TensorValue):
+            raise ProgramError(f"{self.pre} {what}: value {i} is not a tensor")
+        return i
+
+    def int_id(self, x: int, what: str) -> int:
+        i = self.vid(x, what)
+        v = self.m.values[i]
+        if not (isinstance(v, ConstValue) and v.kind in ("int", "symint")):
+            raise ProgramError(f"{self.pre} {what}: value {i} is not an int or a symint")
+        return i
+
+    # ---- values
+
+    def tensor(self, v: TensorValue, i: int) -> None:
+        what = f"{self.pre} value {i}"
+        nbytes = v.nbytes
+        if v.dynamic and len(v.dynamic) != len(v.shape):
+            raise ProgramError(f"{what}: dynamic has {len(v.dynamic)} flags for a shape of {len(v.shape)} dimensions")
+        if v.plan is not None:
+            b, off = v.plan.buffer, v.plan.offset
+            if b >= len(self.m.buffers):
+                raise ProgramError(f"{what}: plan buffer {b} is out of range (method has {len(self.m.buffers)} buffers)")
+            buf = self.m.buffers[b]
+            if off + nbytes > buf.size:
+                raise ProgramError(f"{what}: plan offset {off} + {nbytes} bytes exceeds buffer {b} size {buf.size}")
+            if buf.device != v.device:
+                raise ProgramError(f"{what}: tensor on {v.device} is planned in buffer {b} on {buf.device}")
+            if off % element_size(v.dtype):
+                raise ProgramError(f"{what}: plan offset {off} is not a multiple of the {v.dtype} element size")
+        if v.constant is not None:
+            c = v.constant
+            if c >= len(self.seg_sizes):
+                raise ProgramError(f"{what}: constant segment {c} is out of range (program has {len(self.seg_sizes)} segments)")
+            if self.seg_sizes[c] != nbytes:
+                raise ProgramError(
+                    f"{what}: constant segment {c} has {self.seg_sizes[c]} bytes but the tensor "
+                    f"({v.dtype}{list(v.shape)}) needs {nbytes}"
+                )
+        if v.alias_of is not None:
+            a = self.vid(v.alias_of, f"value {i} alias_of")
+            if a == i:
+                raise ProgramError(f"{what} is an alias of itself")
+            if not isinstance(self.m.values[a], TensorValue):
+                raise ProgramError(f"{what} is an alias of value {a}, which is not a tensor")
+
+    def storage(self, v: TensorValue, what: str) -> None:
+        """The storage kind agrees with the plan, the constant and the alias."""
+        s = v.storage
+        facts = [("planned", v.plan is not None, "a plan entry"), ("view", v.alias_of is not None, "alias_of")]
+        for kind, has, field in facts:
+            if (s == kind) != has:
+                raise ProgramError(f"{what}: storage {s!r} {'needs' if s == kind else 'cannot have'} {field}")
+        if (s == "constant") != (v.constant is not None) and s != "planned":
+            raise ProgramError(f"{what}: storage {s!r} {'needs' if s == 'constant' else 'cannot have'} a constant segment")
+
+    def const(self, c: ConstValue, i: int) -> None:
+        refs = CONST_KIND_TABLE[c.kind].refs
+        if refs is None:
+            return
+        for j, x in enumerate(c.value):  # type: ignore[attr-defined]
+            what = f"value {i} ({c.kind})[{j}]"
+            if refs == "tensor" or (refs == "opt_tensor" and x is not None):
+                self.tensor_id(x, what)
+            elif refs == "int":
+                self.int_id(x, what)
+
+    def aliases_end(self) -> None:
+        done: set[int] = set()
+        for i in range(self.n):
+            chain: list[int] = []
+            j = i
+            while j not in done:
+                if j in chain:
+                    raise ProgramError(f"{self.pre} value {i}: alias_of chain {' -> '.join(map(str, chain))} has a cycle")
+                chain.append(j)
+                t = self.m.values[j]
+                if not isinstance(t, TensorValue) or t.alias_of is None:
+                    break
+                j = t.alias_of
+            done.update(chain)
+
+    def instructions(self) -> None:
+        for k, ins in enumerate(self.m.instructions):
+            if isinstance(ins, DelegateCall):
+                if ins.delegate >= self.n_delegates:
+                    raise ProgramError(
+                        f"{self.pre} instruction {k}: delegate {ins.delegate} is out of range "
+                        f"(program has {self.n_delegates} delegates)"
+                    )
+                label = f"instruction {k} (delegate {ins.delegate})"
+            else:
+                label = f"instruction {k} ({ins.kernel})"
+            for j, a in enumerate(ins.args):
+                self.vid(a, f"{label} argument {j}", allow_default=not isinstance(ins, DelegateCall))
+            for j, o in enumerate(ins.outputs):
+                self.vid(o, f"{label} output {j}")
+
+    def io_storage(self) -> None:
+        """Caller-owned inputs are method inputs: nothing else could fill them."""
+        inputs = set(self.m.inputs)
+        for i, v in enumerate(self.m.values):
+            if isinstance(v, TensorValue) and v.storage == "input" and i not in inputs:
+                raise ProgramError(f"{self.pre} value {i}: storage 'input' but it is not a method input")
+        for j, x in enumerate(self.m.inputs):
+            v = self.m.values[x]
+            if isinstance(v, TensorValue) and v.storage not in ("input", "planned"):
+                raise ProgramError(f"{self.pre} input {j} (value {x}) has storage {v.storage!r}; "
+                                   "inputs are 'input' or 'planned'")

@@ -1,0 +1,351 @@
+"""Bind: every instruction of a loaded method becomes an immutable Step.
+
+A Step says what the scheduler needs — its kind, the devices it touches, whether it touches
+host memory while doing so, whether it can be captured in a graph — and carries the call,
+with every argument that is fixed at load already resolved (a functools.partial over planned
+tensors, a copy bound to precomputed byte views). Views of fixed memory are made here, once,
+and need no step. Binding reads the program's storage facts and the loaded slots; it never
+changes the loaded memory: re-binding (a delegate's planned inputs and outputs, given once)
+returns a new Bound with its own frame.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ferry.device import Device
+from ferry.errors import InputError, InternalError, ProgramError
+from ferry.op_names import resolve_kernel
+from ferry.ops import OUT_COPY_KERNELS
+from ferry.program.schema import (
+    DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, KernelCall, Method, TensorValue, root_storage,
+)
+from ferry.runtime.kernels import CopyKernel, bind_aten, fast_aten
+from ferry.runtime.load import Memory
+
+__all__ = ["Bound", "CallIO", "Step", "bind_method"]
+
+# kernels of the sizes arithmetic torch.export records with Python operators
+SYM_OPS = {
+    "ferry::sym_add": operator.add, "ferry::sym_sub": operator.sub, "ferry::sym_mul": operator.mul,
+    "ferry::sym_floordiv": operator.floordiv, "ferry::sym_mod": operator.mod, "ferry::sym_neg": operator.neg,
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One instruction, ready to run.
+
+    devices:       the non-CPU devices it touches (empty for host work)
+    touches_host:  it moves data between host memory and a device (a copy with a CPU end)
+    capturable:    every address it uses is fixed and its host memory page-locked
+    check:         run after the first call: the kernel kept its planned output shapes
+    """
+
+    index: int
+    kind: str  # "kernel" | "copy" | "delegate" | "size" | "writeback"
+    name: str
+    devices: tuple[Device, ...]
+    touches_host: bool
+    capturable: bool
+    call: Callable[[], object]
+    check: Callable[[], None] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"#{self.index} {self.name}" if self.index >= 0 else self.name
+
+
+@dataclass(frozen=True)
+class CallIO:
+    """How a call meets the caller's tensors.
+
+    inputs:          (value id, mode) per input: 'copy' into planned memory, 'stage' into a
+                     fixed device tensor, 'bind' the caller's tensor, 'fixed' (bound once)
+    fresh_outputs:   (value id, tensor value) of outputs made for the caller each call
+    transient:       slots cleared after each call (the caller's memory is not kept alive)
+    caller_owned:    output positions the caller owns without a copy
+    constant_outputs: output positions that are (views of) host constants
+    passthrough:     (output position, input position): a staged input handed straight back
+    """
+
+    inputs: tuple[tuple[int, str], ...]
+    fresh_outputs: tuple[tuple[int, TensorValue], ...]
+    transient: tuple[int, ...]
+    caller_owned: frozenset[int]
+    constant_outputs: frozenset[int]
+    passthrough: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A bound method: its steps (None for work done at bind time), the frame of slots a call
+    reads and writes, and how a call meets the caller's tensors."""
+
+    steps: tuple[Step | None, ...]
+    slots: list
+    fixed: tuple[bool, ...]
+    io: CallIO
+
+
+def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_locked=None,
+                io: dict[int, torch.Tensor] | None = None) -> Bound:
+    """Bind every instruction. `delegate(i)` gives delegate i's handle; `streams` (a CopyStreams)
+    issues copies on an asynchronous device; `io` fixes more slots (a delegate's planned I/O)."""
+    slots, fixed = list(memory.slots), list(memory.fixed)
+    for vid, t in (io or {}).items():
+        slots[vid], fixed[vid] = t, True
+    _fix_lists(method, slots, fixed)
+    b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()))
+    steps = [b.instruction(i, ins) for i, ins in enumerate(method.instructions)]
+    steps += b.writebacks()
+    return Bound(tuple(steps), slots, tuple(fixed), _call_io(method, memory, fixed))
+
+
+def _fix_lists(method: Method, slots: list, fixed: list) -> None:
+    """A list constant whose members are all fixed is built once."""
+    for vid, v in enumerate(method.values):
+        if isinstance(v, ConstValue) and v.kind in LIST_KINDS and not fixed[vid] and all(
+                x is None or fixed[x] for x in v.value):  # type: ignore[attr-defined]
+            slots[vid] = [None if x is None else slots[x] for x in v.value]  # type: ignore[attr-defined]
+            fixed[vid] = True
+
+
+def _call_io(m: Method, memory: Memory, fixed: list[bool]) -> CallIO:
+    def mode(vid: int) -> str:
+        v = m.values[vid]
+        if not isinstance(v, TensorValue):  # a size passed into a delegate
+            return "bind"
+        if fixed[vid] and vid not in memory.staged_inputs and v.storage != "planned":
+            return "fixed"
+        return {"planned": "copy"}.get(v.storage, "stage" if vid in memory.staged_inputs else "bind")
+
+    passthrough = tuple((i, memory.staged_inputs[vid]) for i, vid in enumerate(m.outputs) if vid in memory.staged_inputs)
+    fresh = tuple((vid, v) for vid, v in enumerate(m.values)
+                  if isinstance(v, TensorValue) and v.storage == "output" and not fixed[vid])
+    owned = {i for i, vid in enumerate(m.outputs)
+             if not fixed[vid] and isinstance(m.values[vid], TensorValue) and m.tensor(vid).storage in ("output", "input")}
+    constant = {i for i, vid in enumerate(m.outputs)
+                if root_storage(m.values, vid) == "constant" and m.tensor(vid).device.is_cpu}
+    return CallIO(
+        inputs=tuple((vid, mode(vid)) for vid in m.inputs),
+        fresh_outputs=fresh,
+        transient=tuple(vid for vid, f in enumerate(fixed) if not f),
+        caller_owned=frozenset(owned | {i for i, _ in passthrough}),
+        constant_outputs=frozenset(constant),
+        passthrough=passthrough,
+    )
+
+
+def _ref(slots, fixed, m: Method, vid: int):
+    """('c', value) for what is fixed, ('v', id) for a value of this call, ('l', ids) for a
+    list with members of this call (built when the instruction runs)."""
+    if fixed[vid]:
+        return ("c", slots[vid])
+    v = m.values[vid]
+    if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
+        return ("l", list(v.value))  # type: ignore[call-overload]
+    return ("v", vid)
+
+
+def _resolve(ref, slots):
+    kind, x = ref
+    if kind == "c":
+        return x
+    if kind == "v":
+        return slots[x]
+    return [None if e is None else slots[e] for e in x]
+
+
+class _Binder:
+    def __init__(self, method: Method, slots: list, fixed: list, delegate, streams, page_locked):
+        self.m, self.slots, self.fixed = method, slots, fixed
+        self.delegate, self.streams, self.page_locked = delegate, streams, page_locked
+
+    def ref(self, vid: int):
+        return _ref(self.slots, self.fixed, self.m, vid)
+
+    def instruction(self, index: int, ins) -> Step | None:
+        if isinstance(ins, DelegateCall):
+            return self.delegate_step(index, ins)
+        if ins.kernel in OUT_COPY_KERNELS:
+            return self.copy_step(index, ins)
+        if ins.kernel in SYM_OPS:
+            return self.size_step(index, ins)
+        return self.kernel_step(index, ins)
+
+    def step(self, index: int, kind: str, name: str, ins, call, *, extra_devices=(), check=None) -> Step:
+        m = self.m
+        devs = {m.tensor(o).device for o in ins.outputs if isinstance(m.values[o], TensorValue)}
+        devs |= set(extra_devices)
+        ids = [a for a in ins.args if a != DEFAULT_ARG] + list(ins.outputs)
+        capturable = all(self.fixed[i] for i in ids) and all(
+            self.page_locked(self.slots[i]) for i in ids
+            if isinstance(m.values[i], TensorValue) and m.tensor(i).device.is_cpu and m.tensor(i).nbytes)
+        return Step(index, kind, name, tuple(sorted(d for d in devs if not d.is_cpu)),
+                    any(d.is_cpu for d in devs) and any(not d.is_cpu for d in devs), capturable, call, check)
+
+    # ---- delegates
+
+    def delegate_step(self, index: int, ins: DelegateCall) -> Step:
+        handle = self.delegate(ins.delegate)
+        args, outs, slots = list(ins.args), list(ins.outputs), self.slots
+        run = None
+        if all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs) and hasattr(handle, "bind_static"):
+            run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs])  # planned I/O, bound once
+        if run is None:
+            def run():
+                handle.execute([slots[a] for a in args], [slots[o] for o in outs])
+        return self.step(index, "delegate", f"delegate {ins.delegate}", ins, run)
+
+    # ---- copies
+
+    def copy_step(self, index: int, ins: KernelCall) -> Step:
+        m, slots = self.m, self.slots
+        if len(ins.args) != 2 or len(ins.outputs) != 1 or ins.args[1] != ins.outputs[0]:
+            raise ProgramError(f"method {m.name!r} instruction {index}: {ins.kernel} takes (self, out) and "
+                               f"defines out, got args {ins.args} outputs {ins.outputs}")
+        src_id, out_id = ins.args[0], ins.outputs[0]
+        src_v, out_v = m.tensor(src_id), m.tensor(out_id)
+        capacity = out_v.nbytes if out_v.plan is not None else None
+        kernel = CopyKernel(OUT_COPY_KERNELS[ins.kernel], src_v.device, out_v.device, capacity)
+        devices = (src_v.device, out_v.device)
+        fixed = self.fixed[src_id] and self.fixed[out_id] and not any(src_v.dynamic) and not any(out_v.dynamic)
+        if self.streams is not None and any(not d.is_cpu for d in devices):
+            if fixed:
+                call = self.streams.bind(index, kernel.bind_static(slots[src_id], slots[out_id]), devices, src_v.nbytes)
+            else:
+                run = self.streams.run
+                call = lambda: run(index, kernel, slots[src_id], slots[out_id], devices)  # noqa: E731
+        elif fixed:
+            call = kernel.bind_static(slots[src_id], slots[out_id])
+        else:
+            call = lambda: kernel(slots[src_id], slots[out_id])  # noqa: E731
+        return self.step(index, "copy", ins.kernel, ins, call, extra_devices=(src_v.device,))
+
+    # ---- sizes
+
+    def size_step(self, index: int, ins: KernelCall) -> Step:
+        fn, refs, slots = SYM_OPS[ins.kernel], [self.ref(a) for a in ins.args], self.slots
+        if len(ins.outputs) != 1:
+            raise ProgramError(f"method {self.m.name!r} instruction {index}: {ins.kernel} defines one size")
+        (out,) = ins.outputs
+
+        def call():
+            slots[out] = fn(*[_resolve(r, slots) for r in refs])
+
+        return self.step(index, "size", ins.kernel, ins, call)
+
+    # ---- ATen kernels
+
+    def kernel_step(self, index: int, ins: KernelCall) -> Step | None:
+        m = self.m
+        try:
+            op = resolve_kernel(ins.kernel)
+        except LookupError as e:
+            raise ProgramError(f"method {m.name!r} instruction {index}: {e}") from None
+        pos, kw = bind_aten(op, ins.args, self.ref)
+        writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
+        if not writes_out and self._view_of_fixed(ins):
+            self._run_functional(op, pos, kw, ins.outputs)()  # a view of fixed memory: made once, here
+            for o in ins.outputs:
+                self.fixed[o] = True
+            return None
+        tensors = [o for o in ins.outputs if isinstance(m.values[o], TensorValue)]
+        dynamic = [o for o in tensors if m.tensor(o).storage == "planned" and any(m.tensor(o).dynamic)]
+        if writes_out and dynamic:
+            call = self._dynamic_out(op, pos, kw, dynamic)
+        elif writes_out and all(r[0] == "c" for r in list(pos) + list(kw.values())):
+            args, kwargs = [r[1] for r in pos], {k: r[1] for k, r in kw.items()}
+            call = functools.partial(fast_aten(op, args, kwargs) or op, *args, **kwargs)
+        elif writes_out:
+            slots = self.slots
+            call = lambda: op(*[_resolve(r, slots) for r in pos], **{n: _resolve(r, slots) for n, r in kw.items()})  # noqa: E731
+        else:
+            call = self._run_functional(op, pos, kw, ins.outputs)
+        return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins) if writes_out else None)
+
+    def _run_functional(self, op, pos, kw, outputs):
+        """A functional op (no out variant, or a view): its results become the output slots."""
+        slots = self.slots
+
+        def call():
+            result = op(*[_resolve(r, slots) for r in pos], **{n: _resolve(r, slots) for n, r in kw.items()})
+            if len(outputs) == 1:
+                slots[outputs[0]] = result
+            else:
+                for o, r in zip(outputs, result):
+                    slots[o] = r
+
+        return call
+
+    def _view_of_fixed(self, ins: KernelCall) -> bool:
+        """A view that can be made once: of fixed memory, with a fixed shape."""
+        m = self.m
+        outs = [m.values[o] for o in ins.outputs]
+        if not outs or not all(isinstance(v, TensorValue) and v.storage == "view" and not any(v.dynamic) for v in outs):
+            return False
+        return all(self.fixed[a] for a in ins.args if a != DEFAULT_ARG)
+
+    def _dynamic_out(self, op, pos, kw, dynamic_outs):
+        """Outputs with a dynamic dim are planned at their bound: shrink them to empty before the
+        op so it sizes them (no resize warning), then check they stayed within their plan."""
+        slots, m = self.slots, self.m
+        capacity = [(o, m.tensor(o).nbytes) for o in dynamic_outs]
+
+        def call():
+            for o, _ in capacity:
+                slots[o].resize_(0)
+            op(*[_resolve(r, slots) for r in pos], **{n: _resolve(r, slots) for n, r in kw.items()})
+            for o, cap in capacity:
+                t = slots[o]
+                if t.numel() * t.element_size() > cap:
+                    raise InputError(
+                        f"{op}: a {tuple(t.shape)} result exceeds the {cap} bytes planned for it; "
+                        "the inputs are larger than the bounds the program was exported with"
+                    )
+
+        return call
+
+    def _shape_check(self, ins: KernelCall):
+        """After the first call: planned outputs kept their planned shapes. Planning follows the
+        trace; a kernel that writes a larger output on some device than the trace said would write
+        past its slot, so the first call turns that into an error instead of a wrong result."""
+        m, slots = self.m, self.slots
+        planned = [(o, m.tensor(o).shape) for o in ins.outputs if isinstance(m.values[o], TensorValue)
+                   and m.tensor(o).storage == "planned" and not any(m.tensor(o).dynamic)]
+        if not planned:
+            return None
+
+        def check():
+            for o, shape in planned:
+                if tuple(slots[o].shape) != shape:
+                    raise InternalError(
+                        f"{ins.kernel} wrote a {tuple(slots[o].shape)} output where the program planned {shape} "
+                        f"(value {m.values[o].name!r}): this device's kernel disagrees with the traced shape, "
+                        "so its memory plan is unsafe; please report it to ferry"
+                    )
+
+        return check
+
+    # ---- mutable buffers
+
+    def writebacks(self) -> list[Step]:
+        """After the last instruction, each updated mutable buffer gets its new value (on its
+        own device: a stream-ordered device copy for device-resident state)."""
+        out, slots = [], self.slots
+        for mb in self.m.mutable_buffers:
+            if self.fixed[mb.update] and slots[mb.update] is slots[mb.value]:
+                continue
+            value, update = mb.value, mb.update
+            dev = self.m.tensor(value).device
+            call = lambda value=value, update=update: slots[value].copy_(slots[update])  # noqa: E731
+            devices = () if dev.is_cpu else (dev,)
+            out.append(Step(-1, "writeback", f"write back {mb.name or value}", devices, False,
+                            self.fixed[update] and self.fixed[value], call))
+        return out

@@ -1,0 +1,78 @@
+"""Graph replay of device segments (CUDA graphs; simulated graphs in tests).
+
+A captured segment runs eagerly on its first call (lazy initialisation such as cuBLAS
+handles stays out of the graph), is captured on the second and replayed from then on. Every
+address in it is fixed (planned memory, or the fixed tensors device inputs are staged into),
+which is what makes replay legal. A capture that fails, or records nothing, falls back to
+running the segment eagerly, with a warning: never a wrong result.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Sequence
+
+
+class GraphSegment:
+    def __init__(self, calls: Sequence[Callable[[], object]], device_index: int, streams, touches_host: bool,
+                 label: str):
+        self.calls = tuple(calls)
+        self.index = device_index
+        self.streams = streams
+        self.api = streams.api
+        self.touches_host = touches_host
+        self.label = label
+        self.runs = 0
+        self.graph = None
+        self.key = None
+        self.failed = False
+
+    def _eager(self) -> None:
+        for call in self.calls:
+            call()
+
+    def __call__(self, key=None) -> None:
+        if self.failed:
+            return self._eager()
+        if self.graph is not None:
+            if key != self.key:
+                warnings.warn(f"{self.label}: input shapes changed since capture; running without the graph",
+                              RuntimeWarning, stacklevel=3)
+                return self._eager()
+            return self._replay()
+        self.runs += 1
+        if self.runs == 1:
+            return self._eager()
+        return self._capture(key)
+
+    def _replay(self) -> None:
+        self.graph.replay()  # type: ignore[union-attr]
+        if self.touches_host:
+            self.streams.note_host_dependency(("graph", id(self)), self.index)
+
+    def _capture(self, key) -> None:
+        graph = self.api.new_graph()
+        self.streams.wait_host()
+        self.streams.capturing = True
+        failure = None
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with self.api.device(self.index), self.api.capture(graph, self.streams.capture_stream(self.index)):
+                    self._eager()
+            for w in caught:
+                if "Graph is empty" in str(w.message):  # its work went to another stream or device
+                    raise RuntimeError("the captured graph is empty")
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        except Exception as e:  # an op that cannot be captured (host sync, pageable copy, ...)
+            failure = e
+        finally:
+            self.streams.capturing = False  # before any eager run: its copies need their events
+        if failure is not None:
+            self.failed = True
+            warnings.warn(f"{self.label}: graph capture failed ({type(failure).__name__}: {failure}); "
+                          "running it eagerly from now on", RuntimeWarning, stacklevel=3)
+            self.api.synchronize(self.index)
+            return self._eager()
+        self.graph, self.key = graph, key
+        return self._replay()

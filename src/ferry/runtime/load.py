@@ -1,0 +1,150 @@
+"""Load: the memory of one method — planned buffers, constants, and a slot per value.
+
+Every buffer is allocated once, here, on its device and at its alignment; constants on the
+host are views of the program file, device constants are uploaded once. Each value gets a
+slot: a tensor (or constant) fixed for the life of the method, or None for what changes per
+call (caller tensors, fresh outputs, run-time results, sizes). What a value is comes from
+its storage kind in the program; nothing here guesses it. All or nothing: if anything fails,
+what was allocated is freed before the error propagates.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ferry.device import Device
+from ferry.errors import ProgramError
+from ferry.ops import OUT_COPY_KERNELS
+from ferry.program.schema import CONST_KIND_TABLE, LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
+from ferry.runtime.allocator import DeviceMemoryBuffer, as_bytes, require_allocator
+from ferry.runtime.tensor import make_tensor
+
+__all__ = ["Memory", "constant_tensor", "load_memory"]
+
+
+@dataclass
+class Memory:
+    """What load leaves for binding: a slot per value and which slots are fixed.
+
+    staged:  device inputs (value id -> input position) and device outputs given fixed
+             tensors of their own so CUDA graphs can capture the segments that use them.
+    """
+
+    slots: list
+    fixed: list[bool]
+    owned: list[DeviceMemoryBuffer] = field(default_factory=list)
+    staged_inputs: dict[int, int] = field(default_factory=dict)
+    staged_outputs: set[int] = field(default_factory=set)
+
+    def close(self) -> None:
+        for b in self.owned:
+            b.close()
+        self.owned = []
+
+
+def constant_tensor(segment, v: TensorValue) -> torch.Tensor:
+    """A CPU tensor over a program segment (a mapped file region): no copy."""
+    if v.nbytes == 0:
+        return torch.empty(v.shape, dtype=v.torch_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only mapping: ferry never writes constants
+        raw = torch.frombuffer(segment, dtype=torch.uint8, count=v.nbytes)
+    return raw.view(v.torch_dtype).view(v.shape)
+
+
+def load_memory(segments: list, method: Method, *, pin_host: bool = True, stage_io: bool = False) -> Memory:
+    """Allocate and fill the memory of `method`; `stage_io` gives device inputs and outputs
+    fixed tensors (for CUDA graphs)."""
+    mem = Memory([None] * len(method.values), [False] * len(method.values))
+    try:
+        _Loader(segments, method, mem).load(pin_host, stage_io)
+    except BaseException:
+        mem.close()
+        raise
+    return mem
+
+
+class _Loader:
+    def __init__(self, segments, method: Method, mem: Memory):
+        self.segments, self.m, self.mem = segments, method, mem
+
+    def load(self, pin_host: bool, stage_io: bool) -> None:
+        m = self.m
+        copies = any(isinstance(i, KernelCall) and i.kernel in OUT_COPY_KERNELS for i in m.instructions)
+        buffers = [None] + [self._own(b.size, b.device, b.alignment, pin_host and copies and b.device.is_cpu)
+                            for b in m.buffers[1:]]
+        mutable = {mb.value for mb in m.mutable_buffers}
+        for vid, v in enumerate(m.values):
+            if isinstance(v, ConstValue):
+                self._const(vid, v)
+            elif v.storage == "planned":
+                mem = buffers[v.plan.buffer]  # type: ignore[union-attr]
+                if mem is None:
+                    raise ProgramError(f"value {vid} is planned in buffer 0, which is reserved for constants")
+                self._fix(vid, make_tensor(mem.memory, v.shape, v.torch_dtype, v.device, v.plan.offset))  # type: ignore[union-attr]
+                if vid in mutable and v.constant is not None:
+                    self._upload(self.mem.slots[vid], v)
+            elif v.storage == "constant":
+                self._fix(vid, self._constant(v))
+            elif v.storage == "scratch":
+                # an out argument nobody reads (batch norm's saved statistics in eval, ...): a plain,
+                # resizable tensor; if this device's kernel needs it larger than traced, it grows
+                # (once) instead of writing over planned neighbours
+                self._fix(vid, torch.empty(v.shape, dtype=v.torch_dtype, device=v.device.to_torch()))
+        if stage_io:
+            self._stage_io()
+        for vid, v in enumerate(m.values):  # a list whose members are all fixed is built once
+            if isinstance(v, ConstValue) and v.kind in LIST_KINDS and all(
+                    x is None or self.mem.fixed[x] for x in v.value):  # type: ignore[attr-defined]
+                self._fix(vid, [None if x is None else self.mem.slots[x] for x in v.value])  # type: ignore[attr-defined]
+
+    def _fix(self, vid: int, value) -> None:
+        self.mem.slots[vid], self.mem.fixed[vid] = value, True
+
+    def _const(self, vid: int, v: ConstValue) -> None:
+        if v.kind in LIST_KINDS or v.kind == "symint":
+            return  # lists are built after their members; sizes are computed each call
+        self._fix(vid, CONST_KIND_TABLE[v.kind].runtime(v.value))
+
+    def _own(self, nbytes: int, device: Device, alignment: int | None = None, pin: bool = False) -> DeviceMemoryBuffer:
+        buf = DeviceMemoryBuffer.create(nbytes, device, alignment, pin_memory=pin)
+        self.mem.owned.append(buf)
+        return buf
+
+    def _empty(self, v: TensorValue) -> torch.Tensor:
+        return make_tensor(self._own(v.nbytes, v.device).memory, v.shape, v.torch_dtype, v.device)
+
+    def _constant(self, v: TensorValue) -> torch.Tensor:
+        """Host constants are views of the mapped file; device constants are uploaded once."""
+        if v.device.is_cpu:
+            return constant_tensor(self.segments[v.constant], v)
+        t = self._empty(v)
+        self._upload(t, v)
+        return t
+
+    def _upload(self, dst: torch.Tensor, v: TensorValue) -> None:
+        src = constant_tensor(self.segments[v.constant], v)
+        if v.device.is_cpu:
+            dst.copy_(src)
+        elif v.nbytes:
+            require_allocator(v.device).copy_host_to_device(as_bytes(dst), as_bytes(src), v.nbytes, v.device.index)
+
+    def _stage_io(self) -> None:
+        """Device inputs (skip_h2d) and fresh device outputs (skip_d2h) with a fixed shape get
+        fixed tensors of their own. A call copies each input into its tensor on the device, and
+        outputs are handed out as planned outputs are, so the segments that use them keep fixed
+        addresses and can be captured. Dynamic shapes keep the caller's tensors."""
+        m = self.m
+        for pos, vid in enumerate(m.inputs):
+            v = m.values[vid]
+            if isinstance(v, TensorValue) and v.storage == "input" and not v.device.is_cpu and not any(v.dynamic):
+                self._fix(vid, self._empty(v))
+                self.mem.staged_inputs[vid] = pos
+        for vid in m.outputs:
+            v = m.values[vid]
+            if isinstance(v, TensorValue) and v.storage == "output" and not v.device.is_cpu and not any(v.dynamic):
+                self._fix(vid, self._empty(v))
+                self.mem.staged_outputs.add(vid)

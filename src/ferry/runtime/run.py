@@ -1,0 +1,155 @@
+"""Run: walk a schedule, one call at a time.
+
+A Plan is built once from a bound method and its schedule: each piece of work becomes a
+plain callable (a step's call, launched on its device; a host wait; a graph segment), in
+two lists — the first call's, with the shape checks and no graphs, and every later call's.
+A call then only meets the caller's tensors (copy in, bind, stage) and loops over a list.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ferry.device import Device
+from ferry.runtime.allocator import DeviceMemoryBuffer
+from ferry.runtime.bind import Bound, Step
+from ferry.runtime.graphs import GraphSegment
+from ferry.runtime.schedule import HostWait, Run, Schedule, Segment
+from ferry.runtime.tensor import device_of, make_tensor
+
+__all__ = ["Plan", "empty_on"]
+
+
+def empty_on(device: Device, shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor the caller keeps (a fresh output), allocated through the registry."""
+    if device.is_cpu:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+    buf = DeviceMemoryBuffer.create(nbytes, device)
+    t = make_tensor(buf.memory, shape, dtype, device)
+    t._ferry_buffer = buf  # type: ignore[attr-defined]  # the tensor keeps its memory alive
+    return t
+
+
+class Plan:
+    """An immutable list of work for one bound method, and the per-call handling of its I/O."""
+
+    def __init__(self, name: str, bound: Bound, sched: Schedule, first: Schedule, streams, outputs: list[int]):
+        self.name, self.bound, self.io = name, bound, bound.io
+        self.streams = streams
+        self.outputs = outputs
+        self.graphs: list[GraphSegment] = []
+        self._key = None
+        self.work = tuple(self._compile(sched, first_call=False))
+        self.first_work = tuple(self._compile(first, first_call=True))
+        self.checked = False
+
+    # ---- building
+
+    def _launch(self, step: Step) -> Callable[[], object]:
+        """A step as the host calls it: device work is launched on its device."""
+        api = self.streams.api if self.streams is not None else None
+        if api is None or step.kind == "copy" or not any(d.type == api.device_type for d in step.devices):
+            return step.call
+        (index,) = {d.index for d in step.devices if d.type == api.device_type}
+        return api.on_device(index, step.call)
+
+    def _compile(self, sched: Schedule, first_call: bool) -> list[Callable[[], object]]:
+        out: list[Callable[[], object]] = []
+        for w in sched.work:
+            if isinstance(w, HostWait):
+                out.append(self.streams.wait_host)
+            elif isinstance(w, Run):
+                out.extend(self._step_calls(w.step, first_call))
+            elif w.capture and not first_call:
+                out.append(self._graph(w))
+            else:
+                for s in w.steps:
+                    out.extend(self._step_calls(s, first_call))
+        return out
+
+    def _step_calls(self, step: Step, first_call: bool) -> list[Callable[[], object]]:
+        calls = [self._launch(step)]
+        if first_call and step.check is not None:
+            calls.append(step.check)
+        return calls
+
+    def _graph(self, seg: Segment) -> Callable[[], object]:
+        g = GraphSegment([self._launch(s) for s in seg.steps], seg.device.index, self.streams,  # type: ignore[union-attr]
+                         seg.touches_host, f"method {self.name!r} {seg.label}")
+        self.graphs.append(g)
+        return lambda: g(self._key)
+
+    # ---- a call
+
+    def execute(self, inputs, bind_outputs=None) -> list:
+        """Run once. `bind_outputs`: tensors the outputs are written into (a delegate's)."""
+        slots, io = self.bound.slots, self.io
+        try:
+            self._take_inputs(inputs)
+            self._fresh_outputs(bind_outputs)
+            if self.graphs:
+                self._key = tuple(tuple(t.shape) for t in inputs)
+            for call in self.work if self.checked else self.first_work:
+                call()
+            self.checked = True
+            if self.streams is not None:
+                self.streams.end_of_call()
+            outs = [slots[vid] for vid in self.outputs]
+            for i, pos in io.passthrough:
+                outs[i] = inputs[pos]
+            if bind_outputs is not None:
+                _copy_into(bind_outputs, outs)
+        finally:
+            # drop this call's caller-owned tensors (inputs, fresh outputs, run-time results):
+            # the method must not keep the caller's memory alive
+            for vid in io.transient:
+                slots[vid] = None
+        return outs
+
+    def _take_inputs(self, inputs) -> None:
+        slots = self.bound.slots
+        for t, (vid, mode) in zip(inputs, self.io.inputs):
+            if mode == "bind":
+                slots[vid] = t
+            elif mode == "copy":
+                dst = slots[vid]
+                if dst.shape != t.shape:
+                    dst.resize_(t.shape)
+                dst.copy_(t)
+            elif mode == "stage":  # a device copy into the fixed tensor, in stream order
+                self._device_copy(slots[vid], t)
+
+    def _device_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.streams.api.on_device(device_of(dst).index, lambda: dst.copy_(src))()
+
+    def _fresh_outputs(self, bind_outputs) -> None:
+        slots = self.bound.slots
+        if bind_outputs is not None:
+            for vid, t in zip(self.outputs, bind_outputs):
+                if not self.bound.fixed[vid] and slots[vid] is None:
+                    slots[vid] = t
+        for vid, v in self.io.fresh_outputs:
+            if slots[vid] is None:
+                slots[vid] = empty_on(v.device, v.shape, v.torch_dtype)
+
+    def run_bound(self, copy_back: list[tuple[torch.Tensor, int]]) -> None:
+        """Run with the tensors bound into the plan; `copy_back`: (caller tensor, value id) of
+        outputs that are not written in place (views, inputs, run-time results)."""
+        for call in self.work if self.checked else self.first_work:
+            call()
+        self.checked = True
+        slots = self.bound.slots
+        _copy_into([t for t, _ in copy_back], [slots[vid] for _, vid in copy_back])
+
+
+def _copy_into(targets, results) -> None:
+    for t, r in zip(targets, results):
+        if r is not t:
+            if t.shape != r.shape:
+                t.resize_(r.shape)
+            t.copy_(r)

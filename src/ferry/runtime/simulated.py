@@ -1,0 +1,196 @@
+"""A streams API that simulates an asynchronous device on the CPU.
+
+Device work (kernels, copies) is queued on streams and runs only when the host waits for it
+(an event or device synchronize) or when another stream's wait needs it. So a program that
+forgets a host wait reads memory a copy has not written yet and gets a wrong answer — the
+failure real GPUs show only under load — and the scheduling and capture code of the runtime
+runs in CI with the same calls it makes on CUDA. Used by `EmulatedAllocator(asynchronous=True)`.
+
+Semantics follow CUDA's: a stream runs its work in order; `event.record(s)` marks the end of
+the work queued on `s` so far; `s.wait_event(e)` makes later work on `s` wait for that mark;
+`event.synchronize()` blocks the host until the mark is reached. Graph capture records the
+work queued on the capture stream instead of queuing it; a host wait while capturing fails as
+it does on CUDA; replay queues the recorded work again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable
+
+import torch
+
+__all__ = ["SimulatedApi"]
+
+
+class _Mark:
+    """One recording of an event: reached when the work queued before it has run."""
+
+    def __init__(self):
+        self.reached = False
+
+
+class SimStream:
+    def __init__(self, api: "SimulatedApi", index: int, name: str):
+        self.api, self.index, self.name = api, index, name
+        self.queue: list[tuple[str, object]] = []  # ("run", fn, touches_host) | ("mark", _Mark) | ("wait", _Mark)
+
+    def wait_event(self, event: "SimEvent") -> None:
+        if event.mark is not None:
+            self.api._queue(self, ("wait", event.mark))
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name} on device {self.index}, {len(self.queue)} queued)"
+
+
+class SimEvent:
+    def __init__(self, api: "SimulatedApi"):
+        self.api = api
+        self.mark: _Mark | None = None
+
+    def record(self, stream: SimStream) -> None:
+        self.mark = _Mark()
+        self.api._queue(stream, ("mark", self.mark))
+
+    def synchronize(self) -> None:
+        self.api._host_wait(lambda: self.mark is None or self.mark.reached)
+
+
+class SimGraph:
+    def __init__(self, api: "SimulatedApi"):
+        self.api = api
+        self.work: list[tuple[str, object]] = []
+        self.index: int | None = None
+
+    def replay(self) -> None:
+        if self.index is None:
+            raise RuntimeError("replay of a graph that was never captured")
+        stream = self.api.current_stream(self.index)
+        for item in self.work:
+            self.api._queue(stream, item)
+
+
+class SimulatedApi:
+    """Streams, events and graphs of one simulated asynchronous device type."""
+
+    def __init__(self, device_type: str = "emu"):
+        self.device_type = device_type
+        self._default: dict[int, SimStream] = {}
+        self._current: dict[int, SimStream] = {}
+        self._streams: list[SimStream] = []
+        self._capturing: tuple[SimStream, SimGraph] | None = None
+        self.launched = 0  # work items queued (kernels and copies)
+
+    # ---- the streams API
+
+    def Stream(self, index: int) -> SimStream:  # noqa: N802 - mirrors torch.cuda.Stream
+        s = SimStream(self, index, f"stream {len(self._streams)}")
+        self._streams.append(s)
+        return s
+
+    def Event(self) -> SimEvent:  # noqa: N802 - mirrors torch.cuda.Event
+        return SimEvent(self)
+
+    def current_stream(self, index: int) -> SimStream:
+        if index not in self._current:
+            self._default[index] = self._current[index] = self.Stream(index)
+            self._default[index].name = "default"
+        return self._current[index]
+
+    @contextlib.contextmanager
+    def stream(self, s: SimStream):
+        before = self.current_stream(s.index)
+        self._current[s.index] = s
+        try:
+            yield s
+        finally:
+            self._current[s.index] = before
+
+    @contextlib.contextmanager
+    def device(self, index: int):
+        yield index
+
+    def new_graph(self) -> SimGraph:
+        return SimGraph(self)
+
+    @contextlib.contextmanager
+    def capture(self, graph: SimGraph, stream: SimStream):
+        if self._capturing is not None:
+            raise RuntimeError("a graph is already being captured")
+        graph.index = stream.index
+        self._capturing = (stream, graph)
+        try:
+            with self.stream(stream):
+                yield graph
+        finally:
+            self._capturing = None
+        if not graph.work:
+            warnings.warn("The CUDA Graph is empty (simulated: no work reached the capture stream)", UserWarning,
+                          stacklevel=3)
+
+    def synchronize(self, index: int) -> None:
+        self._host_wait(lambda: not any(s.queue for s in self._streams if s.index == index))
+
+    def enqueue(self, stream: SimStream | None, fn: Callable[[], object], touches_host: bool = False):
+        if stream is None:  # "the current stream", as CUDA kernels use it
+            if self._capturing is None:
+                raise RuntimeError("enqueue(None, ...) outside a capture: name the stream")
+            stream = self._capturing[0]
+        self._queue(stream, ("run", fn, touches_host))
+        return None
+
+    def on_device(self, index: int, fn: Callable[[], object]) -> Callable[[], object]:
+        return lambda: self.enqueue(self.current_stream(index), fn)
+
+    @staticmethod
+    def page_locked(t: torch.Tensor) -> bool:
+        return True  # simulated host memory is all page-locked
+
+    @staticmethod
+    def keep_alive(t: torch.Tensor, stream) -> None:
+        return None
+
+    def end_of_call(self) -> None:
+        """The caller reads device outputs directly (host memory standing in for the device),
+        so the call's device work finishes now — but a copy into host memory still queued
+        means the runtime returned before waiting for it: a ferry bug, reported as one."""
+        unwaited = [item for s in self._streams for item in s.queue if item[0] == "run" and item[2]]
+        if unwaited:
+            from ferry.errors import InternalError
+
+            raise InternalError(f"a method returned with {len(unwaited)} copies to or from host memory not waited for")
+        self._host_wait(lambda: not any(s.queue for s in self._streams))
+
+    # ---- the simulation
+
+    def _queue(self, stream: SimStream, item: tuple) -> None:
+        if self._capturing is not None and stream is self._capturing[0]:
+            self._capturing[1].work.append(item)
+            return
+        if item[0] == "run":
+            self.launched += 1
+        stream.queue.append(item)
+
+    def _host_wait(self, done: Callable[[], bool]) -> None:
+        if self._capturing is not None:
+            raise RuntimeError("operation not permitted when stream is capturing (simulated host wait)")
+        while not done():
+            if not self._step():
+                raise RuntimeError("simulated streams deadlocked: every stream waits on a mark never recorded")
+
+    def _step(self) -> bool:
+        """Run the first runnable item of any stream; False when none can run."""
+        for s in self._streams:
+            if not s.queue:
+                continue
+            kind, payload = s.queue[0][0], s.queue[0][1]
+            if kind == "wait" and not payload.reached:  # type: ignore[union-attr]
+                continue
+            s.queue.pop(0)
+            if kind == "run":
+                payload()  # type: ignore[operator]
+            elif kind == "mark":
+                payload.reached = True  # type: ignore[union-attr]
+            return True
+        return False

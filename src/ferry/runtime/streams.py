@@ -1,0 +1,202 @@
+"""The stream and event discipline of asynchronous devices, written once against a small API.
+
+A device whose work runs asynchronously to the host (CUDA) hands the runtime a *streams API*:
+streams, events, graphs and "run this on device i". `CudaApi` is PyTorch's CUDA;
+`ferry.runtime.simulated.SimulatedApi` is a CPU fake that defers device work until the host
+waits, so the same code — copy issuing here, scheduling, graph capture — runs in CI, and a
+host wait in the wrong place returns a wrong answer there instead of passing by luck.
+
+Copies larger than SMALL_COPY_BYTES run on one copy stream per device (smaller ones stay on
+the compute stream, where stream order alone is enough and two fewer events are cheaper). A
+copy waits (on the device, via an event) for the compute work already queued on its device,
+and compute waits for the copy through an event: no full device synchronisation anywhere.
+The host waits only where host code is about to read a `_d2h_copy` result or overwrite
+memory a pending `_h2d_copy` still reads (the schedule says where: runtime/schedule.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ferry.device import Device
+
+SMALL_COPY_BYTES = 1 << 20
+
+
+class CudaApi:
+    """PyTorch's CUDA as a streams API: kernels are asynchronous by themselves."""
+
+    device_type = "cuda"
+
+    Stream = staticmethod(lambda index: torch.cuda.Stream(device=index))
+    Event = staticmethod(lambda: torch.cuda.Event())
+    current_stream = staticmethod(lambda index: torch.cuda.current_stream(index))
+    stream = staticmethod(lambda s: torch.cuda.stream(s))
+    device = staticmethod(lambda index: torch.cuda.device(index))
+    new_graph = staticmethod(lambda: torch.cuda.CUDAGraph())
+    capture = staticmethod(lambda graph, stream: torch.cuda.graph(graph, stream=stream))
+    synchronize = staticmethod(lambda index: torch.cuda.synchronize(index))
+
+    @staticmethod
+    def enqueue(stream, fn: Callable[[], object], touches_host: bool = False):
+        """Run `fn`, whose kernels go to `stream` (the caller made it current)."""
+        return fn()
+
+    @staticmethod
+    def on_device(index: int, fn: Callable[[], object]) -> Callable[[], object]:
+        """`fn` run with device `index` current (a switch only when another is current)."""
+        current, device = torch.cuda.current_device, torch.cuda.device
+
+        def run():
+            if current() == index:
+                return fn()
+            with device(index):
+                return fn()
+
+        return run
+
+    @staticmethod
+    def page_locked(t: torch.Tensor) -> bool:
+        """A captured copy from pageable memory would replay a staging buffer filled at capture."""
+        return t.is_pinned()
+
+    @staticmethod
+    def keep_alive(t: torch.Tensor, stream) -> None:
+        """Memory the caller owns may be freed after the call: keep the caching allocator from
+        reusing it before `stream` is done (planned memory lives until close anyway)."""
+        if t.is_cuda and t.untyped_storage().nbytes() == t.nbytes:
+            t.record_stream(stream)
+
+    @staticmethod
+    def end_of_call() -> None:
+        """Device outputs are stream-ordered for the caller's next CUDA work: nothing to do."""
+
+
+CUDA_API = CudaApi()
+
+
+class CopyStreams:
+    """One method's copy streams and events on the devices of one streams API.
+
+    `bind` (planned tensors, decided at load) and `run` (tensors bound per call) issue a copy
+    the same way: on the device's copy stream, ordered after the compute work already queued
+    there, with the compute stream then waiting for the copy (small copies stay on the
+    compute stream). The host syncs in `wait_host()`, which the schedule places before host
+    code touches memory a copy may still use.
+    """
+
+    def __init__(self, api):
+        self.api = api
+        self._copy: dict[int, object] = {}
+        self._events: dict[object, object] = {}
+        self._issuers: dict[object, Callable] = {}
+        self._capture: dict[int, object] = {}
+        self._pending: list = []
+        self.capturing = False
+
+    def event(self, key):
+        """One reusable event per call site: recording again is cheaper than creating."""
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = self.api.Event()
+        return ev
+
+    def copy_stream(self, index: int):
+        s = self._copy.get(index)
+        if s is None:
+            s = self._copy[index] = self.api.Stream(index)
+        return s
+
+    def capture_stream(self, index: int):
+        """The side stream graphs of device `index` are captured on (never the default one:
+        torch.cuda.graph's default is one stream made on whichever GPU was current first)."""
+        s = self._capture.get(index)
+        if s is None:
+            s = self._capture[index] = self.api.Stream(index)
+        return s
+
+    def run(self, key, kernel, src: torch.Tensor, out: torch.Tensor, devices: tuple[Device, ...]):
+        """A copy between tensors bound per call (the caller's, or sized per call)."""
+        if self.capturing:  # inside a graph capture: stay on the capture stream
+            return self.api.enqueue(None, lambda: kernel(src, out))
+        issue = self._issuers.get(key)
+        if issue is None:  # sizes vary per call here: always the copy stream
+            issue = self._issuers[key] = self._issuer(key, devices, None)
+        issue(lambda: kernel(src, out))
+        for t in (src, out):
+            self.api.keep_alive(t, issue.stream)  # type: ignore[attr-defined]
+        return out
+
+    def bind(self, key, copy: Callable[[], object], devices: tuple[Device, ...], nbytes: int | None = None):
+        """The hot path for copies between planned tensors: everything but the event traffic
+        is decided here, at load."""
+        issue = self._issuer(key, devices, nbytes)
+        streams, enqueue = self, self.api.enqueue
+
+        def run():
+            if streams.capturing:
+                return enqueue(None, copy)
+            issue(copy)
+
+        return run
+
+    def _issuer(self, key, devices: tuple[Device, ...], nbytes: int | None):
+        """How a copy between `devices` is issued, decided once per call site."""
+        indices = sorted({d.index for d in devices if d.type == self.api.device_type})
+        touches_host = any(d.is_cpu for d in devices)
+        if nbytes is not None and nbytes <= SMALL_COPY_BYTES and len(indices) == 1:
+            return self._on_compute(key, indices[0], touches_host)
+        return self._on_copy_stream(key, indices, touches_host)
+
+    def _on_compute(self, key, index: int, touches_host: bool):
+        """Small copies on one device stay on its compute stream: the two events a copy stream
+        needs cost more than such a copy could overlap, and stream order alone is enough."""
+        done, pending, api = self.event(key), self._pending, self.api
+
+        def issue(copy):
+            compute = api.current_stream(index)
+            api.enqueue(compute, copy, touches_host)
+            if touches_host:
+                done.record(compute)
+                pending.append(done)
+
+        issue.stream = None  # type: ignore[attr-defined]
+        return issue
+
+    def _on_copy_stream(self, key, indices: list[int], touches_host: bool):
+        cs = self.copy_stream(indices[0])
+        done, pending, api = self.event(key), self._pending, self.api
+        ready = [self.event((key, "ready", i)) for i in indices]
+
+        def issue(copy):
+            computes = [api.current_stream(i) for i in indices]
+            for ev, compute in zip(ready, computes):
+                ev.record(compute)  # the copy waits for the compute work already queued
+                cs.wait_event(ev)
+            with api.stream(cs):
+                api.enqueue(cs, copy, touches_host)
+            done.record(cs)
+            for compute in computes:
+                compute.wait_event(done)
+            if touches_host:
+                pending.append(done)
+
+        issue.stream = cs  # type: ignore[attr-defined]
+        return issue
+
+    def note_host_dependency(self, key, index: int) -> None:
+        """After a graph replays copies touching host memory: the host waits on its stream."""
+        ev = self.event(key)
+        ev.record(self.api.current_stream(index))
+        self._pending.append(ev)
+
+    def wait_host(self) -> None:
+        if self._pending:
+            for ev in self._pending:
+                ev.synchronize()
+            self._pending.clear()
+
+    def end_of_call(self) -> None:
+        self.api.end_of_call()
