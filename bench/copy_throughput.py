@@ -61,9 +61,9 @@ def ferry_copy(direction: str, host: torch.Tensor, dev: torch.Tensor, device: De
     copy = kernel.bind_static(src, out)  # what LoadedMethod binds for planned tensors
     if device.type != "cuda":
         return copy  # the runtime has no copy streams without CUDA
-    from ferry.runtime.cuda import CopyStreams
+    from ferry.runtime.streams import CUDA_API, CopyStreams
 
-    streams = CopyStreams()
+    streams = CopyStreams(CUDA_API)
     run = streams.bind(("bench", direction), copy, devices, src.nbytes)
 
     def step():

@@ -95,7 +95,7 @@ def main():
             notes = sorted({str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)})
             for n in notes:
                 print(f"note (batch {batch}): {n}")
-            captured = sum(1 for g in graphed._methods["forward"]._graphs if g.graph is not None)
+            captured = sum(1 for g in graphed._methods["forward"].graphs if g.graph is not None)
             x = torch.randn(batch, seq, dim)
             rep = 5 if args.smoke else (50 if batch == 1 else 20)
             t_ferry = time_host(lambda: module(x), repeat=rep, warmup=5)

@@ -46,11 +46,11 @@ class Chain(torch.nn.Module):
 
 
 def graphs_captured(module: ferry.Module) -> int:
-    return sum(1 for m in module._methods.values() for g in m._graphs if g.graph is not None)
+    return sum(1 for m in module._methods.values() for g in m.graphs if g.graph is not None)
 
 
 def graph_segments(module: ferry.Module) -> int:
-    return sum(len(m._graphs) for m in module._methods.values())
+    return sum(len(m.graphs) for m in module._methods.values())
 
 
 def close(a, b) -> bool:

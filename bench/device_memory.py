@@ -8,7 +8,7 @@ ferry, planned: the program's device buffers (the method's own: the input's devi
 the delegate outputs) plus every delegate payload's device buffers (its intermediates),
 read from the Program (program.method(...).buffers, and for each delegate
 ferry.load_program(payload).method('forward').buffers). Cross-checked against what a loaded
-Module owns (LoadedMethod._owned of the method and of each delegate handle) and, on a GPU,
+Module owns (LoadedMethod.memory.owned of the method and of each delegate handle) and, on a GPU,
 against torch.cuda.memory_allocated() around load, and the extra peak during a call (the
 design says ferry allocates nothing while executing; a non-zero number means some kernel
 allocates temporaries, e.g. an ATen `.out` overload that is a wrapper around the functional
@@ -67,9 +67,9 @@ def planned_device_bytes(program, method: str = "forward") -> dict[str, int]:
 
 def loaded_device_bytes(module: ferry.Module, method: str = "forward") -> int:
     """Bytes of every device DeviceMemoryBuffer a loaded Module owns (planned buffers and constants)."""
-    owned = list(module._methods[method]._owned)
+    owned = list(module._methods[method].memory.owned)
     for handle in module._delegates.values():
-        owned += handle.method._owned
+        owned += handle.method.memory.owned
     return sum(b.nbytes for b in owned if not b.closed and not b.device.is_cpu)
 
 

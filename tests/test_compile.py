@@ -35,11 +35,6 @@ COPY_KERNELS = {"et_copy::_h2d_copy.out", "et_copy::_d2h_copy.out", "et_copy::_d
 DEFAULT_ALIGN = {"cpu": 64}  # everything else: 256
 
 
-@pytest.fixture
-def emu():
-    with emulated_device() as allocator:
-        yield allocator
-
 
 def skip_cfg(h2d=False, d2h=False, **kw):
     return ferry.CompileConfig(

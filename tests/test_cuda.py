@@ -240,7 +240,7 @@ def test_host_buffers_are_page_locked():
     model, example = transformer_block()
     module = ferry.Module(_compile(model, example, exclude=["aten._softmax"]))
     module.load_method()
-    host = [b for b in module._methods["forward"]._owned if b.device.is_cpu]
+    host = [b for b in module._methods["forward"].memory.owned if b.device.is_cpu]
     assert host and all(b.memory.is_pinned() for b in host)
 
 
@@ -253,7 +253,7 @@ def test_cuda_graphs_match_eager_and_replay():
         with torch.no_grad():
             want = model(x)
         torch.testing.assert_close(module(x), want, atol=2e-4, rtol=2e-4)
-    graphs = module._methods["forward"]._graphs
+    graphs = module._methods["forward"].graphs
     assert graphs and all(g.graph is not None and not g.failed for g in graphs)
 
 
@@ -264,7 +264,7 @@ def test_cuda_graphs_with_cpu_fallback_segments():
         x = torch.randn_like(example[0])
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), atol=2e-4, rtol=2e-4)
-    assert len(module._methods["forward"]._graphs) >= 2
+    assert len(module._methods["forward"].graphs) >= 2
 
 
 def test_cuda_graph_capture_failure_falls_back_with_warning():
@@ -278,8 +278,8 @@ def test_cuda_graph_capture_failure_falls_back_with_warning():
             a, b = torch.randn(64, 32), torch.randn(64, 32)
             torch.testing.assert_close(module(a, b), Chain()(a, b))
     # the segment reads pageable host memory: it is never captured, and the user is told so
-    assert module._methods["forward"]._graphs == []
-    assert any("without a CUDA graph" in str(m.message) for m in w)
+    assert module._methods["forward"].graphs == []
+    assert any("without a graph" in str(m.message) for m in w)
 
 
 def test_cuda_graphs_capture_device_resident_io():
@@ -291,7 +291,7 @@ def test_cuda_graphs_capture_device_resident_io():
     for outputs in ("copy", "view"):
         module = ferry.Module(program, cuda_graphs=True, outputs=outputs)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no "without a CUDA graph" note
+            warnings.simplefilter("error")  # no "without a graph" note
             module.load_method()
         kept = []
         for _ in range(5):
@@ -300,7 +300,7 @@ def test_cuda_graphs_capture_device_resident_io():
             assert out.is_cuda
             torch.testing.assert_close(out, Chain()(a, b))
             kept.append((out, Chain()(a, b)))
-        graphs = module._methods["forward"]._graphs
+        graphs = module._methods["forward"].graphs
         assert len(graphs) == 1 and graphs[0].graph is not None
         if outputs == "copy":  # the caller owns each result: later replays do not change it
             for out, want in kept:
@@ -445,14 +445,14 @@ def test_two_gpus_capture_one_graph_each():
     for _ in range(5):
         a, b = torch.randn(64, 64), torch.randn(64, 64)
         torch.testing.assert_close(module(a, b), TwoStage()(a, b))
-    graphs = module._methods["forward"]._graphs
+    graphs = module._methods["forward"].graphs
     assert {g.index for g in graphs} == {0, 1} and all(g.graph is not None for g in graphs)
 
 
 def test_capture_that_fails_midway_falls_back_with_correct_results(monkeypatch):
     """An operation that is illegal during capture (a device synchronisation) aborts it: the
     call that tried still returns the right result, with a warning, and later calls run eagerly."""
-    import ferry.runtime.cuda_graphs as cuda_graphs
+    import ferry.runtime.graphs as cuda_graphs
 
     eager = cuda_graphs.GraphSegment._eager
 
@@ -468,7 +468,7 @@ def test_capture_that_fails_midway_falls_back_with_correct_results(monkeypatch):
         for _ in range(5):
             a, b = torch.randn(64, 32), torch.randn(64, 32)
             torch.testing.assert_close(module(a, b), Chain()(a, b))
-    assert all(g.graph is None and g.failed for g in module._methods["forward"]._graphs)
+    assert all(g.graph is None and g.failed for g in module._methods["forward"].graphs)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -476,7 +476,7 @@ def test_an_empty_capture_is_never_replayed(monkeypatch):
     """Capturing on another GPU's stream records nothing (the work runs outside the capture,
     with undefined results for that one call). ferry detects the empty graph, warns, and never
     replays it: every later call runs eagerly and is correct."""
-    from ferry.runtime.cuda import CopyStreams
+    from ferry.runtime.streams import CopyStreams
 
     wrong = {}
     monkeypatch.setattr(CopyStreams, "capture_stream",
@@ -486,7 +486,7 @@ def test_an_empty_capture_is_never_replayed(monkeypatch):
     with pytest.warns(RuntimeWarning, match="graph is empty"):
         for _ in range(3):  # first call, warm-up, capture
             module(torch.randn(64, 32), torch.randn(64, 32))
-    assert all(g.graph is None and g.failed for g in module._methods["forward"]._graphs)
+    assert all(g.graph is None and g.failed for g in module._methods["forward"].graphs)
     for _ in range(3):
         a, b = torch.randn(64, 32), torch.randn(64, 32)
         torch.testing.assert_close(module(a, b), Chain()(a, b))

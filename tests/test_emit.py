@@ -27,11 +27,6 @@ CPU, CUDA0, EMU0 = Device("cpu", 0), Device("cuda", 0), Device("emu", 0)
 aten = torch.ops.aten
 
 
-@pytest.fixture
-def emu():
-    with emulated_device() as allocator:
-        yield allocator
-
 
 def export(model, inputs):
     return torch.export.export(model, tuple(inputs))

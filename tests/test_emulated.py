@@ -16,11 +16,6 @@ from ferry.runtime.allocator import DeviceMemoryBuffer, get_allocator, register_
 from ferry.runtime.emulated import AllocationRecord, CopyRecord, EmulatedAllocator, emulated_device
 
 
-@pytest.fixture
-def emu():
-    with emulated_device(num_devices=2) as allocator:
-        yield allocator
-
 
 def random_bytes(n):
     return torch.randint(0, 256, (n,), dtype=torch.uint8)

@@ -20,11 +20,6 @@ from ferry.runtime.tensor import device_of, make_tensor
 EMU0, EMU1 = Device("emu", 0), Device("emu", 1)
 
 
-@pytest.fixture
-def emu():
-    with emulated_device(num_devices=2) as allocator:
-        yield allocator
-
 
 def dev_tensor(emu, shape, dtype=torch.float32, index=0, values=None):
     """A tensor in emulated device memory (allocated directly, so no copy is counted)."""

@@ -25,11 +25,6 @@ SKIP_H2D = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip
 SKIP_D2H = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip_d2h_for_method_outputs=True))
 
 
-@pytest.fixture
-def emu():
-    with emulated_device(num_devices=2) as allocator:
-        yield allocator
-
 
 def device_buffers_and_constants(program, method="forward"):
     """(buffers, constants): (nbytes, index) of the non-CPU planned buffers and of the device

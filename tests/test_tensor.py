@@ -30,11 +30,6 @@ DTYPES = [
 SHAPES = [(), (0, 3), (10_000,), (2, 3, 4)]
 
 
-@pytest.fixture
-def emu():
-    with emulated_device(num_devices=2) as allocator:
-        yield allocator
-
 
 def random_tensor(shape, dtype):
     """Fresh random values (never all zeros for more than a handful of elements)."""

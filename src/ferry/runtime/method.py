@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ferry.device import CPU
 from ferry.errors import InputError
 from ferry.program.schema import Method, TensorValue
 from ferry.runtime.allocator import get_allocator
@@ -49,6 +50,8 @@ class LoadedMethod:
             self.memory.close()
             raise
         self._inputs = [v if isinstance(v := method.values[i], TensorValue) else None for i in method.inputs]
+        self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
+                               for vid in method.outputs]
 
     def _plan(self, io, graphs: bool) -> Plan:
         api = self.streams.api if self.streams is not None else None

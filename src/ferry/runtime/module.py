@@ -10,6 +10,7 @@ from ferry.errors import BackendError, FerryError
 from ferry.program import Program, load_program
 from ferry.program.schema import MethodMeta
 from ferry.runtime.method import LoadedMethod
+from ferry.runtime.run import caller_copy
 
 
 class Module:
@@ -88,13 +89,14 @@ class Module:
         inputs = list(inputs)
         m.check_inputs(inputs)
         outs = m.execute(inputs)
+        devices = m.output_devices
         if self.outputs == "view":
             # a view of a constant would let the caller write into the program (a read-only
             # file mapping: a crash); those few outputs are copies, the rest stay views
             constant = m.constant_outputs
-            return [o.clone() if i in constant else o for i, o in enumerate(outs)] if constant else outs
+            return [caller_copy(o, devices[i]) if i in constant else o for i, o in enumerate(outs)] if constant else outs
         caller_owned = m.caller_owned_outputs
-        return [o if i in caller_owned else o.clone() for i, o in enumerate(outs)]
+        return [o if i in caller_owned else caller_copy(o, devices[i]) for i, o in enumerate(outs)]
 
     def forward(self, *inputs):
         outs = self.run_method("forward", inputs)

@@ -19,7 +19,17 @@ from ferry.runtime.graphs import GraphSegment
 from ferry.runtime.schedule import HostWait, Run, Schedule, Segment
 from ferry.runtime.tensor import device_of, make_tensor
 
-__all__ = ["Plan", "empty_on"]
+__all__ = ["Plan", "caller_copy", "empty_on"]
+
+
+def caller_copy(t: torch.Tensor, device: Device) -> torch.Tensor:
+    """A copy the caller owns, on `device`, where `t` is (host-backed device memory, such as
+    the emulated device's, stays on its device)."""
+    if device.is_cpu or t.device.type != "cpu":
+        return t.clone()
+    out = empty_on(device, t.shape, t.dtype)
+    out.copy_(t)  # host-backed memory: a plain copy, after the call's device work has finished
+    return out
 
 
 def empty_on(device: Device, shape, dtype: torch.dtype) -> torch.Tensor:

@@ -132,11 +132,7 @@ class SimulatedApi:
     def synchronize(self, index: int) -> None:
         self._host_wait(lambda: not any(s.queue for s in self._streams if s.index == index))
 
-    def enqueue(self, stream: SimStream | None, fn: Callable[[], object], touches_host: bool = False):
-        if stream is None:  # "the current stream", as CUDA kernels use it
-            if self._capturing is None:
-                raise RuntimeError("enqueue(None, ...) outside a capture: name the stream")
-            stream = self._capturing[0]
+    def enqueue(self, stream: SimStream, fn: Callable[[], object], touches_host: bool = False):
         self._queue(stream, ("run", fn, touches_host))
         return None
 

@@ -119,11 +119,11 @@ class CopyStreams:
 
     def run(self, key, kernel, src: torch.Tensor, out: torch.Tensor, devices: tuple[Device, ...]):
         """A copy between tensors bound per call (the caller's, or sized per call)."""
-        if self.capturing:  # inside a graph capture: stay on the capture stream
-            return self.api.enqueue(None, lambda: kernel(src, out))
         issue = self._issuers.get(key)
         if issue is None:  # sizes vary per call here: always the copy stream
             issue = self._issuers[key] = self._issuer(key, devices, None)
+        if self.capturing:  # inside a graph capture: on the (capturing) current stream
+            return self.api.enqueue(self.api.current_stream(issue.index), lambda: kernel(src, out))  # type: ignore[attr-defined]
         issue(lambda: kernel(src, out))
         for t in (src, out):
             self.api.keep_alive(t, issue.stream)  # type: ignore[attr-defined]
@@ -133,11 +133,11 @@ class CopyStreams:
         """The hot path for copies between planned tensors: everything but the event traffic
         is decided here, at load."""
         issue = self._issuer(key, devices, nbytes)
-        streams, enqueue = self, self.api.enqueue
+        streams, api, index = self, self.api, issue.index  # type: ignore[attr-defined]
 
         def run():
-            if streams.capturing:
-                return enqueue(None, copy)
+            if streams.capturing:  # inside a graph capture: on the (capturing) current stream
+                return api.enqueue(api.current_stream(index), copy)
             issue(copy)
 
         return run
@@ -162,7 +162,7 @@ class CopyStreams:
                 done.record(compute)
                 pending.append(done)
 
-        issue.stream = None  # type: ignore[attr-defined]
+        issue.stream, issue.index = None, index  # type: ignore[attr-defined]
         return issue
 
     def _on_copy_stream(self, key, indices: list[int], touches_host: bool):
@@ -183,7 +183,7 @@ class CopyStreams:
             if touches_host:
                 pending.append(done)
 
-        issue.stream = cs  # type: ignore[attr-defined]
+        issue.stream, issue.index = cs, indices[0]  # type: ignore[attr-defined]
         return issue
 
     def note_host_dependency(self, key, index: int) -> None:

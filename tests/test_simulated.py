@@ -1,0 +1,294 @@
+"""The simulated asynchronous device: its stream semantics, and the runtime's scheduling,
+host waits and graph capture exercised on it — the code CUDA runs, tested on the CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ferry
+import ferry.runtime.method as method_mod
+from ferry.errors import InternalError
+from ferry.examples import transformer_block
+from ferry.runtime import clone_to
+from ferry.runtime.schedule import HostWait, Schedule
+from ferry.runtime.simulated import SimulatedApi
+from ferry.runtime.streams import CopyStreams
+
+from models import AddChain, PerAdd, fresh_inputs, small
+
+# ---------------------------------------------------------------- stream semantics
+
+
+def test_work_waits_until_the_host_does():
+    api = SimulatedApi()
+    log = []
+    s = api.current_stream(0)
+    api.enqueue(s, lambda: log.append("a"))
+    ev = api.Event()
+    ev.record(s)
+    api.enqueue(s, lambda: log.append("b"))
+    assert log == []  # nothing ran: the host has not waited
+    ev.synchronize()
+    assert log == ["a"]  # up to the event, not beyond
+    api.synchronize(0)
+    assert log == ["a", "b"]
+
+
+def test_wait_event_orders_two_streams():
+    api = SimulatedApi()
+    log = []
+    compute, side = api.current_stream(0), api.Stream(0)
+    api.enqueue(compute, lambda: log.append("kernel"))
+    ready = api.Event()
+    ready.record(compute)
+    side.wait_event(ready)
+    api.enqueue(side, lambda: log.append("copy"))
+    api.synchronize(0)
+    assert log == ["kernel", "copy"]
+    # a stream the simulation looks at first still waits for the mark it was told to wait on
+    api2, log2 = SimulatedApi(), []
+    first = api2.Stream(0)
+    compute2 = api2.current_stream(0)
+    api2.enqueue(compute2, lambda: log2.append("before"))
+    ev = api2.Event()
+    ev.record(compute2)
+    first.wait_event(ev)
+    api2.enqueue(first, lambda: log2.append("after"))
+    api2.synchronize(0)
+    assert log2 == ["before", "after"] and ev.mark.reached
+
+
+def test_an_event_never_recorded_is_complete():
+    api = SimulatedApi()
+    api.Event().synchronize()
+    s = api.Stream(0)
+    s.wait_event(api.Event())  # waiting on nothing queues nothing
+    assert s.queue == []
+
+
+def test_a_stream_waiting_on_a_mark_nobody_reaches_deadlocks_clearly():
+    api = SimulatedApi()
+    a, b = api.Stream(0), api.Stream(0)
+    ev_a, ev_b = api.Event(), api.Event()
+    ev_a.record(a)
+    ev_b.record(b)
+    # each stream now waits on the other's later mark
+    a.queue.insert(0, ("wait", ev_b.mark))
+    b.queue.insert(0, ("wait", ev_a.mark))
+    with pytest.raises(RuntimeError, match="deadlocked"):
+        api.synchronize(0)
+
+
+def test_capture_records_and_replay_requeues():
+    api = SimulatedApi()
+    log = []
+    g, cs = api.new_graph(), api.Stream(0)
+    with api.capture(g, cs):
+        api.enqueue(cs, lambda: log.append("x"))
+        api.on_device(0, lambda: log.append("y"))()  # the current stream of device 0 = the capture stream
+    assert log == [] and len(g.work) == 2
+    g.replay()
+    g.replay()
+    api.synchronize(0)
+    assert log == ["x", "y", "x", "y"]
+
+
+def test_host_wait_during_capture_fails_and_empty_capture_warns():
+    api = SimulatedApi()
+    g = api.new_graph()
+    with pytest.raises(RuntimeError, match="capturing"):
+        with api.capture(g, api.Stream(0)):
+            api.synchronize(0)
+    with pytest.warns(UserWarning, match="Graph is empty"):
+        with api.capture(api.new_graph(), api.Stream(0)):
+            api.enqueue(api.current_stream(1), lambda: None)  # another device: not captured
+    with pytest.raises(RuntimeError, match="never captured"):
+        api.new_graph().replay()
+
+
+def test_end_of_call_reports_a_host_copy_not_waited_for():
+    api = SimulatedApi()
+    api.enqueue(api.current_stream(0), lambda: None, touches_host=True)
+    with pytest.raises(InternalError, match="not waited for"):
+        api.end_of_call()
+
+
+def test_copy_streams_small_copies_stay_on_the_compute_stream():
+    api = SimulatedApi()
+    streams = CopyStreams(api)
+    dev, host = ferry.Device("emu", 0), ferry.Device("cpu")
+    log = []
+    small_copy = streams.bind("k1", lambda: log.append("small"), (host, dev), nbytes=64)
+    big_copy = streams.bind("k2", lambda: log.append("big"), (host, dev), nbytes=1 << 24)
+    small_copy()
+    big_copy()
+    assert [s.name for s in api._streams if s.queue] and log == []
+    assert len(streams._pending) == 2  # both touch host memory: the host must wait for both
+    streams.wait_host()
+    assert sorted(log) == ["big", "small"] and streams._pending == []
+    assert api.current_stream(0).queue == [] or all(i[0] != "run" for i in api.current_stream(0).queue)
+
+
+# ---------------------------------------------------------------- the runtime on it
+
+EXCLUDE_SOFTMAX = ["aten._softmax"]
+
+
+def _block_program(exclude=EXCLUDE_SOFTMAX, config=None):
+    model, example = transformer_block()
+    program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0", exclude=exclude),
+                            config)
+    return model, example, program
+
+
+def test_cpu_fallback_in_the_middle_matches_eager(emu_async):
+    model, example, program = _block_program()
+    module = ferry.Module(program)
+    for seed in range(3):
+        (x,) = fresh_inputs(example, seed)
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert emu_async.streams_api().launched > 0  # device work really went through the streams
+
+
+def _without_host_waits(monkeypatch):
+    real = method_mod.schedule
+
+    def no_waits(steps, async_type, graphs=False):
+        s = real(steps, async_type, graphs)
+        return Schedule(tuple(w for w in s.work if not isinstance(w, HostWait)), s.notes)
+
+    monkeypatch.setattr(method_mod, "schedule", no_waits)
+
+
+def test_a_missing_host_wait_is_caught(emu_async, monkeypatch):
+    """The simulated device runs device work only when the host waits: without the waits the
+    schedule places, the CPU softmax reads a d2h result that is not there yet."""
+    _without_host_waits(monkeypatch)
+    model, example, program = _block_program()
+    module = ferry.Module(program)
+    (x,) = fresh_inputs(example, 7)
+    try:
+        got = module(x)
+    except InternalError:
+        return  # the end-of-call check caught it
+    assert not torch.allclose(got, model(x), atol=1e-4, rtol=1e-3), "stale data must show"
+
+
+def test_synchronous_emulated_device_does_not_need_waits(emu, monkeypatch):
+    """The same program without waits is right on the synchronous device: which is why the
+    asynchronous one exists."""
+    _without_host_waits(monkeypatch)
+    model, example, program = _block_program()
+    (x,) = fresh_inputs(example, 7)
+    torch.testing.assert_close(ferry.Module(program)(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("outputs", ["copy", "view"])
+def test_graphs_capture_replay_and_match_eager(emu_async, outputs):
+    model, example, program = _block_program()
+    module = ferry.Module(program, cuda_graphs=True, outputs=outputs)
+    kept = []
+    for seed in range(5):
+        (x,) = fresh_inputs(example, seed)
+        got = module(x)
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+        kept.append((got.clone() if outputs == "view" else got, model(x)))
+    graphs = module._methods["forward"].graphs
+    assert len(graphs) == 2 and all(g.graph is not None and not g.failed for g in graphs)
+    if outputs == "copy":
+        for got, want in kept:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_graphs_with_device_resident_io(emu_async):
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+    model, example, program = _block_program(exclude=(), config=cfg)
+    module = ferry.Module(program, cuda_graphs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every segment capturable: no note
+        module.load_method()
+    for seed in range(4):
+        (x,) = fresh_inputs(example, seed)
+        got = module(clone_to(x, "emu:0"))
+        torch.testing.assert_close(clone_to(got, "cpu"), model(x), atol=1e-5, rtol=1e-4)
+    (g,) = module._methods["forward"].graphs
+    assert g.graph is not None
+
+
+def test_one_graph_per_device_and_the_copy_between_them(emu_async):
+    a, b = small(n=2)
+    program = ferry.compile(torch.export.export(AddChain(), (a, b)), PerAdd("emu:0", "emu:1"))
+    assert ferry.copy_report(program, "forward").count("d2d") == 1
+    module = ferry.Module(program, cuda_graphs=True)
+    for seed in range(4):
+        x, y = fresh_inputs((a, b), seed)
+        torch.testing.assert_close(module(x, y), AddChain()(x, y))
+    graphs = module._methods["forward"].graphs
+    assert sorted(g.index for g in graphs) == [0, 1] and all(g.graph is not None for g in graphs)
+
+
+def test_capture_that_fails_falls_back_with_correct_results(emu_async, monkeypatch):
+    """A host synchronisation while capturing aborts the capture: that call is still right,
+    with a warning, and later calls run eagerly."""
+    import ferry.runtime.graphs as graphs_mod
+
+    eager = graphs_mod.GraphSegment._eager
+
+    def syncs(self):
+        self.api.synchronize(self.index)  # illegal while capturing
+        return eager(self)
+
+    monkeypatch.setattr(graphs_mod.GraphSegment, "_eager", syncs)
+    model, example, program = _block_program()
+    module = ferry.Module(program, cuda_graphs=True)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        for seed in range(5):
+            (x,) = fresh_inputs(example, seed)
+            torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert all(g.graph is None and g.failed for g in module._methods["forward"].graphs)
+
+
+def test_an_empty_capture_is_never_replayed(emu_async, monkeypatch):
+    """Capturing on another device's stream records nothing; ferry never replays it."""
+    api = emu_async.streams_api()
+    monkeypatch.setattr(CopyStreams, "capture_stream", lambda self, index: api.Stream(1 - index))
+    model, example, program = _block_program()
+    module = ferry.Module(program, cuda_graphs=True)
+    with pytest.warns(RuntimeWarning, match="graph is empty"):
+        for seed in range(3):
+            module(*fresh_inputs(example, seed))
+    assert all(g.graph is None and g.failed for g in module._methods["forward"].graphs)
+    for seed in range(3):
+        (x,) = fresh_inputs(example, seed)
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_a_new_input_shape_runs_without_the_graph(emu_async):
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+
+    batch = torch.export.Dim("batch", max=64)
+    ep = torch.export.export(Scale(), (torch.randn(8, 16),), dynamic_shapes=({0: batch},))
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(False, False))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), cfg), cuda_graphs=True)
+    for n in (8, 8, 8, 5, 8):
+        x = torch.randn(n, 16)
+        torch.testing.assert_close(module(x), Scale()(x))
+
+
+def test_pageable_host_memory_is_never_captured(emu_async, monkeypatch):
+    """A segment that reads pageable host memory would replay a staging buffer filled at
+    capture: it runs without a graph, and the user is told."""
+    monkeypatch.setattr(type(emu_async.streams_api()), "page_locked", staticmethod(lambda t: False))
+    model, example, program = _block_program()
+    with pytest.warns(RuntimeWarning, match="without a graph"):
+        module = ferry.Module(program, cuda_graphs=True)
+        module.load_method()
+    for seed in range(3):
+        (x,) = fresh_inputs(example, seed)
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert module._methods["forward"].graphs == []
