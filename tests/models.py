@@ -241,3 +241,14 @@ def delegate_nodes(gm):
     from ferry.aot.lower import is_delegate_node
 
     return [n for n in gm.graph.nodes if is_delegate_node(n)]
+
+
+@torch.library.custom_op("ferry_test::twice_plus", mutates_args=())
+def twice_plus(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """An op with no out variant: it allocates its result at run time."""
+    return x * 2 + y
+
+
+@twice_plus.register_fake
+def _(x, y):
+    return torch.empty_like(x)

@@ -21,6 +21,7 @@ from ferry.runtime import emulated_device
 
 from models import (
     Add, MultiOutput, PerAdd, SharedOutput, TwoLinears, WithParams, fresh_inputs, small, small_cnn, transformer_block,
+    twice_plus,
 )
 
 CPU, CUDA0, EMU0 = Device("cpu", 0), Device("cuda", 0), Device("emu", 0)
@@ -208,16 +209,6 @@ def test_views_become_aliases_with_no_plan():
     run_vs_eager(program, model, inputs)
     # inspect shows views as such
     assert "[view]" in program_summary(program)
-
-
-@torch.library.custom_op("ferry_test::twice_plus", mutates_args=())
-def twice_plus(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return x * 2 + y
-
-
-@twice_plus.register_fake
-def _(x, y):
-    return torch.empty_like(x)
 
 
 class UsesCustomOp(nn.Module):

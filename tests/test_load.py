@@ -1,0 +1,121 @@
+"""The storage facts a program states, and the load stage that reads them: alignment in
+real addresses, one slot per value, all-or-nothing allocation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import ferry
+from ferry.errors import AllocationError, ProgramError
+from ferry.examples import transformer_block
+from ferry.program import TensorValue, validate_program
+from ferry.runtime.load import load_memory
+
+from models import Add, fresh_inputs, small, twice_plus
+
+
+def _planned(program, method="forward"):
+    m = program.method(method)
+    return [vid for vid, v in enumerate(m.values) if isinstance(v, TensorValue) and v.storage == "planned"]
+
+
+class Owners(nn.Module):
+    """One output of each storage kind: planned, view, constant, run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x, y):
+        s = x + y
+        return s, s.t(), self.w, twice_plus(x, y)
+
+
+@pytest.mark.parametrize("alloc", [True, False])
+def test_emit_states_the_storage_of_every_tensor(alloc):
+    cfg = ferry.CompileConfig(alloc_graph_input=alloc, alloc_graph_output=alloc)
+    m = ferry.compile(torch.export.export(Owners(), small()), None, cfg).method("forward")
+    outs = [m.tensor(v).storage for v in m.outputs]
+    assert outs == ["planned" if alloc else "output", "view", "constant", "runtime"]
+    assert [m.tensor(v).storage for v in m.inputs] == ["planned" if alloc else "input"] * 2
+    for v in m.values:
+        if isinstance(v, TensorValue):
+            assert (v.storage == "planned") == (v.plan is not None)
+            assert (v.storage == "view") == (v.alias_of is not None)
+
+
+def test_device_inputs_and_outputs_are_caller_owned_and_unread_outputs_scratch():
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+    m = ferry.compile(torch.export.export(Add(), small()), ferry.OpSupportPartitioner("cuda:0"), cfg).method("forward")
+    assert [m.tensor(v).storage for v in m.inputs] == ["input", "input"]
+    assert [m.tensor(v).storage for v in m.outputs] == ["output"]
+    bn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    m = ferry.compile(torch.export.export(bn, (torch.randn(1, 3, 8, 8),))).method("forward")
+    assert "scratch" in {v.storage for v in m.values if isinstance(v, TensorValue)}  # the unread statistics
+
+
+@pytest.mark.parametrize("storage, change, message", [
+    ("planned", dict(plan=None), "storage 'planned' needs a plan entry"),
+    ("runtime", dict(storage="planned"), "storage 'planned' needs a plan entry"),
+    ("planned", dict(storage="output"), "storage 'output' cannot have a plan entry"),
+    ("constant", dict(storage="runtime"), "storage 'runtime' cannot have a constant segment"),
+    ("view", dict(storage="planned", plan=None), "storage 'planned' needs a plan entry"),
+    ("planned", dict(storage="input", plan=None), "storage 'input' but it is not a method input"),
+])
+def test_storage_that_contradicts_the_program_is_refused(storage, change, message):
+    program = ferry.compile(torch.export.export(Owners(), small()))
+    m = program.method("forward")
+    vid = next(i for i, v in enumerate(m.values)
+               if isinstance(v, TensorValue) and v.storage == storage and i not in m.inputs)
+    m.values[vid] = dataclasses.replace(m.values[vid], **change)
+    with pytest.raises(ProgramError, match=message):
+        validate_program(program)
+
+
+@pytest.mark.parametrize("alignment", [None, 512, 4096])
+def test_planned_tensors_are_aligned_in_real_addresses(emu, alignment):
+    """The planner aligns offsets within a buffer; the buffer is allocated at that alignment,
+    so every planned tensor's address is aligned, not only its offset."""
+    model, example = transformer_block()
+    cfg = ferry.CompileConfig(alignment=alignment)
+    program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0",
+                            exclude=["aten._softmax"]), cfg)
+    m = program.method("forward")
+    want = {"cpu": 64, "emu": 256} if alignment is None else {"cpu": alignment, "emu": alignment}
+    assert {b.device.type: b.alignment for b in m.buffers[1:]} == want
+    mem = load_memory(program.segments, m)
+    try:
+        ptrs = [(m.tensor(v).device.type, mem.slots[v].data_ptr()) for v in _planned(program) if m.tensor(v).nbytes]
+        assert ptrs and all(p % want[t] == 0 for t, p in ptrs)
+    finally:
+        mem.close()
+    module = ferry.Module(program)
+    (x,) = fresh_inputs(example, 3)
+    torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_load_fills_one_slot_per_value_and_fixes_what_does_not_change(emu):
+    program = ferry.compile(torch.export.export(Owners(), small()))
+    m = program.method("forward")
+    mem = load_memory(program.segments, m)
+    try:
+        for vid, v in enumerate(m.values):
+            if isinstance(v, TensorValue) and v.storage in ("planned", "constant"):
+                assert mem.fixed[vid] and isinstance(mem.slots[vid], torch.Tensor)
+            elif isinstance(v, TensorValue) and v.storage in ("input", "output", "runtime"):
+                assert not mem.fixed[vid] and mem.slots[vid] is None
+    finally:
+        mem.close()
+
+
+def test_a_failed_allocation_frees_everything_loaded_so_far(emu):
+    model, example = transformer_block()
+    program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0"))
+    emu.fail_allocation(1)
+    with pytest.raises(AllocationError):
+        load_memory(program.segments, program.method("forward"))
+    assert emu.live_allocations == 0
