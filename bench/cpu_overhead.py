@@ -22,7 +22,7 @@ N_OPS = 1000
 
 class Chain(torch.nn.Module):
     def forward(self, x):
-        for i in range(N_OPS // 2):
+        for _i in range(N_OPS // 2):
             x = x * 1.0001
             x = x + 0.5
         return x
@@ -42,7 +42,7 @@ def main():
 
     def raw():
         a = x
-        for i in range(N_OPS // 2):
+        for _i in range(N_OPS // 2):
             mul(a, 1.0001, out=bufs[0])
             add(bufs[0], 0.5, out=bufs[1])
             a = bufs[1]

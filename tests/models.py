@@ -6,10 +6,10 @@ random inputs of the same shapes and dtypes, so tests never compare only on the 
 
 from __future__ import annotations
 
-
-import ferry.examples as ferry_examples
 import torch
 from torch import nn
+
+import ferry.examples as ferry_examples
 
 
 def fresh_inputs(example_inputs, seed: int = 1234):

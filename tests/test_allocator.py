@@ -11,7 +11,6 @@ import torch
 from ferry.alignment import default_alignment
 from ferry.device import Device
 from ferry.errors import AllocationError, DeviceError
-from ferry.runtime import allocator as alloc_mod
 from ferry.runtime.allocator import (
     DeviceAllocator,
     DeviceMemoryBuffer,
@@ -397,7 +396,7 @@ def test_buffer_allocates_once_and_frees_once_with_the_same_memory(mock):
     assert buf.closed
     assert mock.calls_named("deallocate") == [("deallocate", ptr, 300, 1)]
     with pytest.raises(ValueError, match="closed"):
-        buf.memory
+        _ = buf.memory
 
 
 def test_buffer_context_manager_frees_once(mock):

@@ -21,7 +21,6 @@ import ferry.examples
 from ferry.cli import main
 from ferry.program.report import copy_report
 from ferry.runtime import emulated_device, get_allocator, unregister_allocator
-
 from models import Add, fresh_inputs, small
 
 SRC = Path(__file__).resolve().parents[1] / "src"

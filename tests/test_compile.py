@@ -23,11 +23,21 @@ import ferry.examples
 from ferry.device import Device
 from ferry.inspect import program_summary
 from ferry.program.schema import DEFAULT_ARG, ConstValue, KernelCall, TensorValue
-from ferry.runtime import clone_to, emulated_device
-
+from ferry.runtime import clone_to
 from models import (
-    Add, AddChain, FanOut, InputToCpuAndDelegate, MultiOutput, PerAdd, SharedOutput, TwoLinears, WithParams,
-    fresh_inputs, small, small_cnn, transformer_block,
+    Add,
+    AddChain,
+    FanOut,
+    InputToCpuAndDelegate,
+    MultiOutput,
+    PerAdd,
+    SharedOutput,
+    TwoLinears,
+    WithParams,
+    fresh_inputs,
+    small,
+    small_cnn,
+    transformer_block,
 )
 
 CPU, CUDA0, CUDA1, EMU0 = Device("cpu", 0), Device("cuda", 0), Device("cuda", 1), Device("emu", 0)
@@ -43,7 +53,7 @@ def skip_cfg(h2d=False, d2h=False, **kw):
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def exported(name: str) -> torch.export.ExportedProgram:
     """Exports shared by several tests (compile never changes the ExportedProgram it is given)."""
     model, inputs = BUILDERS[name]()

@@ -230,7 +230,7 @@ def test_async_copies_are_complete_before_host_reads():
     program = _compile(M(), (x,), exclude=["aten.gelu"])
     assert ferry.copy_report(program, "forward").count("d2h") == 2
     module = ferry.Module(program, outputs="view")
-    for i in range(20):
+    for _i in range(20):
         x = torch.randn(4096, 4096)
         got = module(x)
         torch.testing.assert_close(got, M()(x), atol=1e-5, rtol=1e-5)
@@ -248,7 +248,7 @@ def test_cuda_graphs_match_eager_and_replay():
     model, example = transformer_block()
     program = _compile(model, example)  # everything on the GPU: one device segment
     module = ferry.Module(program, cuda_graphs=True)
-    for i in range(5):
+    for _i in range(5):
         x = torch.randn_like(example[0])
         with torch.no_grad():
             want = model(x)

@@ -12,15 +12,22 @@ from torch import nn
 import ferry
 from ferry import ops  # noqa: F401  (the et_copy ops)
 from ferry.aot.out_variants import is_view, out_variant
-from ferry.op_names import kernel_name, resolve_kernel
 from ferry.device import Device
 from ferry.inspect import program_json, program_summary
+from ferry.op_names import kernel_name, resolve_kernel
 from ferry.program.lifetimes import tensor_ids
 from ferry.program.schema import ConstValue, DelegateCall, KernelCall, TensorValue
-from ferry.runtime import emulated_device
-
 from models import (
-    Add, MultiOutput, PerAdd, SharedOutput, TwoLinears, WithParams, fresh_inputs, small, small_cnn, transformer_block,
+    Add,
+    MultiOutput,
+    PerAdd,
+    SharedOutput,
+    TwoLinears,
+    WithParams,
+    fresh_inputs,
+    small,
+    small_cnn,
+    transformer_block,
     twice_plus,
 )
 

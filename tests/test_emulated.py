@@ -16,7 +16,6 @@ from ferry.runtime.allocator import DeviceMemoryBuffer, get_allocator, register_
 from ferry.runtime.emulated import AllocationRecord, CopyRecord, EmulatedAllocator, emulated_device
 
 
-
 def random_bytes(n):
     return torch.randint(0, 256, (n,), dtype=torch.uint8)
 
@@ -131,7 +130,7 @@ def test_counters_are_exact_under_threads(emu):
 
     def worker(i):
         barrier.wait()
-        for r in range(rounds):
+        for _r in range(rounds):
             mem = emu.allocate(16 + i, i % 2)
             emu.copy_host_to_device(mem, random_bytes(16 + i), 16 + i, i % 2)
             emu.deallocate(mem, i % 2)

@@ -16,7 +16,16 @@ from ferry.device import CPU, Device
 from ferry.examples import TransformerBlock, transformer_block
 from ferry.html import fmt_bytes, render_html, write_html
 from ferry.program import (
-    DEFAULT_ARG, Buffer, ConstValue, Delegate, DelegateCall, KernelCall, Method, PlanEntry, Program, TensorValue,
+    DEFAULT_ARG,
+    Buffer,
+    ConstValue,
+    Delegate,
+    DelegateCall,
+    KernelCall,
+    Method,
+    PlanEntry,
+    Program,
+    TensorValue,
 )
 from ferry.program.report import copy_report
 
@@ -397,7 +406,7 @@ def test_a_hundred_instructions_stay_readable(big):
         range(len(m.instructions)))
     assert float(svg.get("width")) < 1400  # one lane: rows grow down, the width stays put
     assert float(svg.get("height")) == pytest.approx(54 + (len(nodes)) * 34 + 16)
-    for values, _, rects in _timeline_blocks(root).values():
+    for _values, _, rects in _timeline_blocks(root).values():
         assert rects
 
 

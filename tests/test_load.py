@@ -14,7 +14,6 @@ from ferry.errors import AllocationError, ProgramError
 from ferry.examples import transformer_block
 from ferry.program import TensorValue, validate_program
 from ferry.runtime.load import load_memory
-
 from models import Add, fresh_inputs, small, twice_plus
 
 

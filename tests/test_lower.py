@@ -12,7 +12,17 @@ from ferry import LoweredBackendModule, LoweredProgram, OpSupportPartitioner, Pa
 from ferry.aot import meta as M
 from ferry.aot.lower import call_delegate, is_delegate_node
 from models import (
-    Add, AddChain, FanOut, Fixed, MultiOutput, PerAdd, WithParams, delegate_nodes, export, fresh_inputs, small,
+    Add,
+    AddChain,
+    FanOut,
+    Fixed,
+    MultiOutput,
+    PerAdd,
+    WithParams,
+    delegate_nodes,
+    export,
+    fresh_inputs,
+    small,
     small_cnn,
 )
 

@@ -12,7 +12,16 @@ from ferry import CompileError, Device, OpSupportPartitioner, Partition, target_
 from ferry.aot.lower import to_backend
 from ferry.aot.meta import get_device
 from models import (
-    AddChain, ByModulePath, FanOut, Fixed, PerAdd, TwoLinears, count_copies, delegate_nodes, export, fresh_inputs,
+    AddChain,
+    ByModulePath,
+    FanOut,
+    Fixed,
+    PerAdd,
+    TwoLinears,
+    count_copies,
+    delegate_nodes,
+    export,
+    fresh_inputs,
     small,
 )
 

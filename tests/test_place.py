@@ -17,8 +17,20 @@ from ferry.aot.meta import get_device
 from ferry.aot.place import lowered_module_of
 from ferry.passes import PropagateDevicePass
 from models import (
-    Add, AddChain, FanOut, Fixed, InputToCpuAndDelegate, PerAdd, RunningSum, SharedOutput, copy_nodes,
-    count_copies, delegate_nodes, export, fresh_inputs, small,
+    Add,
+    AddChain,
+    FanOut,
+    Fixed,
+    InputToCpuAndDelegate,
+    PerAdd,
+    RunningSum,
+    SharedOutput,
+    copy_nodes,
+    count_copies,
+    delegate_nodes,
+    export,
+    fresh_inputs,
+    small,
 )
 
 CPU = Device("cpu", 0)

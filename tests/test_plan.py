@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import time
 
 import pytest

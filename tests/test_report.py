@@ -8,10 +8,19 @@ import torch
 import ferry
 from ferry import CompileConfig, CopyReport, OpSupportPartitioner, PropagateDeviceConfig
 from ferry.aot.meta import get_device
-from ferry.program.schema import KernelCall
 from ferry.program.report import CopyRow
+from ferry.program.schema import KernelCall
 from models import (
-    Add, AddChain, PerAdd, count_copies, delegate_nodes, export, fresh_inputs, small, small_cnn, transformer_block,
+    Add,
+    AddChain,
+    PerAdd,
+    count_copies,
+    delegate_nodes,
+    export,
+    fresh_inputs,
+    small,
+    small_cnn,
+    transformer_block,
 )
 
 

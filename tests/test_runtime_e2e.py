@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 import gc
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -23,10 +23,22 @@ import ferry
 from ferry.device import Device
 from ferry.program.schema import DelegateCall, TensorValue
 from ferry.runtime import clone_to, device_of, emulated_device
-
 from models import (
-    Add, AddChain, ByModulePath, FanOut, InputToCpuAndDelegate, MultiOutput, PerAdd, RunningSum, SharedOutput,
-    TwoLinears, WithParams, fresh_inputs, small, small_cnn, transformer_block,
+    Add,
+    AddChain,
+    ByModulePath,
+    FanOut,
+    InputToCpuAndDelegate,
+    MultiOutput,
+    PerAdd,
+    RunningSum,
+    SharedOutput,
+    TwoLinears,
+    WithParams,
+    fresh_inputs,
+    small,
+    small_cnn,
+    transformer_block,
 )
 
 EMU0 = Device("emu", 0)

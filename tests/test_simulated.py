@@ -16,7 +16,6 @@ from ferry.runtime import clone_to
 from ferry.runtime.schedule import HostWait, Schedule
 from ferry.runtime.simulated import SimulatedApi
 from ferry.runtime.streams import CopyStreams
-
 from models import AddChain, PerAdd, fresh_inputs, small
 
 # ---------------------------------------------------------------- stream semantics

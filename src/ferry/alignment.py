@@ -13,7 +13,8 @@ offsets aligned within the buffer are aligned in real addresses too.
 
 from __future__ import annotations
 
-from typing import Mapping, Union
+from collections.abc import Mapping
+from typing import Union
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "AlignmentSpec", "alignment_for", "check_alignment", "default_alignment", "resolve_alignment",

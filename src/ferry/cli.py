@@ -219,7 +219,8 @@ def cmd_run(args) -> int:
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     p90 = times[min(len(times) - 1, int(0.9 * len(times)))]
-    print(f"method {args.method!r}: {len(times)} runs after {args.warmup} warm-up, median {statistics.median(times):.3f} ms, p90 {p90:.3f} ms")
+    print(f"method {args.method!r}: {len(times)} runs after {args.warmup} warm-up, "
+          f"median {statistics.median(times):.3f} ms, p90 {p90:.3f} ms")
     for i, o in enumerate(outs):
         print(f"  output {i}: {str(o.dtype).removeprefix('torch.')}{list(o.shape)}")
     print(copy_report(program, args.method))

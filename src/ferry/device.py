@@ -68,7 +68,7 @@ class Device:
             raise ValueError(f"device index must be >= 0, got {self.index} in {self.type}:{self.index}")
 
     @classmethod
-    def parse(cls, text: "str | Device") -> "Device":
+    def parse(cls, text: str | Device) -> Device:
         """Parse 'cuda:1', 'CUDA:1', ' cuda ', 'cpu' (index 0 when absent)."""
         if isinstance(text, Device):
             return text
@@ -91,7 +91,7 @@ class Device:
         return cls(kind, int(idx))
 
     @classmethod
-    def from_canonical(cls, text: str) -> "Device":
+    def from_canonical(cls, text: str) -> Device:
         """Exactly 'type:index' (as str(device) writes it and program files store it); any
         device type, known here or not. ValueError otherwise."""
         m = _CANONICAL.match(text) if isinstance(text, str) else None

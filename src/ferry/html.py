@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferry.device import CPU, Device
-from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.inspect import owner
 from ferry.program import Program
-from ferry.program.schema import DelegateCall, KernelCall, Method, TensorValue
+from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.report import copy_report
+from ferry.program.schema import DelegateCall, KernelCall, Method, TensorValue
 
 __all__ = ["render_html", "write_html"]
 

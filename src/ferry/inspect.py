@@ -64,7 +64,8 @@ def program_summary(program: Program, instructions: bool = True, method: str | N
                     head = f"delegate {ins.delegate} ({d.backend_id} on {target})"
                 else:
                     head = ins.kernel
-                args = ", ".join(_value(m, a) for a in ins.args if not (isinstance(ins, DelegateCall) is False and a in ins.outputs))
+                shown = ins.args if isinstance(ins, DelegateCall) else [a for a in ins.args if a not in ins.outputs]
+                args = ", ".join(_value(m, a) for a in shown)
                 outs = ", ".join(_value(m, o) for o in ins.outputs)
                 out.append(f"    #{i:<4} {head}({args}) -> {outs}")
         out.append("  " + str(copy_report(program, name)).replace("\n", "\n  "))

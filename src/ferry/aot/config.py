@@ -7,8 +7,9 @@ setting is a `ConfigError`, found before any work.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Union
+from typing import Union
 
 from ferry.alignment import AlignmentSpec, alignment_for, resolve_alignment
 from ferry.errors import ConfigError
@@ -89,7 +90,7 @@ class CompileConfig:
             return got
         raise ConfigError(f"propagate_device must be a PropagateDeviceConfig or a dict of them, got {pd!r}")
 
-    def resolve(self, methods) -> dict[str, "MethodOptions"]:
+    def resolve(self, methods) -> dict[str, MethodOptions]:
         """One validated option set per method name; a per-method setting naming a method
         that is not compiled is a typo, not a default."""
         names = set(methods)
@@ -105,7 +106,7 @@ class CompileConfig:
                     raise ConfigError(f"{what} names method(s) {unknown} that are not compiled; methods: {sorted(names)}")
         return {name: self.options_for(name) for name in methods}
 
-    def options_for(self, name: str) -> "MethodOptions":
+    def options_for(self, name: str) -> MethodOptions:
         """The validated options of one method (per-method dicts may name others)."""
         skip_h2d, skip_d2h = self.propagate_for(name).for_method(name)
         if not self.enable_non_cpu_memory_planning and (skip_h2d or skip_d2h):

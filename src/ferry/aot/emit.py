@@ -20,17 +20,23 @@ from ferry.aot import meta as M
 from ferry.aot.config import MethodOptions
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
 from ferry.aot.out_variants import is_view, out_variant
-from ferry.backend_registry import get_backend
-from ferry.op_names import kernel_name
 from ferry.aot.plan import PlanValue, plan_memory
+from ferry.backend_registry import get_backend
 from ferry.device import CPU, Device
 from ferry.errors import CompileError
+from ferry.op_names import kernel_name
 from ferry.program.lifetimes import value_lifetimes
 from ferry.program.schema import (
-    DEFAULT_ARG, ConstValue, Delegate, DelegateCall, KernelCall, Method, MutableBuffer,
-    TensorValue, dtype_name,
+    DEFAULT_ARG,
+    ConstValue,
+    Delegate,
+    DelegateCall,
+    KernelCall,
+    Method,
+    MutableBuffer,
+    TensorValue,
+    dtype_name,
 )
-
 
 _EXPORT_TIME_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 _SIZE_OPS = ("add", "sub", "mul", "floordiv", "mod", "neg")
@@ -139,7 +145,8 @@ class _MethodEmitter:
             s, dyn = _upper_bound(d, self.rc, f"dimension {i} of {node.name!r}")
             shape.append(s)
             dynamic.append(dyn)
-        v = TensorValue(dtype_name(val.dtype), tuple(shape), device, dynamic=tuple(dynamic) if any(dynamic) else (), name=node.name, **kw)
+        v = TensorValue(dtype_name(val.dtype), tuple(shape), device, dynamic=tuple(dynamic) if any(dynamic) else (),
+                        name=node.name, **kw)
         self.values.append(v)
         return len(self.values) - 1
 
@@ -181,7 +188,8 @@ class _MethodEmitter:
         if isinstance(arg, torch.device):
             return self.const("device", str(arg))
         if isinstance(arg, (list, tuple)):
-            if any(isinstance(a, torch.fx.Node) for a in arg) or (arg and all(a is None or isinstance(a, torch.fx.Node) for a in arg)):
+            nodes = [a for a in arg if isinstance(a, torch.fx.Node)]
+            if nodes or (arg and all(a is None or isinstance(a, torch.fx.Node) for a in arg)):
                 if all(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in arg):
                     return self.const("tensors", [self.arg_value(a, None, what) for a in arg])
                 if all(a is None or (isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)) for a in arg):
@@ -297,7 +305,8 @@ class _MethodEmitter:
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
         else:
             out_names = [a.name for a in out_op._schema.arguments if a.is_out]
-            self.instructions.append(KernelCall(kernel_name(out_op), self.schema_args(out_op, node, dict(zip(out_names, outs))), outs))
+            args = self.schema_args(out_op, node, dict(zip(out_names, outs)))
+            self.instructions.append(KernelCall(kernel_name(out_op), args, outs))
             if isinstance(val, (tuple, list)):
                 # outputs nobody reads are not planned: their traced shape can be smaller than what a
                 # device's kernel writes (batch norm's saved statistics are (0,) on the CPU and (C,) on

@@ -12,7 +12,6 @@ import torch
 
 from ferry import ops
 
-
 _TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
 
 
@@ -20,11 +19,11 @@ def _sig(args) -> list[tuple[str, str]]:
     return [(a.name, str(a.type)) for a in args]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The overload of `op`'s packet taking the same arguments plus one out per return."""
     if op in ops.FUNCTIONAL_COPIES:
-        return getattr(op.overloadpacket, "out")
+        return op.overloadpacket.out
     schema = op._schema
     if schema.is_mutable or not schema.returns:
         return None
@@ -51,7 +50,7 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     return loose
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_view(op: torch._ops.OpOverload) -> bool:
     """True for ops whose output (a tensor or a list of tensors) aliases an input without
     writing: view, permute, split, unbind, …"""

@@ -25,8 +25,9 @@ or a device per module path (read `node.meta["nn_module_stack"]`).
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
@@ -39,7 +40,7 @@ TARGET_DEVICE = "target_device"
 DEFAULT_BACKEND = "torch"
 
 
-def target_device(device: "str | Device") -> tuple[tuple[str, bytes], ...]:
+def target_device(device: str | Device) -> tuple[tuple[str, bytes], ...]:
     """Compile specs that place a delegate on `device`."""
     return ((TARGET_DEVICE, str(Device.parse(device)).encode()),)
 
@@ -143,7 +144,7 @@ def _connected_components(nodes) -> list[set]:
 class OpSupportPartitioner:
     """Groups supported nodes into connected partitions, one delegate each, on `device`."""
 
-    def __init__(self, device: "str | Device", ops=None, exclude=(), backend_id: str = DEFAULT_BACKEND):
+    def __init__(self, device: str | Device, ops=None, exclude=(), backend_id: str = DEFAULT_BACKEND):
         self.device = Device.parse(device)
         self.support = AtenOpSupport(ops, exclude)
         self.backend_id = backend_id

@@ -70,7 +70,7 @@ class PropagateDevicePass(PassBase):
         self.enabled = bool(enable_non_cpu_memory_planning)
 
     @classmethod
-    def for_options(cls, options) -> "PropagateDevicePass":
+    def for_options(cls, options) -> PropagateDevicePass:
         """The pass for one method's resolved MethodOptions."""
         return cls(options.skip_h2d, options.skip_d2h, options.device_placement)
 

@@ -15,8 +15,8 @@ real addresses.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ferry.alignment import DEFAULT_ALIGNMENT, AlignmentSpec, alignment_for, resolve_alignment
 from ferry.device import CPU, Device
@@ -151,33 +151,33 @@ class _IntervalIndex:
     def add(self, lo: int, hi: int, item: int) -> None:
         stack = [(1, 0, self._n - 1)]
         while stack:
-            node, l, r = stack.pop()
-            if hi < l or r < lo:
+            node, lo_t, hi_t = stack.pop()
+            if hi < lo_t or hi_t < lo:
                 continue
             self._below.setdefault(node, []).append(item)
-            if lo <= l and r <= hi:
+            if lo <= lo_t and hi_t <= hi:
                 self._here.setdefault(node, []).append(item)
                 continue
-            m = (l + r) // 2
-            stack.append((2 * node, l, m))
-            stack.append((2 * node + 1, m + 1, r))
+            m = (lo_t + hi_t) // 2
+            stack.append((2 * node, lo_t, m))
+            stack.append((2 * node + 1, m + 1, hi_t))
 
     def query(self, lo: int, hi: int) -> set[int]:
         out: set[int] = set()
         stack = [(1, 0, self._n - 1)]
         while stack:
-            node, l, r = stack.pop()
-            if hi < l or r < lo or node not in self._below:
+            node, lo_t, hi_t = stack.pop()
+            if hi < lo_t or hi_t < lo or node not in self._below:
                 continue
-            if lo <= l and r <= hi:
+            if lo <= lo_t and hi_t <= hi:
                 out.update(self._below[node])
                 continue
             here = self._here.get(node)
             if here:
                 out.update(here)  # covers this node's whole range, which meets [lo, hi]
-            m = (l + r) // 2
-            stack.append((2 * node, l, m))
-            stack.append((2 * node + 1, m + 1, r))
+            m = (lo_t + hi_t) // 2
+            stack.append((2 * node, lo_t, m))
+            stack.append((2 * node + 1, m + 1, hi_t))
         return out
 
 

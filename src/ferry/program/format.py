@@ -12,8 +12,8 @@ import json
 import math
 import re
 import struct
+from collections.abc import Iterator
 from itertools import accumulate
-from typing import Iterator
 
 from ferry.errors import ProgramError
 from ferry.program import codec
@@ -85,7 +85,7 @@ _NON_BRACKET_RE = re.compile(r"[^\[\]{}]+")
 _BRACKET_DELTA = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
-_LONG_INT_RE = re.compile(r"(?<![.0-9])-?[0-9]{%d}" % (_MAX_INT_DIGITS + 1))
+_LONG_INT_RE = re.compile(rf"(?<![.0-9])-?[0-9]{{{_MAX_INT_DIGITS + 1}}}")
 
 
 def _prescan(text: str) -> None:

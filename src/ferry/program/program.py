@@ -41,7 +41,7 @@ class Program:
     def to_bytes(self) -> bytes:
         return program_to_bytes(self)
 
-    def copy_report(self, method: str | None = None) -> "CopyReport | dict[str, CopyReport]":
+    def copy_report(self, method: str | None = None) -> CopyReport | dict[str, CopyReport]:
         return copy_report(self, method)
 
 

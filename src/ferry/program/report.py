@@ -41,7 +41,8 @@ class CopyReport:
         if not self.rows:
             lines.append("  (none)")
         for r in self.rows:
-            lines.append(f"  #{r.instruction:<4} {r.direction}  {r.src:>7} -> {r.dst:<7} {r.dtype:>9}{list(r.shape)!s:>16}  {r.nbytes:>12,} B  {r.value}")
+            lines.append(f"  #{r.instruction:<4} {r.direction}  {r.src:>7} -> {r.dst:<7} {r.dtype:>9}"
+                         f"{list(r.shape)!s:>16}  {r.nbytes:>12,} B  {r.value}")
         t = self.totals()
         lines.append("  totals: " + ", ".join(f"{d} {n} copies / {b:,} B" for d, (n, b) in t.items()))
         return "\n".join(lines)
@@ -56,5 +57,6 @@ def copy_report(program, method: str | None = None):
     for i, ins in enumerate(m.instructions):
         if isinstance(ins, KernelCall) and ins.kernel in COPY_KERNELS:
             src, dst = m.tensor(ins.args[0]), m.tensor(ins.outputs[0])
-            rows.append(CopyRow(i, COPY_KERNELS[ins.kernel], str(src.device), str(dst.device), src.shape, src.dtype, src.nbytes, src.name))
+            rows.append(CopyRow(i, COPY_KERNELS[ins.kernel], str(src.device), str(dst.device), src.shape, src.dtype,
+                                src.nbytes, src.name))
     return CopyReport(method, tuple(rows))

@@ -8,13 +8,13 @@ a planned tensor has a (buffer, offset) in one of the method's per-device buffer
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Union
 
 import torch
 
 from ferry.alignment import default_alignment
-
 from ferry.device import CPU, Device
 from ferry.errors import ProgramError
 
@@ -38,7 +38,7 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ProgramError(f"unknown dtype {name!r}") from None
 
 
-def element_size(dtype: "torch.dtype | str") -> int:
+def element_size(dtype: torch.dtype | str) -> int:
     if isinstance(dtype, str):
         dtype = dtype_from_name(dtype)
     return dtype.itemsize
@@ -114,7 +114,7 @@ class TensorValue:
         return self.numel * element_size(self.dtype)
 
 
-def root_storage(values: "list[Value]", vid: int) -> str:
+def root_storage(values: list[Value], vid: int) -> str:
     """The storage behind a value: a view's is its base's."""
     v = values[vid]
     while isinstance(v, TensorValue) and v.storage == "view" and v.alias_of is not None:

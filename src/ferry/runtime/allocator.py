@@ -360,11 +360,11 @@ class DeviceMemoryBuffer:
     def create(
         cls,
         nbytes: int,
-        device: "Device | str",
+        device: Device | str,
         alignment: int | None = None,
         *,
         pin_memory: bool = False,
-    ) -> "DeviceMemoryBuffer":
+    ) -> DeviceMemoryBuffer:
         """Allocate ``nbytes`` on ``device`` through its registered allocator (or torch, for cpu).
 
         ``pin_memory`` page-locks host buffers when CUDA is available and is ignored otherwise.
@@ -404,7 +404,7 @@ class DeviceMemoryBuffer:
         self._memory = None
         self._finalizer()
 
-    def __enter__(self) -> "DeviceMemoryBuffer":
+    def __enter__(self) -> DeviceMemoryBuffer:
         return self
 
     def __exit__(self, *exc_info) -> None:

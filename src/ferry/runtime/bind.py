@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -23,7 +23,14 @@ from ferry.errors import InputError, InternalError, ProgramError
 from ferry.op_names import resolve_kernel
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.schema import (
-    DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, KernelCall, Method, TensorValue, root_storage,
+    DEFAULT_ARG,
+    LIST_KINDS,
+    ConstValue,
+    DelegateCall,
+    KernelCall,
+    Method,
+    TensorValue,
+    root_storage,
 )
 from ferry.runtime.kernels import CopyKernel, bind_aten, fast_aten
 from ferry.runtime.load import Memory

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.runtime.simulated import SimulatedApi
 from ferry.runtime.allocator import (
     DeviceAllocator,
     allocate_aligned,
@@ -27,6 +26,7 @@ from ferry.runtime.allocator import (
     register_allocator,
     unregister_allocator,
 )
+from ferry.runtime.simulated import SimulatedApi
 
 __all__ = ["AllocationRecord", "CopyRecord", "EmulatedAllocator", "emulated_device"]
 

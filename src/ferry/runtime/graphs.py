@@ -10,7 +10,7 @@ running the segment eagerly, with a warning: never a wrong result.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 class GraphSegment:

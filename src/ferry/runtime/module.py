@@ -26,7 +26,7 @@ class Module:
     a device by skip_d2h come back as device tensors the caller owns either way.
     """
 
-    def __init__(self, program: "Program | str | os.PathLike", *, outputs: str = "copy", pin_host_memory: bool = True,
+    def __init__(self, program: Program | str | os.PathLike, *, outputs: str = "copy", pin_host_memory: bool = True,
                  cuda_graphs: bool = False):
         if not isinstance(program, Program):
             program = load_program(program)

@@ -8,7 +8,7 @@ A call then only meets the caller's tensors (copy in, bind, stage) and loops ove
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -16,8 +16,9 @@ It touches no stream, event or tensor, so every decision is tested on the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 from ferry.device import Device
 from ferry.runtime.bind import Step

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -32,11 +32,11 @@ class _Mark:
 
 
 class SimStream:
-    def __init__(self, api: "SimulatedApi", index: int, name: str):
+    def __init__(self, api: SimulatedApi, index: int, name: str):
         self.api, self.index, self.name = api, index, name
         self.queue: list[tuple[str, object]] = []  # ("run", fn, touches_host) | ("mark", _Mark) | ("wait", _Mark)
 
-    def wait_event(self, event: "SimEvent") -> None:
+    def wait_event(self, event: SimEvent) -> None:
         if event.mark is not None:
             self.api._queue(self, ("wait", event.mark))
 
@@ -45,7 +45,7 @@ class SimStream:
 
 
 class SimEvent:
-    def __init__(self, api: "SimulatedApi"):
+    def __init__(self, api: SimulatedApi):
         self.api = api
         self.mark: _Mark | None = None
 
@@ -58,7 +58,7 @@ class SimEvent:
 
 
 class SimGraph:
-    def __init__(self, api: "SimulatedApi"):
+    def __init__(self, api: SimulatedApi):
         self.api = api
         self.work: list[tuple[str, object]] = []
         self.index: int | None = None

@@ -16,7 +16,7 @@ memory a pending `_h2d_copy` still reads (the schedule says where: runtime/sched
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -71,7 +71,7 @@ def make_tensor(
     memory: torch.Tensor,
     shape,
     dtype: torch.dtype,
-    device: "Device | str",
+    device: Device | str,
     offset: int = 0,
 ) -> torch.Tensor:
     """A contiguous ``dtype`` tensor of ``shape`` over ``memory`` starting at byte ``offset``; no copy.
@@ -171,14 +171,15 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int, dst_device: Device,
             dst_alloc.copy_host_to_device(d, host.memory, nbytes, dst_device.index)
 
 
-def clone_to(tensor: torch.Tensor, device: "Device | str") -> torch.Tensor:
+def clone_to(tensor: torch.Tensor, device: Device | str) -> torch.Tensor:
     """A contiguous copy of ``tensor`` on ``device``, made through the registered allocators.
 
     One allocation (a DeviceMemoryBuffer) and one allocator copy of exactly the tensor's
     bytes: host-to-device, device-to-host, or device-to-device (different device types,
     or an allocator without device-to-device copies, go through host memory).  The result
     owns its memory (see ``buffer_of``), which is freed once the result and every view of
-    it are gone (views taken with torch view ops keep the result's buffer alive).  A same-device clone is a ValueError: use ``tensor.clone()``.
+    it are gone (views taken with torch view ops keep the result's buffer alive).  A same-device clone
+    is a ValueError: use ``tensor.clone()``.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"clone_to expects a torch.Tensor, got {type(tensor).__name__}")
