@@ -1,4 +1,8 @@
-"""The `ferry` command: compile a model, inspect a program file, run it."""
+"""The `ferry` command: compile a model, inspect a program file, run it.
+
+torch and the rest of ferry are imported inside the commands that need them, so `ferry
+--help` and command-line mistakes answer at once (this module is the top layer: nothing
+imports it, so these imports hide no cycle)."""
 
 from __future__ import annotations
 

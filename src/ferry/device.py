@@ -10,10 +10,14 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ferry.runtime.allocator import DeviceAllocator
 
 BUILTIN_DEVICE_TYPES = ("cpu", "cuda")
 
-_allocators: dict[str, object] = {}
+_allocators: dict[str, DeviceAllocator] = {}
 _allocators_lock = threading.Lock()
 
 # the canonical spelling, as program files store it: lowercase type, ':' and an index
@@ -43,7 +47,7 @@ def _pop_allocator(device_type: str):
         return _allocators.pop(device_type, None)
 
 
-def _allocator_snapshot() -> dict[str, object]:
+def _allocator_snapshot() -> dict[str, DeviceAllocator]:
     with _allocators_lock:
         return dict(_allocators)
 

@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferry.device import CPU, Device
+from ferry.errors import ProgramError
 from ferry.inspect import owner
 from ferry.program import Program
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.report import copy_report
-from ferry.program.schema import DelegateCall, KernelCall, Method, TensorValue
+from ferry.program.schema import DelegateCall, KernelCall, Method, PlanEntry, TensorValue
 
 __all__ = ["render_html", "write_html"]
 
@@ -57,6 +58,13 @@ def fmt_bytes(n: int) -> str:
             return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
         x /= 1024
     return f"{n} B"  # unreachable
+
+
+def _plan(v: TensorValue) -> PlanEntry:
+    """A planned value's (buffer, offset): storage 'planned' always has one (validate.py checks)."""
+    if v.plan is None:
+        raise ProgramError(f"value %{v.name} has storage {v.storage!r} but no plan entry")
+    return v.plan
 
 
 def _shape(v: TensorValue) -> str:
@@ -135,9 +143,9 @@ def _vdesc(m: Method, vid: int, device: bool = True) -> str:
         return f"{v.kind} {v.value!r}"
     name = v.name or f"v{vid}"
     if v.storage == "planned":
-        where = f"buffer {v.plan.buffer} + {v.plan.offset}"
-    elif v.storage == "view" and 0 <= v.alias_of < len(m.values):
-        where = f"view of %{m.values[v.alias_of].name or v.alias_of}"
+        where = f"buffer {_plan(v).buffer} + {_plan(v).offset}"
+    elif v.storage == "view" and v.alias_of is not None and 0 <= v.alias_of < len(m.values):
+        where = f"view of %{m.tensor(v.alias_of).name or v.alias_of}"
     else:
         where = owner(m, vid)
     dev = f" on {v.device}" if device else ""
@@ -149,7 +157,7 @@ def _vshort(m: Method, vid: int) -> str:
     v = m.values[vid]
     if not isinstance(v, TensorValue):
         return f"{v.kind} {v.value!r}"
-    where = f"b{v.plan.buffer}+{v.plan.offset}" if v.storage == "planned" else owner(m, vid)
+    where = f"b{_plan(v).buffer}+{_plan(v).offset}" if v.storage == "planned" else owner(m, vid)
     return f"%{v.name or f'v{vid}'}  {_shape(v)}  {where}"
 
 
@@ -180,17 +188,17 @@ class _Edge:
 
 def _instr_device(program: Program, m: Method, ins) -> Device:
     if isinstance(ins, DelegateCall):
-        outs = [m.values[o] for o in ins.outputs if 0 <= o < len(m.values) and isinstance(m.values[o], TensorValue)]
+        outs = [m.tensor(o) for o in ins.outputs if 0 <= o < len(m.values) and isinstance(m.values[o], TensorValue)]
         fallback = outs[0].device if outs else CPU
         d = program.delegates[ins.delegate] if 0 <= ins.delegate < len(program.delegates) else None
         spec = d.spec("target_device") if d is not None else None
         return _parse_device(spec.decode(errors="replace"), fallback) if spec else (CPU if d is not None else fallback)
     for o in ins.outputs:
         for t in _tensor_ids(m, o):
-            return m.values[t].device
+            return m.tensor(t).device
     for a in ins.args:
         for t in _tensor_ids(m, a):
-            return m.values[t].device
+            return m.tensor(t).device
     return CPU
 
 
@@ -233,7 +241,7 @@ def _build_graph(program: Program, m: Method) -> tuple[list[_Node], list[_Edge]]
         reads = _reads(m, ins)
         dev = _instr_device(program, m, ins)
         outs = [t for o in ins.outputs for t in _tensor_ids(m, o)]
-        consts = [r for r in reads if r not in last_def and m.values[r].storage == "constant"]
+        consts = [r for r in reads if r not in last_def and m.tensor(r).storage == "constant"]
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate] if 0 <= ins.delegate < len(program.delegates) else None
             backend = d.backend_id if d is not None else "?"
@@ -244,8 +252,8 @@ def _build_graph(program: Program, m: Method) -> tuple[list[_Node], list[_Edge]]
         elif _is_copy(ins):
             kind, label = "copy", _short_kernel(ins.kernel)
             src = _tensor_ids(m, ins.args[0]) if ins.args else []
-            src_dev = m.values[src[0]].device if src else dev
-            nbytes = m.values[src[0]].nbytes if src else 0
+            src_dev = m.tensor(src[0]).device if src else dev
+            nbytes = m.tensor(src[0]).nbytes if src else 0
             head = f"#{i} {ins.kernel}: {src_dev} -> {dev}, {fmt_bytes(nbytes)} ({nbytes:,} B)"
         else:
             kind, label = "instr", _short_kernel(ins.kernel)
@@ -405,7 +413,8 @@ def _graph_svg(program: Program, m: Method, nodes: list[_Node], edges: list[_Edg
     # so check again until no straight edge meets a box (the routed set only grows)
     routed_ids: set[int] = set()
     routed: list[_Edge] = []
-    track_of, zones = {}, {}
+    track_of: dict[int, int] = {}
+    zones: dict[int, float] = {}
     for _ in range(len(edges) + 1):
         cx = place(zones)
         more = [k for k, e in enumerate(edges) if k not in routed_ids and not clear(e, cx)]
@@ -443,13 +452,13 @@ def _graph_svg(program: Program, m: Method, nodes: list[_Node], edges: list[_Edg
             out.append(f'<rect x="0" y="{_f(_TOP + nd.row * _ROW)}" width="{_f(width)}" height="{_f(_ROW)}" fill="#f6f7f9"/>')
     out.append("</g>")
     out.append('<g class="lanes">')
-    for k, d in enumerate(pal.devices):
-        s = 2 * k
+    for lane, d in enumerate(pal.devices):
+        slot = 2 * lane
         fill, stroke, _ = pal.color[d]
-        x0 = cx[s] - half[s] - 8
-        out.append(f'<rect x="{_f(x0)}" y="{_f(_TOP - 30)}" width="{_f(2 * half[s] + 16)}" height="{_f(height - _TOP + 22)}" '
+        x0 = cx[slot] - half[slot] - 8
+        out.append(f'<rect x="{_f(x0)}" y="{_f(_TOP - 30)}" width="{_f(2 * half[slot] + 16)}" height="{_f(height - _TOP + 22)}" '
                    f'rx="8" fill="{fill}" fill-opacity="0.22" stroke="{stroke}" stroke-opacity="0.25"/>')
-        out.append(f'<text class="lane-head" x="{_f(cx[s])}" y="{_f(_TOP - 12)}" text-anchor="middle" fill="{stroke}">{_e(d)}</text>')
+        out.append(f'<text class="lane-head" x="{_f(cx[slot])}" y="{_f(_TOP - 12)}" text-anchor="middle" fill="{stroke}">{_e(d)}</text>')
     out.append("</g>")
     out.append(f'<text class="gutter-head" x="{_f(_GUTTER - 14)}" y="{_f(_TOP - 12)}" text-anchor="end">#</text>')
 
@@ -475,7 +484,7 @@ def _graph_svg(program: Program, m: Method, nodes: list[_Node], edges: list[_Edg
             if abs(xs - tx) < 0.5:
                 pts = [pts[0], (tx, y_mid(t.row)), pts[-1]]
             d = _rounded(pts)
-        names = ", ".join(f"%{m.values[v].name or v}" for v in e.values)
+        names = ", ".join(f"%{m.tensor(v).name or v}" for v in e.values)
         if s.kind == "copy":
             key = pal.css_id(s.device)  # a copy node's device is its destination
             color = pal.color[s.device][1]
@@ -491,9 +500,10 @@ def _graph_svg(program: Program, m: Method, nodes: list[_Node], edges: list[_Edg
         if s.kind != "copy":
             continue
         paths = copy_out.get(pos, [])
+        assert s.index is not None  # a copy node is an instruction
         ins = m.instructions[s.index]
         src = _tensor_ids(m, ins.args[0]) if ins.args else []
-        nbytes = m.values[src[0]].nbytes if src else 0
+        nbytes = m.tensor(src[0]).nbytes if src else 0
         # the label sits beside the copy's outgoing stub, on the side no edge leaves towards
         right_first = any(cx[nodes[e.dst].slot] - (half[nodes[e.dst].slot] + 8 if id(e) in routed_k else 0) > cx[s.slot] + 1
                           for e in edges if e.src == pos)
@@ -564,7 +574,7 @@ def _legend(pal: _Palette, nodes: list[_Node]) -> str:
 
 def _lifetimes(m: Method) -> dict[int, tuple[int, int]]:
     """(first, last) instruction of every planned value: the lifetimes the planner used."""
-    return {vid: life for vid, life in value_lifetimes(m).items() if m.values[vid].storage == "planned"}
+    return {vid: life for vid, life in value_lifetimes(m).items() if m.tensor(vid).storage == "planned"}
 
 
 def _byte_ticks(size: int) -> list[int]:
@@ -577,18 +587,19 @@ def _byte_ticks(size: int) -> list[int]:
     return list(range(0, size + 1, step))
 
 
-def _timeline_svg(program: Program, m: Method, bi: int, life: dict[int, tuple[int, int]], pal: _Palette, kinds: list[str]) -> str:
+def _timeline_svg(program: Program, m: Method, bi: int, life: dict[int, tuple[int, int]], pal: _Palette,
+                  kinds: list[tuple[str, Device, Device | None]]) -> str:
     buf = m.buffers[bi]
     n = len(m.instructions)
-    vids = sorted((vid for vid, (s, e) in life.items() if m.values[vid].plan.buffer == bi),
-                  key=lambda v: (m.values[v].plan.offset, life[v][0], v))
+    vids = sorted((vid for vid, (s, e) in life.items() if _plan(m.tensor(vid)).buffer == bi),
+                  key=lambda v: (_plan(m.tensor(v)).offset, life[v][0], v))
     cols = n + 2  # -1 .. n
     cw = max(7.0, min(72.0, 960.0 / cols))
     left, top = 78.0, 34.0
     plot_h = float(max(170, min(320, 70 + 26 * len(vids))))
     plot_w = cw * cols
     width, height = left + plot_w + 150, top + plot_h + 58
-    size = max(buf.size, max([m.values[v].plan.offset + m.values[v].nbytes for v in vids] or [0]), 1)
+    size = max(buf.size, max([_plan(m.tensor(v)).offset + m.tensor(v).nbytes for v in vids] or [0]), 1)
     scale = plot_h / size
 
     def x_of(i: float) -> float:
@@ -640,15 +651,16 @@ def _timeline_svg(program: Program, m: Method, bi: int, life: dict[int, tuple[in
     # blocks
     out.append(f'<g class="values" data-y0="{_f(top)}" data-scale="{scale!r}">')
     for k, vid in enumerate(vids):
-        v = m.values[vid]
+        v = m.tensor(vid)
+        offset = _plan(v).offset
         s, e = life[vid]
         fill, stroke = _BLOCK_COLORS[k % len(_BLOCK_COLORS)]
         x, w = x_of(s) + 1, (e - s + 1) * cw - 2
-        y, h = top + v.plan.offset * scale, v.nbytes * scale
+        y, h = top + offset * scale, v.nbytes * scale
         role = " (method input)" if vid in m.inputs else (" (method output)" if vid in m.outputs else "")
-        tip = (f"%{v.name or vid}{role}\n{_shape(v)} on {v.device}\n{fmt_bytes(v.nbytes)} ({v.nbytes:,} B) at offset {v.plan.offset:,}\n"
+        tip = (f"%{v.name or vid}{role}\n{_shape(v)} on {v.device}\n{fmt_bytes(v.nbytes)} ({v.nbytes:,} B) at offset {offset:,}\n"
                f"live from {'start' if s < 0 else '#' + str(s)} to {'end' if e >= n else '#' + str(e)}")
-        out.append(f'<rect class="value" data-vid="{vid}" data-offset="{v.plan.offset}" data-nbytes="{v.nbytes}" '
+        out.append(f'<rect class="value" data-vid="{vid}" data-offset="{offset}" data-nbytes="{v.nbytes}" '
                    f'data-start="{s}" data-end="{e}" '
                    f'x="{_f(x)}" y="{y!r}" width="{_f(max(w, 1.0))}" height="{h!r}" fill="{fill}" stroke="{stroke}" '
                    f'stroke-width="0.8"><title>{_e(tip)}</title></rect>')
@@ -718,7 +730,7 @@ def _summary(program: Program, m: Method, life) -> str:
                '<th class="num">values</th><th class="num">size</th><th class="num">bytes</th></tr></thead><tbody>')
     counts: dict[int, int] = {}
     for vid in life:
-        counts[m.values[vid].plan.buffer] = counts.get(m.values[vid].plan.buffer, 0) + 1
+        counts[_plan(m.tensor(vid)).buffer] = counts.get(_plan(m.tensor(vid)).buffer, 0) + 1
     for bi, b in enumerate(m.buffers):
         if bi == 0:
             continue
@@ -898,7 +910,7 @@ def render_html(program: Program, method: str | None = None) -> str:
         p.append('<p class="none">This method has no planned buffers.</p>')
     for bi in planned:
         b = m.buffers[bi]
-        nvals = sum(1 for v in life if m.values[v].plan.buffer == bi)
+        nvals = sum(1 for v in life if _plan(m.tensor(v)).buffer == bi)
         lb = m.lower_bounds.get(str(b.device))
         head = f"Buffer {bi} on {b.device} \u00b7 {fmt_bytes(b.size)} ({b.size:,} B) \u00b7 {nvals} value{'s' if nvals != 1 else ''}"
         if lb is not None:

@@ -30,7 +30,7 @@ def owner(m, vid: int) -> str:
     return short if v.storage != "view" else f"view, {STORAGE_KINDS[root_storage(m.values, vid)][0]}"
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import operator
 from dataclasses import dataclass, field
+from typing import cast
 
 import sympy
 import torch
@@ -168,7 +169,7 @@ class _MethodEmitter:
             vid = self.env[arg]
             if isinstance(vid, tuple):
                 raise CompileError(f"{what}: a multi-output value used directly")
-            return vid
+            return cast(int, vid)  # a delegate's module is only ever read by _emit_delegate
         if arg is None:
             return self.const("none", None)
         if isinstance(arg, bool):
@@ -331,8 +332,8 @@ class _MethodEmitter:
         v = self.values[vid]
         return v.alias_of if isinstance(v, TensorValue) and v.alias_of is not None else vid
 
-    def _emit_delegate(self, node):
-        lowered: LoweredBackendModule = self.env[node.args[0]]
+    def _emit_delegate(self, node) -> None:
+        lowered = cast(LoweredBackendModule, self.env[node.args[0]])  # a get_attr of the module (place.py checks)
         args = tuple(self.arg_value(a, None, node.name) for a in node.args[1:])
         vals = node.meta.get("val") or ()
         dev = self.device_of(node)

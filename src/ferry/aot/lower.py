@@ -12,7 +12,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ferry.aot import meta as M
 from ferry.aot.partition import Partition, Partitioner
-from ferry.errors import CompileError
+from ferry.errors import CompileError, InputError
 
 
 class LoweredBackendModule(torch.nn.Module):
@@ -69,8 +69,6 @@ class LoweredProgram:
         """Run the graph eagerly (on the CPU while tensors are CPU); returns the user outputs."""
         wanted = [n.name for n in self.placeholders() if n.name not in self.constants]
         if len(inputs) != len(wanted):
-            from ferry.errors import InputError
-
             raise InputError(f"this program takes {len(wanted)} input(s) ({', '.join(wanted)}), got {len(inputs)}")
         user = iter(inputs)
         args = []
@@ -187,10 +185,10 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
 
     # order units (plain nodes and whole partitions) topologically, stable by first position
     pos = {n: i for i, n in enumerate(nodes)}
-    first = {}
+    first: dict[tuple[str, object], int] = {}
     for n in nodes:
         first.setdefault(unit_of[n], pos[n])
-    deps = {u: set() for u in first}
+    deps: dict[tuple[str, object], set[tuple[str, object]]] = {u: set() for u in first}
     for n in nodes:
         for inp in n.all_input_nodes:
             if unit_of[inp] != unit_of[n]:

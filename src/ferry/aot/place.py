@@ -8,6 +8,7 @@ value there. Device-to-device moves are one `_d2d_copy`, never a round trip thro
 from __future__ import annotations
 
 import operator
+from typing import cast
 
 import torch
 import torch.fx
@@ -26,7 +27,7 @@ def lowered_module_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> LoweredB
     arg0 = node.args[0] if node.args else None
     mod = None
     if isinstance(arg0, torch.fx.Node) and arg0.op == "get_attr":
-        mod = getattr(gm, arg0.target, None)
+        mod = getattr(gm, cast(str, arg0.target), None)  # a get_attr's target is the attribute name
     if not isinstance(mod, LoweredBackendModule):
         raise CompileError(
             f"call_delegate node {node.name!r}: its first argument must be a get_attr of a LoweredBackendModule, "
@@ -135,7 +136,8 @@ class PropagateDevicePass(PassBase):
                 if isinstance(src, torch.fx.Node) and ops.is_copy_node(src):  # a copy from an earlier run
                     src = src.args[0]
                 produced_on = (isinstance(src, torch.fx.Node) and src.target is operator.getitem
-                               and is_delegate_node(src.args[0]) and targets[src.args[0]])
+                               and isinstance(src.args[0], torch.fx.Node) and is_delegate_node(src.args[0])
+                               and targets[src.args[0]])
                 return dev if produced_on == dev else CPU
         return CPU
 
@@ -159,9 +161,10 @@ class PropagateDevicePass(PassBase):
         home = self._homes(gm, targets)
 
         # every (value, destination) pair that needs a copy, and the uses it serves
-        needed: dict[tuple[torch.fx.Node, Device], list] = {}
+        needed: dict[tuple[torch.fx.Node, Device], list[tuple[torch.fx.Node, int | None]]] = {}
         existing = {(n.args[0], home[n]): n for n in gm.graph.nodes if ops.is_copy_node(n)}
         for consumer in gm.graph.nodes:
+            uses: list[tuple[int | None, torch.fx.Node]]
             if consumer.op == "output":
                 uses = [(i, v) for i, v in enumerate(M.flat_outputs(consumer)) if isinstance(v, torch.fx.Node)]
             else:
@@ -175,12 +178,12 @@ class PropagateDevicePass(PassBase):
                 needed.setdefault((v, want), []).append((consumer, pos))
 
         modified = False
-        for (v, want), uses in needed.items():
+        for (v, want), served in needed.items():
             copy = existing.get((v, want))
             if copy is None:
-                copy = self._insert_copy(gm, v, home[v], want, uses[0][0])
+                copy = self._insert_copy(gm, v, home[v], want, served[0][0])
                 home[copy] = want
-            for consumer, pos in uses:
+            for consumer, pos in served:
                 self._redirect(consumer, pos, v, copy)
             modified = True
 

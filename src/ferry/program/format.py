@@ -106,8 +106,10 @@ def _no_duplicates(pairs: list) -> dict:
     d = dict(pairs)
     if len(d) != len(pairs):
         seen: set = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ProgramError(f"metadata: duplicate key {codec.show(dup)} in a JSON object")
+        for k, _ in pairs:
+            if k in seen:
+                raise ProgramError(f"metadata: duplicate key {codec.show(k)} in a JSON object")
+            seen.add(k)
     return d
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 from ferry.program.schema import DEFAULT_ARG, ConstValue, Method, TensorValue
 
 
@@ -13,7 +16,8 @@ def tensor_ids(method: Method, vid: int) -> list[int]:
     if isinstance(v, TensorValue):
         return [vid]
     if isinstance(v, ConstValue) and v.kind in ("tensors", "opt_tensors"):
-        return [x for x in v.value or () if isinstance(x, int) and not isinstance(x, bool)
+        members = cast("Iterable[object]", v.value or ())  # a list or tuple once types are checked
+        return [x for x in members if isinstance(x, int) and not isinstance(x, bool)
                 and 0 <= x < len(method.values) and isinstance(method.values[x], TensorValue)]
     return []
 
@@ -29,7 +33,7 @@ def value_lifetimes(method: Method) -> dict[int, tuple[int, int]]:
     end: dict[int, int] = {}
 
     def root(vid: int) -> int:
-        v = method.values[vid]
+        v = method.tensor(vid)
         return v.alias_of if v.alias_of is not None else vid
 
     def touch(vid: int, i: int) -> None:

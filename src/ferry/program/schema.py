@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, TypeGuard, Union
 
 import torch
 
@@ -132,16 +132,16 @@ _TORCH_DEVICE = re.compile(r"(cpu|cuda|meta)(:(0|[1-9][0-9]{0,3}))?\Z")
 INT64 = (-(2**63), 2**63 - 1)
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_float(x: object) -> bool:
-    return isinstance(x, float) or (_is_int(x) and abs(x) < 2**1023)  # type: ignore[operator]
+    return isinstance(x, float) or (_is_int(x) and abs(x) < 2**1023)
 
 
 def _int64(x: object) -> bool:
-    return _is_int(x) and INT64[0] <= x <= INT64[1]  # type: ignore[operator]
+    return _is_int(x) and INT64[0] <= x <= INT64[1]
 
 
 def _each(check):
@@ -172,7 +172,7 @@ class ConstKind:
     description: str
     check: Callable[[object], bool]
     refs: str | None = None
-    runtime: Callable[[object], object] = staticmethod(lambda v: v)  # type: ignore[assignment]
+    runtime: Callable[[Any], object] = staticmethod(lambda v: v)
     floats: bool = False
 
 

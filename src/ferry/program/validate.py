@@ -8,6 +8,9 @@ storage agreeing with its plan, constant and alias. Runs on every load and save;
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 from ferry.errors import ProgramError
 from ferry.program import codec
 from ferry.program.schema import (
@@ -45,9 +48,10 @@ def check_types(program: object) -> None:
         raise ProgramError(f"expected a ferry Program, got {type(program).__name__}")
     codec.Seq(codec.ANY).check(program.segments, "program segments")  # type: ignore[attr-defined]
     codec.Seq(codec.DELEGATE).check(program.delegates, "program delegates")  # type: ignore[attr-defined]
-    if not isinstance(program.methods, dict):  # type: ignore[attr-defined]
-        raise ProgramError(f"program methods must be a dict of name -> Method, got {type(program.methods).__name__}")
-    for key, m in program.methods.items():  # type: ignore[attr-defined]
+    methods = program.methods  # type: ignore[attr-defined]
+    if not isinstance(methods, dict):
+        raise ProgramError(f"program methods must be a dict of name -> Method, got {type(methods).__name__}")
+    for key, m in methods.items():
         codec.Str(nonempty=True).check(key, "method name")
         codec.METHOD.check(m, f"method {key!r}")
         if m.name != key:
@@ -169,7 +173,8 @@ class _MethodChecks:
         refs = CONST_KIND_TABLE[c.kind].refs
         if refs is None:
             return
-        for j, x in enumerate(c.value):  # type: ignore[attr-defined]
+        # check_types made it a list of ids (None only in opt_tensors, skipped below)
+        for j, x in enumerate(cast("Sequence[int]", c.value)):
             what = f"value {i} ({c.kind})[{j}]"
             if refs == "tensor" or (refs == "opt_tensor" and x is not None):
                 self.tensor_id(x, what)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -250,7 +251,8 @@ class DeviceAllocator:
     def _bind_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, nbytes: int, *indices: int):
         """A zero-argument copy between two fixed byte views (``indices``: the device index, or
         destination and source index for d2d). The default calls the copy hook each time."""
-        hook = {"h2d": self._copy_h2d, "d2h": self._copy_d2h, "d2d": self._copy_d2d}[direction]
+        hooks: dict[str, Callable[..., None]] = {"h2d": self._copy_h2d, "d2h": self._copy_d2h, "d2d": self._copy_d2d}
+        hook = hooks[direction]
         return functools.partial(hook, dst, src, nbytes, *indices)
 
     def _allocate(self, nbytes: int, index: int, alignment: int) -> torch.Tensor:
@@ -348,7 +350,7 @@ class DeviceMemoryBuffer:
         alignment: int,
         pinned: bool = False,
     ):
-        self._memory = memory
+        self._memory: torch.Tensor | None = memory
         self.nbytes = memory.numel()
         self.device = device
         self.alignment = alignment

@@ -11,6 +11,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Protocol
+
+
+class _Graph(Protocol):
+    """A captured graph: torch.cuda.CUDAGraph, or a SimGraph in tests."""
+
+    def replay(self) -> None: ...
 
 
 class GraphSegment:
@@ -23,7 +30,7 @@ class GraphSegment:
         self.touches_host = touches_host
         self.label = label
         self.runs = 0
-        self.graph = None
+        self.graph: _Graph | None = None
         self.key = None
         self.failed = False
 
@@ -46,7 +53,8 @@ class GraphSegment:
         return self._capture(key)
 
     def _replay(self) -> None:
-        self.graph.replay()  # type: ignore[union-attr]
+        assert self.graph is not None  # only called once a capture succeeded
+        self.graph.replay()
         if self.touches_host:
             self.streams.note_host_dependency(("graph", id(self)), self.index)
 

@@ -11,6 +11,7 @@ import torch
 
 from ferry.device import Device
 from ferry.errors import DeviceError, InputError, ProgramError
+from ferry.program.schema import DEFAULT_ARG
 from ferry.runtime.allocator import as_bytes, require_allocator
 
 
@@ -33,6 +34,7 @@ class CopyKernel:
         copy_direction_check(direction, src, dst)
         self.direction, self.src, self.dst = direction, src, dst
         self.capacity = capacity  # bytes `out` may hold; None = not planned (sized per call)
+        indices: tuple[int, ...]
         if direction == "h2d":
             alloc, indices = require_allocator(dst), (dst.index,)
             self._copy = lambda d, s, n: alloc.copy_host_to_device(d, s, n, dst.index)
@@ -103,8 +105,6 @@ def bind_aten(op: torch._ops.OpOverload, arg_ids, const_of):
 
     Returns (positional ids-or-values, keyword ids-or-values); entries are ('v', id) for values
     read at call time and ('c', python value) for constants."""
-    from ferry.program.schema import DEFAULT_ARG
-
     schema = op._schema
     if len(arg_ids) != len(schema.arguments):
         raise ProgramError(f"{op}: {len(arg_ids)} arguments given, the schema has {len(schema.arguments)}")

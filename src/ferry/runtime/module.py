@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Protocol
 
 from ferry.backend_registry import get_backend
 from ferry.errors import BackendError, FerryError
@@ -11,6 +12,12 @@ from ferry.program import Program, load_program
 from ferry.program.schema import MethodMeta
 from ferry.runtime.method import LoadedMethod
 from ferry.runtime.run import caller_copy
+
+
+class _DelegateHandle(Protocol):
+    """What a backend's init returns (backend_registry.py); the Module frees it with close()."""
+
+    def close(self) -> None: ...
 
 
 class Module:
@@ -37,7 +44,7 @@ class Module:
         self.pin_host_memory = pin_host_memory
         self.cuda_graphs = cuda_graphs
         self._methods: dict[str, LoadedMethod] = {}
-        self._delegates: dict[int, object] = {}
+        self._delegates: dict[int, _DelegateHandle] = {}
 
     # ---------------------------------------------------------------- load
 

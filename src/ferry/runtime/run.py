@@ -53,7 +53,7 @@ class Plan:
         self.streams = streams
         self.outputs = outputs
         self.graphs: list[GraphSegment] = []
-        self._key = None
+        self._key: tuple[tuple[int, ...], ...] | None = None  # input shapes, when graphs replay
         self.work = tuple(self._compile(sched, first_call=False))
         self.first_work = tuple(self._compile(first, first_call=True))
         self.checked = False

@@ -18,8 +18,11 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable
+from typing import Literal, Union
 
 import torch
+
+from ferry.errors import InternalError
 
 __all__ = ["SimulatedApi"]
 
@@ -31,10 +34,14 @@ class _Mark:
         self.reached = False
 
 
+# a stream's work item: ("run", fn, touches_host) | ("mark", _Mark) | ("wait", _Mark)
+_Work = Union[tuple[Literal["run"], Callable[[], object], bool], tuple[Literal["mark", "wait"], _Mark]]
+
+
 class SimStream:
     def __init__(self, api: SimulatedApi, index: int, name: str):
         self.api, self.index, self.name = api, index, name
-        self.queue: list[tuple[str, object]] = []  # ("run", fn, touches_host) | ("mark", _Mark) | ("wait", _Mark)
+        self.queue: list[_Work] = []
 
     def wait_event(self, event: SimEvent) -> None:
         if event.mark is not None:
@@ -60,7 +67,7 @@ class SimEvent:
 class SimGraph:
     def __init__(self, api: SimulatedApi):
         self.api = api
-        self.work: list[tuple[str, object]] = []
+        self.work: list[_Work] = []
         self.index: int | None = None
 
     def replay(self) -> None:
@@ -153,14 +160,13 @@ class SimulatedApi:
         means the runtime returned before waiting for it: a ferry bug, reported as one."""
         unwaited = [item for s in self._streams for item in s.queue if item[0] == "run" and item[2]]
         if unwaited:
-            from ferry.errors import InternalError
 
             raise InternalError(f"a method returned with {len(unwaited)} copies to or from host memory not waited for")
         self._host_wait(lambda: not any(s.queue for s in self._streams))
 
     # ---- the simulation
 
-    def _queue(self, stream: SimStream, item: tuple) -> None:
+    def _queue(self, stream: SimStream, item: _Work) -> None:
         if self._capturing is not None and stream is self._capturing[0]:
             self._capturing[1].work.append(item)
             return
@@ -180,13 +186,13 @@ class SimulatedApi:
         for s in self._streams:
             if not s.queue:
                 continue
-            kind, payload = s.queue[0][0], s.queue[0][1]
-            if kind == "wait" and not payload.reached:  # type: ignore[union-attr]
+            item = s.queue[0]
+            if item[0] == "wait" and not item[1].reached:
                 continue
             s.queue.pop(0)
-            if kind == "run":
-                payload()  # type: ignore[operator]
-            elif kind == "mark":
-                payload.reached = True  # type: ignore[union-attr]
+            if item[0] == "run":
+                item[1]()
+            elif item[0] == "mark":
+                item[1].reached = True
             return True
         return False

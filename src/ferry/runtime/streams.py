@@ -87,7 +87,7 @@ class CopyStreams:
     code touches memory a copy may still use.
     """
 
-    def __init__(self, api):
+    def __init__(self, api) -> None:
         self.api = api
         self._copy: dict[int, object] = {}
         self._events: dict[object, object] = {}
@@ -123,10 +123,10 @@ class CopyStreams:
         if issue is None:  # sizes vary per call here: always the copy stream
             issue = self._issuers[key] = self._issuer(key, devices, None)
         if self.capturing:  # inside a graph capture: on the (capturing) current stream
-            return self.api.enqueue(self.api.current_stream(issue.index), lambda: kernel(src, out))  # type: ignore[attr-defined]
+            return self.api.enqueue(self.api.current_stream(issue.index), lambda: kernel(src, out))  # type: ignore[union-attr]
         issue(lambda: kernel(src, out))
         for t in (src, out):
-            self.api.keep_alive(t, issue.stream)  # type: ignore[attr-defined]
+            self.api.keep_alive(t, issue.stream)  # type: ignore[union-attr]
         return out
 
     def bind(self, key, copy: Callable[[], object], devices: tuple[Device, ...], nbytes: int | None = None):

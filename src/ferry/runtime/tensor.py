@@ -46,9 +46,9 @@ def device_of(tensor: torch.Tensor) -> Device:
             if label is not None:
                 return label
         for allocator in registered_allocators():
-            index = allocator.device_index_of(tensor)
-            if index is not None:
-                return Device(allocator.device_type, index)
+            found = allocator.device_index_of(tensor)
+            if found is not None:
+                return Device(allocator.device_type, found)
         return CPU
     raise ValueError(
         f"a tensor on torch device {tensor.device} has no ferry device; ferry places tensors on "
