@@ -219,7 +219,7 @@ class _Binder:
                                f"defines out, got args {ins.args} outputs {ins.outputs}")
         src_id, out_id = ins.args[0], ins.outputs[0]
         src_v, out_v = m.tensor(src_id), m.tensor(out_id)
-        capacity = out_v.nbytes if out_v.plan is not None else None
+        capacity = out_v.nbytes if out_v.storage == "planned" else None
         kernel = CopyKernel(OUT_COPY_KERNELS[ins.kernel], src_v.device, out_v.device, capacity)
         devices = (src_v.device, out_v.device)
         fixed = self.fixed[src_id] and self.fixed[out_id] and not any(src_v.dynamic) and not any(out_v.dynamic)
