@@ -1,7 +1,7 @@
 """CPU fallback inside a GPU model: a transformer block whose softmax runs on the CPU.
 
 ferry: ferry.examples.TransformerBlock compiled with OpSupportPartitioner(device,
-exclude=['aten._softmax']): everything but the softmax is delegated to the GPU, and ferry
+exclude=['aten.softmax']): everything but the softmax is delegated to the GPU, and ferry
 inserts the copies (input h2d, scores d2h, probabilities h2d, output d2h).
 
 Eager baseline, the same placement written by hand: parameters on the GPU, input moved with
@@ -68,7 +68,7 @@ def main():
     dev_model = TransformerBlock(dim, heads, hidden).eval()
     dev_model.load_state_dict(model.state_dict())
     dev_model.to(tdev)
-    part = ferry.OpSupportPartitioner(device, exclude=["aten._softmax"])
+    part = ferry.OpSupportPartitioner(device, exclude=["aten.softmax"])
 
     rows, runs = [], []
     with torch.no_grad():
@@ -123,7 +123,7 @@ def main():
                   f"{copied['h2d']:,} B, d2h {totals['d2h'][0]} / {copied['d2h']:,} B; minimum h2d {minimum['h2d']:,} B, "
                   f"d2h {minimum['d2h']:,} B; equal: {copied == minimum}")
     path = write_json(result_name("cpu_fallback", args.smoke), {
-        "device": device, "smoke": args.smoke, "partitioner_exclude": ["aten._softmax"], "runs": runs,
+        "device": device, "smoke": args.smoke, "partitioner_exclude": ["aten.softmax"], "runs": runs,
         "target": {"ferry_no_slower_all": all(r["no_slower"] for r in runs),
                    "ferry_cuda_graphs_no_slower_all": all(r["no_slower_cuda_graphs"] for r in runs),
                    "copies_equal_minimum_all": all(r["copies_equal_minimum"] for r in runs)},

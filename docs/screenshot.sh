@@ -4,7 +4,7 @@
 # Installs nothing. It needs a Chromium on PATH; on Debian/Ubuntu:
 #     apt-get install -y chromium
 # (or set CHROMIUM=/path/to/chrome). The program drawn is the README example: the
-# transformer block of ferry.examples compiled for cuda:0 with aten._softmax kept on the
+# transformer block of ferry.examples compiled for cuda:0 with aten.softmax kept on the
 # CPU; compiling needs no GPU.
 #
 # usage: docs/screenshot.sh [OUT.png]        (default: docs/placement.png)
@@ -35,7 +35,7 @@ from ferry.html import write_html
 
 model, inputs = transformer_block()
 program = ferry.compile(torch.export.export(model, inputs),
-                        ferry.OpSupportPartitioner("cuda:0", exclude=["aten._softmax"]))
+                        ferry.OpSupportPartitioner("cuda:0", exclude=["aten.softmax"]))
 write_html(program, sys.argv[1])
 PY
 

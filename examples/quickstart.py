@@ -24,7 +24,7 @@ else:
 model, example = transformer_block()
 exported = torch.export.export(model, example)
 # everything on the device except softmax, which falls back to the CPU
-partitioner = ferry.OpSupportPartitioner(device, exclude=["aten._softmax"])
+partitioner = ferry.OpSupportPartitioner(device, exclude=["aten.softmax"])
 program = ferry.compile(exported, partitioner)
 
 path = Path(tempfile.mkdtemp()) / "block.ferry"

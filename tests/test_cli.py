@@ -45,12 +45,12 @@ def call(argv):
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """`ferry compile ferry.examples:transformer_block -o F --device emu:0 --exclude aten._softmax`."""
+    """`ferry compile ferry.examples:transformer_block -o F --device emu:0 --exclude aten.softmax`."""
     path = tmp_path_factory.mktemp("cli") / "block.ferry"
     had_emu = get_allocator("emu") is not None
     try:
         rc, out, err = call(["compile", "ferry.examples:transformer_block", "-o", path, "--device", "emu:0",
-                             "--exclude", "aten._softmax"])
+                             "--exclude", "aten.softmax"])
     finally:
         if not had_emu and get_allocator("emu") is not None:
             unregister_allocator("emu")
@@ -66,7 +66,7 @@ def test_compile_writes_a_program(compiled):
     program = ferry.load_program(path)
     m = program.methods["forward"]
     assert len(program.delegates) == 2 and all(d.spec("target_device") == b"emu:0" for d in program.delegates)
-    assert "aten::_softmax.out" in [getattr(i, "kernel", None) for i in m.instructions], "softmax stays on the CPU"
+    assert "aten::softmax.int_out" in [getattr(i, "kernel", None) for i in m.instructions], "softmax stays on the CPU"
     assert [str(b.device) for b in m.buffers] == ["cpu:0", "cpu:0", "emu:0"]
     # the file runs and matches eager PyTorch
     model, example = ferry.examples.transformer_block()
@@ -89,7 +89,7 @@ def test_inspect_prints_methods_instructions_copies_and_buffers(compiled):
     ins_lines = [ln for ln in lines if re.match(r"\s+#\d+\s+(delegate|aten::|et_copy::)", ln)]
     assert len(ins_lines) == len(m.instructions)
     assert any("delegate 0 (torch on emu:0)" in ln for ln in ins_lines)
-    assert any(ln.strip().startswith("#") and "aten::_softmax.out" in ln and "@cpu:0[" in ln for ln in ins_lines)
+    assert any(ln.strip().startswith("#") and "aten::softmax.int_out" in ln and "@cpu:0[" in ln for ln in ins_lines)
     assert any("et_copy::_h2d_copy.out" in ln and "@cpu:0[" in ln and "@emu:0[" in ln for ln in ins_lines)
     rows = copy_report(program, "forward").rows
     assert rows and {r.direction for r in rows} == {"h2d", "d2h"}

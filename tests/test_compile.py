@@ -265,13 +265,15 @@ def test_graph_inputs_and_outputs_planned_unless_disabled(emu, alloc_in, alloc_o
     m = program.methods["forward"]
     assert all(m.values[v].device == CPU for v in [*m.inputs, *m.outputs])
     assert all((m.values[v].plan is not None) == alloc_in for v in m.inputs)
-    assert all((m.values[v].plan is not None) == alloc_out for v in m.outputs)
+    assert all((m.values[v].plan is not None) == alloc_out for v in m.outputs if m.values[v].storage != "runtime")
     io = set(m.inputs) | set(m.outputs)
     inner = [v for vid, v in enumerate(m.values) if isinstance(v, TensorValue) and vid not in io and v.alias_of is None]
-    assert inner and all(v.plan is not None for v in inner), "everything else is planned"
+    assert inner and all(v.plan is not None for v in inner if v.storage != "runtime"), \
+        "everything else is planned (but for functional kernels' results)"
     meta = program.method_meta("forward")
     assert [meta.input_meta(i).planned for i in range(meta.num_inputs())] == [alloc_in] * 2
-    assert [meta.output_meta(i).planned for i in range(meta.num_outputs())] == [alloc_out] * 3
+    assert [meta.output_meta(i).planned for i in range(meta.num_outputs())] == [
+        alloc_out and m.values[v].storage != "runtime" for v in m.outputs]
     run_vs_eager(program, model, inputs)
 
 
@@ -562,7 +564,7 @@ def test_models_run_on_the_emulated_device(emu, name):
 @pytest.mark.parametrize("name", ["transformer", "example_cnn"])
 def test_models_with_some_ops_kept_on_the_cpu(emu, name):
     model, inputs = BUILDERS[name]()
-    exclude = ["aten._softmax", "aten.gelu"] if "transformer" in name else ["aten.relu", "aten.max_pool2d_with_indices"]
+    exclude = ["aten.softmax", "aten.gelu"] if "transformer" in name else ["aten.relu", "aten.max_pool2d_with_indices"]
     program = compile_checked(exported(name), ferry.OpSupportPartitioner("emu:0", exclude=exclude))
     assert len(program.delegates) >= 2
     run_vs_eager(program, model, inputs)

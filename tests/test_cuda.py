@@ -137,7 +137,7 @@ class Chain(torch.nn.Module):
 
 
 @pytest.mark.parametrize("factory,exclude", [
-    (transformer_block, ["aten._softmax"]),
+    (transformer_block, ["aten.softmax"]),
     (small_cnn, ["aten.max_pool2d_with_indices"]),
     (transformer_block, []),
 ])
@@ -238,7 +238,7 @@ def test_async_copies_are_complete_before_host_reads():
 
 def test_host_buffers_are_page_locked():
     model, example = transformer_block()
-    module = ferry.Module(_compile(model, example, exclude=["aten._softmax"]))
+    module = ferry.Module(_compile(model, example, exclude=["aten.softmax"]))
     module.load_method()
     host = [b for b in module._methods["forward"].memory.owned if b.device.is_cpu]
     assert host and all(b.memory.is_pinned() for b in host)
@@ -259,7 +259,7 @@ def test_cuda_graphs_match_eager_and_replay():
 
 def test_cuda_graphs_with_cpu_fallback_segments():
     model, example = transformer_block()
-    module = ferry.Module(_compile(model, example, exclude=["aten._softmax"]), cuda_graphs=True)
+    module = ferry.Module(_compile(model, example, exclude=["aten.softmax"]), cuda_graphs=True)
     for _ in range(4):
         x = torch.randn_like(example[0])
         with torch.no_grad():
@@ -386,7 +386,7 @@ def test_aten_mode_checks_before_writing():
 
 def test_placed_graph_runs_eagerly_on_gpu():
     model, example = transformer_block()
-    placed = ferry.place(torch.export.export(model, example), ferry.OpSupportPartitioner("cuda:0", exclude=["aten._softmax"]))
+    placed = ferry.place(torch.export.export(model, example), ferry.OpSupportPartitioner("cuda:0", exclude=["aten.softmax"]))
     x = torch.randn_like(example[0])
     with ferry.ops.aten_mode():
         got = placed(x)

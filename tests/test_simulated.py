@@ -133,7 +133,7 @@ def test_copy_streams_small_copies_stay_on_the_compute_stream():
 
 # ---------------------------------------------------------------- the runtime on it
 
-EXCLUDE_SOFTMAX = ["aten._softmax"]
+EXCLUDE_SOFTMAX = ["aten.softmax"]
 
 
 def _block_program(exclude=EXCLUDE_SOFTMAX, config=None):

@@ -56,6 +56,9 @@ def test_unread_output_is_not_planned_and_cannot_clobber_neighbours():
 
 
 def test_batch_norm_statistics_are_not_planned():
+    """Batch norm's .out computes into a temporary and copies, so it runs its functional kernel:
+    none of its outputs is planned, the statistics (which CUDA writes larger than the CPU
+    trace says) least of all."""
     model, example = ferry.examples.small_cnn()
     program = ferry.compile(torch.export.export(model, example))
     m = program.method("forward")
@@ -63,8 +66,8 @@ def test_batch_norm_statistics_are_not_planned():
     assert bn
     for ins in bn:
         out, mean, invstd = ins.outputs
-        assert m.values[out].plan is not None
-        assert m.values[mean].plan is None and m.values[invstd].plan is None
+        assert ins.kernel in m.kernel_choices and "(measured)" in m.kernel_choices[ins.kernel]
+        assert all(m.values[v].plan is None for v in (out, mean, invstd))
     x = torch.randn_like(example[0])
     with torch.no_grad():
         torch.testing.assert_close(ferry.Module(program)(x), model(x), atol=1e-5, rtol=1e-5)

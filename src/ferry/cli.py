@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("spec", help="package.module:function returning (model, example_inputs)")
     c.add_argument("-o", "--output", required=True, help="program file to write")
     c.add_argument("--device", default="cuda:0", help="device of the delegated partition (cuda:0, emu:0, ...)")
-    c.add_argument("--exclude", help="comma-separated ops kept on the CPU, e.g. aten._softmax,aten.gelu")
+    c.add_argument("--exclude", help="comma-separated ops kept on the CPU, e.g. aten.softmax,aten.gelu")
     c.add_argument("--skip-h2d", action="store_true", help="inputs read on the device are passed in already there")
     c.add_argument("--skip-d2h", action="store_true", help="device outputs stay on the device")
     c.set_defaults(func=cmd_compile)

@@ -78,7 +78,9 @@ def program_summary(program: Program, instructions: bool = True, method: str | N
             planned = sum(b.size for b in m.buffers[1:] if str(b.device) == dev)
             out.append(f"    {dev}: planned {planned:,} B, lower bound (peak live) {lb:,} B")
         if m.runtime_allocating_ops:
-            out.append("  ops without an out variant (allocate at run time): " + ", ".join(m.runtime_allocating_ops))
+            out.append("  computed by their functional kernel (their results are allocated at run time):")
+            for op in m.runtime_allocating_ops:
+                out.append(f"    {op}: {m.kernel_choices.get(op, 'no out variant')}")
     out.append(f"delegates: {len(program.delegates)}, segments: {len(program.segments)} "
                f"({_fmt_bytes(sum(len(memoryview(s)) for s in program.segments))})")
     return "\n".join(out)
@@ -121,6 +123,7 @@ def _program_json(program: Program, method: str | None) -> dict:
             "buffers": [{"index": i, "size": b.size, "device": str(b.device)} for i, b in enumerate(m.buffers)],
             "lower_bounds": dict(m.lower_bounds),
             "runtime_allocating_ops": list(m.runtime_allocating_ops),
+            "kernel_choices": dict(m.kernel_choices),
         }
     return {
         "methods": methods,

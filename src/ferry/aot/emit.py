@@ -19,8 +19,9 @@ import torch.fx
 
 from ferry.aot import meta as M
 from ferry.aot.config import MethodOptions
+from ferry.aot.kernel_choice import choose_kernel
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
-from ferry.aot.out_variants import is_view, out_variant
+from ferry.aot.out_variants import is_view
 from ferry.aot.plan import PlanValue, plan_memory
 from ferry.backend_registry import get_backend
 from ferry.device import CPU, Device
@@ -39,7 +40,6 @@ from ferry.program.schema import (
     dtype_name,
 )
 
-_EXPORT_TIME_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 _SIZE_OPS = ("add", "sub", "mul", "floordiv", "mod", "neg")
 
 
@@ -119,6 +119,7 @@ class _MethodEmitter:
         self.runtime_alloc: set[int] = set()
         self.unread: set[int] = set()
         self.allocating_ops: list[str] = []
+        self.kernel_choices: dict[str, str] = {}  # op -> why it runs functionally
 
     # ---------------------------------------------------------------- values
 
@@ -291,20 +292,20 @@ class _MethodEmitter:
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
             self.env[node] = outs if many else outs[0]
             return
-        if op in _EXPORT_TIME_CHECKS:
-            return  # asserts the device/dtype seen while tracing on the CPU; placement changes the device
         if not op._schema.returns:  # a check (e.g. aten._assert_scalar): runs, defines nothing
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), ()))
             return
         vals = list(val) if isinstance(val, (tuple, list)) else [val]
         dev = self.device_of(node)
         outs = tuple(self.tensor_value(node, v, dev) for v in vals)
-        out_op = out_variant(op)
-        if out_op is None:
+        choice = choose_kernel(op, node)
+        if choice.functional:
             self.runtime_alloc.update(outs)
             self.allocating_ops.append(kernel_name(op))
+            self.kernel_choices.setdefault(kernel_name(op), choice.reason)
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
         else:
+            out_op = choice.op
             out_names = [a.name for a in out_op._schema.arguments if a.is_out]
             args = self.schema_args(out_op, node, dict(zip(out_names, outs)))
             self.instructions.append(KernelCall(kernel_name(out_op), args, outs))
@@ -380,6 +381,7 @@ class _MethodEmitter:
             outputs=self.outputs, buffers=plan.buffers, mutable_buffers=self.mutable,
             lower_bounds={str(d): b for d, b in plan.lower_bounds.items()},
             runtime_allocating_ops=sorted(set(self.allocating_ops)),
+            kernel_choices=dict(sorted(self.kernel_choices.items())),
         )
 
     def _planned(self, vid: int) -> bool:

@@ -95,16 +95,40 @@ _INPUT_KINDS = {
 }
 
 
-def _core_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Functional core ATen: every op has a fixed schema and (mostly) an out variant."""
-    with warnings.catch_warnings():
-        # torch >= 2.13 deep-copies the program's call signature here, and copying its
-        # LeafSpec trips torch's own deprecation of `isinstance(treespec, LeafSpec)`: noise
-        # from torch's internals that the user can do nothing about (any warning from
-        # elsewhere still shows).
-        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning,
-                                module="copyreg")
-        return ep.run_decompositions()
+# checks of what tracing saw on the CPU (dtype, device): placement changes the device, so they
+# would fail or force copies; they are dropped before partitioning
+EXPORT_TIME_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """The program as functional ATen with every op the user wrote kept whole.
+
+    Nothing is decomposed: `linear`, `layer_norm`, `softmax`, `silu`, `scaled_dot_product_attention`
+    stay what `print(exported_program)` shows, so partitioners see those names and each target
+    runs its own fused kernels (CUDA's flash attention, the CPU's fused softmax). Only what is
+    not functional, or not an operator of its own (`chunk`, `reshape`), becomes the ATen ops
+    eager PyTorch would run for it."""
+    try:
+        with warnings.catch_warnings():
+            # torch >= 2.13 deep-copies the program's call signature here, and copying its
+            # LeafSpec trips torch's own deprecation of `isinstance(treespec, LeafSpec)`: noise
+            # from torch's internals that the user can do nothing about (any warning from
+            # elsewhere still shows).
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning,
+                                    module="copyreg")
+            ep = ep.run_decompositions({})
+    except Exception as e:  # torch's functionalization failed on some op
+        raise CompileError(f"torch.export could not turn the program into functional ATen ops: "
+                           f"{type(e).__name__}: {e}") from e
+    _drop_export_time_checks(ep.graph_module)
+    return ep
+
+
+def _drop_export_time_checks(gm: torch.fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in EXPORT_TIME_CHECKS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _annotate(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
@@ -174,7 +198,7 @@ def _check_partitions(partitions, nodes_by_name) -> list[list[torch.fx.Node]]:
 
 def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Partitioner | None) -> LoweredProgram:
     """Replace each partition the partitioner proposes by one call_delegate node."""
-    ep = _core_aten(exported_program)
+    ep = functional_aten(exported_program)
     constants = _annotate(ep)
     partitions = list(partitioner.partition(ep)) if partitioner is not None else []
     old = ep.graph

@@ -54,5 +54,12 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
 def is_view(op: torch._ops.OpOverload) -> bool:
     """True for ops whose output (a tensor or a list of tensors) aliases an input without
     writing: view, permute, split, unbind, …"""
+    if op in _UNTRACKED_VIEWS:
+        return True
     rets = op._schema.returns
     return len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+# views whose schema does not say so (`reshape` of a fresh copy becomes `clone` + `_unsafe_view`):
+# eager returns a view here too, and copying through the `.out` overload would be a wasted pass
+_UNTRACKED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})

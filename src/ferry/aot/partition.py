@@ -24,7 +24,9 @@ or a device per module path (read `node.meta["nn_module_stack"]`).
 
 from __future__ import annotations
 
+import difflib
 import operator
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -102,6 +104,21 @@ class AtenOpSupport(OperatorSupportBase):
         self.ops = None if ops is None else frozenset(_op_key(o) for o in ops)
         self.exclude = frozenset(_op_key(o) for o in exclude)
 
+    def warn_unmatched(self, graph: torch.fx.Graph) -> None:
+        """A name in `ops` or `exclude` that no op of the program has is almost always a typo or a
+        name from another stage (`aten._softmax` where the program has `aten.softmax`): say so,
+        with the nearest names the program does have."""
+        present = set()
+        for n in graph.nodes:
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+                full = _op_key(n.target)
+                present.update((full, full.rsplit(".", 1)[0]))
+        for what, keys in (("ops", self.ops or ()), ("exclude", self.exclude)):
+            for key in sorted(set(keys) - present):
+                near = difflib.get_close_matches(key, sorted(present), n=3, cutoff=0.5)
+                hint = f"; nearest: {', '.join(near)}" if near else f"; the program has: {', '.join(sorted(present)[:12])}"
+                warnings.warn(f"{what}={key!r} matches no op in this program{hint}", UserWarning, stacklevel=4)
+
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
         if node.op != "call_function":
             return False
@@ -110,6 +127,8 @@ class AtenOpSupport(OperatorSupportBase):
             return isinstance(src, torch.fx.Node) and self.is_node_supported(submodules, src)
         if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
             return False
+        if not node.target._schema.returns:
+            return False  # a check (aten._assert_scalar, ...): defines nothing, runs on the host
         val = node.meta.get("val")
         if val is not None and not all(isinstance(v, torch.Tensor) for v in (val if isinstance(val, (list, tuple)) else [val])):
             return False  # sizes (aten.sym_size, ...) are computed on the host, next to the shapes they read
@@ -151,6 +170,7 @@ class OpSupportPartitioner:
 
     def partition(self, exported_program: torch.export.ExportedProgram) -> list[Partition]:
         gm = exported_program.graph_module
+        self.support.warn_unmatched(gm.graph)
         proposed = CapabilityBasedPartitioner(gm, self.support, allows_single_node_partition=True).propose_partitions()
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         result = []

@@ -259,6 +259,26 @@ class IntMap(Field):
             Int().check(v, f"{what} for {k!r}")
 
 
+@dataclass(frozen=True)
+class StrMap(Field):
+    """A JSON object of string keys to strings."""
+
+    def encode(self, x):
+        return dict(x)
+
+    def decode(self, x, path):
+        if not isinstance(x, dict):
+            raise bad(path, f"expected an object, got {jtype(x)}")
+        return {k: Str().decode(v, f"{path}[{k!r}]") for k, v in x.items()}
+
+    def check(self, x, what):
+        if not isinstance(x, dict):
+            raise ProgramError(f"{what} must be a dict of str -> str")
+        for k, v in x.items():
+            Str().check(k, f"{what} key")
+            Str().check(v, f"{what} for {k!r}")
+
+
 def check_keys(x: object, path: str, keys: tuple[str, ...]) -> dict:
     """`x` is a JSON object with exactly `keys`."""
     if not isinstance(x, dict):
@@ -453,7 +473,7 @@ MUTABLE_BUFFER = Record(MutableBuffer, (("value", ID), ("update", ID), ("name", 
 METHOD = Record(Method, (
     ("name", Str(nonempty=True)), ("values", Seq(VALUE)), ("instructions", Seq(INSTRUCTION)),
     ("inputs", Seq(ID)), ("outputs", Seq(ID)), ("buffers", Seq(BUFFER)), ("mutable_buffers", Seq(MUTABLE_BUFFER)),
-    ("lower_bounds", IntMap()), ("runtime_allocating_ops", Seq(Str())),
+    ("lower_bounds", IntMap()), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrMap()),
 ))
 
 

@@ -280,8 +280,10 @@ class Method:
     mutable_buffers: list[MutableBuffer] = field(default_factory=list)
     # compile report: per device string, the peak of bytes live at one time
     lower_bounds: dict[str, int] = field(default_factory=dict)
-    # ops with no out variant: they allocate at run time
+    # ops computed by their functional kernel: they allocate their results at run time
     runtime_allocating_ops: list[str] = field(default_factory=list)
+    # op -> why it is computed functionally (no out variant, a wrapper .out, an eager layout)
+    kernel_choices: dict[str, str] = field(default_factory=dict)
 
     def tensor(self, vid: int) -> TensorValue:
         v = self.values[vid]

@@ -50,8 +50,13 @@ class Step:
 
     devices:       the non-CPU devices it touches (empty for host work)
     touches_host:  it moves data between host memory and a device (a copy with a CPU end)
-    capturable:    every address it uses is fixed and its host memory page-locked
+    capturable:    its host memory is page-locked (and it is device work a graph can hold)
     check:         run after the first call: the kernel kept its planned output shapes
+    reads:         values of this call (not fixed at load) it reads or writes into
+    writes:        values of this call it produces (a functional kernel's results, views of them)
+
+    A graph may capture a run of steps when every value of the call they read is produced
+    earlier in that run: every address they touch is then fixed at load or by the capture.
     """
 
     index: int
@@ -62,6 +67,8 @@ class Step:
     capturable: bool
     call: Callable[[], object]
     check: Callable[[], None] | None = None
+    reads: frozenset[int] = frozenset()
+    writes: frozenset[int] = frozenset()
 
     @property
     def label(self) -> str:
@@ -79,6 +86,7 @@ class CallIO:
     caller_owned:    output positions the caller owns without a copy
     constant_outputs: output positions that are (views of) host constants
     passthrough:     (output position, input position): a staged input handed straight back
+    runtime_outputs: output position -> value id of outputs a functional kernel makes each call
     """
 
     inputs: tuple[tuple[int, str], ...]
@@ -87,6 +95,7 @@ class CallIO:
     caller_owned: frozenset[int]
     constant_outputs: frozenset[int]
     passthrough: tuple[tuple[int, int], ...]
+    runtime_outputs: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -146,7 +155,17 @@ def _call_io(m: Method, memory: Memory, fixed: list[bool]) -> CallIO:
         caller_owned=frozenset(owned | {i for i, _ in passthrough}),
         constant_outputs=frozenset(constant),
         passthrough=passthrough,
+        runtime_outputs={i: vid for i, vid in enumerate(m.outputs)
+                         if isinstance(m.values[vid], TensorValue) and m.tensor(vid).storage == "runtime"},
     )
+
+
+def _members(m: Method, vid: int) -> list[int]:
+    """The tensor ids a list constant stands for (none for anything else)."""
+    v = m.values[vid]
+    if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
+        return [x for x in v.value if x is not None]  # type: ignore[attr-defined]
+    return []
 
 
 def _ref(slots, fixed, m: Method, vid: int):
@@ -190,12 +209,16 @@ class _Binder:
         m = self.m
         devs = {m.tensor(o).device for o in ins.outputs if isinstance(m.values[o], TensorValue)}
         devs |= set(extra_devices)
-        ids = [a for a in ins.args if a != DEFAULT_ARG] + list(ins.outputs)
-        capturable = all(self.fixed[i] for i in ids) and all(
+        args = [t for a in ins.args if a != DEFAULT_ARG for t in [a, *_members(m, a)]]
+        reads = frozenset(a for a in args if not self.fixed[a])  # per call: must come from the same segment
+        writes = frozenset(o for o in ins.outputs if not self.fixed[o] and o not in ins.args)
+        ids = [a for a in args if self.fixed[a]] + [o for o in ins.outputs if self.fixed[o]]
+        capturable = kind != "size" and all(
             self.page_locked(self.slots[i]) for i in ids
             if isinstance(m.values[i], TensorValue) and m.tensor(i).device.is_cpu and m.tensor(i).nbytes)
         return Step(index, kind, name, tuple(sorted(d for d in devs if not d.is_cpu)),
-                    any(d.is_cpu for d in devs) and any(not d.is_cpu for d in devs), capturable, call, check)
+                    any(d.is_cpu for d in devs) and any(not d.is_cpu for d in devs), capturable, call, check,
+                    reads, writes)
 
     # ---- delegates
 
@@ -353,6 +376,7 @@ class _Binder:
             dev = self.m.tensor(value).device
             call = lambda value=value, update=update: slots[value].copy_(slots[update])  # noqa: E731
             devices = () if dev.is_cpu else (dev,)
-            out.append(Step(-1, "writeback", f"write back {mb.name or value}", devices, False,
-                            self.fixed[update] and self.fixed[value], call))
+            reads = frozenset(v for v in (value, update) if not self.fixed[v])
+            out.append(Step(-1, "writeback", f"write back {mb.name or value}", devices, False, True, call,
+                            reads=reads))
         return out

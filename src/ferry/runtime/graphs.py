@@ -2,9 +2,12 @@
 
 A captured segment runs eagerly on its first call (lazy initialisation such as cuBLAS
 handles stays out of the graph), is captured on the second and replayed from then on. Every
-address in it is fixed (planned memory, or the fixed tensors device inputs are staged into),
-which is what makes replay legal. A capture that fails, or records nothing, falls back to
-running the segment eagerly, with a warning: never a wrong result.
+address in it is fixed — planned memory, the fixed tensors device inputs are staged into, or
+what a functional kernel allocated during the capture (from the graph's own memory pool) —
+which is what makes replay legal. After a replay, the slots of the values the segment
+produced point at the tensors the capture made, whose memory the replay has rewritten. A
+capture that fails, or records nothing, falls back to running the segment eagerly, with a
+warning: never a wrong result.
 """
 
 from __future__ import annotations
@@ -22,13 +25,17 @@ class _Graph(Protocol):
 
 class GraphSegment:
     def __init__(self, calls: Sequence[Callable[[], object]], device_index: int, streams, touches_host: bool,
-                 label: str):
+                 label: str, slots: list | None = None, produced: frozenset[int] = frozenset()):
         self.calls = tuple(calls)
         self.index = device_index
         self.streams = streams
         self.api = streams.api
         self.touches_host = touches_host
         self.label = label
+        # values of the call the segment produces (functional kernels' results): a replay rewrites
+        # the memory the capture allocated for them, so their slots get those tensors back
+        self.slots, self.produced = slots, produced
+        self.kept: dict[int, object] = {}
         self.runs = 0
         self.graph: _Graph | None = None
         self.key = None
@@ -55,6 +62,9 @@ class GraphSegment:
     def _replay(self) -> None:
         assert self.graph is not None  # only called once a capture succeeded
         self.graph.replay()
+        if self.kept:
+            for vid, t in self.kept.items():
+                self.slots[vid] = t  # type: ignore[index]
         if self.touches_host:
             self.streams.note_host_dependency(("graph", id(self)), self.index)
 
@@ -83,4 +93,5 @@ class GraphSegment:
             self.api.synchronize(self.index)
             return self._eager()
         self.graph, self.key = graph, key
+        self.kept = {vid: self.slots[vid] for vid in self.produced} if self.slots is not None else {}
         return self._replay()

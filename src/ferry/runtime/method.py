@@ -68,7 +68,7 @@ class LoadedMethod:
 
     @property
     def caller_owned_outputs(self) -> frozenset[int]:
-        return self.plan.io.caller_owned
+        return self.plan.caller_owned
 
     @property
     def constant_outputs(self) -> frozenset[int]:

@@ -57,6 +57,12 @@ class Plan:
         self.work = tuple(self._compile(sched, first_call=False))
         self.first_work = tuple(self._compile(first, first_call=True))
         self.checked = False
+        # a functional kernel's result is fresh each call, so the caller may keep it; not one a
+        # graph replays into (the same memory every call)
+        replayed = frozenset().union(*(w.writes for w in sched.segments() if w.capture))
+        fresh = {i for i, vid in enumerate(outputs)
+                 if bound.io.runtime_outputs.get(i) is not None and vid not in replayed}
+        self.caller_owned = bound.io.caller_owned | fresh
 
     # ---- building
 
@@ -90,7 +96,7 @@ class Plan:
 
     def _graph(self, seg: Segment) -> Callable[[], object]:
         g = GraphSegment([self._launch(s) for s in seg.steps], seg.device.index, self.streams,  # type: ignore[union-attr]
-                         seg.touches_host, f"method {self.name!r} {seg.label}")
+                         seg.touches_host, f"method {self.name!r} {seg.label}", self.bound.slots, seg.writes)
         self.graphs.append(g)
         return lambda: g(self._key)
 

@@ -48,6 +48,12 @@ class Segment:
     capture: bool
 
     @property
+    def writes(self) -> frozenset[int]:
+        """Values of the call the segment produces: after a replay, their slots point at the
+        tensors the capture made (the replay rewrote their memory)."""
+        return frozenset().union(*(s.writes for s in self.steps))
+
+    @property
     def label(self) -> str:
         return f"instructions {self.steps[0].label}..{self.steps[-1].label}"
 
@@ -104,9 +110,19 @@ def schedule(steps: Sequence[Step | None], async_type: str | None, graphs: bool 
     return Schedule(tuple(work), tuple(notes))
 
 
+def _self_contained(steps: list[Step]) -> bool:
+    """Every value of the call a step reads is produced by an earlier step of the run."""
+    produced: set[int] = set()
+    for s in steps:
+        if not s.reads <= produced:
+            return False
+        produced |= s.writes
+    return True
+
+
 def _segment(steps: list[Step], async_type: str, graphs: bool, notes: list[str]) -> Segment:
     device = _device_of(steps[0], async_type)
-    capture = graphs and device is not None and all(s.capturable for s in steps)
+    capture = graphs and device is not None and all(s.capturable for s in steps) and _self_contained(steps)
     seg = Segment(device, tuple(steps), any(s.touches_host for s in steps), capture)
     if graphs and device is not None and not capture:
         notes.append(f"{seg.label} run without a graph (they read tensors the caller passes per call, "

@@ -1,0 +1,165 @@
+"""Which kernel computes an op: its `.out` overload into planned memory, or the functional one.
+
+An `.out` overload is worth it only when it is a real kernel writing its result in place.
+Many are wrappers PyTorch generates (`convolution.out`, `native_layer_norm.out`, `clone.out`,
+...): they call the functional kernel into a temporary and copy it into `out`, one extra
+pass over memory and one extra allocation per call. Which is which is *measured*, once per
+overload and process: the `.out` kernel runs on small CPU tensors of the traced shapes under
+PyTorch's profiler, and one that allocates as many bytes as its outputs hold is a wrapper.
+(A wrapper is generated once for every device, so the CPU measurement holds for CUDA.)
+
+The functional kernel is also used when eager PyTorch gives the result a layout other than
+the contiguous one a planned tensor has (a `relu` of a permuted tensor keeps the permuted
+strides): then every view eager allows stays legal. Functional results are allocated by the
+kernel each call and are not planned; each decision is recorded in the program, with why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ferry import ops
+from ferry.aot.out_variants import out_variant
+from ferry.op_names import kernel_name
+
+__all__ = ["KernelChoice", "choose_kernel", "out_is_wrapper"]
+
+_MEASURE_ELEMENTS = 1 << 22  # inputs larger than this are not materialised to measure
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    op: torch._ops.OpOverload  # the overload an instruction calls
+    functional: bool  # True: the result is allocated by the kernel, not planned
+    reason: str = ""
+
+
+def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node) -> KernelChoice:
+    out = out_variant(op)
+    if op in ops.FUNCTIONAL_COPIES:
+        return KernelChoice(out, False)  # ferry's own copies write in place
+    if out is None:
+        return KernelChoice(op, True, "no out variant: allocates its result each call")
+    if not _contiguous(node.meta.get("val")):
+        return KernelChoice(op, True, "eager gives its result a non-contiguous layout: computed as eager does, "
+                                      "so every view eager allows stays legal")
+    if out_is_wrapper(out, node):
+        return KernelChoice(op, True, f"{kernel_name(out)} computes into a temporary and copies (measured): "
+                                      "the functional kernel's result is used in place")
+    return KernelChoice(out, False)
+
+
+def _contiguous(val) -> bool:
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    for v in vals:
+        if isinstance(v, torch.Tensor) and v.numel() > 1 and not _is_contiguous(v):
+            return False
+    return True
+
+
+def _is_contiguous(v: torch.Tensor) -> bool:
+    try:
+        return bool(v.is_contiguous())
+    except Exception:  # symbolic strides: dynamic shapes are laid out contiguously  # noqa: BLE001
+        return True
+
+
+def out_is_wrapper(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
+    """Does `out` allocate a temporary the size of its outputs? Measured once per overload."""
+    if _has_backend_kernel(out):
+        return False  # a kernel registered for the CPU itself: structured, writes in place
+    return _measured_wrapper(out, node)
+
+
+def _has_backend_kernel(op: torch._ops.OpOverload) -> bool:
+    name = f"{op.namespace}::{op._opname}" + (f".{op._overloadname}" if op._overloadname != "default" else "")
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"))
+    except RuntimeError:
+        return False
+
+
+_measured: dict[torch._ops.OpOverload, bool] = {}
+
+
+def _measured_wrapper(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
+    if out not in _measured:
+        _measured[out] = _measure(out, node)
+    return _measured[out]
+
+
+def _measure(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
+    """Run `out` once on materialised example inputs under the profiler; a wrapper shows an
+    allocation at least as large as its outputs. Anything that keeps us from measuring
+    (data-dependent inputs, huge shapes) counts as a wrapper: the functional kernel is
+    always correct and is what eager runs."""
+    try:
+        args, kwargs, out_bytes = _example_call(out, node)
+    except _CannotMeasure:
+        return True
+    try:
+        with _quiet_stderr(), torch.autograd.profiler.profile(profile_memory=True, use_kineto=False) as prof:
+            out(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - random inputs an op rejects: fall back to the functional kernel
+        return True
+    allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.function_events)
+    return out_bytes > 0 and allocated >= out_bytes
+
+
+class _CannotMeasure(Exception):
+    pass
+
+
+def _materialise(x):
+    if isinstance(x, torch.fx.Node):
+        return _materialise(x.meta.get("val"))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_materialise(e) for e in x)
+    if isinstance(x, torch.SymInt):
+        raise _CannotMeasure()
+    if isinstance(x, torch.Tensor):
+        if any(isinstance(s, torch.SymInt) for s in x.shape) or x.numel() > _MEASURE_ELEMENTS:
+            raise _CannotMeasure()
+        if x.is_floating_point() or x.is_complex():
+            return torch.randn(tuple(x.shape), dtype=x.dtype)
+        return torch.zeros(tuple(x.shape), dtype=x.dtype)  # indices: zeros are in range
+    return x
+
+
+def _example_call(out: torch._ops.OpOverload, node: torch.fx.Node):
+    args = [_materialise(a) for a in node.args]
+    accepted = {a.name for a in out._schema.arguments}  # out variants drop dtype/device/layout
+    kwargs = {k: _materialise(v) for k, v in node.kwargs.items() if k in accepted}
+    val = node.meta.get("val")
+    vals = list(val) if isinstance(val, (list, tuple)) else [val]
+    outs = [a.name for a in out._schema.arguments if a.is_out]
+    results = [_materialise(v) for v in vals]
+    if len(outs) != len(results) or not all(isinstance(r, torch.Tensor) for r in results):
+        raise _CannotMeasure()
+    kwargs.update({name: torch.empty_like(r) for name, r in zip(outs, results)})
+    return args, kwargs, sum(r.numel() * r.element_size() for r in results)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler's C++ side prints start/stop lines to file descriptor 2: not the user's business."""
+    try:
+        fd = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
