@@ -41,10 +41,10 @@ class KernelChoice:
 
 def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node) -> KernelChoice:
     out = out_variant(op)
-    if op in ops.FUNCTIONAL_COPIES:
-        return KernelChoice(out, False)  # ferry's own copies write in place
     if out is None:
         return KernelChoice(op, True, "no out variant: allocates its result each call")
+    if op in ops.FUNCTIONAL_COPIES:
+        return KernelChoice(out, False)  # ferry's own copies write in place
     if not _contiguous(node.meta.get("val")):
         return KernelChoice(op, True, "eager gives its result a non-contiguous layout: computed as eager does, "
                                       "so every view eager allows stays legal")

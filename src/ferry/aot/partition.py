@@ -108,7 +108,7 @@ class AtenOpSupport(OperatorSupportBase):
         """A name in `ops` or `exclude` that no op of the program has is almost always a typo or a
         name from another stage (`aten._softmax` where the program has `aten.softmax`): say so,
         with the nearest names the program does have."""
-        present = set()
+        present: set[str] = set()
         for n in graph.nodes:
             if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
                 full = _op_key(n.target)
