@@ -26,6 +26,7 @@ from ferry.aot.plan import PlanValue, plan_memory
 from ferry.backend_registry import get_backend
 from ferry.device import CPU, Device
 from ferry.errors import CompileError
+from ferry.layout import is_dense
 from ferry.op_names import kernel_name
 from ferry.program.lifetimes import value_lifetimes
 from ferry.program.schema import (
@@ -97,6 +98,18 @@ def _upper_bound(dim, range_constraints, what: str) -> tuple[int, bool]:
     return int(expr.subs(subs)), True
 
 
+def _eager_strides(val: torch.Tensor) -> tuple[int, ...]:
+    """The layout eager gives `val` when it is a dense permutation other than contiguous (so a
+    view eager allows on it stays legal here); () for contiguous or anything else."""
+    try:
+        strides = tuple(int(s) for s in val.stride())
+        if val.is_contiguous() or not is_dense(tuple(int(d) for d in val.shape), strides):
+            return ()
+        return strides
+    except Exception:  # noqa: BLE001 - symbolic strides: laid out contiguously
+        return ()
+
+
 class _MethodEmitter:
     def __init__(self, name, gm, constants, builder: ProgramBuilder, opts: MethodOptions, range_constraints,
                  default_device: Device):
@@ -147,8 +160,9 @@ class _MethodEmitter:
             s, dyn = _upper_bound(d, self.rc, f"dimension {i} of {node.name!r}")
             shape.append(s)
             dynamic.append(dyn)
+        strides = () if any(dynamic) or "constant" in kw else _eager_strides(val)
         v = TensorValue(dtype_name(val.dtype), tuple(shape), device, dynamic=tuple(dynamic) if any(dynamic) else (),
-                        name=node.name, **kw)
+                        name=node.name, strides=strides, **kw)
         self.values.append(v)
         return len(self.values) - 1
 

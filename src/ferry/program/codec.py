@@ -459,7 +459,7 @@ PLAN = Record(PlanEntry, (("buffer", ID), ("offset", ID)))
 TENSOR = Record(TensorValue, (
     ("dtype", Dtype()), ("shape", Seq(Int(), as_tuple=True, max_len=MAX_RANK)), ("device", DeviceField()),
     ("plan", Opt(PLAN)), ("constant", Opt(ID)), ("dynamic", Seq(Bool(), as_tuple=True)), ("alias_of", Opt(ID)),
-    ("name", Str()), ("storage", OneOf(tuple(STORAGE_KINDS))),
+    ("name", Str()), ("strides", Seq(Int(), as_tuple=True, max_len=MAX_RANK)), ("storage", OneOf(tuple(STORAGE_KINDS))),
 ), tag="tensor")
 CONST = ConstField()
 VALUE = _TaggedValue((TENSOR, Record(ConstValue, (), tag="const")))

@@ -78,6 +78,9 @@ class TensorValue:
     constant:  segment holding its bytes: storage 'constant', or the initial value of a
                planned mutable buffer.
     alias_of:  value id this tensor is a view of (storage 'view').
+    strides:   the layout eager gives it, in elements, when that is not contiguous (a
+               permutation of the dense layout); empty for contiguous. Memory ferry makes for
+               it (planned, fresh outputs, staged I/O) is laid out so.
     """
 
     dtype: str
@@ -88,6 +91,7 @@ class TensorValue:
     dynamic: tuple[bool, ...] = ()
     alias_of: int | None = None
     name: str = ""
+    strides: tuple[int, ...] = ()
     storage: str = None  # type: ignore[assignment]
 
     def __post_init__(self):

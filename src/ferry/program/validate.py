@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from ferry.errors import ProgramError
+from ferry.layout import is_dense
 from ferry.program import codec
 from ferry.program.schema import (
     CONST_KIND_TABLE,
@@ -132,6 +133,8 @@ class _MethodChecks:
         nbytes = v.nbytes
         if v.dynamic and len(v.dynamic) != len(v.shape):
             raise ProgramError(f"{what}: dynamic has {len(v.dynamic)} flags for a shape of {len(v.shape)} dimensions")
+        if v.strides and not is_dense(v.shape, v.strides):
+            raise ProgramError(f"{what}: strides {v.strides} do not lay out shape {list(v.shape)} densely")
         if v.plan is not None:
             b, off = v.plan.buffer, v.plan.offset
             if b >= len(self.m.buffers):

@@ -11,6 +11,7 @@ import torch
 
 from ferry.device import Device
 from ferry.errors import DeviceError, InputError, ProgramError
+from ferry.layout import is_dense
 from ferry.program.schema import DEFAULT_ARG
 from ferry.runtime.allocator import as_bytes, require_allocator
 
@@ -25,6 +26,14 @@ def copy_direction_check(direction: str, src: Device, dst: Device) -> None:
         need = {"h2d": "a CPU source and a non-CPU destination", "d2h": "a non-CPU source and a CPU destination",
                 "d2d": "two different non-CPU devices"}[direction]
         raise DeviceError(f"_{direction}_copy needs {need}, but the program moves {src} -> {dst}")
+
+
+def memory_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's bytes as they lie in memory (contiguous, or a permuted layout): what a
+    byte copy between two tensors of one layout moves."""
+    if t.is_contiguous() or t.numel() == 0:
+        return as_bytes(t)
+    return as_bytes(torch.as_strided(t, (t.numel(),), (1,), t.storage_offset()))
 
 
 class CopyKernel:
@@ -51,15 +60,16 @@ class CopyKernel:
     def bind_static(self, src: torch.Tensor, out: torch.Tensor):
         """A zero-argument copy between two planned tensors of fixed shape, validated once here:
         per call it is exactly one allocator copy hook call on precomputed byte views."""
-        if src.dtype != out.dtype or src.shape != out.shape or not src.is_contiguous() or not out.is_contiguous():
+        if (src.dtype != out.dtype or src.shape != out.shape or src.stride() != out.stride()
+                or not is_dense(src.shape, src.stride())):
             raise ProgramError(
                 f"_{self.direction}_copy between planned tensors {src.dtype}{tuple(src.shape)} -> "
-                f"{out.dtype}{tuple(out.shape)}: they must match and be contiguous"
+                f"{out.dtype}{tuple(out.shape)}: they must have one dtype, shape and dense layout"
             )
         nbytes = src.numel() * src.element_size()
         if nbytes == 0:
             return lambda: out
-        bound = self._alloc._bind_copy(self.direction, as_bytes(out)[:nbytes], as_bytes(src)[:nbytes], nbytes,
+        bound = self._alloc._bind_copy(self.direction, memory_bytes(out)[:nbytes], memory_bytes(src)[:nbytes], nbytes,
                                        *self._indices)
         direction, where = self.direction, f"{self.src} -> {self.dst}"
 
@@ -85,18 +95,20 @@ class CopyKernel:
                     f"_{self.direction}_copy: a {tuple(src.shape)} source needs {nbytes} bytes but the planned "
                     f"destination holds {capacity}; the input exceeds the shape the program was planned for"
                 )
-        if nbytes and not src.is_contiguous():
-            if not self.src.is_cpu:
-                raise InputError(
-                    f"_{self.direction}_copy: the {self.src} source of shape {tuple(src.shape)} is not contiguous; "
-                    "making it contiguous would allocate device memory during execution; pass a contiguous tensor"
-                )
-            src = src.contiguous()
         if out.shape != src.shape:
             out.resize_(src.shape)
+        if nbytes and not (src.stride() == out.stride() and is_dense(src.shape, src.stride())):
+            # bytes move as they lie in memory, so both sides need one layout: the destination's
+            if not self.src.is_cpu:
+                raise InputError(
+                    f"_{self.direction}_copy: the {self.src} source of shape {tuple(src.shape)} has strides "
+                    f"{src.stride()}, the destination {out.stride()}; laying it out again would allocate device "
+                    "memory during execution: pass a tensor with the destination's layout"
+                )
+            src = torch.empty_strided(out.shape, out.stride(), dtype=src.dtype).copy_(src)
         if nbytes == 0:
             return out
-        self._copy(as_bytes(out), as_bytes(src), nbytes)
+        self._copy(memory_bytes(out), memory_bytes(src), nbytes)
         return out
 
 

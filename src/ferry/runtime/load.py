@@ -84,7 +84,8 @@ class _Loader:
                 mem = buffers[v.plan.buffer]  # type: ignore[union-attr]
                 if mem is None:
                     raise ProgramError(f"value {vid} is planned in buffer 0, which is reserved for constants")
-                self._fix(vid, make_tensor(mem.memory, v.shape, v.torch_dtype, v.device, v.plan.offset))  # type: ignore[union-attr]
+                self._fix(vid, make_tensor(mem.memory, v.shape, v.torch_dtype, v.device, v.plan.offset,  # type: ignore[union-attr]
+                                           v.strides))
                 if vid in mutable and v.constant is not None:
                     self._upload(self.mem.slots[vid], v)
             elif v.storage == "constant":
@@ -115,7 +116,7 @@ class _Loader:
         return buf
 
     def _empty(self, v: TensorValue) -> torch.Tensor:
-        return make_tensor(self._own(v.nbytes, v.device).memory, v.shape, v.torch_dtype, v.device)
+        return make_tensor(self._own(v.nbytes, v.device).memory, v.shape, v.torch_dtype, v.device, 0, v.strides)
 
     def _constant(self, v: TensorValue) -> torch.Tensor:
         """Host constants are views of the mapped file; device constants are uploaded once."""

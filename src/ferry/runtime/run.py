@@ -32,15 +32,16 @@ def caller_copy(t: torch.Tensor, device: Device) -> torch.Tensor:
     return out
 
 
-def empty_on(device: Device, shape, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor the caller keeps (a fresh output), allocated through the registry."""
+def empty_on(device: Device, shape, dtype: torch.dtype, strides=()) -> torch.Tensor:
+    """A tensor the caller keeps (a fresh output), allocated through the registry, laid out
+    as `strides` say (contiguous when empty)."""
     if device.is_cpu:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty_strided(shape, strides, dtype=dtype) if strides else torch.empty(shape, dtype=dtype)
     nbytes = dtype.itemsize
     for s in shape:
         nbytes *= s
     buf = DeviceMemoryBuffer.create(nbytes, device)
-    t = make_tensor(buf.memory, shape, dtype, device)
+    t = make_tensor(buf.memory, shape, dtype, device, 0, strides or None)
     t._ferry_buffer = buf  # type: ignore[attr-defined]  # the tensor keeps its memory alive
     return t
 
@@ -151,7 +152,7 @@ class Plan:
                     slots[vid] = t
         for vid, v in self.io.fresh_outputs:
             if slots[vid] is None:
-                slots[vid] = empty_on(v.device, v.shape, v.torch_dtype)
+                slots[vid] = empty_on(v.device, v.shape, v.torch_dtype, v.strides)
 
     def run_bound(self, copy_back: list[tuple[torch.Tensor, int]]) -> None:
         """Run with the tensors bound into the plan; `copy_back`: (caller tensor, value id) of

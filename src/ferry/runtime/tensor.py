@@ -12,6 +12,7 @@ import math
 import torch
 
 from ferry.device import CPU, Device
+from ferry.layout import contiguous_strides, is_dense
 from ferry.runtime.allocator import (
     DeviceMemoryBuffer,
     as_bytes,
@@ -73,12 +74,14 @@ def make_tensor(
     dtype: torch.dtype,
     device: Device | str,
     offset: int = 0,
+    strides=None,
 ) -> torch.Tensor:
-    """A contiguous ``dtype`` tensor of ``shape`` over ``memory`` starting at byte ``offset``; no copy.
+    """A ``dtype`` tensor of ``shape`` over ``memory`` starting at byte ``offset``; no copy.
 
     ``memory`` is a 1-D uint8 tensor (an allocation); the result shares its data:
     ``result.data_ptr() == memory.data_ptr() + offset``.  ``device`` must be where the
-    memory lives (checked with ``device_of``).
+    memory lives (checked with ``device_of``). ``strides`` (elements) lay it out as a
+    permutation of the dense layout (the layout eager gave the value); default contiguous.
     """
     device = Device.parse(device)
     if not isinstance(memory, torch.Tensor):
@@ -113,19 +116,22 @@ def make_tensor(
         actual = device_of(memory)
         if actual != device:
             raise ValueError(f"the memory lives on {actual}, not on {device}")
-    strides = []
-    step = 1
-    for d in reversed(dims):
-        strides.append(step)
-        step *= max(d, 1)
+    layout = contiguous_strides(dims) if not strides else _check_dense_strides(dims, strides)
     # A fresh tensor over the storage (not a view of ``memory``): views of the result then
     # have the result as their ``_base``, which keeps attributes set on it (clone_to's buffer) alive.
     result = torch.empty(0, dtype=dtype, device=memory.device)
     start = (memory.storage_offset() + offset) // itemsize
-    result.set_(memory.untyped_storage(), start, dims, tuple(reversed(strides)))
+    result.set_(memory.untyped_storage(), start, dims, layout)
     if nbytes == 0:
         setattr(result, _DEVICE_ATTR, device)
     return result
+
+
+def _check_dense_strides(dims, strides) -> tuple[int, ...]:
+    strides = tuple(strides)
+    if not is_dense(dims, strides):
+        raise ValueError(f"strides {strides} do not lay out shape {tuple(dims)} densely (a permutation of contiguous)")
+    return strides
 
 
 def buffer_of(tensor: torch.Tensor) -> DeviceMemoryBuffer | None:
