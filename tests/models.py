@@ -252,3 +252,62 @@ def twice_plus(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 @twice_plus.register_fake
 def _(x, y):
     return torch.empty_like(x)
+
+
+class PermutedRelu(nn.Module):
+    """relu keeps a permuted layout, and the view after permuting back relies on it."""
+
+    def forward(self, x):
+        return torch.relu(x.permute(1, 0, 2)).permute(1, 0, 2).reshape(-1).view(x.shape[0], -1)
+
+
+class Tagger(nn.Module):
+    """Embedding -> LSTM -> ReLU -> bidirectional GRU -> Linear: a sequence tagger."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(100, 16)
+        self.lstm = nn.LSTM(16, 16, batch_first=True)
+        self.gru = nn.GRU(16, 8, batch_first=True, bidirectional=True)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, ids):
+        h, _ = self.lstm(self.emb(ids))
+        h, _ = self.gru(torch.relu(h))
+        return self.out(h)
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention with layer norm, linear and silu around it."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.norm = heads, nn.LayerNorm(dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(torch.nn.functional.silu(y.transpose(1, 2).reshape(b, t, d)))
+
+
+def gpt2_lm(layers: int = 2):
+    """A transformers GPT-2 with its default attention, random weights; logits out."""
+    import transformers
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            cfg = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                                          bos_token_id=0, eos_token_id=0)
+            torch.manual_seed(0)
+            self.m = transformers.GPT2LMHeadModel(cfg).eval()
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    return Logits().eval(), (torch.randint(0, 256, (1, 16)),)

@@ -14,16 +14,20 @@ from ferry.aot.lower import call_delegate, is_delegate_node
 from models import (
     Add,
     AddChain,
+    Attention,
     FanOut,
     Fixed,
     MultiOutput,
     PerAdd,
+    Tagger,
     WithParams,
     delegate_nodes,
     export,
     fresh_inputs,
+    gpt2_lm,
     small,
     small_cnn,
+    transformer_block,
 )
 
 
@@ -222,3 +226,95 @@ def test_calling_with_the_wrong_number_of_inputs_is_an_input_error(n):
     lp = to_backend(export(Add(), small()), OpSupportPartitioner("cuda:0"))
     with pytest.raises(ferry.InputError, match="2 input"):
         lp(*small(n=n))
+
+
+# ---------------------------------------------------------------------------------------------
+# what the user wrote survives lowering
+
+
+def _ops(program_or_gm):
+    if isinstance(program_or_gm, ferry.Program):
+        out = []
+        for m in program_or_gm.methods.values():
+            out += [i.kernel for i in m.instructions if hasattr(i, "kernel")]
+        for d in program_or_gm.delegates:
+            out += _ops(ferry.load_program(program_or_gm.segments[d.payload]))
+        return out
+    return [str(n.target) for n in program_or_gm.graph.nodes if n.op == "call_function"]
+
+
+def test_fused_ops_survive_lowering_on_every_device(emu):
+    model, example = Attention(), (torch.randn(2, 8, 32),)
+    ep = torch.export.export(model, example)
+    for part in (None, OpSupportPartitioner("emu:0"), OpSupportPartitioner("emu:0", exclude=["aten.silu"])):
+        program = ferry.compile(ep, part)
+        ops = _ops(program)
+        for kept in ("scaled_dot_product_attention", "layer_norm", "linear", "silu"):
+            assert sum(kept in k for k in ops) >= 1, (kept, ops)
+        assert not any("bmm" in k or "_softmax" in k or "sigmoid" in k for k in ops), "nothing decomposed"
+        (x,) = fresh_inputs(example, 3)
+        torch.testing.assert_close(ferry.Module(program)(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["aten.layer_norm", "aten.softmax", "aten.silu", "aten.linear", "silu"])
+def test_exclude_takes_the_names_print_shows(emu, name):
+    model, example = Attention(), (torch.randn(2, 8, 32),)
+    if name.endswith("softmax"):
+        model, example = transformer_block()
+    part = OpSupportPartitioner("emu:0", exclude=[name])
+    program = ferry.compile(torch.export.export(model, example), part)
+    short = name.rpartition(".")[2]
+    outer = [i.kernel for i in program.method("forward").instructions if hasattr(i, "kernel")]
+    assert any(k.split("::")[1].startswith(short) for k in outer), (name, outer)  # it runs on the CPU
+    assert ferry.copy_report(program, "forward").count("d2h") >= 1
+
+
+def test_a_name_that_matches_nothing_warns_with_the_nearest():
+    model, example = transformer_block()
+    with pytest.warns(UserWarning, match=r"exclude='aten._softmax' matches no op in this program; nearest: .*aten.softmax"):
+        ferry.compile(torch.export.export(model, example), OpSupportPartitioner("cuda:0", exclude=["aten._softmax"]))
+
+
+def test_gpt2_with_its_default_attention_compiles_and_matches(emu):
+    pytest.importorskip("transformers")
+    model, example = gpt2_lm()
+    ep = torch.export.export(model, example)
+    for part in (None, OpSupportPartitioner("emu:0"),
+                 OpSupportPartitioner("emu:0", exclude=["aten.scaled_dot_product_attention"])):
+        program = ferry.compile(ep, part)
+        ids = torch.randint(0, 256, example[0].shape)
+        with torch.no_grad():
+            torch.testing.assert_close(ferry.Module(program)(ids), model(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_an_lstm_gru_tagger_runs_in_every_placement(emu):
+    model, ids = Tagger().eval(), torch.randint(0, 100, (2, 7))
+    ep = torch.export.export(model, (ids,))
+    for part in (None, OpSupportPartitioner("emu:0"), OpSupportPartitioner("emu:0", exclude=["aten.relu"])):
+        program = ferry.compile(ep, part)
+        ids = torch.randint(0, 100, (2, 7))
+        with torch.no_grad():
+            torch.testing.assert_close(ferry.Module(program)(ids), model(ids), atol=1e-5, rtol=1e-5)
+
+
+class Casts(torch.nn.Module):
+    """.to() leaves aten._assert_tensor_metadata checks in the exported graph."""
+
+    def forward(self, x):
+        y = (x * 2).to(torch.float64)
+        return (y + 1).to(torch.float32) * 3
+
+
+def test_assert_only_nodes_become_no_delegates_and_no_copies(emu):
+    ep = torch.export.export(Casts(), (torch.randn(4),))
+    assert any("_assert_tensor_metadata" in str(n.target) for n in ep.graph.nodes), "the model has the checks"
+    for part in (OpSupportPartitioner("emu:0"), OpSupportPartitioner("emu:0", exclude=["aten.add"])):
+        program = ferry.compile(ep, part)
+        for d in program.delegates:  # every delegate computes something
+            assert any(not k.startswith("aten::_assert") for k in _ops(ferry.load_program(program.segments[d.payload])))
+        m = program.method("forward")
+        copies = [i for i in m.instructions if hasattr(i, "kernel") and i.kernel.startswith("et_copy::")]
+        read = {a for i in m.instructions for a in i.args} | set(m.outputs)
+        assert all(c.outputs[0] in read for c in copies), "every copy feeds something"
+        x = torch.randn(4)
+        torch.testing.assert_close(ferry.Module(program)(x), Casts()(x))

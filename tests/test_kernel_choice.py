@@ -1,0 +1,79 @@
+"""Which kernel computes each op: its .out overload into planned memory, or the functional one
+(no out variant, a wrapper .out that computes into a temporary and copies, an eager layout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ferry
+from ferry.aot.kernel_choice import choose_kernel, out_is_wrapper
+from ferry.aot.lower import functional_aten
+from ferry.inspect import program_summary
+from ferry.program import KernelCall
+from models import PermutedRelu, fresh_inputs, small_cnn, transformer_block
+
+aten = torch.ops.aten
+
+
+def _node(model, inputs, target):
+    ep = functional_aten(torch.export.export(model, inputs))
+    return next(n for n in ep.graph.nodes if n.target == target)
+
+
+class Conv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.c(x)) + 1
+
+
+def test_measurement_tells_a_wrapper_from_a_real_out_kernel():
+    conv = _node(Conv(), (torch.randn(1, 3, 8, 8),), aten.conv2d.default)
+    assert choose_kernel(aten.conv2d.default, conv).functional  # no out variant at all
+    x = torch.randn(4, 4)
+    clone = torch.fx.Graph()
+    ph = clone.placeholder("x")
+    ph.meta["val"] = x
+    node = clone.call_function(aten.clone.default, (ph,))
+    node.meta["val"] = x
+    assert out_is_wrapper(aten.clone.out, node), "clone.out computes a clone, then copies it"
+    add = clone.call_function(aten.add.Tensor, (ph, ph))
+    add.meta["val"] = x
+    choice = choose_kernel(aten.add.Tensor, add)
+    assert not choice.functional and choice.op is aten.add.out
+
+
+def test_wrappers_run_functionally_and_nothing_is_copied_twice():
+    model, example = small_cnn()
+    program = ferry.compile(torch.export.export(model, example))
+    m = program.method("forward")
+    kernels = [i.kernel for i in m.instructions if isinstance(i, KernelCall)]
+    assert "aten::_native_batch_norm_legit_no_training.default" in kernels  # not the .out wrapper
+    assert not any(k.startswith("aten::copy_") or k.startswith("aten::clone.out") for k in kernels)
+    for op, why in m.kernel_choices.items():
+        assert op in kernels and why
+    assert "computed by their functional kernel" in program_summary(program)
+    (x,) = fresh_inputs(example, 5)
+    torch.testing.assert_close(ferry.Module(program)(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_real_out_kernels_still_write_into_planned_memory():
+    model, example = transformer_block()
+    m = ferry.compile(torch.export.export(model, example)).method("forward")
+    outs = [i for i in m.instructions if isinstance(i, KernelCall) and i.kernel.endswith(".out")]
+    assert {"aten::linear.out", "aten::add.out", "aten::gelu.out"} <= {i.kernel for i in outs}
+    assert all(m.tensor(o).storage in ("planned", "scratch") for i in outs for o in i.outputs)
+
+
+@pytest.mark.parametrize("partitioner", [None, "emu:0"])
+def test_a_layout_eager_gives_is_kept_so_its_views_stay_legal(emu, partitioner):
+    model, x = PermutedRelu(), torch.randn(4, 2, 8)
+    program = ferry.compile(torch.export.export(model, (x,)), partitioner and ferry.OpSupportPartitioner(partitioner))
+    for seed in range(2):
+        (x,) = fresh_inputs((x,), seed)
+        torch.testing.assert_close(ferry.Module(program)(x), model(x))
