@@ -107,7 +107,7 @@ def lifetimes(m) -> dict[int, tuple[int, int]]:
         last[r] = max(last.get(r, i), i)
 
     for i, ins in enumerate(m.instructions):
-        for a in (*ins.args, *ins.outputs):
+        for a in (*ins.args, *ins.outputs, *getattr(ins, "scratch", ())):  # scratch: a delegate's working memory
             if a != DEFAULT_ARG:
                 touch(a, i)
     for vid in m.outputs:

@@ -121,3 +121,35 @@ def test_a_failed_allocation_frees_everything_loaded_so_far(emu):
     with pytest.raises(AllocationError):
         load_memory(program.segments, program.method("forward"))
     assert emu.live_allocations == 0
+
+
+def test_delegates_work_in_one_arena_per_device(emu):
+    """Each delegate's working memory is a value of the method, planned in its device's arena
+    and alive only while the delegate runs: delegates on one device share it with each other
+    and with the method. Loading allocates one buffer per device (and the weights)."""
+    pytest.importorskip("transformers")
+    from models import gpt2_lm
+
+    model, example = gpt2_lm()
+    part = ferry.OpSupportPartitioner("emu:0", exclude=["aten.scaled_dot_product_attention"])
+    program = ferry.compile(torch.export.export(model, example), part)
+    m = program.method("forward")
+    assert len(program.delegates) >= 3
+    assert [str(b.device) for b in m.buffers[1:]] == ["cpu:0", "emu:0"]
+    scratch = [s for ins in m.instructions for s in getattr(ins, "scratch", ())]
+    assert len(scratch) == len(program.delegates)
+    own = sum(b.size for d in program.delegates
+              for b in ferry.load_program(program.segments[d.payload]).method("forward").buffers[1:])
+    arena = m.buffers[2].size
+    assert arena < own + sum(m.tensor(v).nbytes for v in range(len(m.values)) if isinstance(m.values[v], TensorValue)
+                             and m.tensor(v).device.type == "emu" and m.tensor(v).storage == "planned" and v not in scratch)
+    weights = sum(v.nbytes for d in program.delegates
+                  for v in ferry.load_program(program.segments[d.payload]).method("forward").values
+                  if isinstance(v, TensorValue) and v.storage == "constant")
+    emu.reset_counters()
+    module = ferry.Module(program)
+    module.load_method()
+    assert emu.live_bytes == arena + weights  # nothing else: no buffer of a delegate's own
+    ids = torch.randint(0, 256, example[0].shape)
+    with torch.no_grad():
+        torch.testing.assert_close(module(ids), model(ids), atol=1e-4, rtol=1e-4)

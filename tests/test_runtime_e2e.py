@@ -154,8 +154,11 @@ def load_allocations(program, method="forward"):
         for v in m.values
         if isinstance(v, TensorValue) and v.plan is None and v.constant is not None and not v.device.is_cpu
     ]
-    for d in sorted({i.delegate for i in m.instructions if isinstance(i, DelegateCall)}):
-        recs += load_allocations(ferry.load_program(program.segments[program.delegates[d].payload]))
+    for ins in m.instructions:  # a delegate's weights; its working memory is in the method's arena
+        if isinstance(ins, DelegateCall):
+            nested = ferry.load_program(program.segments[program.delegates[ins.delegate].payload])
+            recs += [r for r in load_allocations(nested) if not ins.scratch or r not in
+                     [(b.size, b.device.index) for b in nested.method("forward").buffers[1:] if not b.device.is_cpu]]
     return sorted(recs)
 
 

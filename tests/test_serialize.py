@@ -495,7 +495,7 @@ def _value(meta, i):
         (lambda m: _value(m, 0).pop("name"), "missing key"),
         (lambda m: m["methods"][0]["instructions"][1].update(args=[4, 2, 3, 6]), r"instruction 1 \(aten::add.out\) argument 3: value id 6 is out of range \(method has 6 values\)"),
         (lambda m: m["methods"][0]["instructions"][1].update(args=[4, 2, -2, 5]), r"integer -2 is out of range"),
-        (lambda m: m["methods"][0]["instructions"].append({"type": "delegate", "delegate": 0, "args": [], "outputs": []}), "delegate 0 is out of range"),
+        (lambda m: m["methods"][0]["instructions"].append({"type": "delegate", "delegate": 0, "args": [], "outputs": [], "scratch": []}), "delegate 0 is out of range"),
         (lambda m: m["methods"][0].update(outputs=[17]), "output 0: value id 17 is out of range"),
         (lambda m: m["methods"][0].update(inputs="0"), "expected an array, got string"),
         (lambda m: m["methods"][0].update(buffers=[]), "buffer 0 .* must exist"),

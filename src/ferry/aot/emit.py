@@ -354,10 +354,24 @@ class _MethodEmitter:
         dev = self.device_of(node)
         users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
-        payload = get_backend(lowered.backend_id).preprocess(lowered, self.opts, self.rc)
+        backend = get_backend(lowered.backend_id)
+        payload = backend.preprocess(lowered, self.opts, self.rc)
         self.b.delegates.append(Delegate(lowered.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
-        self.instructions.append(DelegateCall(len(self.b.delegates) - 1, args, outs))
+        index = len(self.b.delegates) - 1
+        self.instructions.append(DelegateCall(index, args, outs, self._scratch(backend, payload, index)))
         self.env[node] = outs
+
+    def _scratch(self, backend, payload, index: int) -> tuple[int, ...]:
+        """The delegate's working memory, as values of this method: planned in the arena of their
+        device, alive only while the delegate runs (legacy mode: the delegate keeps its own)."""
+        needs = getattr(backend, "memory_needs", None)
+        if needs is None or not self.opts.device_placement:
+            return ()
+        out = []
+        for j, buf in enumerate(needs(payload)):
+            self.values.append(TensorValue("uint8", (buf.size,), buf.device, name=f"delegate_{index}_memory_{j}"))
+            out.append(len(self.values) - 1)
+        return tuple(out)
 
     def _emit_output(self, node):
         infos = M.output_infos(node)

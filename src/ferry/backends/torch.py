@@ -17,7 +17,7 @@ from ferry.aot.place import delegate_target_device
 from ferry.device import CPU
 from ferry.errors import ProgramError
 from ferry.program import Program, load_program, program_to_bytes
-from ferry.program.schema import TensorValue
+from ferry.program.schema import Buffer, TensorValue
 from ferry.runtime.method import LoadedMethod
 
 
@@ -31,14 +31,21 @@ class TorchBackend:
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
         return program_to_bytes(Program({"forward": method}, builder.delegates, builder.segments))
 
-    def init(self, payload, compile_specs, pin_host: bool = True):
+    def memory_needs(self, payload) -> list[Buffer]:
+        """The buffers the delegate works in: the caller plans them in its own arenas."""
+        return list(load_program(payload).method("forward").buffers[1:])
+
+    def init(self, payload, compile_specs, pin_host: bool = True, memory=None):
+        """`memory`: tensors for the buffers `memory_needs` named, planned by the caller; without
+        them the delegate allocates its own."""
         program = load_program(payload)
         # the delegate's steps run inside one step of the caller, already on its device's stream
-        nested = LoadedMethod(program, program.method("forward"), _no_nested_delegates, asynchronous=False)
+        nested = LoadedMethod(program, program.method("forward"), _no_nested_delegates, asynchronous=False,
+                              memory=memory)
         return _Handle(nested)
 
 
-def _no_nested_delegates(index):
+def _no_nested_delegates(index, memory=()):
     raise ProgramError("a torch-backend payload must not contain delegates")
 
 

@@ -466,7 +466,7 @@ VALUE = _TaggedValue((TENSOR, Record(ConstValue, (), tag="const")))
 INSTRUCTION = Tagged((
     Record(KernelCall, (("kernel", Str(nonempty=True)), ("args", Seq(ARG_ID, as_tuple=True)), ("outputs", IDS)),
            tag="kernel"),
-    Record(DelegateCall, (("delegate", ID), ("args", IDS), ("outputs", IDS)), tag="delegate"),
+    Record(DelegateCall, (("delegate", ID), ("args", IDS), ("outputs", IDS), ("scratch", IDS)), tag="delegate"),
 ))
 BUFFER = Record(Buffer, (("size", Int()), ("device", DeviceField()), ("alignment", Int(1, 1 << 30))))
 MUTABLE_BUFFER = Record(MutableBuffer, (("value", ID), ("update", ID), ("name", Str())))

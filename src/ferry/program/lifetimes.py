@@ -42,6 +42,9 @@ def value_lifetimes(method: Method) -> dict[int, tuple[int, int]]:
             end[r] = max(end.get(r, i), i)
 
     for i, ins in enumerate(method.instructions):
+        for s in getattr(ins, "scratch", ()):  # a delegate's working memory: only while it runs
+            start.setdefault(s, i)
+            touch(s, i)
         for a in ins.args:
             touch(a, i)
         for o in ins.outputs:

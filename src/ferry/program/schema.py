@@ -236,11 +236,16 @@ class KernelCall:
 
 @dataclass(frozen=True)
 class DelegateCall:
-    """Run delegate `delegate` of the program on `args`, writing `outputs`."""
+    """Run delegate `delegate` of the program on `args`, writing `outputs`.
+
+    `scratch`: planned uint8 tensors the delegate works in while it runs (its own buffers,
+    placed in the method's arena of their device so delegates share memory with each other
+    and with the method wherever lifetimes allow)."""
 
     delegate: int
     args: tuple[int, ...]
     outputs: tuple[int, ...]
+    scratch: tuple[int, ...] = ()
 
 
 Instruction = Union[KernelCall, DelegateCall]

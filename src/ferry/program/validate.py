@@ -208,6 +208,10 @@ class _MethodChecks:
                         f"(program has {self.n_delegates} delegates)"
                     )
                 label = f"instruction {k} (delegate {ins.delegate})"
+                for j, s in enumerate(ins.scratch):
+                    v = self.m.values[self.tensor_id(s, f"{label} scratch {j}")]
+                    if not (isinstance(v, TensorValue) and v.storage == "planned" and v.dtype == "uint8" and len(v.shape) == 1):
+                        raise ProgramError(f"{self.pre} {label} scratch {j}: value {s} must be a planned 1-D uint8 tensor")
             else:
                 label = f"instruction {k} ({ins.kernel})"
             for j, a in enumerate(ins.args):

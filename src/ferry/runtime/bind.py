@@ -223,8 +223,9 @@ class _Binder:
     # ---- delegates
 
     def delegate_step(self, index: int, ins: DelegateCall) -> Step:
-        handle = self.delegate(ins.delegate)
-        args, outs, slots = list(ins.args), list(ins.outputs), self.slots
+        slots = self.slots
+        handle = self.delegate(ins.delegate, [slots[s] for s in ins.scratch])
+        args, outs = list(ins.args), list(ins.outputs)
         run = None
         if all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs) and hasattr(handle, "bind_static"):
             run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs])  # planned I/O, bound once

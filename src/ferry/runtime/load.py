@@ -55,27 +55,34 @@ def constant_tensor(segment, v: TensorValue) -> torch.Tensor:
     return raw.view(v.torch_dtype).view(v.shape)
 
 
-def load_memory(segments: list, method: Method, *, pin_host: bool = True, stage_io: bool = False) -> Memory:
+def load_memory(segments: list, method: Method, *, pin_host: bool = True, stage_io: bool = False,
+                buffers: list[torch.Tensor] | None = None) -> Memory:
     """Allocate and fill the memory of `method`; `stage_io` gives device inputs and outputs
-    fixed tensors (for CUDA graphs)."""
+    fixed tensors (for CUDA graphs). `buffers`: memory the caller already planned for the
+    method's buffers (a delegate working in its caller's arena), in place of allocating them."""
     mem = Memory([None] * len(method.values), [False] * len(method.values))
     try:
-        _Loader(segments, method, mem).load(pin_host, stage_io)
+        _Loader(segments, method, mem).load(pin_host, stage_io, buffers)
     except BaseException:
         mem.close()
         raise
     return mem
 
 
+class _Given:
+    """Memory someone else allocated and owns, in the shape of a DeviceMemoryBuffer."""
+
+    def __init__(self, memory: torch.Tensor):
+        self.memory = memory
+
+
 class _Loader:
     def __init__(self, segments, method: Method, mem: Memory):
         self.segments, self.m, self.mem = segments, method, mem
 
-    def load(self, pin_host: bool, stage_io: bool) -> None:
+    def load(self, pin_host: bool, stage_io: bool, given: list[torch.Tensor] | None = None) -> None:
         m = self.m
-        copies = any(isinstance(i, KernelCall) and i.kernel in OUT_COPY_KERNELS for i in m.instructions)
-        buffers = [None] + [self._own(b.size, b.device, b.alignment, pin_host and copies and b.device.is_cpu)
-                            for b in m.buffers[1:]]
+        buffers = [None] + (self._given(given) if given is not None else self._allocate(pin_host))
         mutable = {mb.value for mb in m.mutable_buffers}
         for vid, v in enumerate(m.values):
             if isinstance(v, ConstValue):
@@ -101,6 +108,19 @@ class _Loader:
             if isinstance(v, ConstValue) and v.kind in LIST_KINDS and all(
                     x is None or self.mem.fixed[x] for x in v.value):  # type: ignore[attr-defined]
                 self._fix(vid, [None if x is None else self.mem.slots[x] for x in v.value])  # type: ignore[attr-defined]
+
+    def _allocate(self, pin_host: bool) -> list:
+        m = self.m
+        copies = any(isinstance(i, KernelCall) and i.kernel in OUT_COPY_KERNELS for i in m.instructions)
+        return [self._own(b.size, b.device, b.alignment, pin_host and copies and b.device.is_cpu)
+                for b in m.buffers[1:]]
+
+    def _given(self, given: list[torch.Tensor]) -> list:
+        wanted = self.m.buffers[1:]
+        if len(given) != len(wanted) or any(t.numel() < b.size or t.dtype != torch.uint8 for t, b in zip(given, wanted)):
+            raise ProgramError(f"method {self.m.name!r} needs buffers of {[b.size for b in wanted]} bytes, "
+                               f"was given {[t.numel() for t in given]}")
+        return [_Given(t) for t in given]
 
     def _fix(self, vid: int, value) -> None:
         self.mem.slots[vid], self.mem.fixed[vid] = value, True

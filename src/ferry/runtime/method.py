@@ -38,12 +38,13 @@ def streams_api_for(method: Method):
 
 class LoadedMethod:
     def __init__(self, program, method: Method, delegate, *, pin_host: bool = True, cuda_graphs: bool = False,
-                 asynchronous: bool = True):
+                 asynchronous: bool = True, memory=None):
         self.method, self.name = method, method.name
         self._delegate = delegate
         api = streams_api_for(method) if asynchronous else None
         self.streams = CopyStreams(api) if api is not None else None
-        self.memory = load_memory(program.segments, method, pin_host=pin_host, stage_io=cuda_graphs and api is not None)
+        self.memory = load_memory(program.segments, method, pin_host=pin_host, stage_io=cuda_graphs and api is not None,
+                                  buffers=memory)
         try:
             self.plan = self._plan(None, cuda_graphs)
         except BaseException:

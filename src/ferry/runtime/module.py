@@ -61,9 +61,9 @@ class Module:
         method = self.program.method(name)
         created: list[int] = []
 
-        def delegate(index: int):
+        def delegate(index: int, memory=()):
             if index not in self._delegates:
-                self._delegates[index] = self._init_delegate(index)
+                self._delegates[index] = self._init_delegate(index, list(memory))
                 created.append(index)
             return self._delegates[index]
 
@@ -78,11 +78,15 @@ class Module:
                 self._delegates.pop(index).close()
             raise
 
-    def _init_delegate(self, index: int):
+    def _init_delegate(self, index: int, memory: list):
+        """`memory`: the delegate's working memory, planned in the method's arenas."""
         d = self.program.delegates[index]
         backend = get_backend(d.backend_id)
+        payload = self.program.segments[d.payload]
         try:
-            return backend.init(self.program.segments[d.payload], d.compile_specs)
+            if memory:
+                return backend.init(payload, d.compile_specs, memory=memory)
+            return backend.init(payload, d.compile_specs)
         except FerryError:
             raise
         except Exception as e:
