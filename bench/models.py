@@ -1,0 +1,295 @@
+"""Real models on the GPU: ferry against eager PyTorch and torch.compile, side by side in one run.
+
+Models (random weights, no downloads): torchvision ResNet-18, ResNet-50, MobileNetV3-Large,
+ConvNeXt-Tiny and ViT-B/16; transformers BERT-base (encoder), GPT-2 (6 layers, 512 wide,
+decoder) and Llama (4 layers, 512 wide, decoder). Each at batch 1 and a serving batch.
+
+Runners, everything on cuda:0:
+- eager: the model on the GPU (`model.cuda()`);
+- compile / compile-ro: `torch.compile(model)` and `torch.compile(model, mode="reduce-overhead")`;
+- ferry / ferry-graphs: `ferry.compile(export(model), OpSupportPartitioner("cuda:0"))`, run by
+  `ferry.Module(program)` and `ferry.Module(program, cuda_graphs=True)`.
+
+I/O: `device` — inputs already on the GPU, outputs left there (ferry: both skip flags);
+`host` — CPU tensors in and out, end to end (eager and torch.compile: `.cuda()` / `.cpu()`).
+
+Each row: median ms per call after warm-up (TF32 off, every runner in one process), the
+ratio to eager, the peak of GPU memory the runner allocated (weights, activations,
+workspaces: `torch.cuda.max_memory_allocated` from an empty GPU), and for ferry and
+torch.compile the compile and load (first call) seconds. Targets (issue 12): ferry no
+slower than eager on every model (device I/O, no graphs); with graphs at batch 1, at most half
+of eager's time; peak memory no higher than eager's.
+
+`--device cpu` runs eager and ferry on the CPU instead (a transformer block with attention
+kept whole): the CPU target is "no slower than eager".
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import table, write_json  # noqa: E402
+
+import ferry  # noqa: E402
+
+# ---------------------------------------------------------------- the models
+
+
+def _tv(name):
+    def build(batch):
+        import torchvision
+
+        torch.manual_seed(0)
+        return getattr(torchvision.models, name)(weights=None).eval(), (torch.randn(batch, 3, 224, 224),)
+
+    return build
+
+
+class _LM(torch.nn.Module):
+    """A transformers model called with input ids; returns its main tensor."""
+
+    def __init__(self, model, key):
+        super().__init__()
+        self.model, self.key = model, key
+
+    def forward(self, ids):
+        out = self.model(input_ids=ids) if self.key == "last_hidden_state" else self.model(input_ids=ids, use_cache=False)
+        return getattr(out, self.key)
+
+
+def _hf(config_name, model_name, key, seq=128, **cfg):
+    def build(batch):
+        import transformers
+
+        config = getattr(transformers, config_name)(**cfg)
+        torch.manual_seed(0)
+        model = _LM(getattr(transformers, model_name)(config).eval(), key)
+        return model.eval(), (torch.randint(0, cfg.get("vocab_size", 1000), (batch, seq)),)
+
+    return build
+
+
+class AttentionBlock(torch.nn.Module):
+    """A pre-norm transformer block whose attention is scaled_dot_product_attention."""
+
+    def __init__(self, dim=256, heads=4, hidden=1024):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.fc1, self.fc2 = torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+def _block(batch):
+    torch.manual_seed(0)
+    return AttentionBlock().eval(), (torch.randn(batch, 128, 256),)
+
+
+MODELS = {
+    "block": (_block, 8),
+    "resnet18": (_tv("resnet18"), 32),
+    "resnet50": (_tv("resnet50"), 8),
+    "mobilenet_v3_large": (_tv("mobilenet_v3_large"), 32),
+    "convnext_tiny": (_tv("convnext_tiny"), 8),
+    "vit_b_16": (_tv("vit_b_16"), 4),
+    "bert": (_hf("BertConfig", "BertModel", "last_hidden_state", vocab_size=30522), 8),
+    "gpt2": (_hf("GPT2Config", "GPT2LMHeadModel", "logits", seq=64, n_layer=6, n_embd=512, n_head=8,
+                 vocab_size=50257, bos_token_id=0, eos_token_id=0), 8),
+    "llama": (_hf("LlamaConfig", "LlamaForCausalLM", "logits", hidden_size=512, intermediate_size=1408,
+                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
+                  max_position_embeddings=512), 8),
+}
+
+
+# ---------------------------------------------------------------- timing and memory
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device, repeat, warmup=5) -> float:
+    """Median ms per call, synchronised around each sample."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(samples)
+
+
+def _fresh_gpu(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    return 0
+
+
+def _peak_mib(device, base) -> float | None:
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+# ---------------------------------------------------------------- runners
+
+
+def _eager_like(model, x, device, io, compile_mode):
+    """eager or torch.compile: (call, setup seconds) with the model's weights on `device`."""
+    m = model.to(device)
+    t0 = time.perf_counter()
+    if compile_mode is not None:
+        m = torch.compile(m, mode=compile_mode, dynamic=False)
+    xd = x.to(device)
+    if io == "device":
+        def call():
+            with torch.no_grad():
+                return m(xd)
+    else:
+        def call():
+            with torch.no_grad():
+                return m(x.to(device)).cpu()
+    call()
+    _sync(device)
+    return call, time.perf_counter() - t0
+
+
+def _ferry_program(model, x, device, io):
+    t0 = time.perf_counter()
+    ep = torch.export.export(model.cpu(), (x,))
+    skip = io == "device" and device.type != "cpu"
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip, skip))
+    part = ferry.OpSupportPartitioner(str(device) if device.type != "cpu" else "cpu")
+    program = ferry.compile(ep, part if device.type != "cpu" else None, cfg)
+    return program, time.perf_counter() - t0
+
+
+def _ferry(program, x, device, io, graphs):
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        module = ferry.Module(program, cuda_graphs=graphs, outputs="view")
+        module.load_method()
+    arg = x.to(device) if io == "device" else x
+    module(arg)
+    _sync(device)
+    return (lambda: module(arg)), time.perf_counter() - t0, module
+
+
+def _check(got, want):
+    got = got if isinstance(got, torch.Tensor) else got[0]
+    return float((got.float().cpu() - want.float()).abs().max() / (want.float().abs().max() + 1e-6))
+
+
+# ---------------------------------------------------------------- one model
+
+
+def run_model(name, batch, device, runners, ios, repeat):
+    build, _ = MODELS[name]
+    model, (x,) = build(batch)
+    with torch.no_grad():
+        want = model.to(device)(x.to(device)).cpu()
+    rows = []
+    for io in ios:
+        program, compile_s = (None, None)
+        for runner in runners:
+            base = _fresh_gpu(device)
+            module = None
+            if runner in ("eager", "compile", "compile-ro"):
+                mode = {"eager": None, "compile": "default", "compile-ro": "reduce-overhead"}[runner]
+                call, setup = _eager_like(model, x, device, io, mode)
+                build_s = None
+            else:
+                if program is None:
+                    program, compile_s = _ferry_program(model, x, device, io)
+                    model.to(device)
+                call, setup, module = _ferry(program, x, device, io, runner == "ferry-graphs")
+                build_s = compile_s
+            ms = _time(call, device, repeat)
+            err = _check(call(), want)
+            rows.append({"model": name, "batch": batch, "io": io, "runner": runner, "ms": ms,
+                         "peak_mib": _peak_mib(device, base), "compile_s": build_s, "load_s": setup,
+                         "rel_err": err})
+            if module is not None:
+                module.close()
+            del call
+            torch._dynamo.reset()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--batches", default="1,serving", help="comma-separated; 'serving' is each model's serving batch")
+    p.add_argument("--runners", default="eager,compile,compile-ro,ferry,ferry-graphs")
+    p.add_argument("--io", default="device,host")
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="models", help="name of the JSON file written under bench/results")
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = torch.device(args.device)
+    runners = [r for r in args.runners.split(",") if device.type == "cuda" or r in ("eager", "ferry")]
+    rows = []
+    for name in args.models.split(","):
+        for b in args.batches.split(","):
+            batch = MODELS[name][1] if b == "serving" else int(b)
+            try:
+                rows += run_model(name, batch, device, runners, args.io.split(","), args.repeat)
+            except Exception as e:  # noqa: BLE001 - one model failing must not lose the others' rows
+                print(f"{name} batch {batch}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                rows.append({"model": name, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"done {name} batch {batch}", flush=True)
+    report(rows, args.out)
+
+
+def report(rows, out):
+    eager = {(r["model"], r["batch"], r["io"]): r["ms"] for r in rows if r.get("runner") == "eager"}
+    eager_mem = {(r["model"], r["batch"], r["io"]): r["peak_mib"] for r in rows if r.get("runner") == "eager"}
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append([r["model"], r["batch"], "-", "FAILED", r["error"][:60], "", "", "", "", ""])
+            continue
+        key = (r["model"], r["batch"], r["io"])
+        ratio = r["ms"] / eager[key] if key in eager else float("nan")
+        mem = r["peak_mib"]
+        mem_ratio = mem / eager_mem[key] if mem is not None and eager_mem.get(key) else None
+        lines.append([r["model"], r["batch"], r["io"], r["runner"], round(r["ms"], 3), round(ratio, 2),
+                      "-" if mem is None else round(mem, 1), "-" if mem_ratio is None else round(mem_ratio, 2),
+                      "-" if r["compile_s"] is None else round(r["compile_s"], 1), round(r["load_s"], 2)])
+    print(table("Real models (median ms per call; ratio to eager)",
+                ["model", "batch", "I/O", "runner", "ms", "vs eager", "peak MiB", "peak vs eager", "compile s",
+                 "load/first call s"], lines))
+    path = write_json(out, {"rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
