@@ -11,6 +11,7 @@ returns a new Bound with its own frame.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from ferry.program.schema import (
     TensorValue,
     root_storage,
 )
-from ferry.runtime.kernels import CopyKernel, bind_aten, fast_aten
+from ferry.runtime.kernels import CopyKernel, _to_meta, bind_aten, fast_aten, fast_functional
 from ferry.runtime.load import Memory
 
 __all__ = ["Bound", "CallIO", "Step", "bind_method"]
@@ -69,6 +70,7 @@ class Step:
     check: Callable[[], None] | None = None
     reads: frozenset[int] = frozenset()
     writes: frozenset[int] = frozenset()
+    release: tuple[int, ...] = ()  # values of the call no later step reads: dropped right after
 
     @property
     def label(self) -> str:
@@ -120,7 +122,26 @@ def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_
     b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()))
     steps = [b.instruction(i, ins) for i, ins in enumerate(method.instructions)]
     steps += b.writebacks()
-    return Bound(tuple(steps), slots, tuple(fixed), _call_io(method, memory, fixed))
+    return Bound(tuple(_with_releases(method, steps, fixed)), slots, tuple(fixed), _call_io(method, memory, fixed))
+
+
+def _with_releases(method: Method, steps: list[Step | None], fixed: list[bool]) -> list[Step | None]:
+    """A result of a functional kernel (or a view of one) is dropped after the last step that
+    reads it, as eager frees a tensor when its last reference goes: without this a call would
+    hold every intermediate of the model until it returns."""
+    keep = set(method.inputs) | set(method.outputs) | {v for mb in method.mutable_buffers for v in (mb.value, mb.update)}
+    last: dict[int, int] = {}
+    for i, s in enumerate(steps):
+        if s is not None:
+            for v in s.reads | s.writes:
+                last[v] = i
+    release: dict[int, list[int]] = {}
+    for v, i in last.items():
+        value = method.values[v]
+        if v not in keep and not fixed[v] and isinstance(value, TensorValue) and value.storage in ("runtime", "view"):
+            release.setdefault(i, []).append(v)
+    return [dataclasses.replace(s, release=tuple(release[i])) if s is not None and i in release else s
+            for i, s in enumerate(steps)]
 
 
 def _fix_lists(method: Method, slots: list, fixed: list) -> None:
@@ -177,6 +198,64 @@ def _ref(slots, fixed, m: Method, vid: int):
     if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
         return ("l", list(v.value))  # type: ignore[call-overload]
     return ("v", vid)
+
+
+# Views export recorded as legal for the layouts the trace saw on the CPU. A kernel on another
+# device may lay its result out differently (CUDA attention does), and `view` would then fail
+# where eager, tracing on that device, would have chosen differently. Over a value of the call,
+# `reshape` is the same view whenever one is possible and a copy otherwise: the graph is
+# functional, so no one can tell the two apart.
+_LAYOUT_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+
+
+class _NoMeta(Exception):
+    pass
+
+
+def _meta_of(m: Method, vid: int):
+    v = m.values[vid]
+    if isinstance(v, ConstValue) and v.kind in ("int", "symint"):
+        return v.value
+    if not isinstance(v, TensorValue) or any(v.dynamic):
+        raise _NoMeta()
+    if v.strides:
+        return torch.empty_strided(v.shape, v.strides, dtype=v.torch_dtype, device="meta")
+    return torch.empty(v.shape, dtype=v.torch_dtype, device="meta")
+
+
+def _first_only(pos, kw):
+    """(value id, the other positional values, keywords) when the first positional argument is
+    the only one read per call; else None."""
+    if not pos or pos[0][0] != "v" or any(r[0] != "c" for r in pos[1:]) or any(r[0] != "c" for r in kw.values()):
+        return None
+    return pos[0][1], tuple(r[1] for r in pos[1:]), {k: r[1] for k, r in kw.items()}
+
+
+def _arguments(slots, pos, kw):
+    """A function giving (args, kwargs) of this call: what is fixed is bound once, the values of
+    the call are read from the slots."""
+    template = [r[1] if r[0] == "c" else None for r in pos]
+    plain = [(i, r[1]) for i, r in enumerate(pos) if r[0] == "v"]
+    lists = [(i, r) for i, r in enumerate(pos) if r[0] == "l"]
+    fixed_kw = {k: r[1] for k, r in kw.items() if r[0] == "c"}
+    call_kw = [(k, r) for k, r in kw.items() if r[0] != "c"]
+    if not lists and not call_kw:
+        def args():
+            a = template.copy()
+            for i, vid in plain:
+                a[i] = slots[vid]
+            return a, fixed_kw
+        return args
+
+    def general():
+        a = template.copy()
+        for i, vid in plain:
+            a[i] = slots[vid]
+        for i, r in lists:
+            a[i] = _resolve(r, slots)
+        return a, ({**fixed_kw, **{k: _resolve(r, slots) for k, r in call_kw}} if call_kw else fixed_kw)
+
+    return general
 
 
 def _resolve(ref, slots):
@@ -294,9 +373,16 @@ class _Binder:
         elif writes_out and all(r[0] == "c" for r in list(pos) + list(kw.values())):
             args, kwargs = [r[1] for r in pos], {k: r[1] for k, r in kw.items()}
             call = functools.partial(fast_aten(op, args, kwargs) or op, *args, **kwargs)
+        elif writes_out and _first_only(pos, kw) is not None:  # one value of the call, first
+            fn, slots = self._fast_out(op, pos, kw) or op, self.slots
+            vid, rest, k = _first_only(pos, kw)  # type: ignore[misc]
+            call = lambda: fn(slots[vid], *rest, **k)  # noqa: E731
         elif writes_out:
-            slots = self.slots
-            call = lambda: op(*[_resolve(r, slots) for r in pos], **{n: _resolve(r, slots) for n, r in kw.items()})  # noqa: E731
+            args, fn = _arguments(self.slots, pos, kw), self._fast_out(op, pos, kw) or op
+
+            def call():
+                a, k = args()
+                return fn(*a, **k)
         else:
             call = self._run_functional(op, pos, kw, ins.outputs)
         return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins) if writes_out else None)
@@ -304,16 +390,57 @@ class _Binder:
     def _run_functional(self, op, pos, kw, outputs):
         """A functional op (no out variant, or a view): its results become the output slots."""
         slots = self.slots
+        if op in _LAYOUT_VIEWS and any(r[0] != "c" for r in pos):
+            op = torch.ops.aten.reshape.default  # see _LAYOUT_VIEWS
+        fn = self._fast(op, pos, kw, outputs) or op
+        args = _arguments(slots, pos, kw)
+        first = _first_only(pos, kw)
+        if len(outputs) == 1 and first is not None:  # the common case: one value of the call, first
+            (out,), (vid, rest, k) = outputs, first
 
-        def call():
-            result = op(*[_resolve(r, slots) for r in pos], **{n: _resolve(r, slots) for n, r in kw.items()})
-            if len(outputs) == 1:
-                slots[outputs[0]] = result
-            else:
-                for o, r in zip(outputs, result):
+            def call():
+                slots[out] = fn(slots[vid], *rest, **k)
+        elif len(outputs) == 1:
+            (out,) = outputs
+
+            def call():
+                a, k = args()
+                slots[out] = fn(*a, **k)
+        else:
+            def call():
+                a, k = args()
+                for o, r in zip(outputs, fn(*a, **k)):
                     slots[o] = r
 
         return call
+
+    def _fast_out(self, op, pos, kw):
+        """fast_aten for an .out kernel whose arguments include values of the call."""
+        try:
+            args, kwargs = [self._meta(r) for r in pos], {k: self._meta(r) for k, r in kw.items()}
+        except _NoMeta:
+            return None
+        return fast_aten(op, args, kwargs)
+
+    def _meta(self, ref):
+        kind, x = ref
+        if kind == "c":
+            return _to_meta(x)
+        if kind == "l":
+            return [None if e is None else _meta_of(self.m, e) for e in x]
+        return _meta_of(self.m, x)
+
+    def _fast(self, op, pos, kw, outputs):
+        """The C++ argument parser's entry for `op`, checked once on meta tensors shaped like this
+        instruction's values (falls back to the OpOverload)."""
+        m = self.m
+        if not all(isinstance(m.values[o], TensorValue) and not any(m.tensor(o).dynamic) for o in outputs):
+            return None
+        try:
+            args, kwargs = [self._meta(r) for r in pos], {k: self._meta(r) for k, r in kw.items()}
+        except _NoMeta:
+            return None
+        return fast_functional(op, args, kwargs, [(m.tensor(o).shape, m.tensor(o).torch_dtype) for o in outputs])
 
     def _view_of_fixed(self, ins: KernelCall) -> bool:
         """A view that can be made once: of fixed memory, with a fixed shape."""

@@ -163,3 +163,24 @@ def fast_aten(op: torch._ops.OpOverload, args: list, kwargs: dict):
     if not isinstance(result, torch.Tensor) or result.device.type != "meta":
         return None
     return fn
+
+
+def fast_functional(op: torch._ops.OpOverload, args: list, kwargs: dict, expect: list):
+    """The C++ argument parser's entry for a functional op, when on meta tensors shaped like
+    this instruction's values it picks an overload giving the outputs the program expects
+    (`expect`: (shape, dtype) per output); otherwise None and the OpOverload is used."""
+    if op.namespace != "aten":
+        return None
+    fn = getattr(torch._C._VariableFunctions, op._opname, None)
+    if fn is None:
+        return None
+    try:
+        result = fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the parser does not take these arguments
+        return None
+    results = list(result) if isinstance(result, (tuple, list)) else [result]
+    if len(results) != len(expect) or not all(
+            isinstance(r, torch.Tensor) and r.device.type == "meta" and tuple(r.shape) == s and r.dtype == d
+            for r, (s, d) in zip(results, expect)):
+        return None
+    return fn

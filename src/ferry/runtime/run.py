@@ -93,6 +93,14 @@ class Plan:
         calls = [self._launch(step)]
         if first_call and step.check is not None:
             calls.append(step.check)
+        if step.release:
+            slots, dead = self.bound.slots, step.release
+
+            def release():
+                for vid in dead:
+                    slots[vid] = None
+
+            calls.append(release)
         return calls
 
     def _graph(self, seg: Segment) -> Callable[[], object]:
