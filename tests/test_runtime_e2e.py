@@ -145,10 +145,11 @@ def compiled(name):
 # helpers
 
 
-def load_allocations(program, method="forward"):
-    """(nbytes, index) of every device allocation loading `method` must make, sorted."""
+def load_allocations(program, method="forward", buffers=True):
+    """(nbytes, index) of every device allocation loading `method` must make, sorted (with
+    `buffers` False: the method works in memory its caller planned, only constants)."""
     m = program.method(method)
-    recs = [(b.size, b.device.index) for b in m.buffers[1:] if not b.device.is_cpu]
+    recs = [(b.size, b.device.index) for b in m.buffers[1:] if not b.device.is_cpu] if buffers else []
     recs += [
         (v.nbytes, v.device.index)
         for v in m.values
@@ -157,8 +158,7 @@ def load_allocations(program, method="forward"):
     for ins in m.instructions:  # a delegate's weights; its working memory is in the method's arena
         if isinstance(ins, DelegateCall):
             nested = ferry.load_program(program.segments[program.delegates[ins.delegate].payload])
-            recs += [r for r in load_allocations(nested) if not ins.scratch or r not in
-                     [(b.size, b.device.index) for b in nested.method("forward").buffers[1:] if not b.device.is_cpu]]
+            recs += load_allocations(nested, buffers=not ins.scratch)
     return sorted(recs)
 
 
