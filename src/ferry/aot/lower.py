@@ -121,7 +121,43 @@ def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
         raise CompileError(f"torch.export could not turn the program into functional ATen ops: "
                            f"{type(e).__name__}: {e}") from e
     _drop_export_time_checks(ep.graph_module)
+    _contiguous_gemm_inputs(ep.graph_module)
     return ep
+
+
+# GEMMs whose batched input arrives transposed: `matmul` then runs one small GEMM per row (a
+# bmm with a broadcast weight) instead of folding the batch into one large GEMM. Measured on
+# ViT-B/16 (its attention transposes the tokens before the input projection): 2.4x slower
+# end to end. One contiguous copy of the input (a few microseconds) gives the large GEMM back.
+_GEMMS = (torch.ops.aten.linear.default, torch.ops.aten.matmul.default)
+
+
+def _contiguous_gemm_inputs(gm: torch.fx.GraphModule) -> None:
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _GEMMS or not node.args:
+            continue
+        x = node.args[0]
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() < 3 or _is_contiguous(val):
+            continue
+        with gm.graph.inserting_before(node):
+            copy = gm.graph.call_function(torch.ops.aten.clone.default, (x,),
+                                          {"memory_format": torch.contiguous_format})
+        copy.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+        copy.meta.update({k: x.meta[k] for k in ("nn_module_stack", "stack_trace") if k in x.meta})
+        node.replace_input_with(x, copy)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _is_contiguous(val: torch.Tensor) -> bool:
+    try:
+        return bool(val.is_contiguous())
+    except Exception:  # noqa: BLE001 - symbolic strides: leave it as traced
+        return True
 
 
 def _drop_export_time_checks(gm: torch.fx.GraphModule) -> None:
