@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import warnings
 from typing import Protocol
 
@@ -20,6 +22,46 @@ class _DelegateHandle(Protocol):
     def close(self) -> None: ...
 
 
+class _Instance:
+    """One set of planned memory: the loaded methods and their delegates. One call at a time."""
+
+    def __init__(self, module: Module):
+        self.module = module
+        self.methods: dict[str, LoadedMethod] = {}
+        self.delegates: dict[int, _DelegateHandle] = {}
+
+    def load(self, name: str) -> LoadedMethod:
+        loaded = self.methods.get(name)
+        if loaded is not None:
+            return loaded
+        mod = self.module
+        created: list[int] = []
+
+        def delegate(index: int, memory=()):
+            if index not in self.delegates:
+                self.delegates[index] = mod._init_delegate(index, list(memory))
+                created.append(index)
+            return self.delegates[index]
+
+        try:
+            loaded = LoadedMethod(mod.program, mod.program.method(name), delegate, pin_host=mod.pin_host_memory,
+                                  cuda_graphs=mod.cuda_graphs)
+        except BaseException:
+            for index in created:
+                self.delegates.pop(index).close()
+            raise
+        self.methods[name] = loaded
+        return loaded
+
+    def close(self) -> None:
+        for m in self.methods.values():
+            m.close()
+        for d in self.delegates.values():
+            d.close()
+        self.methods.clear()
+        self.delegates.clear()
+
+
 class Module:
     """Runs a ferry Program.
 
@@ -31,20 +73,36 @@ class Module:
     outputs="copy" (default) returns tensors the caller owns; outputs="view" returns views of
     planned memory, valid until the next call (zero copy). Without CUDA graphs, outputs kept on
     a device by skip_d2h come back as device tensors the caller owns either way.
+
+    A Module may be shared by threads. Calls use planned memory, so calls that overlap in time
+    wait for each other; `concurrency=k` gives the Module k sets of planned memory (k times the
+    memory, allocated at load) and up to k calls run at once, each in its own set. With
+    outputs="view", a view is valid until the next call of the set that made it: take a copy
+    before handing it to another thread.
     """
 
     def __init__(self, program: Program | str | os.PathLike, *, outputs: str = "copy", pin_host_memory: bool = True,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, concurrency: int = 1):
         if not isinstance(program, Program):
             program = load_program(program)
         if outputs not in ("copy", "view"):
             raise ValueError(f"outputs must be 'copy' or 'view', got {outputs!r}")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be an int >= 1 (sets of planned memory), got {concurrency!r}")
         self.program = program
         self.outputs = outputs
         self.pin_host_memory = pin_host_memory
         self.cuda_graphs = cuda_graphs
-        self._methods: dict[str, LoadedMethod] = {}
-        self._delegates: dict[int, _DelegateHandle] = {}
+        self._instances = [_Instance(self) for _ in range(concurrency)]
+        self._free: queue.SimpleQueue[_Instance] = queue.SimpleQueue()
+        for inst in self._instances:
+            self._free.put(inst)
+        self._load_lock = threading.Lock()
+
+    @property
+    def _methods(self) -> dict[str, LoadedMethod]:
+        """The loaded methods of the first set of memory (for inspection and tests)."""
+        return self._instances[0].methods
 
     # ---------------------------------------------------------------- load
 
@@ -55,28 +113,20 @@ class Module:
         return self.program.method_meta(name)
 
     def load_method(self, name: str = "forward") -> None:
-        """Allocate every planned buffer of `name` on its device; all or nothing."""
-        if name in self._methods:
-            return
-        method = self.program.method(name)
-        created: list[int] = []
-
-        def delegate(index: int, memory=()):
-            if index not in self._delegates:
-                self._delegates[index] = self._init_delegate(index, list(memory))
-                created.append(index)
-            return self._delegates[index]
-
-        try:
-            loaded = LoadedMethod(self.program, method, delegate, pin_host=self.pin_host_memory,
-                                  cuda_graphs=self.cuda_graphs)
-            for note in loaded.notes:
-                warnings.warn(f"method {name!r}: {note}", RuntimeWarning, stacklevel=2)
-            self._methods[name] = loaded
-        except BaseException:
-            for index in created:
-                self._delegates.pop(index).close()
-            raise
+        """Allocate every planned buffer of `name` on its device, in every set of memory; all or
+        nothing for each set."""
+        with self._load_lock:
+            if all(name in inst.methods for inst in self._instances):
+                return
+            taken = [self._free.get() for _ in self._instances]  # no call runs while loading
+            try:
+                for inst in taken:
+                    loaded = inst.load(name)
+                for note in loaded.notes:
+                    warnings.warn(f"method {name!r}: {note}", RuntimeWarning, stacklevel=2)
+            finally:
+                for inst in taken:
+                    self._free.put(inst)
 
     def _init_delegate(self, index: int, memory: list):
         """`memory`: the delegate's working memory, planned in the method's arenas."""
@@ -96,8 +146,13 @@ class Module:
 
     def run_method(self, name: str, inputs) -> list:
         self.load_method(name)
-        m = self._methods[name]
-        inputs = list(inputs)
+        inst = self._free.get()  # waits while every set of memory is in use
+        try:
+            return self._run(inst.methods[name], list(inputs))
+        finally:
+            self._free.put(inst)
+
+    def _run(self, m: LoadedMethod, inputs: list) -> list:
         m.check_inputs(inputs)
         outs = m.execute(inputs)
         devices = m.output_devices
@@ -116,12 +171,13 @@ class Module:
     __call__ = forward
 
     def close(self) -> None:
-        for m in self._methods.values():
-            m.close()
-        for d in self._delegates.values():
-            d.close()
-        self._methods.clear()
-        self._delegates.clear()
+        taken = [self._free.get() for _ in self._instances]  # waits for calls in flight
+        try:
+            for inst in taken:
+                inst.close()
+        finally:
+            for inst in taken:
+                self._free.put(inst)
 
     def __enter__(self):
         return self
