@@ -322,3 +322,14 @@ def test_explicit_registration_works_too():
 
         assert unregister_allocator("emy") is a
     assert a.allocations == 1 and a.deallocations == 1
+
+
+def test_records_are_bounded_but_counters_count_everything():
+    with emulated_device(log_limit=5) as emu:
+        src = torch.randn(4)
+        for _ in range(20):
+            buf = DeviceMemoryBuffer.create(16, "emu:0")
+            emu.copy_host_to_device(buf.memory, src.view(torch.uint8), 16, 0)
+            buf.close()
+        assert len(emu.copies) == 5 and len(emu.allocated) == 5 and len(emu.freed) == 5
+        assert emu.copy_counts["h2d"] == 20 and emu.allocations == 20 and emu.deallocations == 20

@@ -610,3 +610,43 @@ def test_delegate_outputs_that_are_inputs_or_views_reach_the_caller():
             x, w = torch.randn(3, 3), torch.randn(3, 3)
             for got, want in zip(module(x, w), _InputViewAndProduct()(x, w)):
                 assert torch.equal(got, want)
+
+
+def _bad_inputs():
+    yield "meta", torch.empty(2, 3, device="meta"), "meta tensor"
+    yield "sparse", torch.randn(2, 3).to_sparse(), "sparse_coo tensor"
+    yield "neg", torch.randn(2, 3)._neg_view(), "negated view"
+    yield "conj", torch.randn(2, 3, dtype=torch.complex64).conj(), "conjugate"
+    yield "grad", torch.randn(2, 3, requires_grad=True), "requires grad"
+    yield "complex", torch.randn(2, 3, dtype=torch.complex64), "must be float32"
+    yield "int", torch.ones(2, 3, dtype=torch.int64), "must be float32"
+
+
+@pytest.mark.parametrize("name, bad, message", list(_bad_inputs()), ids=[n for n, *_ in _bad_inputs()])
+def test_every_input_mistake_is_an_input_error(name, bad, message):
+    class AddPair(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y
+
+    module = ferry.Module(ferry.compile(torch.export.export(AddPair(), (torch.randn(2, 3), torch.randn(2, 3)))))
+    with pytest.raises(ferry.InputError, match=message):
+        module(bad, torch.randn(2, 3))
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    torch.testing.assert_close(module(x, y), x + y)  # the module is still usable
+
+
+def test_nested_and_quantized_inputs_are_input_errors():
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    module = ferry.Module(ferry.compile(torch.export.export(Twice(), (torch.randn(3),))))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # prototype and deprecation notices of these tensor kinds
+        nested = torch.nested.nested_tensor([torch.randn(3), torch.randn(3)])
+        quantized = torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8)
+    for bad, message in ((nested, "nested"), (quantized, "quantized")):
+        with pytest.raises(ferry.InputError, match=message):
+            module(bad)

@@ -72,6 +72,8 @@ class EmulatedAllocator(DeviceAllocator):
         capacity: bytes each index may hold at once (None: unlimited).
         fill: byte written into fresh allocations (None: leave uninitialised), so reads of
             memory nobody wrote show up as garbage instead of plausible zeros.
+        log_limit: the most recent records `copies`, `allocated` and `freed` keep (None: all);
+            the counters count everything either way, so a long run does not grow memory.
         asynchronous: run device work as a GPU does, after the host moves on (simulated
             streams, events and graphs: runtime/simulated.py), so a missing host wait gives a
             wrong answer here too.
@@ -91,8 +93,10 @@ class EmulatedAllocator(DeviceAllocator):
         fill: int | None = 0xA5,
         default_alignment: int = 256,
         asynchronous: bool = False,
+        log_limit: int | None = 10_000,
     ):
         self.device_type = device_type
+        self.log_limit = log_limit
         self._streams = SimulatedApi(device_type) if asynchronous else None
         self.default_alignment = default_alignment
         self.num_devices = num_devices
@@ -230,7 +234,7 @@ class EmulatedAllocator(DeviceAllocator):
             self.live_bytes += nbytes
             self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
             self.allocations += 1
-            self.allocated.append(record)
+            self._log(self.allocated, record)
             return memory
 
     def _deallocate(self, memory: torch.Tensor, index: int) -> None:
@@ -262,7 +266,7 @@ class EmulatedAllocator(DeviceAllocator):
             self._live_bytes_per_index[index] -= record.nbytes
             self.live_bytes -= record.nbytes
             self.deallocations += 1
-            self.freed.append(record)
+            self._log(self.freed, record)
 
     def _check_copy_failure(self) -> None:
         self._copy_attempts += 1
@@ -288,10 +292,15 @@ class EmulatedAllocator(DeviceAllocator):
                 f"{name} is {self.device_type}:{entry.record.index} memory, not host memory"
             )
 
+    def _log(self, records: list, record) -> None:
+        records.append(record)
+        if self.log_limit is not None and len(records) > self.log_limit:
+            del records[: len(records) - self.log_limit]
+
     def _record(self, record: CopyRecord) -> None:
         self.copy_counts[record.direction] += 1
         self.copy_bytes[record.direction] += record.nbytes
-        self.copies.append(record)
+        self._log(self.copies, record)
 
     def _copy_h2d(self, dst, src, nbytes, index):
         with self._lock:

@@ -106,7 +106,27 @@ class LoadedMethod:
         self.memory.close()
 
 
+def _unusable(t: torch.Tensor) -> str:
+    """What makes `t` no plain dense tensor with values a program can read, or ''."""
+    if t.is_meta:
+        return "a meta tensor (it has no data)"
+    if t.layout != torch.strided:
+        return f"a {str(t.layout).removeprefix('torch.')} tensor"
+    if t.is_nested:
+        return "a nested tensor"
+    if t.is_quantized:
+        return "a quantized tensor"
+    if t.is_conj() or t.is_neg():
+        return "a lazy conjugate or negated view (call .resolve_conj().resolve_neg() first)"
+    if t.requires_grad:
+        return "a tensor that requires grad (ferry runs inference: pass tensor.detach())"
+    return ""
+
+
 def _check_input(name: str, i: int, t: torch.Tensor, v: TensorValue) -> None:
+    kind = _unusable(t)
+    if kind:
+        raise InputError(f"input {i} of {name!r} is {kind}; pass a plain dense tensor with its values")
     if t.dtype != v.torch_dtype:
         raise InputError(f"input {i} of {name!r} must be {v.dtype}, got {str(t.dtype).removeprefix('torch.')}")
     dyn = v.dynamic or (False,) * len(v.shape)
