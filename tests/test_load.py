@@ -11,10 +11,9 @@ from torch import nn
 
 import ferry
 from ferry.errors import AllocationError, ProgramError
-from ferry.examples import transformer_block
 from ferry.program import TensorValue, validate_program
 from ferry.runtime.load import load_memory
-from models import Add, fresh_inputs, small, twice_plus
+from models import Add, fresh_inputs, small, transformer_block, twice_plus
 
 
 def _planned(program, method="forward"):
@@ -153,3 +152,33 @@ def test_delegates_work_in_one_arena_per_device(emu):
     ids = torch.randint(0, 256, example[0].shape)
     with torch.no_grad():
         torch.testing.assert_close(module(ids), model(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_a_memory_limit_is_checked_before_anything_is_allocated(emu):
+    model, example = transformer_block()
+    program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0"))
+    m = ferry.Module(program)
+    m.load_method()
+    used = emu.live_bytes
+    m.close()
+    emu.reset_counters()
+    for limit in (used - 1, {"emu:0": used - 1}, {"emu": "1KiB"}):
+        with pytest.raises(AllocationError, match=r"needs [\d,]+ bytes on emu:0, over the limit .* nothing was allocated"):
+            ferry.Module(program, max_memory=limit).load_method()
+        assert emu.allocations == 0
+    with pytest.raises(AllocationError, match="3 sets of"):
+        ferry.Module(program, max_memory={"emu:0": used * 2}, concurrency=3).load_method()
+    ok = ferry.Module(program, max_memory={"emu:0": used, "cpu": "1GiB"})
+    (x,) = fresh_inputs(example, 1)
+    torch.testing.assert_close(ok(x), model(x), atol=1e-5, rtol=1e-4)
+    assert emu.live_bytes == used
+    with pytest.raises(ValueError, match="size like '20GiB'"):
+        ferry.Module(program, max_memory="lots")
+
+
+def test_a_huge_buffer_in_a_file_is_refused_under_a_limit(emu):
+    program = ferry.compile(torch.export.export(Add(), small()))
+    m = program.method("forward")
+    m.buffers[1] = dataclasses.replace(m.buffers[1], size=2**40)
+    with pytest.raises(AllocationError, match="1,099,511,627,776 bytes on cpu:0"):
+        ferry.Module(program, max_memory="64MiB").load_method()

@@ -12,6 +12,7 @@ from ferry.backend_registry import get_backend
 from ferry.errors import BackendError, FerryError
 from ferry.program import Program, load_program
 from ferry.program.schema import MethodMeta
+from ferry.runtime.limits import check_limits, load_bytes, parse_limits
 from ferry.runtime.method import LoadedMethod
 from ferry.runtime.run import caller_copy
 
@@ -79,10 +80,14 @@ class Module:
     memory, allocated at load) and up to k calls run at once, each in its own set. With
     outputs="view", a view is valid until the next call of the set that made it: take a copy
     before handing it to another thread.
+
+    max_memory caps what loading may allocate: one size for every device, or {device: size}
+    ("cpu", "cuda:0", or a type for all its indices; sizes in bytes or like "20GiB"). Loading a
+    method that would need more raises AllocationError before allocating anything.
     """
 
     def __init__(self, program: Program | str | os.PathLike, *, outputs: str = "copy", pin_host_memory: bool = True,
-                 cuda_graphs: bool = False, concurrency: int = 1):
+                 cuda_graphs: bool = False, concurrency: int = 1, max_memory=None):
         if not isinstance(program, Program):
             program = load_program(program)
         if outputs not in ("copy", "view"):
@@ -90,6 +95,7 @@ class Module:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an int >= 1 (sets of planned memory), got {concurrency!r}")
         self.program = program
+        self.max_memory = parse_limits(max_memory)
         self.outputs = outputs
         self.pin_host_memory = pin_host_memory
         self.cuda_graphs = cuda_graphs
@@ -118,6 +124,8 @@ class Module:
         with self._load_lock:
             if all(name in inst.methods for inst in self._instances):
                 return
+            need = load_bytes(self.program, self.program.method(name), self.cuda_graphs)
+            check_limits(self.max_memory, need, len(self._instances), name)
             taken = [self._free.get() for _ in self._instances]  # no call runs while loading
             try:
                 for inst in taken:
