@@ -14,6 +14,7 @@ from typing import cast
 from ferry.errors import ProgramError
 from ferry.layout import is_dense
 from ferry.program import codec
+from ferry.program.dataflow import check_dataflow
 from ferry.program.schema import (
     CONST_KIND_TABLE,
     DEFAULT_ARG,
@@ -104,6 +105,7 @@ class _MethodChecks:
         for j, mb in enumerate(m.mutable_buffers):
             self.tensor_id(mb.value, f"mutable buffer {j} value")
             self.tensor_id(mb.update, f"mutable buffer {j} update")
+        check_dataflow(m)
 
     # ---- ids
 

@@ -124,8 +124,9 @@ class Module:
         with self._load_lock:
             if all(name in inst.methods for inst in self._instances):
                 return
-            need = load_bytes(self.program, self.program.method(name), self.cuda_graphs)
-            check_limits(self.max_memory, need, len(self._instances), name)
+            if self.max_memory:
+                need = load_bytes(self.program, self.program.method(name), self.cuda_graphs)
+                check_limits(self.max_memory, need, len(self._instances), name)
             taken = [self._free.get() for _ in self._instances]  # no call runs while loading
             try:
                 for inst in taken:

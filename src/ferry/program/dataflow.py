@@ -1,0 +1,141 @@
+"""The dataflow of a method is sound: what the program says it does, it can do safely.
+
+Checked after the per-field checks of validate.py, so every id is in range here:
+
+* every value is written once (by one instruction, or as an input or constant) and before
+  anything reads it — a repeated instruction list or a read of memory nobody wrote is refused;
+* values an instruction writes in place (planned, fresh outputs, scratch) are written through
+  an out argument of that instruction, and a kernel's own results (storage `runtime`) are not;
+  a delegate's outputs are memory it writes into;
+* size arithmetic (ferry::sym_*) reads sizes, never tensors;
+* no two planned values whose lifetimes overlap share bytes, and a buffer is no larger than its
+  values need (a file cannot make the runtime allocate memory it never uses).
+"""
+
+from __future__ import annotations
+
+from ferry.errors import ProgramError
+from ferry.program.lifetimes import value_lifetimes
+from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, Method, TensorValue
+
+__all__ = ["check_dataflow"]
+
+_WRITTEN_IN_PLACE = ("planned", "output", "scratch")
+
+
+def check_dataflow(m: Method) -> None:
+    pre = f"method {m.name!r}"
+    _written_once_before_read(m, pre)
+    _planned_memory_is_sound(m, pre)
+
+
+def _initially_defined(m: Method) -> set[int]:
+    defined = set(m.inputs)
+    for vid, v in enumerate(m.values):
+        if isinstance(v, TensorValue) and v.constant is not None:
+            defined.add(vid)  # weights, and the initial value of a mutable buffer
+        elif isinstance(v, ConstValue) and v.kind not in ("symint", *LIST_KINDS):
+            defined.add(vid)
+    return defined
+
+
+def _reads(m: Method, ins) -> list[int]:
+    """The values an instruction reads (list constants stand for their members)."""
+    out = []
+    for a in ins.args:
+        if a == DEFAULT_ARG or a in ins.outputs:
+            continue
+        v = m.values[a]
+        if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
+            out.extend(x for x in v.value if x is not None)  # type: ignore[attr-defined]
+        elif isinstance(v, TensorValue) or (isinstance(v, ConstValue) and v.kind == "symint"):
+            out.append(a)
+    return out
+
+
+def _written_once_before_read(m: Method, pre: str) -> None:
+    defined = _initially_defined(m)
+    writer: dict[int, int] = {}
+    for k, ins in enumerate(m.instructions):
+        label = f"{pre} instruction {k}"
+        for r in _reads(m, ins):
+            if r not in defined:
+                raise ProgramError(f"{label} reads value {r} ({_name(m, r)}) before anything writes it")
+        _check_writes(m, ins, label)
+        for o in ins.outputs:
+            if o in writer or (o in defined and o not in ins.args):
+                raise ProgramError(f"{label} writes value {o} ({_name(m, o)}), which "
+                                   f"{'instruction ' + str(writer[o]) if o in writer else 'the method'} already defines")
+            writer[o] = k
+            defined.add(o)
+    for j, vid in enumerate(m.outputs):
+        if vid not in defined:
+            raise ProgramError(f"{pre} output {j} (value {vid}) is never written")
+    for j, mb in enumerate(m.mutable_buffers):
+        if mb.update not in defined:
+            raise ProgramError(f"{pre} mutable buffer {j}: its update (value {mb.update}) is never written")
+
+
+def _check_writes(m: Method, ins, label: str) -> None:
+    if isinstance(ins, DelegateCall):
+        for o in ins.outputs:
+            v = m.values[o]
+            if not (isinstance(v, TensorValue) and v.storage in ("planned", "output")):
+                raise ProgramError(f"{label}: delegate output value {o} must be memory the delegate writes into "
+                                   f"(planned or a fresh output), not {_storage(v)}")
+        return
+    if ins.kernel.startswith("ferry::sym_"):
+        for a in ins.args:
+            v = m.values[a]
+            if not (isinstance(v, ConstValue) and v.kind in ("int", "symint")):
+                raise ProgramError(f"{label} ({ins.kernel}): size arithmetic on value {a}, which is not a size")
+        return
+    for o in ins.outputs:
+        v = m.values[o]
+        if not isinstance(v, TensorValue):
+            continue
+        if v.storage in _WRITTEN_IN_PLACE and o not in ins.args:
+            raise ProgramError(f"{label} ({ins.kernel}): value {o} is {v.storage} memory, so it must be written "
+                               "through an out argument of the kernel")
+        if v.storage in ("runtime", "view") and o in ins.args:
+            raise ProgramError(f"{label} ({ins.kernel}): value {o} is a kernel's own result ({v.storage}), "
+                               "not an out argument")
+
+
+def _planned_memory_is_sound(m: Method, pre: str) -> None:
+    life = value_lifetimes(m)
+    by_buffer: dict[int, list[tuple[int, int, int]]] = {}
+    for vid, v in enumerate(m.values):
+        if isinstance(v, TensorValue) and v.plan is not None and v.nbytes:
+            by_buffer.setdefault(v.plan.buffer, []).append((v.plan.offset, v.plan.offset + v.nbytes, vid))
+    for b, buf in enumerate(m.buffers):
+        spans = sorted(by_buffer.get(b, []))
+        need = max((end for _, end, _ in spans), default=0)
+        if buf.size > _align_up(need, buf.alignment):
+            raise ProgramError(f"{pre} buffer {b} has {buf.size:,} bytes but its values need {need:,}: a buffer "
+                               "larger than its values is malformed")
+        for i, (_, hi, a) in enumerate(spans):
+            for lo2, _, c in spans[i + 1:]:
+                if lo2 >= hi:
+                    break
+                if _overlap(life.get(a), life.get(c)):
+                    raise ProgramError(f"{pre} values {a} ({_name(m, a)}) and {c} ({_name(m, c)}) are alive at "
+                                       f"the same time and share bytes of buffer {b}")
+
+
+def _overlap(x, y) -> bool:
+    return x is not None and y is not None and x[0] <= y[1] and y[0] <= x[1]
+
+
+def _align_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _name(m: Method, vid: int) -> str:
+    v = m.values[vid]
+    return repr(v.name) if isinstance(v, TensorValue) and v.name else type(v).__name__
+
+
+def _storage(v) -> str:
+    return f"storage {v.storage!r}" if isinstance(v, TensorValue) else f"a {v.kind} constant"
+
