@@ -41,7 +41,7 @@ def _initially_defined(m: Method) -> set[int]:
 
 def _reads(m: Method, ins) -> list[int]:
     """The values an instruction reads (list constants stand for their members)."""
-    out = []
+    out: list[int] = []
     for a in ins.args:
         if a == DEFAULT_ARG or a in ins.outputs:
             continue
