@@ -237,3 +237,18 @@ def test_help_in_a_subprocess():
     assert proc.stdout.startswith("usage: ferry")
     for command in ("compile", "inspect", "run"):
         assert command in proc.stdout
+
+
+def test_inspect_verify_checks_every_segment(tmp_path):
+    path = tmp_path / "cpu.ferry"
+    model, example = ferry.examples.transformer_block()
+    ferry.compile(torch.export.export(model, example)).save(path)  # on the CPU: the weights are segments
+    rc, out, err = call(["inspect", path, "--verify"])
+    assert rc == 0 and "every checksum matches" in out, err
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10  # a byte of the last weight
+    bad = tmp_path / "flipped.ferry"
+    bad.write_bytes(bytes(data))
+    assert call(["inspect", bad])[0] == 0  # weights are checked on request
+    rc, out, err = call(["inspect", bad, "--verify"])
+    assert rc == 2 and "does not match its SHA-256" in err and err.count("\n") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import hashlib
 import json
 import math
 import mmap
@@ -184,13 +185,15 @@ def metadata_of(data: bytes) -> dict:
     return json.loads(data[32 : 32 + meta_len])
 
 
-def rebuild(data: bytes, meta: object, *, raw: bytes | None = None) -> bytes:
-    """A file with `meta` (or raw metadata bytes) and the original segment area of `data`."""
+def rebuild(data: bytes, meta: object, *, raw: bytes | None = None, checksum: bool = True) -> bytes:
+    """A file with `meta` (or raw metadata bytes) and the original segment area of `data`, its
+    metadata checksum recomputed (as someone who edits a file on purpose would), or not."""
     area = header_of(data)[4]
     meta_bytes = raw if raw is not None else json.dumps(meta).encode()
-    new_area = -(-(32 + len(meta_bytes)) // 64) * 64
-    head = HEADER.pack(ser.MAGIC, ser.FORMAT_VERSION, 0, len(meta_bytes), new_area)
-    return head + meta_bytes + bytes(new_area - 32 - len(meta_bytes)) + data[area:]
+    new_area = -(-(32 + len(meta_bytes) + 32) // 64) * 64
+    head = HEADER.pack(ser.MAGIC, ser.FORMAT_VERSION, ser.FLAG_CHECKSUMS, len(meta_bytes), new_area)
+    digest = hashlib.sha256(meta_bytes).digest() if checksum else bytes(32)
+    return head + meta_bytes + digest + bytes(new_area - 64 - len(meta_bytes)) + data[area:]
 
 
 def load_or_none(data) -> Program | None:
@@ -347,11 +350,13 @@ def test_layout_matches_the_spec():
     data = program_to_bytes(prog)
     magic, version, flags, meta_len, area = header_of(data)
     assert magic == b"FERRY\x00PG" == ser.MAGIC
-    assert (version, flags) == (2, 0)
-    assert area % 64 == 0 and 32 + meta_len <= area < 32 + meta_len + 64
-    assert data[32 + meta_len : area] == bytes(area - 32 - meta_len)
+    assert (version, flags) == (2, ser.FLAG_CHECKSUMS)
+    assert area % 64 == 0 and 32 + meta_len + 32 <= area < 32 + meta_len + 32 + 64
+    assert data[32 + meta_len : 64 + meta_len] == hashlib.sha256(data[32 : 32 + meta_len]).digest()
+    assert data[64 + meta_len : area] == bytes(area - 64 - meta_len)
     meta = metadata_of(data)
-    assert set(meta) == {"methods", "delegates", "segments"}
+    assert set(meta) == {"methods", "delegates", "segments", "segment_sha256"}
+    assert meta["segment_sha256"] == [hashlib.sha256(bytes(s)).hexdigest() for s in prog.segments]
     assert all(off % 64 == 0 for off, _ in meta["segments"])
     last_off, last_size = meta["segments"][-1]
     assert len(data) == area + last_off + last_size
@@ -393,7 +398,8 @@ def test_newer_version_is_refused_from_file(tmp_path):
         (0, "8s", b"PK\x03\x04xxxx", "not a ferry program"),
         (8, "<I", 0, "format version 0 is not valid"),
         (8, "<I", 1, "format version 1 is no longer read: it predates storage kinds .* compile the model again"),
-        (12, "<I", 1, "flags 0x1"),
+        (12, "<I", 0, "flags 0x0 are not valid"),
+        (12, "<I", 3, "flags 0x3 are not valid"),
         (16, "<Q", 2**64 - 1, "metadata length 18446744073709551615 exceeds the file"),
         (24, "<Q", 2**63, "segment-area offset 9223372036854775808 is invalid"),
         (24, "<Q", 65, "segment-area offset 65 is invalid"),
@@ -449,7 +455,7 @@ def test_metadata_json_errors():
         b'{"methods": [], "delegates": [], "segments": [], "x": NaN}': "NaN is not valid JSON",
         b'{"methods": [], "delegates": [], "segments": [], "x": 1e999}': "overflows a float",
         b'{"methods": [], "delegates": [], "segments": [], "x": 1' + b"0" * 5000 + b"}": "more than 24 digits",
-        b'{"methods": [], "delegates": [], "segments": [], "x": "' + b"1" * 5000 + b'"}': r"unknown key\(s\) 'x'",
+        b'{"methods": [], "delegates": [], "segments": [], "segment_sha256": [], "x": "' + b"1" * 5000 + b'"}': r"unknown key\(s\) 'x'",
         b"[]": "expected an object, got array",
         json.dumps({**meta, "pickle": "cos\nsystem"}).encode(): "unknown key",
     }
@@ -684,3 +690,33 @@ def test_fuzz_json_edit_can_still_load_a_valid_program():
     data = edited(SMALL, lambda m: _value(m, 0).update(name="renamed"))
     prog = load_or_none(data)
     assert prog is not None and prog.method("forward").tensor(0).name == "renamed"
+
+
+# ------------------------------------------------------------------ checksums
+
+
+def test_a_changed_byte_of_metadata_fails_its_checksum():
+    data = bytearray(program_to_bytes(cpu_program()))
+    meta_len = header_of(bytes(data))[3]
+    i = 32 + meta_len // 2
+    data[i] = ord("7") if data[i] != ord("7") else ord("8")
+    with pytest.raises(ProgramError, match="metadata does not match its SHA-256"):
+        load_program(bytes(data))
+    with pytest.raises(ProgramError, match="metadata does not match its SHA-256"):
+        load_program(rebuild(program_to_bytes(cpu_program()), metadata_of(program_to_bytes(cpu_program())),
+                             checksum=False))
+
+
+def test_a_changed_weight_is_found_on_request_and_a_changed_payload_always(tmp_path):
+    data = bytearray(program_to_bytes(cpu_program()))
+    area = header_of(bytes(data))[4]
+    data[area + 3] ^= 0x40  # a bit of the first weight
+    load_program(bytes(data))  # weights are checked on request: mapping a file stays free
+    with pytest.raises(ProgramError, match="segment 0 does not match its SHA-256"):
+        load_program(bytes(data), verify=True)
+    full = bytearray(program_to_bytes(full_program()))
+    meta = metadata_of(bytes(full))
+    area = header_of(bytes(full))[4]
+    full[area + meta["segments"][0][0]] ^= 1  # delegate 0's payload
+    with pytest.raises(ProgramError, match="segment 0 does not match"):
+        load_program(bytes(full))

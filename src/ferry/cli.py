@@ -147,7 +147,9 @@ def cmd_inspect(args) -> int:
     import ferry
     from ferry.inspect import program_json, program_summary
 
-    program = ferry.load_program(args.file)
+    program = ferry.load_program(args.file, verify=args.verify)
+    if args.verify:
+        print(f"{args.file}: every checksum matches (metadata, {len(program.segments)} segments)")
     if args.method is not None and args.method not in program.methods:
         raise UserError(f"{args.file} has no method {args.method!r}; methods: {', '.join(program.methods)}")
     if args.html:
@@ -263,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--html", metavar="OUT", help="write a picture of the placement and memory plan")
     i.add_argument("--method", default=None, help="only this method (with --html, default: the first)")
+    i.add_argument("--verify", action="store_true", help="check every segment (weights included) against its SHA-256")
     i.set_defaults(func=cmd_inspect)
 
     r = sub.add_parser("run", help="run a program file and print latency and copy statistics")

@@ -8,6 +8,7 @@ the mapping (no copy). docs/format.md is the specification.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -27,7 +28,10 @@ HEADER_SIZE = _HEADER.size  # 32
 MAX_JSON_DEPTH = 32  # deepest nesting of JSON arrays/objects accepted in the metadata
 MAX_RANK = codec.MAX_RANK
 _MAX_INT_DIGITS = 24  # a JSON integer literal longer than this is refused before int()
-_TOP_KEYS = ("methods", "delegates", "segments")
+_TOP_KEYS = ("methods", "delegates", "segments", "segment_sha256")
+# header flag: a SHA-256 of the metadata follows it (version 2 writers always set it)
+FLAG_CHECKSUMS = 1
+_DIGEST = 32
 _OLD_VERSIONS = {1: "it predates storage kinds and buffer alignment in the file"}
 
 
@@ -61,13 +65,15 @@ def file_chunks(methods, delegates, segments) -> Iterator[bytes | memoryview]:
         "methods": [codec.METHOD.encode(m) for m in methods],
         "delegates": [codec.DELEGATE.encode(d) for d in delegates],
         "segments": table,
+        "segment_sha256": [hashlib.sha256(v).hexdigest() for v in views],
     }
     meta_bytes = json.dumps(meta, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-    area = _align(HEADER_SIZE + len(meta_bytes))
+    area = _align(HEADER_SIZE + len(meta_bytes) + _DIGEST)
     out: list[bytes | memoryview] = [
-        _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(meta_bytes), area),
+        _HEADER.pack(MAGIC, FORMAT_VERSION, FLAG_CHECKSUMS, len(meta_bytes), area),
         meta_bytes,
-        bytes(area - HEADER_SIZE - len(meta_bytes)),
+        hashlib.sha256(meta_bytes).digest(),
+        bytes(area - HEADER_SIZE - len(meta_bytes) - _DIGEST),
     ]
     pos = 0
     for (off, size), v in zip(table, views):
@@ -165,19 +171,22 @@ def _header(view: memoryview) -> tuple[int, int]:
                            f"compile the model again with this ferry (format version {FORMAT_VERSION})")
     if version < 1:
         raise ProgramError(f"format version {version} is not valid (versions start at 1)")
-    if flags != 0:
-        raise ProgramError(f"header flags 0x{flags:x} are unknown to format version {version} (must be 0)")
+    if flags != FLAG_CHECKSUMS:
+        raise ProgramError(f"header flags 0x{flags:x} are not valid for format version {version} "
+                           f"(must be 0x{FLAG_CHECKSUMS:x}: checksums)")
     if meta_len > size - HEADER_SIZE:
         raise ProgramError(
             f"metadata length {meta_len} exceeds the file: {size} bytes, {size - HEADER_SIZE} after the header "
             "(file truncated or corrupt)"
         )
     meta_end = HEADER_SIZE + meta_len
-    if area % SEGMENT_ALIGNMENT or area < meta_end or area > size:
+    if area % SEGMENT_ALIGNMENT or area < meta_end + _DIGEST or area > size:
         raise ProgramError(
             f"segment-area offset {area} is invalid: it must be a multiple of {SEGMENT_ALIGNMENT}, "
-            f">= the end of the metadata ({meta_end}) and <= the file size ({size})"
+            f">= the end of the metadata and its checksum ({meta_end + _DIGEST}) and <= the file size ({size})"
         )
+    if hashlib.sha256(view[HEADER_SIZE:meta_end]).digest() != bytes(view[meta_end:meta_end + _DIGEST]):
+        raise ProgramError("the metadata does not match its SHA-256 checksum: the file was changed or corrupted")
     return meta_end, area
 
 
@@ -207,8 +216,23 @@ def _segment_table(entries: object, area_size: int, area: int) -> list[tuple[int
     return table
 
 
-def read_parts(view: memoryview) -> tuple[dict[str, Method], list, list]:
-    """(methods by name, delegates, segments) of a file image; every field type-checked."""
+def _checked_segments(view, area, table, digests: object, delegates, verify: bool) -> list[memoryview]:
+    """The segments, each checked against its SHA-256: delegate payloads always (small, and
+    parsed or run as code), every segment when `verify` (reading every weight once)."""
+    digests = codec.Seq(codec.Str()).decode(digests, "segment_sha256")
+    if len(digests) != len(table):
+        raise codec.bad("segment_sha256", f"{len(digests)} checksums for {len(table)} segments")
+    segments = [view[area + off : area + off + n] for off, n in table]
+    payloads = {d.payload for d in delegates}
+    for j, seg in enumerate(segments):
+        if (verify or j in payloads) and hashlib.sha256(seg).hexdigest() != digests[j]:
+            raise ProgramError(f"segment {j} does not match its SHA-256 checksum: the file was changed or corrupted")
+    return segments
+
+
+def read_parts(view: memoryview, verify: bool = False) -> tuple[dict[str, Method], list, list]:
+    """(methods by name, delegates, segments) of a file image; every field type-checked, the
+    metadata and delegate payloads checked against their checksums (every segment with `verify`)."""
     meta_end, area = _header(view)
     top = codec.check_keys(_parse_metadata(bytes(view[HEADER_SIZE:meta_end])), "(top level)", _TOP_KEYS)
     table = _segment_table(top["segments"], view.nbytes - area, area)
@@ -219,5 +243,5 @@ def read_parts(view: memoryview) -> tuple[dict[str, Method], list, list]:
         if method.name in methods:
             raise codec.bad(f"methods[{j}].name", f"duplicate method name {method.name!r}")
         methods[method.name] = method
-    segments = [view[area + off : area + off + n] for off, n in table]
+    segments = _checked_segments(view, area, table, top["segment_sha256"], delegates, verify)
     return methods, delegates, segments

@@ -77,18 +77,19 @@ def save_program(program: Program, path) -> None:
         raise
 
 
-def _read(view: memoryview) -> Program:
-    methods, delegates, segments = read_parts(view)
+def _read(view: memoryview, verify: bool = False) -> Program:
+    methods, delegates, segments = read_parts(view, verify)
     program = Program(methods=methods, delegates=delegates, segments=segments)
     check_semantics(program)
     return program
 
 
-def load_program(source) -> Program:
+def load_program(source, verify: bool = False) -> Program:
     """Load a program from a path (memory-mapped; segments are zero-copy memoryviews into the
     mapping, which stays open while any of them is alive) or from bytes / bytearray /
-    memoryview. Raises ProgramError for anything malformed, truncated or too new; OSError
-    for a file that cannot be opened."""
+    memoryview. Raises ProgramError for anything malformed, truncated, too new or failing a
+    checksum (the metadata and delegate payloads always; every segment, weights included,
+    with `verify=True`); OSError for a file that cannot be opened."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         if isinstance(source, bytes):
             view = memoryview(source)
@@ -97,7 +98,7 @@ def load_program(source) -> Program:
         else:  # caller-mutable memory: take a private copy
             view = memoryview(bytes(source))
         try:
-            return _read(view)
+            return _read(view, verify)
         except ProgramError as e:
             raise ProgramError(f"ferry program ({view.nbytes} bytes): {e}") from None
     if not isinstance(source, (str, os.PathLike)):
@@ -110,7 +111,7 @@ def load_program(source) -> Program:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = memoryview(mm)
     try:
-        return _read(view)
+        return _read(view, verify)
     except ProgramError as e:
         err = ProgramError(f"ferry program {os.fsdecode(path)!r}: {e}")
     view.release()
