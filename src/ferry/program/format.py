@@ -219,13 +219,13 @@ def _segment_table(entries: object, area_size: int, area: int) -> list[tuple[int
 def _checked_segments(view, area, table, digests: object, delegates, verify: bool) -> list[memoryview]:
     """The segments, each checked against its SHA-256: delegate payloads always (small, and
     parsed or run as code), every segment when `verify` (reading every weight once)."""
-    digests = codec.Seq(codec.Str()).decode(digests, "segment_sha256")
-    if len(digests) != len(table):
-        raise codec.bad("segment_sha256", f"{len(digests)} checksums for {len(table)} segments")
+    hexes: list[str] = codec.Seq(codec.Str()).decode(digests, "segment_sha256")
+    if len(hexes) != len(table):
+        raise codec.bad("segment_sha256", f"{len(hexes)} checksums for {len(table)} segments")
     segments = [view[area + off : area + off + n] for off, n in table]
     payloads = {d.payload for d in delegates}
     for j, seg in enumerate(segments):
-        if (verify or j in payloads) and hashlib.sha256(seg).hexdigest() != digests[j]:
+        if (verify or j in payloads) and hashlib.sha256(seg).hexdigest() != hexes[j]:
             raise ProgramError(f"segment {j} does not match its SHA-256 checksum: the file was changed or corrupted")
     return segments
 
