@@ -252,3 +252,65 @@ def test_inspect_verify_checks_every_segment(tmp_path):
     assert call(["inspect", bad])[0] == 0  # weights are checked on request
     rc, out, err = call(["inspect", bad, "--verify"])
     assert rc == 2 and "does not match its SHA-256" in err and err.count("\n") == 1
+
+
+def _weird_names_program(tmp_path):
+    import dataclasses
+
+    program = ferry.compile(torch.export.export(Add(), small((2, 3))))
+    m = program.method("forward")
+    m.values[0] = dataclasses.replace(m.values[0], name="x\x1b[2J\x07evil")
+    path = tmp_path / "weird.ferry"
+    program.save(path)
+    return path
+
+
+def test_inspect_escapes_control_characters_from_the_file(tmp_path):
+    rc, out, err = call(["inspect", _weird_names_program(tmp_path)])
+    assert rc == 0, err
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J\\x07evil" in out
+
+
+def test_a_factory_that_raises_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "bad_factory.py").write_text("def build():\n    raise RuntimeError('no weights here\\nsecond line')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc, out, err = call(["compile", "bad_factory:build", "-o", tmp_path / "o.ferry", "--device", "emu:0"])
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err and err.count("error:") == 1
+    assert last == "ferry compile: error: bad_factory:build raised RuntimeError: no weights here"
+
+
+def test_a_model_export_refuses_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "unexportable.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x.nonzero().sum() if x.sum() > 0 else x\n"
+        "def build():\n"
+        "    return M(), (torch.randn(3),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc, out, err = call(["compile", "unexportable:build", "-o", tmp_path / "o.ferry", "--device", "emu:0"])
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err and last.startswith("ferry compile: error: torch.export of unexportable:build failed")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_a_named_pipe_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "pipe.ferry"
+    os.mkfifo(fifo)
+    rc, out, err = call(["inspect", fifo])
+    assert rc == 2 and "not a regular file" in err
+
+
+def test_an_unwritable_output_names_the_path_given(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    program = ferry.compile(torch.export.export(Add(), small((2, 3))))
+    folder.chmod(0o500)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("running as a user that can write anywhere")
+        with pytest.raises(PermissionError, match=str(folder / "out.ferry")):
+            program.save(folder / "out.ferry")
+    finally:
+        folder.chmod(0o700)

@@ -21,6 +21,20 @@ class UserError(Exception):
     """A mistake on the command line: printed as one line, exit code 2."""
 
 
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return safe_text(text[0] if text else "")
+
+
+def _printable(text: str) -> str:
+    return "\n".join(safe_text(line) for line in text.split("\n"))
+
+
+def safe_text(s: str) -> str:
+    """`s` with control characters escaped: names from files must not drive the terminal."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in s)
+
+
 def _stage(name: str):
     class _Timer:
         def __enter__(self):
@@ -106,7 +120,12 @@ def _resolve_spec(spec: str):
 
 
 def _load_spec(spec: str, factory=None):
-    got = (factory or _resolve_spec(spec))()
+    try:
+        got = (factory or _resolve_spec(spec))()
+    except UserError:
+        raise
+    except Exception as e:  # the user's factory failed: say so, in one line
+        raise UserError(f"{spec} raised {type(e).__name__}: {_one_line(e)}") from None
     if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], (tuple, list))):
         raise UserError(f"{spec} must return (model, example_inputs) with example_inputs a tuple of tensors")
     return got
@@ -127,13 +146,16 @@ def cmd_compile(args) -> int:
     with _stage(f"load {args.spec}"):
         model, inputs = _load_spec(args.spec, factory)
     with _stage("torch.export"):
-        ep = torch.export.export(model, tuple(inputs))
+        try:
+            ep = torch.export.export(model, tuple(inputs))
+        except Exception as e:  # torch.export refused the model: its first line says why
+            raise UserError(f"torch.export of {args.spec} failed: {type(e).__name__}: {_one_line(e)}") from None
     config = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(args.skip_h2d, args.skip_d2h))
     with _stage(f"partition, place, plan and emit for {device}"):
         program = ferry.compile(ep, partitioner, config)
     with _stage(f"save {args.output}"):
         program.save(args.output)
-    print(_summary(program))
+    print(_printable(_summary(program)))
     return 0
 
 
@@ -161,7 +183,7 @@ def cmd_inspect(args) -> int:
     if args.json:
         print(json.dumps(program_json(program, args.method), indent=1))
     else:
-        print(program_summary(program, instructions=True, method=args.method))
+        print(_printable(program_summary(program, instructions=True, method=args.method)))
     return 0
 
 
@@ -229,7 +251,7 @@ def cmd_run(args) -> int:
           f"median {statistics.median(times):.3f} ms, p90 {p90:.3f} ms")
     for i, o in enumerate(outs):
         print(f"  output {i}: {str(o.dtype).removeprefix('torch.')}{list(o.shape)}")
-    print(copy_report(program, args.method))
+    print(_printable(str(copy_report(program, args.method))))
     return 0
 
 
@@ -292,9 +314,10 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # output piped into `head`: not an error
         sys.stderr.close()
         return 0
-    except (UserError, FerryError, ValueError, KeyError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+    except (UserError, FerryError, ValueError, KeyError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"ferry {args.command}: error: {msg}", file=sys.stderr)
+        print(f"ferry {args.command}: error: {safe_text(str(msg).strip().splitlines()[0] if str(msg).strip() else '')}",
+              file=sys.stderr)
         return 2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import stat
 from dataclasses import dataclass, field
 
 from ferry.errors import ProgramError, UnknownMethodError
@@ -61,7 +62,10 @@ def save_program(program: Program, path) -> None:
     path = os.fspath(path)
     chunks = _chunks(program)  # validate before touching the file system
     tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    except OSError as e:  # say which path the caller asked for, not the temporary one
+        raise type(e)(e.errno, f"cannot write {path!r}: {e.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             for c in chunks:
@@ -104,9 +108,14 @@ def load_program(source, verify: bool = False) -> Program:
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_program expects a path or bytes, got {type(source).__name__}")
     path = os.fspath(source)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
+    # non-blocking: opening a named pipe must not wait for a writer; then refuse anything that is
+    # not a regular file (a pipe, a device, a directory) before reading a byte
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ProgramError(f"ferry program {path!r}: not a regular file")
+        if st.st_size == 0:
             raise ProgramError(f"ferry program {path!r}: the file is empty")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = memoryview(mm)
