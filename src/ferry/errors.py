@@ -36,6 +36,10 @@ class DeviceError(FerryError, RuntimeError):
     """A device is missing, unregistered or was used in the wrong direction."""
 
 
+class DeviceIndexError(DeviceError, ValueError):
+    """A device index that is invalid or does not exist on this machine."""
+
+
 class BackendError(FerryError, RuntimeError):
     """A delegate backend is unknown or failed to initialise or execute."""
 

@@ -20,7 +20,7 @@ import torch
 from ferry import device as _device
 from ferry.alignment import check_alignment, default_alignment
 from ferry.device import Device
-from ferry.errors import AllocationError, DeviceError
+from ferry.errors import AllocationError, DeviceError, DeviceIndexError
 
 __all__ = [
     "DeviceAllocator",
@@ -145,7 +145,10 @@ class DeviceAllocator:
         _check_int("nbytes", nbytes, 0)
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError(f"device index must be an int, got {type(index).__name__} {index!r}")
-        index = self._normalize_index(index)
+        try:
+            index = self._normalize_index(index)
+        except ValueError as exc:  # no such device: the allocation cannot happen
+            raise DeviceIndexError(f"allocation of {nbytes} bytes on {self._where(index)} failed: {exc}") from None
         alignment = _check_alignment(self.default_alignment if alignment is None else alignment)
         where = self._where(index)
         try:

@@ -33,7 +33,7 @@ from ferry.program.schema import (
     TensorValue,
     root_storage,
 )
-from ferry.runtime.kernels import CopyKernel, _to_meta, bind_aten, fast_aten, fast_functional
+from ferry.runtime.kernels import CopyKernel, _to_meta, bind_aten, check_call, fast_aten, fast_functional
 from ferry.runtime.load import Memory
 
 __all__ = ["Bound", "CallIO", "Step", "bind_method"]
@@ -359,10 +359,15 @@ class _Binder:
             op = resolve_kernel(ins.kernel)
         except LookupError as e:
             raise ProgramError(f"method {m.name!r} instruction {index}: {e}") from None
+        check_call(op, ins.args, ins.outputs, m.values, f"method {m.name!r} instruction {index}")
         pos, kw = bind_aten(op, ins.args, self.ref)
         writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
         if not writes_out and self._view_of_fixed(ins):
-            self._run_functional(op, pos, kw, ins.outputs)()  # a view of fixed memory: made once, here
+            try:  # a view of fixed memory: made once, here
+                self._run_functional(op, pos, kw, ins.outputs)()
+            except Exception as e:  # noqa: BLE001 - the program's own shapes do not allow this view
+                raise ProgramError(f"method {m.name!r} instruction {index} ({ins.kernel}): the view does not fit "
+                                   f"the program's values: {str(e).strip().splitlines()[0]}") from e
             for o in ins.outputs:
                 self.fixed[o] = True
             return None

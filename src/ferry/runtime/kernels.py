@@ -184,3 +184,52 @@ def fast_functional(op: torch._ops.OpOverload, args: list, kwargs: dict, expect:
             for r, (s, d) in zip(results, expect)):
         return None
     return fn
+
+
+# which constant kinds (or a tensor) an argument of each schema type may be
+_KINDS_FOR = {
+    "Tensor": {"tensor", "float", "int", "bool", "scalar", "symint"},  # numbers become 0-dim tensors
+    "int": {"int", "symint", "dtype", "layout", "memory_format", "bool"},  # ScalarType, Layout, ... are ints
+    "float": {"float", "int", "symint"},
+    "number": {"scalar", "int", "float", "bool", "symint"},
+    "bool": {"bool"},
+    "str": {"str"},
+    "Device": {"device"},
+    "List[int]": {"ints", "symints"},
+    "List[float]": {"floats"},
+    "List[bool]": {"bools"},
+    "List[Tensor]": {"tensors"},
+    "List[Optional[Tensor]]": {"opt_tensors", "tensors"},
+}
+
+
+def _accepts(type_str: str) -> set[str] | None:
+    """The value kinds an argument of this schema type takes; None: not checked."""
+    if type_str.startswith("Optional[") and type_str.endswith("]"):
+        inner = _accepts(type_str[9:-1])
+        return None if inner is None else inner | {"none"}
+    return _KINDS_FOR.get(type_str)
+
+
+def check_call(op: torch._ops.OpOverload, arg_ids, outputs, values, what: str) -> None:
+    """ProgramError unless the instruction's arguments are what `op`'s schema takes: their
+    number, each one's kind, defaults only where the schema has one, outputs at the out
+    positions. A program file cannot make a kernel receive what it does not expect."""
+    schema = op._schema
+    if len(arg_ids) != len(schema.arguments):
+        raise ProgramError(f"{what}: {len(arg_ids)} arguments for {op}, whose schema has {len(schema.arguments)}")
+    for a, vid in zip(schema.arguments, arg_ids):
+        if vid == DEFAULT_ARG:
+            if not (a.has_default_value() or str(a.type).startswith("Optional[")):
+                raise ProgramError(f"{what}: argument {a.name!r} of {op} has no default")
+            continue
+        v = values[vid]
+        kind = "tensor" if not hasattr(v, "kind") else v.kind
+        accepted = _accepts(str(a.type))
+        empty_list = kind in ("ints", "floats", "bools", "tensors", "opt_tensors", "symints") and not v.value
+        any_list = str(a.type).startswith(("List", "Optional[List"))
+        if accepted is not None and kind not in accepted and not (empty_list and any_list):
+            raise ProgramError(f"{what}: argument {a.name!r} of {op} is {str(a.type)}, but value {vid} is a {kind}")
+    out_args = [i for i, a in enumerate(schema.arguments) if a.is_out]
+    if out_args and tuple(arg_ids[i] for i in out_args) != tuple(outputs):
+        raise ProgramError(f"{what}: {op} writes its out arguments, which must be the instruction's outputs")

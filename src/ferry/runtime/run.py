@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ferry.device import Device
+from ferry.errors import FerryError, ProgramError
 from ferry.runtime.allocator import DeviceMemoryBuffer
 from ferry.runtime.bind import Bound, Step
 from ferry.runtime.graphs import GraphSegment
@@ -90,7 +91,7 @@ class Plan:
         return out
 
     def _step_calls(self, step: Step, first_call: bool) -> list[Callable[[], object]]:
-        calls = [self._launch(step)]
+        calls = [self._launch(step) if not first_call else _labelled(self._launch(step), self.name, step)]
         if first_call and step.check is not None:
             calls.append(step.check)
         if step.release:
@@ -170,6 +171,23 @@ class Plan:
         self.checked = True
         slots = self.bound.slots
         _copy_into([t for t, _ in copy_back], [slots[vid] for _, vid in copy_back])
+
+
+def _labelled(call: Callable[[], object], method: str, step: Step) -> Callable[[], object]:
+    """The first call runs each step so that a kernel that refuses the program's own values (a
+    program whose shapes or arguments disagree with its kernels) is a ProgramError naming the
+    instruction, not an exception from deep inside PyTorch. Later calls run the bare steps."""
+
+    def run():
+        try:
+            return call()
+        except (FerryError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - reported as what it is: the program does not run
+            raise ProgramError(f"method {method!r} {step.label}: the kernel refused the program's values: "
+                               f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+
+    return run
 
 
 def _copy_into(targets, results) -> None:

@@ -1,0 +1,147 @@
+"""Mutated program files never make the runtime misbehave.
+
+Seeded mutants of saved programs (header fields, metadata fields — ids, offsets, sizes, kernel
+and constant names, instruction order — and segment bytes) are loaded, run and compared:
+
+* as corruption (checksums left as they were): every outcome is a ferry error or the eager
+  result — never another exception, a wrong answer, or memory beyond the limit;
+* as deliberate edits (the metadata checksum recomputed, so the semantic checks face them):
+  every outcome is a ferry error or a result, never another exception or a crash.
+
+A few hundred mutants run in CI; FERRY_FUZZ_MUTANTS=10000 runs more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import struct
+from collections import Counter
+
+import pytest
+import torch
+
+import ferry
+from ferry.errors import FerryError
+from ferry.examples import transformer_block
+from models import fresh_inputs
+
+MUTANTS = int(os.environ.get("FERRY_FUZZ_MUTANTS", "300"))
+LIMIT = 64 << 20  # bytes per device a mutant may make the runtime allocate
+_HEADER = struct.Struct("<8sIIQQ")
+_KERNELS = ["aten::add.out", "aten::mul.out", "aten::relu.default", "aten::layer_norm.default",
+            "aten::__class__.__init__", "load_library::__call__.__self__", "et_copy::_h2d_copy.out", "aten::view.default"]
+
+
+def _bases():
+    model, example = transformer_block(batch=1, seq=4, dim=16)  # small: many mutants
+    ep = torch.export.export(model, example)
+    return model, example, {
+        "cpu": ferry.compile(ep).to_bytes(),
+        "emu": ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", exclude=["aten.softmax"])).to_bytes(),
+    }
+
+
+def _split(data: bytes):
+    magic, version, flags, meta_len, area = _HEADER.unpack_from(data)
+    return (magic, version, flags), json.loads(data[32:32 + meta_len]), data[area:]
+
+
+def _join(header, meta, tail, recompute: bool, original: bytes) -> bytes:
+    magic, version, flags = header
+    raw = json.dumps(meta).encode()
+    digest = hashlib.sha256(raw).digest() if recompute else original[32 + _HEADER.unpack_from(original)[3]:][:32]
+    area = -(-(64 + len(raw)) // 64) * 64
+    return _HEADER.pack(magic, version, flags, len(raw), area) + raw + digest + bytes(area - 64 - len(raw)) + tail
+
+
+def _leaves(x, path=()):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, x
+
+
+def _set(meta, path, value):
+    node = meta
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+
+
+def _mutate_meta(rng: random.Random, meta):
+    leaves = list(_leaves(meta))
+    path, old = rng.choice(leaves)
+    if isinstance(old, bool):
+        new = not old
+    elif isinstance(old, int):
+        new = rng.choice([old + 1, old - 1, 0, -1, old * 2 + 64, 2**31, 2**40, rng.randrange(64)])
+    elif isinstance(old, float):
+        new = rng.choice([0.0, -old, old * 1e30, "nan"])
+    elif isinstance(old, str):
+        new = rng.choice(_KERNELS + ["", "load", "float64", "cuda:7", "emu:3", "planned", "runtime", old[::-1]])
+    else:
+        new = rng.choice([0, [], {}, "x"])
+    _set(meta, path, new)
+    if rng.random() < 0.2:  # reorder, repeat or drop an instruction
+        ins = meta["methods"][0]["instructions"]
+        if ins:
+            k = rng.randrange(len(ins))
+            rng.choice([lambda: ins.insert(k, dict(ins[k])), lambda: ins.pop(k), lambda: ins.reverse()])()
+
+
+def _mutant(rng: random.Random, data: bytes) -> tuple[bytes, bool]:
+    """(file, recomputed): a mutated file, and whether its metadata checksum was recomputed."""
+    header, meta, tail = _split(data)
+    what = rng.random()
+    if what < 0.1:  # header
+        header = (header[0], rng.choice([1, 2, 3, 0]), rng.choice([0, 1, 3]))
+        return _join(header, meta, tail, True, data), True
+    if what < 0.3 and tail:  # segment bytes: corruption a checksum must catch
+        b = bytearray(tail)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        return _join(header, meta, bytes(b), False, data), False
+    recompute = rng.random() < 0.7
+    _mutate_meta(rng, meta)
+    return _join(header, meta, tail, recompute, data), recompute
+
+
+def _run(data: bytes, x: torch.Tensor):
+    program = ferry.load_program(data, verify=True)
+    with ferry.Module(program, max_memory=LIMIT) as module:
+        return module(x)
+
+
+def test_mutated_programs_are_refused_or_run_right(emu):
+    model, example, bases = _bases()
+    rng = random.Random(20261130)
+    (x,) = fresh_inputs(example, 1)
+    with torch.no_grad():
+        want = model(x)
+    outcomes: Counter = Counter()
+    for n in range(MUTANTS):
+        name = rng.choice(sorted(bases))
+        data, recomputed = _mutant(rng, bases[name])
+        try:
+            got = _run(data, x)
+        except FerryError as e:
+            outcomes[f"ferry error: {type(e).__name__}"] += 1
+            continue
+        except Exception as e:  # noqa: BLE001 - the failure this test exists to find
+            pytest.fail(f"mutant {n} ({name}, recomputed={recomputed}) raised {type(e).__name__}: {e}")
+        assert emu.live_bytes == 0, "a closed module holds no device memory"
+        if torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+            outcomes["eager result"] += 1
+        elif recomputed:
+            outcomes["a result (a deliberate edit: a different, valid program)"] += 1
+        else:
+            pytest.fail(f"mutant {n} ({name}): corruption ran and returned a wrong result")
+    print(dict(outcomes))
+    assert sum(outcomes.values()) == MUTANTS
