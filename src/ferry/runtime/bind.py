@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.device import Device
-from ferry.errors import InputError, InternalError, ProgramError
+from ferry.errors import InputError, ProgramError
 from ferry.op_names import resolve_kernel
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.schema import (
@@ -488,10 +488,11 @@ class _Binder:
         def check():
             for o, shape in planned:
                 if tuple(slots[o].shape) != shape:
-                    raise InternalError(
+                    raise ProgramError(
                         f"{ins.kernel} wrote a {tuple(slots[o].shape)} output where the program planned {shape} "
-                        f"(value {m.values[o].name!r}): this device's kernel disagrees with the traced shape, "
-                        "so its memory plan is unsafe; please report it to ferry"
+                        f"(value {m.values[o].name!r}): the program's shapes disagree with its kernels, so its "
+                        "memory plan is unsafe (an edited file, or a device whose kernel differs from the CPU "
+                        "trace: please report that to ferry)"
                     )
 
         return check
