@@ -240,43 +240,25 @@ class Seq(Field):
 
 
 @dataclass(frozen=True)
-class IntMap(Field):
-    """A JSON object of string keys to non-negative integers."""
+class StrKeyed(Field):
+    """A JSON object of string keys to values of one field type."""
+
+    value: Field
 
     def encode(self, x):
-        return dict(x)
+        return {k: self.value.encode(v) for k, v in x.items()}
 
     def decode(self, x, path):
         if not isinstance(x, dict):
             raise bad(path, f"expected an object, got {jtype(x)}")
-        return {k: Int().decode(v, f"{path}[{k!r}]") for k, v in x.items()}
+        return {k: self.value.decode(v, f"{path}[{k!r}]") for k, v in x.items()}
 
     def check(self, x, what):
         if not isinstance(x, dict):
-            raise ProgramError(f"{what} must be a dict of device string -> bytes")
+            raise ProgramError(f"{what} must be a dict with string keys")
         for k, v in x.items():
             Str().check(k, f"{what} key")
-            Int().check(v, f"{what} for {k!r}")
-
-
-@dataclass(frozen=True)
-class StrMap(Field):
-    """A JSON object of string keys to strings."""
-
-    def encode(self, x):
-        return dict(x)
-
-    def decode(self, x, path):
-        if not isinstance(x, dict):
-            raise bad(path, f"expected an object, got {jtype(x)}")
-        return {k: Str().decode(v, f"{path}[{k!r}]") for k, v in x.items()}
-
-    def check(self, x, what):
-        if not isinstance(x, dict):
-            raise ProgramError(f"{what} must be a dict of str -> str")
-        for k, v in x.items():
-            Str().check(k, f"{what} key")
-            Str().check(v, f"{what} for {k!r}")
+            self.value.check(v, f"{what} for {k!r}")
 
 
 def check_keys(x: object, path: str, keys: tuple[str, ...]) -> dict:
@@ -473,7 +455,7 @@ MUTABLE_BUFFER = Record(MutableBuffer, (("value", ID), ("update", ID), ("name", 
 METHOD = Record(Method, (
     ("name", Str(nonempty=True)), ("values", Seq(VALUE)), ("instructions", Seq(INSTRUCTION)),
     ("inputs", Seq(ID)), ("outputs", Seq(ID)), ("buffers", Seq(BUFFER)), ("mutable_buffers", Seq(MUTABLE_BUFFER)),
-    ("lower_bounds", IntMap()), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrMap()),
+    ("lower_bounds", StrKeyed(Int())), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrKeyed(Str())),
 ))
 
 
