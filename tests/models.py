@@ -311,3 +311,15 @@ def gpt2_lm(layers: int = 2):
             return self.m(input_ids=ids, use_cache=False).logits
 
     return Logits().eval(), (torch.randint(0, 256, (1, 16)),)
+
+
+class Owners(nn.Module):
+    """One output of each storage kind: planned, view, constant, run time."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x, y):
+        s = x + y
+        return s, s.t(), self.w, twice_plus(x, y)

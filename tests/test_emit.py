@@ -20,6 +20,7 @@ from ferry.program.schema import ConstValue, DelegateCall, KernelCall, TensorVal
 from models import (
     Add,
     MultiOutput,
+    Owners,
     PerAdd,
     SharedOutput,
     TwoLinears,
@@ -385,16 +386,6 @@ def test_dynamic_sizes_in_reshapes_are_computed_each_call(emu):
 
 
 # ------------------------------------------------------------------ inspect: who owns each input/output
-
-
-class Owners(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(3))
-
-    def forward(self, x, y):
-        s = x + y
-        return s, s.t(), self.w, twice_plus(x, y)
 
 
 def test_summary_says_who_owns_inputs_and_outputs():

@@ -13,24 +13,12 @@ import ferry
 from ferry.errors import AllocationError, ProgramError
 from ferry.program import TensorValue, validate_program
 from ferry.runtime.load import load_memory
-from models import Add, fresh_inputs, small, transformer_block, twice_plus
+from models import Add, Owners, fresh_inputs, small, transformer_block
 
 
 def _planned(program, method="forward"):
     m = program.method(method)
     return [vid for vid, v in enumerate(m.values) if isinstance(v, TensorValue) and v.storage == "planned"]
-
-
-class Owners(nn.Module):
-    """One output of each storage kind: planned, view, constant, run time."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(3))
-
-    def forward(self, x, y):
-        s = x + y
-        return s, s.t(), self.w, twice_plus(x, y)
 
 
 @pytest.mark.parametrize("alloc", [True, False])
