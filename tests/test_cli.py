@@ -303,6 +303,14 @@ def test_a_named_pipe_is_refused_at_once(tmp_path):
 
 
 def test_an_unwritable_output_names_the_path_given(tmp_path):
+    program = ferry.compile(torch.export.export(Add(), small((2, 3))))
+    target = tmp_path / "missing" / "out.ferry"
+    with pytest.raises(FileNotFoundError) as err:
+        program.save(target)
+    assert str(target) in str(err.value) and ".tmp-" not in str(err.value)
+
+
+def test_a_read_only_folder_names_the_path_given(tmp_path):
     folder = tmp_path / "ro"
     folder.mkdir()
     program = ferry.compile(torch.export.export(Add(), small((2, 3))))
