@@ -7,6 +7,7 @@ from ferry.errors import (
     ProgramError, UnknownMethodError,
 )
 from ferry.aot.partition import OpSupportPartitioner, Partition, target_device
+from ferry.aot.device_map import DeviceMapPartitioner
 from ferry.aot.lower import LoweredBackendModule, LoweredProgram, to_backend
 from ferry.aot.config import CompileConfig, PropagateDeviceConfig
 from ferry.aot.compile import compile, place
@@ -21,8 +22,9 @@ _register_cuda()  # the CUDA allocator registers itself when a GPU is present
 
 
 __all__ = [
-    "AllocationError", "BackendError", "CompileConfig", "CompileError", "ConfigError", "CopyReport", "Device", "DeviceError",
-    "FerryError", "InputError", "InternalError", "LoweredBackendModule", "LoweredProgram", "MethodMeta", "Module",
-    "OpSupportPartitioner", "Partition", "Program", "ProgramError", "PropagateDeviceConfig", "UnknownMethodError", "compile",
-    "copy_report", "load_program", "passes", "place", "save_program", "target_device", "to_backend",
+    "AllocationError", "BackendError", "CompileConfig", "CompileError", "ConfigError", "CopyReport", "Device",
+    "DeviceError", "DeviceMapPartitioner", "FerryError", "InputError", "InternalError", "LoweredBackendModule",
+    "LoweredProgram", "MethodMeta", "Module", "OpSupportPartitioner", "Partition", "Program", "ProgramError",
+    "PropagateDeviceConfig", "UnknownMethodError", "compile", "copy_report", "load_program", "passes", "place",
+    "save_program", "target_device", "to_backend",
 ]

@@ -138,10 +138,8 @@ def cmd_compile(args) -> int:
 
     # check the device, the output path, the op names and SPEC before any progress output or
     # slow work, so that a mistake on the command line is one error line
-    device = str(_parse_device(args.device))
+    partitioner, where = _partitioner(args)
     _check_output_path(args.output)
-    exclude = [s for s in (args.exclude or "").split(",") if s.strip()]
-    partitioner = ferry.OpSupportPartitioner(device, exclude=exclude)
     factory = _resolve_spec(args.spec)
     with _stage(f"load {args.spec}"):
         model, inputs = _load_spec(args.spec, factory)
@@ -151,12 +149,51 @@ def cmd_compile(args) -> int:
         except Exception as e:  # torch.export refused the model: its first line says why
             raise UserError(f"torch.export of {args.spec} failed: {type(e).__name__}: {_one_line(e)}") from None
     config = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(args.skip_h2d, args.skip_d2h))
-    with _stage(f"partition, place, plan and emit for {device}"):
+    with _stage(f"partition, place, plan and emit for {where}"):
         program = ferry.compile(ep, partitioner, config)
     with _stage(f"save {args.output}"):
         program.save(args.output)
     print(_printable(_summary(program)))
     return 0
+
+
+def _partitioner(args):
+    """The partitioner the flags ask for, and where it places the model, in words."""
+    import ferry
+
+    exclude = [s for s in (args.exclude or "").split(",") if s.strip()]
+    if args.device_map is None:
+        device = str(_parse_device(args.device or "cuda:0"))
+        return ferry.OpSupportPartitioner(device, exclude=exclude), device
+    if args.device is not None:
+        raise UserError("give --device (one device) or --device-map (several), not both")
+    device_map = _read_device_map(args.device_map)
+    for value in device_map.values():
+        if isinstance(value, str):
+            _parse_device(value)
+    try:
+        partitioner = ferry.DeviceMapPartitioner(device_map, exclude=exclude)
+    except ferry.ConfigError as e:
+        raise UserError(f"--device-map: {e}") from None
+    return partitioner, ", ".join(sorted({str(d) for d in partitioner.device_map.values()}))
+
+
+def _read_device_map(text: str) -> dict:
+    """--device-map: a JSON object, inline or in a file."""
+    source = text
+    if not text.lstrip().startswith("{"):
+        try:
+            with open(text, encoding="utf-8") as f:
+                source = f.read()
+        except OSError as e:
+            raise UserError(f"--device-map {text}: not a JSON object and not a readable file ({e.strerror})") from None
+    try:
+        got = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--device-map: not valid JSON: {e}") from None
+    if not isinstance(got, dict):
+        raise UserError(f"--device-map must be a JSON object {{module path: device}}, got {type(got).__name__}")
+    return got
 
 
 def _summary(program) -> str:
@@ -276,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="export a model and compile it to a .ferry file")
     c.add_argument("spec", help="package.module:function returning (model, example_inputs)")
     c.add_argument("-o", "--output", required=True, help="program file to write")
-    c.add_argument("--device", default="cuda:0", help="device of the delegated partition (cuda:0, emu:0, ...)")
+    c.add_argument("--device", default=None, help="device of the delegated partition (default cuda:0; emu:0, ...)")
+    c.add_argument("--device-map", metavar="JSON", help="module path -> device, as accelerate writes it: "
+                   "inline JSON or a file, e.g. '{\"encoder\": \"cuda:0\", \"decoder\": 1}'")
     c.add_argument("--exclude", help="comma-separated ops kept on the CPU, e.g. aten.softmax,aten.gelu")
     c.add_argument("--skip-h2d", action="store_true", help="inputs read on the device are passed in already there")
     c.add_argument("--skip-d2h", action="store_true", help="device outputs stay on the device")

@@ -1,0 +1,218 @@
+"""A device map (module path prefix -> device) turned into convex partitions by construction.
+
+The map is the one accelerate users already write::
+
+    {"transformer.wte": 0, "transformer.h.0": "cuda:0", ..., "transformer.h.5": 1, "lm_head": "cuda:1"}
+
+Keys are module paths of the exported module (`""` is the whole model); a key covers its
+module and every submodule, and the longest matching key wins. Values are devices: an int
+`i` is `cuda:i`, as in accelerate.
+
+Every op gets a device in three steps, then a stage:
+
+1. An op inside a listed module runs on that module's device. An excluded or unsupported op
+   (`exclude=`, host-side size arithmetic, checks) runs on the CPU, outside any delegate.
+2. An op outside every listed module (position ids, the causal mask, a residual add at the
+   top level) follows its latest delegated producer; one with no delegated producer (it
+   reads only inputs and constants) follows its earliest delegated consumer.
+3. Each delegated op's *stage* is the largest number of device changes on a path from a
+   delegated op to it. One partition per (stage, device).
+
+Step 3 is why the partitions are convex: along an edge the stage never decreases, and it
+grows at every change of device, so a path that leaves a partition and returns has
+changed device at least twice and cannot end in the same stage.
+
+Weights shared by modules on two devices (tied input and output embeddings) are absorbed
+into each delegate that reads them, so each device holds its own copy, uploaded once at
+load: a GEMM that read its weight from the peer GPU would stream it over the link at a
+fraction of local memory bandwidth on every call, while the copy costs memory that is
+known, and reported, before the first run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import operator
+from collections.abc import Mapping
+
+import torch
+
+from ferry.aot.partition import DEFAULT_BACKEND, AtenOpSupport, Partition, target_device
+from ferry.device import Device
+from ferry.errors import ConfigError
+
+
+def parse_device_map(device_map) -> dict[str, Device]:
+    """{module path prefix: Device}, validated; every bad entry is a ConfigError."""
+    if not isinstance(device_map, Mapping) or not device_map:
+        raise ConfigError(
+            "device_map must be a non-empty {module path: device} dict, e.g. "
+            f"{{'encoder': 'cuda:0', 'decoder': 'cuda:1'}}; got {device_map!r}"
+        )
+    parsed = {}
+    for key, value in device_map.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"device_map keys are module paths (str), got {key!r}")
+        parsed[key.strip()] = _parse_device(key, value)
+    return parsed
+
+
+def _parse_device(key: str, value) -> Device:
+    if isinstance(value, bool):
+        raise ConfigError(f"device_map[{key!r}] = {value!r} is not a device")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"device_map[{key!r}] = {value}: a GPU index must be >= 0")
+        return Device("cuda", value)
+    if isinstance(value, torch.device):
+        value = str(value)
+    if isinstance(value, str) and value.strip().lower() == "disk":
+        raise ConfigError(
+            f"device_map[{key!r}] = 'disk': ferry keeps every weight in memory it plans at load; "
+            "map the module to 'cpu' instead"
+        )
+    try:
+        return Device.parse(value)
+    except ValueError as e:
+        raise ConfigError(f"device_map[{key!r}]: {e}") from None
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The dotted path of the innermost module the op was traced in ('' at the top level)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return str(list(stack.values())[-1][0])
+
+
+def covering_key(path: str, keys) -> str | None:
+    """The longest key naming `path` or a module above it."""
+    best = None
+    for key in keys:
+        if (key == "" or path == key or path.startswith(key + ".")) and (best is None or len(key) > len(best)):
+            best = key
+    return best
+
+
+def module_paths(exported_program: torch.export.ExportedProgram) -> set[str]:
+    """Every module path of the exported model, those that traced no op (an unused or
+    identity module, dropout in eval) included: a map may name them."""
+    paths = {entry.fqn for entry in exported_program.module_call_graph}
+    paths.update(module_path(n) for n in exported_program.graph.nodes if n.op == "call_function")
+    paths.update(name.rpartition(".")[0] for name in exported_program.state_dict)
+    for path in list(paths):
+        parts = path.split(".")
+        paths.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return paths
+
+
+def check_keys(device_map: Mapping[str, Device], paths: set[str]) -> None:
+    """A key that names no module of the program is a typo or a path relative to another
+    root (the model inside a wrapper): say which, with the nearest paths the program has."""
+    for key in device_map:
+        if key == "" or key in paths:
+            continue
+        wrapped = sorted(p for p in paths if p.endswith("." + key))
+        if wrapped:
+            hint = f"; the exported module wraps it: did you mean {wrapped[0]!r}?"
+        else:
+            near = difflib.get_close_matches(key, sorted(paths), n=3, cutoff=0.6)
+            hint = f"; nearest: {', '.join(map(repr, near))}" if near else f"; top-level modules: {_top_level(paths)}"
+        raise ConfigError(f"device_map key {key!r} names no module of the exported program{hint}")
+
+
+def _top_level(paths) -> str:
+    return ", ".join(repr(p) for p in sorted({p.split(".")[0] for p in paths if p})[:12]) or "(none)"
+
+
+def assign_devices(nodes, device_map: Mapping[str, Device], supported) -> dict[torch.fx.Node, Device]:
+    """The device of every delegated op (steps 1 and 2 of the module docstring)."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    device: dict[torch.fx.Node, Device] = {}
+    latest: dict[torch.fx.Node, torch.fx.Node] = {}  # node -> its latest delegated ancestor (itself if delegated)
+    pending = []
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if _is_part(n):  # a tuple's parts stay with the op that made it (below)
+            if n.args[0] in latest:
+                latest[n] = latest[n.args[0]]
+            continue
+        ancestors = [latest[p] for p in n.all_input_nodes if p in latest]
+        producer = max(ancestors, key=pos.__getitem__, default=None)
+        if not supported(n):
+            if producer is not None:
+                latest[n] = producer
+            continue
+        key = covering_key(module_path(n), device_map)
+        where = device_map[key] if key is not None else device.get(producer)  # type: ignore[arg-type]
+        if where is None:
+            pending.append(n)
+            continue
+        device[n], latest[n] = where, n
+    first = next((device[n] for n in nodes if n in device), next(iter(device_map.values())))
+    for n in reversed(pending):
+        consumers = [u for u in _consumers(n) if u in device]
+        device[n] = device[min(consumers, key=pos.__getitem__)] if consumers else first
+    for n in nodes:
+        if _is_part(n) and n.args[0] in device:
+            device[n] = device[n.args[0]]
+    return device
+
+
+def _is_part(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem and bool(node.args)
+
+
+def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users of a value, looking through the getitems that unpack a tuple."""
+    out: list[torch.fx.Node] = []
+    for u in node.users:
+        out.extend(u.users if _is_part(u) else (u,))
+    return out
+
+
+def stages(nodes, device: Mapping[torch.fx.Node, Device]) -> dict[torch.fx.Node, int]:
+    """Step 3: the number of device changes on the longest path into each node; -1 for
+    nodes no delegated op reaches (inputs, constants, host arithmetic on them)."""
+    stage: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        here = device.get(n)
+        best = -1 if here is None else 0
+        for p in n.all_input_nodes:
+            if stage.get(p, -1) >= 0:
+                best = max(best, stage[p] + (device.get(p) != here))
+        stage[n] = best
+    return stage
+
+
+class DeviceMapPartitioner:
+    """Partitions from a device map: one delegate per contiguous run of ops on one device."""
+
+    def __init__(self, device_map, exclude=(), backend_id: str = DEFAULT_BACKEND):
+        self.device_map = parse_device_map(device_map)
+        self.support = AtenOpSupport(None, exclude)
+        self.backend_id = backend_id
+
+    def devices(self, exported_program: torch.export.ExportedProgram) -> dict[str, Device]:
+        """{node name: device} for every op that runs in a delegate."""
+        nodes = list(exported_program.graph_module.graph.nodes)
+        check_keys(self.device_map, module_paths(exported_program))
+        device = assign_devices(nodes, self.device_map, lambda n: self.support.is_node_supported({}, n))
+        return {n.name: d for n, d in device.items()}
+
+    def partition(self, exported_program: torch.export.ExportedProgram) -> list[Partition]:
+        graph = exported_program.graph_module.graph
+        self.support.warn_unmatched(graph)
+        nodes = list(graph.nodes)
+        by_name = self.devices(exported_program)
+        device = {n: by_name[n.name] for n in nodes if n.name in by_name}
+        stage = stages(nodes, device)
+        groups: dict[tuple[int, Device], list[str]] = {}
+        for n in nodes:
+            if n in device:
+                groups.setdefault((stage[n], device[n]), []).append(n.name)
+        return [Partition(names, target_device(d), self.backend_id) for (_, d), names in groups.items()]
+
+    def __repr__(self) -> str:
+        return f"DeviceMapPartitioner({ {k: str(v) for k, v in self.device_map.items()} })"
