@@ -163,19 +163,36 @@ def _partitioner(args):
 
     exclude = [s for s in (args.exclude or "").split(",") if s.strip()]
     if args.device_map is None:
+        if args.max_memory is not None:
+            raise UserError("--max-memory goes with --device-map (a map or 'auto')")
         device = str(_parse_device(args.device or "cuda:0"))
         return ferry.OpSupportPartitioner(device, exclude=exclude), device
     if args.device is not None:
         raise UserError("give --device (one device) or --device-map (several), not both")
-    device_map = _read_device_map(args.device_map)
-    for value in device_map.values():
-        if isinstance(value, str):
+    device_map = "auto" if args.device_map.strip() == "auto" else _read_device_map(args.device_map)
+    max_memory = _read_max_memory(args.max_memory) if args.max_memory is not None else None
+    for value in [*(device_map.values() if isinstance(device_map, dict) else ()), *(max_memory or {})]:
+        if isinstance(value, str) and not value.strip().isdigit():
             _parse_device(value)
     try:
-        partitioner = ferry.DeviceMapPartitioner(device_map, exclude=exclude)
+        partitioner = ferry.DeviceMapPartitioner(device_map, exclude=exclude, max_memory=max_memory)
     except ferry.ConfigError as e:
         raise UserError(f"--device-map: {e}") from None
-    return partitioner, ", ".join(sorted({str(d) for d in partitioner.device_map.values()}))
+    devices = partitioner.budgets if partitioner.auto else partitioner.device_map.values()
+    return partitioner, ", ".join(sorted({str(d) for d in devices}))
+
+
+def _read_max_memory(text: str) -> dict:
+    """--max-memory: 'cuda:0=20GiB,cuda:1=20GiB' (or the same as a JSON object)."""
+    if text.lstrip().startswith("{"):
+        return _read_device_map(text)
+    budgets = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        device, sep, size = item.partition("=")
+        if not sep:
+            raise UserError(f"--max-memory: {item!r} is not DEVICE=SIZE, e.g. cuda:0=20GiB")
+        budgets[device.strip()] = size.strip()
+    return budgets
 
 
 def _read_device_map(text: str) -> dict:
@@ -315,7 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="program file to write")
     c.add_argument("--device", default=None, help="device of the delegated partition (default cuda:0; emu:0, ...)")
     c.add_argument("--device-map", metavar="JSON", help="module path -> device, as accelerate writes it: "
-                   "inline JSON or a file, e.g. '{\"encoder\": \"cuda:0\", \"decoder\": 1}'")
+                   "inline JSON or a file, e.g. '{\"encoder\": \"cuda:0\", \"decoder\": 1}', or 'auto' "
+                   "(ferry splits the model under --max-memory)")
+    c.add_argument("--max-memory", metavar="BUDGETS", help="what each device may hold, e.g. cuda:0=20GiB,cuda:1=20GiB; "
+                   "compile fails, naming the device and the shortfall, when the program does not fit")
     c.add_argument("--exclude", help="comma-separated ops kept on the CPU, e.g. aten.softmax,aten.gelu")
     c.add_argument("--skip-h2d", action="store_true", help="inputs read on the device are passed in already there")
     c.add_argument("--skip-d2h", action="store_true", help="device outputs stay on the device")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 
+from ferry.errors import BackendError
 from ferry.program import Program
+from ferry.program.footprint import load_bytes
 from ferry.program.report import copy_report
 from ferry.program.schema import DEFAULT_ARG, STORAGE_KINDS, ConstValue, DelegateCall, TensorValue, root_storage
 
@@ -77,6 +80,7 @@ def program_summary(program: Program, instructions: bool = True, method: str | N
         for dev, lb in m.lower_bounds.items():
             planned = sum(b.size for b in m.buffers[1:] if str(b.device) == dev)
             out.append(f"    {dev}: planned {planned:,} B, lower bound (peak live) {lb:,} B")
+        out.extend(_device_lines(program, m))
         if m.runtime_allocating_ops:
             out.append("  computed by their functional kernel (their results are allocated at run time):")
             for op in m.runtime_allocating_ops:
@@ -84,6 +88,37 @@ def program_summary(program: Program, instructions: bool = True, method: str | N
     out.append(f"delegates: {len(program.delegates)}, segments: {len(program.segments)} "
                f"({_fmt_bytes(sum(len(memoryview(s)) for s in program.segments))})")
     return "\n".join(out)
+
+
+def device_memory(program: Program, m) -> dict[str, dict[str, int | None]]:
+    """Per device: planned bytes, the rest loading allocates (weights, constants, a backend's
+    own buffers), their total and the budget compile checked it against."""
+    planned: dict[str, int] = {}
+    for b in m.buffers[1:]:
+        planned[str(b.device)] = planned.get(str(b.device), 0) + b.size
+    try:
+        total = {str(d): n for d, n in load_bytes(program, m).items()}
+    except BackendError:  # a backend this process does not have: its weights are unknown here
+        total = dict(planned)
+    rows: dict[str, dict[str, int | None]] = {}
+    for dev in sorted(set(planned) | set(total) | set(m.max_memory)):
+        p, t = planned.get(dev, 0), max(total.get(dev, 0), planned.get(dev, 0))
+        rows[dev] = {"planned": p, "weights": t - p, "total": t, "budget": m.max_memory.get(dev)}
+    return rows
+
+
+def _device_lines(program: Program, m) -> list[str]:
+    out = []
+    if m.device_map:
+        out.append("  device map (pass it back as device_map= to compile the same split):")
+        out.append("    " + json.dumps(m.device_map))
+    rows = device_memory(program, m)
+    if len(rows) > 1 or m.max_memory:
+        out.append(f"  per device: {'weights':>14} {'planned':>14} {'total':>14} {'budget':>14}")
+        for dev, r in rows.items():
+            budget = "-" if r["budget"] is None else f"{r['budget']:,}"
+            out.append(f"    {dev:<9} {r['weights']:>14,} {r['planned']:>14,} {r['total']:>14,} {budget:>14}")
+    return out
 
 
 def _finite(x):
@@ -124,6 +159,8 @@ def _program_json(program: Program, method: str | None) -> dict:
             "lower_bounds": dict(m.lower_bounds),
             "runtime_allocating_ops": list(m.runtime_allocating_ops),
             "kernel_choices": dict(m.kernel_choices),
+            "device_map": dict(m.device_map),
+            "devices": device_memory(program, m),
         }
     return {
         "methods": methods,

@@ -6,12 +6,16 @@ from collections.abc import Mapping
 
 import torch
 
+from ferry.aot.auto_map import parse_budgets
 from ferry.aot.config import CompileConfig, MethodOptions
+from ferry.aot.device_map import DeviceMapPartitioner
 from ferry.aot.emit import ProgramBuilder, emit_method
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
-from ferry.errors import CompileError
+from ferry.device import Device
+from ferry.errors import CompileError, ConfigError
 from ferry.program import Program
+from ferry.program.footprint import load_bytes
 
 
 def _methods(ep_or_dict) -> dict[str, torch.export.ExportedProgram]:
@@ -42,14 +46,73 @@ def _place(exported_program, partitioner, options: MethodOptions) -> LoweredProg
     return lowered
 
 
-def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None) -> Program:  # noqa: A001
-    """Compile one program (method 'forward') or several named methods into a ferry Program."""
+def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None, *,  # noqa: A001
+            device_map=None, max_memory=None) -> Program:
+    """Compile one program (method 'forward') or several named methods into a ferry Program.
+
+    `device_map` ({module path: device} or "auto") splits the model over devices, as
+    DeviceMapPartitioner(device_map, max_memory=max_memory) would. `max_memory` ({device:
+    size}) is checked against what loading the program allocates on each device; a device
+    map chosen with "auto" is chosen again under tighter budgets when the plan overshoots."""
+    if device_map is not None:
+        if partitioner is not None:
+            raise ConfigError("give a partitioner or a device_map, not both")
+        partitioner = DeviceMapPartitioner(device_map, max_memory=max_memory)
+    budgets = parse_budgets(max_memory) if max_memory is not None else getattr(partitioner, "budgets", None)
     eps = _methods(ep_or_dict)
     options = (config or CompileConfig()).resolve(eps)
+    auto = getattr(partitioner, "auto", False)
+    for _ in range(auto_attempts(budgets) if auto else 1):
+        program = _compile(eps, partitioner, options, budgets)
+        over = over_budget(program, budgets)
+        if not over:
+            return program
+        if auto:
+            partitioner.tighten(device_bytes(program))
+    raise budget_error(program, budgets, over, auto)
+
+
+def auto_attempts(budgets) -> int:
+    """How many splits device_map="auto" tries: each retry moves work off a device that
+    overflowed, so a few per device."""
+    return 2 * len(budgets or ()) + 1
+
+
+def _compile(eps, partitioner, options, budgets) -> Program:
     builder = ProgramBuilder()
     methods = {}
     for name, ep in eps.items():
         placed = _place(ep, partitioner, options[name])
-        methods[name] = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
-                                    placed.range_constraints)
+        method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
+                             placed.range_constraints)
+        method.device_map = {path: str(d) for path, d in placed.device_map.items()}
+        method.max_memory = {str(d): n for d, n in (budgets or {}).items()}
+        methods[name] = method
     return Program(methods, builder.delegates, builder.segments)
+
+
+def device_bytes(program: Program) -> dict[Device, int]:
+    """What loading every method of `program` allocates per device."""
+    need: dict[Device, int] = {}
+    for method in program.methods.values():
+        for device, n in load_bytes(program, method).items():
+            need[device] = need.get(device, 0) + n
+    return need
+
+
+def over_budget(program: Program, budgets: dict[Device, int] | None) -> dict[Device, int]:
+    """{device: bytes over its budget} for the devices the program overfills."""
+    need = device_bytes(program)
+    return {d: need[d] - b for d, b in (budgets or {}).items() if need.get(d, 0) > b}
+
+
+def budget_error(program: Program, budgets, over: dict[Device, int], auto: bool) -> CompileError:
+    need = device_bytes(program)
+    worst = max(over, key=over.__getitem__)
+    tried = f"device_map='auto' tried {auto_attempts(budgets)} splits; the last" if auto else "the program"
+    fix = "raise max_memory or add a device" if auto else (
+        "raise max_memory, move modules to another device, or use device_map='auto'")
+    return CompileError(
+        f"{tried} does not fit max_memory on {worst}: loading it allocates {need[worst]:,} bytes there "
+        f"(weights and planned buffers), over its budget of {budgets[worst]:,}: short by {over[worst]:,} bytes; {fix}"
+    )

@@ -37,6 +37,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ferry.aot.auto_map import Choice, auto_device_map, parse_budgets
+from ferry.aot.meta import module_path
 from ferry.aot.partition import DEFAULT_BACKEND, AtenOpSupport, Partition, target_device
 from ferry.device import Device
 from ferry.errors import ConfigError
@@ -75,14 +77,6 @@ def _parse_device(key: str, value) -> Device:
         return Device.parse(value)
     except ValueError as e:
         raise ConfigError(f"device_map[{key!r}]: {e}") from None
-
-
-def module_path(node: torch.fx.Node) -> str:
-    """The dotted path of the innermost module the op was traced in ('' at the top level)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    return str(list(stack.values())[-1][0])
 
 
 def covering_key(path: str, keys) -> str | None:
@@ -186,19 +180,49 @@ def stages(nodes, device: Mapping[torch.fx.Node, Device]) -> dict[torch.fx.Node,
     return stage
 
 
-class DeviceMapPartitioner:
-    """Partitions from a device map: one delegate per contiguous run of ops on one device."""
+AUTO = "auto"
 
-    def __init__(self, device_map, exclude=(), backend_id: str = DEFAULT_BACKEND):
-        self.device_map = parse_device_map(device_map)
+
+class DeviceMapPartitioner:
+    """Partitions from a device map: one delegate per contiguous run of ops on one device.
+
+    `device_map` is {module path: device}, or "auto" with `max_memory` ({device: size}): ferry
+    then chooses the map (aot/auto_map.py). `last_map` is the map the last `partition` call
+    followed, given or chosen; compile stores it in the program, where `ferry inspect` shows
+    it, ready to pass back as an explicit map. `budgets` ({Device: bytes}, or None) is what
+    compile checks the planned program against."""
+
+    def __init__(self, device_map, exclude=(), backend_id: str = DEFAULT_BACKEND, max_memory=None):
+        self.auto = isinstance(device_map, str) and device_map.strip().lower() == AUTO
+        if isinstance(device_map, str) and not self.auto:
+            raise ConfigError(f"device_map must be a {{module path: device}} dict or 'auto', got {device_map!r}")
+        self.device_map = {} if self.auto else parse_device_map(device_map)
+        self.budgets = parse_budgets(max_memory) if self.auto or max_memory is not None else None
+        # what the chooser works to: the budgets, lowered where a real plan overflowed one
+        self._working = dict(self.budgets or {})
+        self._choice: Choice | None = None
         self.support = AtenOpSupport(None, exclude)
         self.backend_id = backend_id
+        self.last_map: dict[str, Device] = dict(self.device_map)
+
+    def map_for(self, exported_program: torch.export.ExportedProgram) -> dict[str, Device]:
+        """The map this program is split by: the one given, checked against its modules, or
+        the one chosen under the budgets."""
+        if self.auto:
+            assert self.budgets is not None
+            self._choice = auto_device_map(exported_program, self._working, self._supported)
+            return self._choice.device_map
+        check_keys(self.device_map, module_paths(exported_program))
+        return self.device_map
+
+    def _supported(self, node: torch.fx.Node) -> bool:
+        return self.support.is_node_supported({}, node)
 
     def devices(self, exported_program: torch.export.ExportedProgram) -> dict[str, Device]:
         """{node name: device} for every op that runs in a delegate."""
         nodes = list(exported_program.graph_module.graph.nodes)
-        check_keys(self.device_map, module_paths(exported_program))
-        device = assign_devices(nodes, self.device_map, lambda n: self.support.is_node_supported({}, n))
+        self.last_map = self.map_for(exported_program)
+        device = assign_devices(nodes, self.last_map, self._supported)
         return {n.name: d for n, d in device.items()}
 
     def partition(self, exported_program: torch.export.ExportedProgram) -> list[Partition]:
@@ -214,5 +238,19 @@ class DeviceMapPartitioner:
                 groups.setdefault((stage[n], device[n]), []).append(n.name)
         return [Partition(names, target_device(d), self.backend_id) for (_, d), names in groups.items()]
 
+    def tighten(self, need: Mapping[Device, int]) -> None:
+        """After the real plan of the last choice needed `need` bytes per device: lower the
+        working budget of each device it overflowed by what the estimate missed there, and
+        below that estimate, so that the next choice puts less on it."""
+        assert self.budgets is not None and self._choice is not None
+        estimate = {d: self._choice.weights[d] + self._choice.activations[d] for d in self._choice.weights}
+        for device, n in need.items():
+            budget = self.budgets.get(device)
+            if budget is None or n <= budget or device not in estimate:
+                continue
+            lowered = min(budget - (n - estimate[device]), estimate[device] - 1, self._working[device])
+            self._working[device] = max(0, lowered)
+
     def __repr__(self) -> str:
-        return f"DeviceMapPartitioner({ {k: str(v) for k, v in self.device_map.items()} })"
+        shown = AUTO if self.auto else {k: str(v) for k, v in self.device_map.items()}
+        return f"DeviceMapPartitioner({shown!r})"

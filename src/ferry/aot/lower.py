@@ -53,11 +53,13 @@ class LoweredProgram:
     """A flat graph (parameters, buffers and constants as placeholders) with delegate nodes.
 
     `constants` maps placeholder names to their tensors; mutable buffers are updated in it
-    when the program is called eagerly."""
+    when the program is called eagerly. `device_map` is the module path -> device map the
+    partitioner followed, when it follows one (its `last_map`)."""
 
     graph_module: torch.fx.GraphModule
     constants: dict[str, torch.Tensor]
     range_constraints: dict = field(default_factory=dict)
+    device_map: dict = field(default_factory=dict)
 
     def placeholders(self) -> list[torch.fx.Node]:
         return [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
@@ -293,7 +295,7 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
             constants = {k: v for k, v in constants.items() if k != n.name}
     g.lint()
     gm = torch.fx.GraphModule(root, g)
-    return LoweredProgram(gm, constants, dict(ep.range_constraints))
+    return LoweredProgram(gm, constants, dict(ep.range_constraints), dict(getattr(partitioner, "last_map", None) or {}))
 
 
 def groups_sorted(group, pos):

@@ -16,6 +16,15 @@ USER_INPUT, PARAMETER, BUFFER, CONSTANT = "user_input", "parameter", "buffer", "
 USER_OUTPUT, BUFFER_MUTATION = "user_output", "buffer_mutation"
 
 
+def module_path(node: torch.fx.Node) -> str:
+    """The dotted path of the innermost module the op was traced in ('' at the top level),
+    as torch.export records it."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return str(list(stack.values())[-1][0])
+
+
 def get_device(node: torch.fx.Node) -> Device | None:
     return node.meta.get(_DEVICE)
 

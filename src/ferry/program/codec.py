@@ -261,26 +261,30 @@ class StrKeyed(Field):
             self.value.check(v, f"{what} for {k!r}")
 
 
-def check_keys(x: object, path: str, keys: tuple[str, ...]) -> dict:
-    """`x` is a JSON object with exactly `keys`."""
+def check_keys(x: object, path: str, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    """`x` is a JSON object with exactly `keys`, of which `optional` may be absent."""
     if not isinstance(x, dict):
         raise bad(path, f"expected an object, got {jtype(x)}")
-    missing = [k for k in keys if k not in x]
+    missing = [k for k in keys if k not in x and k not in optional]
     if missing:
         raise bad(path, f"missing key(s) {', '.join(map(repr, missing))}")
-    if len(x) != len(keys):
-        extra = sorted(k for k in x if k not in keys)
+    extra = sorted(k for k in x if k not in keys)
+    if extra:
         raise bad(path, f"unknown key(s) {', '.join(map(show, extra))}")
     return x
 
 
 @dataclass(frozen=True)
 class Record(Field):
-    """A dataclass written as a JSON object of its fields (plus a "type" tag when given)."""
+    """A dataclass written as a JSON object of its fields (plus a "type" tag when given).
+
+    `optional` fields are left out while empty and read as empty when absent: a field added
+    within a format version keeps files that do not use it readable by earlier readers."""
 
     cls: type
     fields: tuple[tuple[str, Field], ...]
     tag: str | None = None
+    optional: tuple[str, ...] = ()
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -289,12 +293,13 @@ class Record(Field):
 
     def encode(self, x):
         out = {"type": self.tag} if self.tag else {}
-        out.update((n, f.encode(getattr(x, n))) for n, f in self.fields)
+        out.update((n, f.encode(getattr(x, n))) for n, f in self.fields
+                   if n not in self.optional or getattr(x, n))
         return out
 
     def decode(self, x, path):
-        o = check_keys(x, path, self.keys)
-        return self.cls(**{n: f.decode(o[n], f"{path}.{n}") for n, f in self.fields})
+        o = check_keys(x, path, self.keys, self.optional)
+        return self.cls(**{n: f.decode(o[n], f"{path}.{n}") for n, f in self.fields if n in o})
 
     def check(self, x, what):
         if not isinstance(x, self.cls):
@@ -456,7 +461,8 @@ METHOD = Record(Method, (
     ("name", Str(nonempty=True)), ("values", Seq(VALUE)), ("instructions", Seq(INSTRUCTION)),
     ("inputs", Seq(ID)), ("outputs", Seq(ID)), ("buffers", Seq(BUFFER)), ("mutable_buffers", Seq(MUTABLE_BUFFER)),
     ("lower_bounds", StrKeyed(Int())), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrKeyed(Str())),
-))
+    ("device_map", StrKeyed(Str())), ("max_memory", StrKeyed(Int())),
+), optional=("device_map", "max_memory"))
 
 
 class _SpecPairs(Field):

@@ -293,6 +293,10 @@ class Method:
     runtime_allocating_ops: list[str] = field(default_factory=list)
     # op -> why it is computed functionally (no out variant, a wrapper .out, an eager layout)
     kernel_choices: dict[str, str] = field(default_factory=dict)
+    # the device map the method was split by (module path -> device), given or chosen by
+    # device_map="auto", and the budgets (device -> bytes) it was checked against
+    device_map: dict[str, str] = field(default_factory=dict)
+    max_memory: dict[str, int] = field(default_factory=dict)
 
     def tensor(self, vid: int) -> TensorValue:
         v = self.values[vid]

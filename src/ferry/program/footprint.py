@@ -1,0 +1,80 @@
+"""A program's memory footprint: the bytes loading it allocates on each device, and the
+size strings ("20GiB") budgets and limits are written in.
+
+Compile checks a device map against `max_memory` with it; the runtime checks a file from
+elsewhere against `Module(max_memory=...)` with it: one count for both.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from ferry.backend_registry import get_backend
+from ferry.device import Device
+from ferry.program.schema import DelegateCall, Method, TensorValue
+
+__all__ = ["limit_for", "load_bytes", "parse_bytes", "parse_limits"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*\Z")
+
+
+def parse_bytes(value: int | str, what: str = "memory limit") -> int:
+    """4096, "512MB", "20GiB" -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number of bytes or a size like '20GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what} must be >= 0, got {value}")
+        return value
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{what} must be a number of bytes or a size like '20GiB', got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_limits(limits: int | str | Mapping | None) -> dict[str, int] | None:
+    """None, one size for every device (key '*'), or {device: size} with devices as 'cpu',
+    'cuda:0', ... (a bare type such as 'cuda' covers all its indices)."""
+    if limits is None:
+        return None
+    if not isinstance(limits, Mapping):
+        return {"*": parse_bytes(limits)}
+    out = {}
+    for key, value in limits.items():
+        name = str(key).strip().lower()
+        out[name if ":" not in name else str(Device.parse(name))] = parse_bytes(value, f"memory limit for {key!r}")
+    return out
+
+
+def limit_for(limits: dict[str, int], device: Device) -> int | None:
+    for key in (str(device), device.type, "*"):
+        if key in limits:
+            return limits[key]
+    return None
+
+
+def load_bytes(program, method: Method, stage_io: bool = False) -> dict[Device, int]:
+    """Bytes loading `method` allocates per device: its buffers, device constants, fixed device
+    I/O (CUDA graphs) and what its delegates' backends say they allocate."""
+    need: dict[Device, int] = {}
+
+    def add(device: Device, n: int) -> None:
+        need[device] = need.get(device, 0) + n
+
+    for b in method.buffers[1:]:
+        add(b.device, b.size)
+    for v in method.values:
+        if not isinstance(v, TensorValue) or v.device.is_cpu:
+            continue
+        if v.storage == "constant" or (stage_io and v.storage in ("input", "output") and not any(v.dynamic)):
+            add(v.device, v.nbytes)
+    for ins in method.instructions:
+        if isinstance(ins, DelegateCall):
+            d = program.delegates[ins.delegate]
+            counted = getattr(get_backend(d.backend_id), "load_bytes", None)
+            for device, n in (counted(program.segments[d.payload], bool(ins.scratch)) if counted else {}).items():
+                add(device, n)
+    return need

@@ -1,0 +1,232 @@
+"""device_map="auto": stages that fit max_memory, balanced in time, checked against the real plan."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import ferry
+from ferry import CompileError, ConfigError, Device, DeviceMapPartitioner
+from ferry.aot import auto_map
+from ferry.aot.auto_map import collapse, op_flops, parse_budgets
+from ferry.aot.compile import device_bytes
+from ferry.inspect import program_json, program_summary
+from ferry.program import load_program
+from ferry.runtime import emulated_device
+from test_device_map import TinyLM, ids
+
+BIG = {"emu:0": "10MB", "emu:1": "10MB"}
+
+
+@pytest.fixture
+def emu8():
+    with emulated_device(num_devices=8) as allocator:
+        yield allocator
+
+
+@pytest.fixture(scope="module")
+def lm():
+    model = TinyLM(layers=8, dim=64, vocab=512)
+    return model, torch.export.export(model, (ids(0, (4, 32), 512),))
+
+
+def check_eager(program, model, seeds=(1, 2)):
+    module = ferry.Module(program)
+    for seed in seeds:
+        x = ids(seed, (4, 32), 512)
+        torch.testing.assert_close(module.forward(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def shortfall(message: str) -> int:
+    return int(re.search(r"short by ([\d,]+) bytes", message).group(1).replace(",", ""))
+
+
+# ------------------------------------------------------------------ budgets and estimates
+
+
+def test_budgets_parse_like_accelerate():
+    got = parse_budgets({0: "1GiB", "1": 2048, "cuda:2": "1.5 kB", "cpu": "64GB"})
+    assert got == {Device("cuda", 0): 2**30, Device("cuda", 1): 2048, Device("cuda", 2): 1500, Device("cpu", 0): 64 * 10**9}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (None, "needs max_memory"), ({}, "needs max_memory"), ({"cuda:0": "lots"}, "size like '20GiB'"),
+    ({"tpu:0": "1GB"}, "unknown device type"), ({"cuda:0": -1}, ">= 0"),
+])
+def test_bad_budgets_are_config_errors(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        DeviceMapPartitioner("auto", max_memory=bad)
+
+
+def test_only_auto_is_a_word():
+    with pytest.raises(ConfigError, match="or 'auto'"):
+        DeviceMapPartitioner("balanced", max_memory=BIG)
+
+
+def test_flops_of_gemms_convolutions_and_attention():
+    class Ops(torch.nn.Module):
+        def forward(self, a, b, img, w, q, k, v):
+            return a @ b, torch.nn.functional.conv2d(img, w), torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    args = (torch.randn(8, 16), torch.randn(16, 4), torch.randn(1, 3, 10, 10), torch.randn(5, 3, 3, 3),
+            torch.randn(2, 4, 6, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8))
+    ep = torch.export.export(Ops(), args)
+    flops = {str(n.target).split(".")[1]: op_flops(n) for n in ep.graph.nodes if n.op == "call_function"}
+    assert flops["matmul"] == 2 * 8 * 16 * 4
+    assert flops["conv2d"] == 2 * (5 * 8 * 8) * (3 * 3 * 3)
+    assert flops["scaled_dot_product_attention"] == 4 * (2 * 4 * 6 * 8) * 7  # QK^T and PV
+
+
+def test_collapse_names_a_module_whole_when_its_parts_agree():
+    a, b = Device("cuda", 0), Device("cuda", 1)
+    children = {"": ["h"], "h": ["h.0", "h.1"], "h.0": ["h.0.x", "h.0.y"], "h.1": ["h.1.x", "h.1.y"]}
+    got = collapse({"h.0.x": a, "h.0.y": a, "h.1.x": a, "h.1.y": b}, children)
+    assert got == {"h.0": a, "h.1.x": a, "h.1.y": b}
+
+
+# ------------------------------------------------------------------ choosing
+
+
+def test_auto_balances_layers_and_its_map_is_reusable(emu, lm):
+    model, ep = lm
+    program = ferry.compile(ep, device_map="auto", max_memory=BIG)
+    check_eager(program, model)
+    chosen = program.methods["forward"].device_map
+    layers = [chosen[f"h.{i}"] for i in range(8)]
+    assert layers == ["emu:0"] * 4 + ["emu:1"] * 4  # eight equal blocks: four each
+    again = ferry.compile(ep, device_map=chosen)
+    assert [d.compile_specs for d in again.delegates] == [d.compile_specs for d in program.delegates]
+    assert len(again.methods["forward"].instructions) == len(program.methods["forward"].instructions)
+
+
+@pytest.mark.parametrize("budget", ["500kB", "700kB"])
+def test_auto_fits_every_budget(emu8, lm, budget):
+    model, ep = lm
+    max_memory = {f"emu:{i}": budget for i in range(4)}
+    program = ferry.compile(ep, device_map="auto", max_memory=max_memory)
+    check_eager(program, model, seeds=(3,))
+    need, limit = device_bytes(program), parse_budgets({"emu:0": budget})[Device("emu", 0)]
+    assert all(need.get(Device("emu", i), 0) <= limit for i in range(4))
+    used = {d for d in need if d.type == "emu"}
+    assert len(used) >= 2  # one device cannot hold it at these budgets
+
+
+def test_cpu_takes_only_what_the_accelerators_cannot_hold(emu, lm):
+    model, ep = lm
+    roomy = ferry.compile(ep, device_map="auto", max_memory={**BIG, "cpu": "1GB"})
+    assert "cpu:0" not in roomy.methods["forward"].device_map.values()
+    tight = ferry.compile(ep, device_map="auto", max_memory={"emu:0": "300kB", "emu:1": "300kB", "cpu": "1GB"})
+    assert "cpu:0" in tight.methods["forward"].device_map.values()
+    check_eager(tight, model)
+
+
+def test_a_module_larger_than_any_budget_is_named_with_the_shortfall(emu, lm):
+    _, ep = lm
+    with pytest.raises(CompileError, match=r"module 'wte' alone needs .*largest budget \(emu:0") as e:
+        ferry.compile(ep, device_map="auto", max_memory={"emu:0": "100kB", "emu:1": "90kB"})
+    need = int(re.search(r"alone needs ([\d,]+) bytes", str(e.value)).group(1).replace(",", ""))
+    assert shortfall(str(e.value)) == need - 100_000 > 0
+
+
+def test_a_model_larger_than_all_budgets_names_the_last_device(emu, lm):
+    _, ep = lm
+    with pytest.raises(CompileError, match=r"does not fit in max_memory.*emu:1, the last device") as e:
+        ferry.compile(ep, device_map="auto", max_memory={"emu:0": "250kB", "emu:1": "470kB"})
+    need = int(re.search(r"would need ([\d,]+) bytes", str(e.value)).group(1).replace(",", ""))
+    assert shortfall(str(e.value)) == need - 470_000 > 0
+
+
+def test_an_explicit_map_over_budget_names_device_and_shortfall(emu, lm):
+    _, ep = lm
+    device_map = {"": "emu:0", "h.6": "emu:1", "h.7": "emu:1"}
+    program = ferry.compile(ep, device_map=device_map)
+    need = device_bytes(program)[Device("emu", 0)]
+    with pytest.raises(CompileError, match="does not fit max_memory on emu:0") as e:
+        ferry.compile(ep, device_map=device_map, max_memory={"emu:0": need - 1000, "emu:1": "10MB"})
+    assert shortfall(str(e.value)) == 1000
+
+
+def test_a_low_estimate_is_corrected_by_the_real_plan(emu8, lm, monkeypatch):
+    """The chooser works from estimates; compile checks the plan and chooses again, tighter."""
+    model, ep = lm
+    real_gather = auto_map.gather
+
+    def half_the_activations(*args):
+        facts = real_gather(*args)
+        facts.live = [n // 2 for n in facts.live]
+        facts.crossing = [n // 2 for n in facts.crossing]
+        return facts
+
+    monkeypatch.setattr(auto_map, "gather", half_the_activations)
+    budgets = {"emu:0": "500kB", "emu:1": "500kB", "emu:2": "500kB"}
+    calls = []
+    real_tighten = DeviceMapPartitioner.tighten
+    monkeypatch.setattr(DeviceMapPartitioner, "tighten", lambda self, over: (calls.append(dict(over)),
+                                                                             real_tighten(self, over)))
+    program = ferry.compile(ep, device_map="auto", max_memory=budgets)
+    assert calls  # the first choice overshot
+    need = device_bytes(program)
+    assert all(need.get(Device("emu", i), 0) <= 500_000 for i in range(3))
+    check_eager(program, model, seeds=(4,))
+
+
+def test_partitioner_and_device_map_together_is_an_error(emu, lm):
+    _, ep = lm
+    with pytest.raises(ConfigError, match="not both"):
+        ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), device_map={"": "emu:0"})
+
+
+# ------------------------------------------------------------------ the file, inspect, the CLI
+
+
+def test_the_map_and_budgets_travel_in_the_file(emu, lm, tmp_path):
+    _, ep = lm
+    program = ferry.compile(ep, device_map="auto", max_memory=BIG)
+    path = tmp_path / "p.ferry"
+    program.save(path)
+    method = load_program(path).methods["forward"]
+    assert method.device_map == program.methods["forward"].device_map and method.device_map
+    assert method.max_memory == {"emu:0": 10**7, "emu:1": 10**7}
+    plain = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
+    plain.save(path)
+    assert b"device_map" not in path.read_bytes()  # left out while empty: earlier readers still read it
+    assert load_program(path).methods["forward"].device_map == {}
+
+
+def test_inspect_shows_the_map_and_each_device_against_its_budget(emu, lm):
+    _, ep = lm
+    program = ferry.compile(ep, device_map="auto", max_memory=BIG)
+    text = program_summary(program, instructions=False)
+    shown = text.split("device_map= to compile the same split):\n")[1].splitlines()[0]
+    assert json.loads(shown) == program.methods["forward"].device_map
+    row = next(ln for ln in text.splitlines() if ln.strip().startswith("emu:1 ") and "10,000,000" in ln)
+    weights, planned, total = (int(x.replace(",", "")) for x in row.split()[1:4])
+    assert weights + planned == total == device_bytes(program)[Device("emu", 1)]
+    devices = program_json(program)["methods"]["forward"]["devices"]
+    assert devices["emu:0"]["budget"] == 10**7 and devices["emu:0"]["total"] > 0
+
+
+def test_cli_auto_map(tmp_path, capsys):
+    from ferry.cli import main
+    from ferry.runtime import get_allocator, unregister_allocator
+
+    had = get_allocator("emu") is not None
+    out = str(tmp_path / "p.ferry")
+    base = ["compile", "ferry.examples:transformer_block", "-o", out]
+    try:
+        assert main(base + ["--device-map", "auto", "--max-memory", "emu:0=1MB,emu:1=1MB"]) == 0
+        assert load_program(out).methods["forward"].max_memory == {"emu:0": 10**6, "emu:1": 10**6}
+        assert main(["inspect", out]) == 0
+        assert "device map (pass it back" in capsys.readouterr().out
+        assert main(base + ["--device", "emu:0", "--max-memory", "emu:0=1MB"]) == 2
+        assert "goes with --device-map" in capsys.readouterr().err
+        assert main(base + ["--device-map", "auto", "--max-memory", "emu:0"]) == 2
+        assert "DEVICE=SIZE" in capsys.readouterr().err
+        assert main(base + ["--device-map", "auto", "--max-memory", "emu:0=1kB"]) == 2
+        assert "short by" in capsys.readouterr().err
+    finally:
+        if not had and get_allocator("emu") is not None:
+            unregister_allocator("emu")
