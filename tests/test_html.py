@@ -27,7 +27,9 @@ from ferry.program import (
     Program,
     TensorValue,
 )
+from ferry.aot.compile import device_bytes
 from ferry.program.report import copy_report
+from test_device_map import TinyLM, ids
 
 CUDA0 = Device("cuda", 0)
 
@@ -444,3 +446,20 @@ def test_renders_in_headless_chromium(block, tmp_path):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 10_000  # a blank page compresses to a few KiB
+
+
+def test_a_split_program_shows_its_map_and_each_device_against_its_budget(emu):
+    model = TinyLM(layers=4)
+    program = ferry.compile(torch.export.export(model, (ids(0),)), device_map="auto",
+                            max_memory={"emu:0": "10MB", "emu:1": "10MB"})
+    page = render_html(program)
+    method = program.methods["forward"]
+    for path, dev in method.device_map.items():
+        assert f'data-module="{path}" data-device="{dev}"' in page
+    need = device_bytes(program)
+    for dev in ("emu:0", "emu:1"):
+        row = page.split(f'<tr data-device="{dev}" data-planned=')[1].split(">")[0]
+        total = int(row.split('data-total="')[1].split('"')[0])
+        assert total == need[Device.parse(dev)] and 'data-budget="10000000"' in row
+    # the lanes and the copy between them are drawn
+    assert page.count("d2d") >= 1

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ferry.device import CPU, Device
 from ferry.errors import ProgramError
-from ferry.inspect import owner
+from ferry.inspect import device_memory, owner
 from ferry.program import Program
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.report import copy_report
@@ -739,21 +739,16 @@ def _summary(program: Program, m: Method, life) -> str:
     if len(m.buffers) <= 1:
         out.append('<tr><td colspan="5">no planned buffers</td></tr>')
     out.append("</tbody></table>")
-    out.append('<h3>Per device</h3><table class="devices"><thead><tr><th>device</th><th class="num">buffers</th>'
-               '<th class="num">planned</th><th class="num">lower bound</th><th class="num">plan / bound</th></tr></thead><tbody>')
-    devs: dict[str, list[int]] = {}
-    for b in m.buffers[1:]:
-        devs.setdefault(str(b.device), []).append(b.size)
-    for d in m.lower_bounds:
-        devs.setdefault(d, [])
-    for d, sizes in devs.items():
-        planned = sum(sizes)
-        lb = m.lower_bounds.get(d)
-        ratio = f"{planned / lb:.2f}\u00d7" if lb else "\u2013"
-        lb_text = fmt_bytes(lb) if lb is not None else "\u2013"
-        out.append(f'<tr data-device="{_e(d)}" data-planned="{planned}"><td>{_e(d)}</td><td class="num">{len(sizes)}</td>'
-                   f'<td class="num">{_e(fmt_bytes(planned))}</td><td class="num">{_e(lb_text)}</td><td class="num">{ratio}</td></tr>')
-    out.append("</tbody></table></div>")
+    out.append(_devices_table(program, m))
+    out.append("</div>")
+    if m.device_map:
+        out.append('<div class="tbl"><h3>Device map</h3><p class="note">pass it back as <code>device_map=</code> '
+                   'to compile the same split</p><table class="device-map"><thead><tr><th>module</th><th>device</th>'
+                   '</tr></thead><tbody>')
+        for path, dev in m.device_map.items():
+            out.append(f'<tr data-module="{_e(path)}" data-device="{_e(dev)}"><td>{_e(path or "(whole model)")}</td>'
+                       f'<td>{_e(dev)}</td></tr>')
+        out.append("</tbody></table></div>")
 
     out.append('<div class="tbl"><h3>Program</h3><table class="program"><tbody>')
     out.append(f"<tr><td>methods</td><td>{_e(', '.join(program.methods))}</td></tr>")
@@ -775,6 +770,33 @@ def _summary(program: Program, m: Method, life) -> str:
         out.append(f"<tr><td>allocate at run time</td><td>{_e(', '.join(m.runtime_allocating_ops))}</td></tr>")
     out.append("</tbody></table></div>")
     out.append("</div>")
+    return "\n".join(out)
+
+
+def _devices_table(program: Program, m: Method) -> str:
+    """Per device: the planned buffers against the planner's lower bound, and what loading
+    allocates there (weights included) against the budget compile checked it against."""
+    out = ['<h3>Per device</h3><table class="devices"><thead><tr><th>device</th><th class="num">buffers</th>'
+           '<th class="num">planned</th><th class="num">lower bound</th><th class="num">plan / bound</th>'
+           '<th class="num">weights</th><th class="num">total</th><th class="num">budget</th></tr></thead><tbody>']
+    buffers: dict[str, int] = {}
+    for b in m.buffers[1:]:
+        buffers[str(b.device)] = buffers.get(str(b.device), 0) + 1
+    memory = device_memory(program, m)
+    for d in sorted(set(memory) | set(m.lower_bounds)):
+        row = memory.get(d, {"planned": 0, "weights": 0, "total": 0, "budget": None})
+        planned, lb, budget = row["planned"] or 0, m.lower_bounds.get(d), row["budget"]
+        ratio = f"{planned / lb:.2f}\u00d7" if lb else "\u2013"
+        lb_text = fmt_bytes(lb) if lb is not None else "\u2013"
+        use = f" ({100 * (row['total'] or 0) / budget:.0f}%)" if budget else ""
+        out.append(
+            f'<tr data-device="{_e(d)}" data-planned="{planned}" data-weights="{row["weights"]}" '
+            f'data-total="{row["total"]}" data-budget="{"" if budget is None else budget}"><td>{_e(d)}</td>'
+            f'<td class="num">{buffers.get(d, 0)}</td><td class="num">{_e(fmt_bytes(planned))}</td>'
+            f'<td class="num">{_e(lb_text)}</td><td class="num">{ratio}</td>'
+            f'<td class="num">{_e(fmt_bytes(row["weights"] or 0))}</td><td class="num">{_e(fmt_bytes(row["total"] or 0))}</td>'
+            f'<td class="num">{_e(fmt_bytes(budget) + use if budget is not None else chr(0x2013))}</td></tr>')
+    out.append("</tbody></table>")
     return "\n".join(out)
 
 
