@@ -12,6 +12,7 @@ from torch import nn
 
 import ferry
 from ferry import OpSupportPartitioner, Partition, target_device
+from ferry.aot.compile import device_bytes
 from ferry.device import CPU, Device
 from ferry.examples import TransformerBlock, transformer_block
 from ferry.html import fmt_bytes, render_html, write_html
@@ -27,7 +28,6 @@ from ferry.program import (
     Program,
     TensorValue,
 )
-from ferry.aot.compile import device_bytes
 from ferry.program.report import copy_report
 from test_device_map import TinyLM, ids
 
