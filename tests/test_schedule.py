@@ -20,8 +20,8 @@ def h2d(i, dev=G0, capturable=True):
     return step(i, dev, host=True, capturable=capturable, kind="copy")
 
 
-def d2h(i, dev=G0):
-    return step(i, dev, host=True, kind="copy")
+def d2h(i, dev=G0, capturable=True):
+    return step(i, dev, host=True, capturable=capturable, kind="copy")
 
 
 def host(i):
@@ -87,14 +87,31 @@ def test_steps_on_another_device_type_are_host_work():
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_capture_only_when_asked_and_every_step_is_capturable(graphs):
-    sched = schedule([h2d(0), step(1, G0), d2h(2), host(3), h2d(4, capturable=False), step(5, G0)], "cuda", graphs)
-    first, second = sched.segments()
-    assert first.capture is graphs and second.capture is False
-    assert first.touches_host and second.touches_host
-    if graphs:
-        assert len(sched.notes) == 1 and "#4 s4..#5 s5" in sched.notes[0] and "without a graph" in sched.notes[0]
+    sched = schedule([h2d(0), step(1, G0), d2h(2), host(3), step(4, G0, capturable=False), step(5, G0)], "cuda", graphs)
+    if graphs:  # the step that cannot be captured stands apart; its neighbour is still captured
+        assert shape(sched) == "[0:0,1,2*] W H3 [0:4] [0:5*]"
+        assert len(sched.notes) == 1 and "#4 s4..#4 s4" in sched.notes[0] and "without a graph" in sched.notes[0]
     else:
+        assert shape(sched) == "[0:0,1,2] W H3 [0:4,5]"
         assert sched.notes == ()
+
+
+def test_a_copy_of_memory_bound_per_call_stands_apart_without_a_note():
+    """A micro-batch's copies read and write the caller's rows: they run eagerly, the delegate
+    between them is captured, and a lone copy needs no note (a graph would save nothing)."""
+    per_call = dict(kind="copy", reads=frozenset({9}))
+    copy_in = Step(0, devices=(G0,), touches_host=True, capturable=False, name="h2d", call=lambda: None, **per_call)
+    copy_out = Step(2, devices=(G0,), touches_host=True, capturable=False, name="d2h", call=lambda: None, **per_call)
+    sched = schedule([copy_in, step(1, G0), copy_out], "cuda", graphs=True)
+    assert shape(sched) == "[0:0] [0:1*] [0:2] W" and sched.notes == ()
+    pageable = schedule([h2d(0, capturable=False), step(1, G0)], "cuda", graphs=True)
+    assert shape(pageable) == "[0:0] [0:1*] W" and "without a graph" in pageable.notes[0]  # the user is told
+
+
+def test_a_step_reading_what_an_uncaptured_step_made_is_not_captured_either():
+    reader = Step(1, "delegate", "s1", (G0,), False, True, lambda: None, reads=frozenset({7}))
+    maker = Step(0, "delegate", "s0", (G0,), False, False, lambda: None, writes=frozenset({7}))
+    assert shape(schedule([maker, reader, step(2, G0)], "cuda", graphs=True)) == "[0:0,1] [0:2*]"
 
 
 def test_a_copy_between_gpus_is_never_captured_and_needs_no_note():

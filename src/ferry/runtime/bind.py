@@ -112,12 +112,16 @@ class Bound:
 
 
 def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_locked=None,
-                io: dict[int, torch.Tensor] | None = None) -> Bound:
+                io: dict[int, torch.Tensor] | None = None, per_call: frozenset[int] = frozenset()) -> Bound:
     """Bind every instruction. `delegate(i)` gives delegate i's handle; `streams` (a CopyStreams)
-    issues copies on an asynchronous device; `io` fixes more slots (a delegate's planned I/O)."""
+    issues copies on an asynchronous device; `io` fixes more slots (a delegate's planned I/O);
+    `per_call`: planned inputs and outputs the caller's tensors stand in for on each call
+    (micro-batches: a part's rows of the caller's batch and of the joined result)."""
     slots, fixed = list(memory.slots), list(memory.fixed)
     for vid, t in (io or {}).items():
         slots[vid], fixed[vid] = t, True
+    for vid in per_call:
+        slots[vid], fixed[vid] = None, False
     _fix_lists(method, slots, fixed)
     b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()))
     steps = [b.instruction(i, ins) for i, ins in enumerate(method.instructions)]
@@ -160,7 +164,9 @@ def _call_io(m: Method, memory: Memory, fixed: list[bool]) -> CallIO:
             return "bind"
         if fixed[vid] and vid not in memory.staged_inputs and v.storage != "planned":
             return "fixed"
-        return {"planned": "copy"}.get(v.storage, "stage" if vid in memory.staged_inputs else "bind")
+        if v.storage == "planned":
+            return "copy" if fixed[vid] else "bind"
+        return "stage" if vid in memory.staged_inputs else "bind"
 
     passthrough = tuple((i, memory.staged_inputs[vid]) for i, vid in enumerate(m.outputs) if vid in memory.staged_inputs)
     fresh = tuple((vid, v) for vid, v in enumerate(m.values)
@@ -336,7 +342,11 @@ class _Binder:
             call = kernel.bind_static(slots[src_id], slots[out_id])
         else:
             call = lambda: kernel(slots[src_id], slots[out_id])  # noqa: E731
-        return self.step(index, "copy", ins.kernel, ins, call, extra_devices=(src_v.device,))
+        step = self.step(index, "copy", ins.kernel, ins, call, extra_devices=(src_v.device,))
+        if any(v.device.is_cpu and not self.fixed[i] for i, v in ((src_id, src_v), (out_id, out_v))):
+            # host memory bound per call: a graph would replay the copy into the capture's
+            step = dataclasses.replace(step, capturable=False)
+        return step
 
     # ---- sizes
 

@@ -54,10 +54,10 @@ class LoadedMethod:
         self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
                                for vid in method.outputs]
 
-    def _plan(self, io, graphs: bool) -> Plan:
+    def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset()) -> Plan:
         api = self.streams.api if self.streams is not None else None
         bound = bind_method(self.method, self.memory, delegate=self._delegate, streams=self.streams,
-                            page_locked=api.page_locked if api is not None else None, io=io)
+                            page_locked=api.page_locked if api is not None else None, io=io, per_call=per_call)
         kind = api.device_type if api is not None else None
         sched = schedule(bound.steps, kind, graphs)
         self.notes = sched.notes
@@ -66,6 +66,16 @@ class LoadedMethod:
     @property
     def graphs(self):
         return self.plan.graphs
+
+    def part_plan(self, graphs: bool) -> Plan:
+        """A plan for micro-batches (runtime/microbatch.py): the host inputs and outputs planned
+        for staging a call's copies are bound per call instead, to the part's rows of the
+        caller's (page-locked) batch and of the joined result, so that a part never waits for
+        the previous one to leave that staging memory."""
+        m = self.method
+        host_io = frozenset(vid for vid in (*m.inputs, *m.outputs) if isinstance(v := m.values[vid], TensorValue)
+                            and v.storage == "planned" and v.device.is_cpu)
+        return self._plan(None, graphs, host_io)
 
     @property
     def caller_owned_outputs(self) -> frozenset[int]:

@@ -9,11 +9,12 @@ import warnings
 from typing import Protocol
 
 from ferry.backend_registry import get_backend
-from ferry.errors import BackendError, FerryError
+from ferry.errors import BackendError, ConfigError, FerryError
 from ferry.program import Program, load_program
 from ferry.program.schema import MethodMeta
 from ferry.runtime.limits import check_limits, load_bytes, parse_limits
 from ferry.runtime.method import LoadedMethod
+from ferry.runtime.microbatch import MicroBatches
 from ferry.runtime.run import caller_copy
 
 
@@ -29,6 +30,7 @@ class _Instance:
     def __init__(self, module: Module):
         self.module = module
         self.methods: dict[str, LoadedMethod] = {}
+        self.microbatches: dict[str, MicroBatches] = {}
         self.delegates: dict[int, _DelegateHandle] = {}
 
     def load(self, name: str) -> LoadedMethod:
@@ -47,6 +49,12 @@ class _Instance:
         try:
             loaded = LoadedMethod(mod.program, mod.program.method(name), delegate, pin_host=mod.pin_host_memory,
                                   cuda_graphs=mod.cuda_graphs)
+            if mod.microbatches is not None:
+                try:
+                    self.microbatches[name] = MicroBatches(loaded, mod.microbatches, mod.cuda_graphs)
+                except BaseException:
+                    loaded.close()
+                    raise
         except BaseException:
             for index in created:
                 self.delegates.pop(index).close()
@@ -60,6 +68,7 @@ class _Instance:
         for d in self.delegates.values():
             d.close()
         self.methods.clear()
+        self.microbatches.clear()
         self.delegates.clear()
 
 
@@ -81,19 +90,32 @@ class Module:
     outputs="view", a view is valid until the next call of the set that made it: take a copy
     before handing it to another thread.
 
+    microbatches=k pipelines a program split over several devices (a device map): each call's
+    batch (dim 0 of every input) is split into up to k parts, issued one after the other
+    without host waits between them, so that device s runs part m while device s+1 runs part
+    m-1. Compile the program for one part (export with a batch of B/k rows, or a dynamic
+    batch dimension): memory is planned for one micro-batch per stage. A call then takes up
+    to k times the program's batch; a part that comes out short is padded, and outputs are
+    joined along dim 0 (runtime/microbatch.py). Rows must be independent, as in any pipeline.
+
     max_memory caps what loading may allocate: one size for every device, or {device: size}
     ("cpu", "cuda:0", or a type for all its indices; sizes in bytes or like "20GiB"). Loading a
     method that would need more raises AllocationError before allocating anything.
     """
 
     def __init__(self, program: Program | str | os.PathLike, *, outputs: str = "copy", pin_host_memory: bool = True,
-                 cuda_graphs: bool = False, concurrency: int = 1, max_memory=None):
+                 cuda_graphs: bool = False, concurrency: int = 1, max_memory=None, microbatches: int | None = None):
         if not isinstance(program, Program):
             program = load_program(program)
         if outputs not in ("copy", "view"):
             raise ValueError(f"outputs must be 'copy' or 'view', got {outputs!r}")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be an int >= 1 (sets of planned memory), got {concurrency!r}")
+        if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                                         or microbatches < 1):
+            raise ConfigError(f"microbatches must be an int >= 1 (parts each call's batch is split into), "
+                             f"got {microbatches!r}")
+        self.microbatches = microbatches
         self.program = program
         self.max_memory = parse_limits(max_memory)
         self.outputs = outputs
@@ -157,6 +179,9 @@ class Module:
         self.load_method(name)
         inst = self._free.get()  # waits while every set of memory is in use
         try:
+            split = inst.microbatches.get(name)
+            if split is not None:
+                return split(list(inputs))  # joined results: the caller's own
             return self._run(inst.methods[name], list(inputs))
         finally:
             self._free.put(inst)

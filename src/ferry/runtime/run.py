@@ -58,6 +58,9 @@ class Plan:
         self._key: tuple[tuple[int, ...], ...] | None = None  # input shapes, when graphs replay
         self.work = tuple(self._compile(sched, first_call=False))
         self.first_work = tuple(self._compile(first, first_call=True))
+        # the same without the host wait that ends a call: a micro-batch leaves its copies in
+        # flight while the next one is issued (runtime/microbatch.py waits once, at the end)
+        self.work_in_flight = _without_final_wait(self.work, self.streams)
         self.checked = False
         # a functional kernel's result is fresh each call, so the caller may keep it; not one a
         # graph replays into (the same memory every call)
@@ -112,24 +115,31 @@ class Plan:
 
     # ---- a call
 
-    def execute(self, inputs, bind_outputs=None) -> list:
-        """Run once. `bind_outputs`: tensors the outputs are written into (a delegate's)."""
+    def execute(self, inputs, bind_outputs=None, finish: bool = True) -> list:
+        """Run once. `bind_outputs`: tensors the outputs are written into (a delegate's, or a
+        micro-batch's rows of the joined result). `finish=False` (a micro-batch, after the first
+        call) returns with copies still in flight: the caller waits with `finish()` before it
+        reads a host output, and `bind_outputs` must then be memory it keeps alive until then."""
         slots, io = self.bound.slots, self.io
         try:
             self._take_inputs(inputs)
             self._fresh_outputs(bind_outputs)
             if self.graphs:
                 self._key = tuple(tuple(t.shape) for t in inputs)
-            for call in self.work if self.checked else self.first_work:
+            if not self.checked:
+                work = self.first_work
+            else:
+                work = self.work if finish else self.work_in_flight
+            for call in work:
                 call()
             self.checked = True
-            if self.streams is not None:
-                self.streams.end_of_call()
+            if finish:
+                self.finish()
             outs = [slots[vid] for vid in self.outputs]
             for i, pos in io.passthrough:
                 outs[i] = inputs[pos]
             if bind_outputs is not None:
-                _copy_into(bind_outputs, outs)
+                _copy_into(bind_outputs, outs) if finish else self._copy_in_order(bind_outputs, outs)
         finally:
             # drop this call's caller-owned tensors (inputs, fresh outputs, run-time results):
             # the method must not keep the caller's memory alive
@@ -137,18 +147,42 @@ class Plan:
                 slots[vid] = None
         return outs
 
+    def finish(self) -> None:
+        """Wait for the copies a call left in flight; the device outputs are then the caller's."""
+        if self.streams is not None:
+            self.streams.wait_host()
+            self.streams.end_of_call()
+
     def _take_inputs(self, inputs) -> None:
         slots = self.bound.slots
         for t, (vid, mode) in zip(inputs, self.io.inputs):
             if mode == "bind":
                 slots[vid] = t
-            elif mode == "copy":
+            elif mode == "copy":  # host memory a copy of the previous call may still read
+                if self.streams is not None:
+                    self.streams.wait_host()
                 dst = slots[vid]
                 if dst.shape != t.shape:
                     dst.resize_(t.shape)
                 dst.copy_(t)
             elif mode == "stage":  # a device copy into the fixed tensor, in stream order
                 self._device_copy(slots[vid], t)
+
+    def _copy_in_order(self, targets, results) -> None:
+        """Outputs not written in place, with copies still in flight: a device result is copied
+        in stream order (before the next call can overwrite it); a host one after the host
+        waits (a copy in flight may still be writing what it views)."""
+        waited = False
+        for t, r in zip(targets, results):
+            if r is t:
+                continue
+            if self.streams is not None and not device_of(r).is_cpu:
+                self._device_copy(t, r)
+                continue
+            if not waited and self.streams is not None:
+                self.streams.wait_host()
+                waited = True
+            t.copy_(r)
 
     def _device_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.streams.api.on_device(device_of(dst).index, lambda: dst.copy_(src))()
@@ -171,6 +205,12 @@ class Plan:
         self.checked = True
         slots = self.bound.slots
         _copy_into([t for t, _ in copy_back], [slots[vid] for _, vid in copy_back])
+
+
+def _without_final_wait(work: tuple, streams) -> tuple:
+    if streams is not None and work and work[-1] == streams.wait_host:
+        return work[:-1]
+    return work
 
 
 def _labelled(call: Callable[[], object], method: str, step: Step) -> Callable[[], object]:

@@ -9,7 +9,10 @@ tests), it decides three things and nothing else:
 * segments: maximal runs of asynchronous steps on one device, ended by host work or by a
   copy between two devices (which runs on its own, between the segments of its two ends);
 * capture: with graphs asked for, a segment whose every step is capturable is marked for
-  capture; the others run step by step, with a note saying why.
+  capture; the others run step by step, with a note saying why. A step that cannot be
+  captured (it reads a tensor the caller passes per call, or copies to or from memory bound
+  per call) does not spoil its neighbours: it ends the captured run before it, and what
+  reads only planned memory after it starts a new one.
 
 It touches no stream, event or tensor, so every decision is tested on the CPU.
 """
@@ -82,6 +85,7 @@ def schedule(steps: Sequence[Step | None], async_type: str | None, graphs: bool 
     work: list[Work] = []
     notes: list[str] = []
     segment: list[Step] = []
+    current = _Run()
     pending = False
 
     def close():
@@ -100,14 +104,33 @@ def schedule(steps: Sequence[Step | None], async_type: str | None, graphs: bool 
             work.append(Run(step))
             continue
         device = _device_of(step, async_type)
-        if segment and (device is None or device != _device_of(segment[0], async_type)):
+        if segment and (device is None or device != _device_of(segment[0], async_type)
+                        or graphs and current.joins(step) != current.capturable):
             close()
+        if not segment:
+            current = _Run()
+        current.add(step)
         segment.append(step)
         pending = pending or step.touches_host
     close()
     if pending:
         work.append(HostWait())
     return Schedule(tuple(work), tuple(notes))
+
+
+class _Run:
+    """Whether the segment being built could be captured so far, and what it produced."""
+
+    def __init__(self):
+        self.capturable, self.produced = True, set()
+
+    def joins(self, step: Step) -> bool:
+        """Whether `step` could be captured at the end of this run (were the run captured)."""
+        return step.capturable and step.reads <= (self.produced if self.capturable else set())
+
+    def add(self, step: Step) -> None:
+        self.capturable = self.joins(step)
+        self.produced |= step.writes
 
 
 def _self_contained(steps: list[Step]) -> bool:
@@ -124,7 +147,8 @@ def _segment(steps: list[Step], async_type: str, graphs: bool, notes: list[str])
     device = _device_of(steps[0], async_type)
     capture = graphs and device is not None and all(s.capturable for s in steps) and _self_contained(steps)
     seg = Segment(device, tuple(steps), any(s.touches_host for s in steps), capture)
-    if graphs and device is not None and not capture:
+    if graphs and device is not None and not capture and not all(s.kind == "copy" and s.reads for s in steps):
+        # (copies of memory bound per call, a micro-batch's: by design, and one launch each anyway)
         notes.append(f"{seg.label} run without a graph (they read tensors the caller passes per call, "
                      "or pageable host memory)")
     return seg

@@ -1,0 +1,177 @@
+"""Micro-batches: one call's batch split along dim 0 and issued part after part, so that the
+stages of a program split over several devices overlap (stage s runs part m while stage s+1
+runs part m-1 on the next device).
+
+Nothing here schedules devices. The copy discipline of runtime/streams.py already orders a
+copy after the work queued on both of its devices, and the work queued after it behind the
+copy. Issued back to back, part m+1's first stage therefore waits only for the copy that
+hands part m to the next device, and that copy waits for the next device to finish part
+m-1: a pipeline, in the planned memory of one micro-batch per stage, with every hazard
+between parts covered by the same events that cover one call. What this module adds is
+what keeps the host from blocking between parts:
+
+* host inputs are page-locked once per call, so each part's host-to-device copy is
+  asynchronous (a copy from pageable memory blocks the host until it is done);
+* each part's outputs are written straight into its rows of the joined result (page-locked
+  too), and the host waits once, after the last part, not after each;
+* a part shorter than the program's batch (the last one, when the batch does not divide)
+  is padded with copies of its first row and its results sliced: the program's shapes and
+  its captured graphs stay those of one micro-batch.
+
+Rows must be independent (the batch dimension of a model in inference): that is what makes
+the split legal, here as in every pipeline runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferry.device import Device
+from ferry.errors import ConfigError, InputError
+from ferry.program.schema import TensorValue
+from ferry.runtime.run import empty_on
+
+__all__ = ["MicroBatches"]
+
+
+@dataclass(frozen=True)
+class _Part:
+    start: int  # first row of the call's batch
+    rows: int  # rows of the call in this part (the part itself has `size` rows, padded)
+
+
+class MicroBatches:
+    """Runs a loaded method on `parts` micro-batches of each call's batch."""
+
+    def __init__(self, method, parts: int, graphs: bool = False):
+        self.method, self.parts = method, parts
+        m = method.method
+        self.inputs = [_batched(m, vid, f"input {i}") for i, vid in enumerate(m.inputs)]
+        self.outputs = [_batched(m, vid, f"output {i}") for i, vid in enumerate(m.outputs)]
+        static = [not v.dynamic or not v.dynamic[0] for v in self.inputs]
+        if any(static) and not all(static) or len({v.shape[0] for v in self.inputs}) != 1:
+            raise ConfigError(f"method {m.name!r}: micro-batches split every input along dim 0, but the inputs "
+                              f"disagree on it ({', '.join(_rows(v) for v in self.inputs)}): export with one batch "
+                              "dimension shared by all inputs")
+        self.static = all(static)
+        self.bound = self.inputs[0].shape[0]  # rows of one micro-batch (static), or at most (dynamic)
+        for i, v in enumerate(self.outputs):
+            if v.shape[0] != self.bound or bool(v.dynamic and v.dynamic[0]) != (not self.static):
+                raise ConfigError(f"method {m.name!r}: output {i} has {_rows(v)} rows where the inputs have "
+                                  f"{_rows(self.inputs[0])}; micro-batches join outputs along dim 0, so every "
+                                  "output must keep the batch dimension")
+        api = method.streams.api if method.streams is not None else None
+        self.pin = api is not None and api.device_type == "cuda"  # a copy from pageable memory blocks the host
+        self.plan = method.part_plan(graphs)
+
+    # ---- a call
+
+    def __call__(self, inputs: list) -> list:
+        rows = self._rows(inputs)
+        size = self._part_size(rows)
+        parts = [_Part(a, min(size, rows - a)) for a in range(0, rows, size)]
+        inputs = [self._host(t) for t in inputs]
+        joined = [self._empty(v, d, rows) for v, d in zip(self.outputs, self.method.output_devices)]
+        later: list[tuple[torch.Tensor, _Part, torch.Tensor]] = []
+        plan = self.plan
+        for n, p in enumerate(parts):
+            part_in = [t[p.start:p.start + p.rows] for t in inputs]
+            if p.rows < size and (self.static or plan.graphs):  # one shape: the program's, or the graphs'
+                part_in = [self._host(_pad(t, size)) for t in part_in]
+            targets = self._targets(joined, p, part_in[0].shape[0], later)
+            if n == 0:
+                self.method.check_inputs(part_in)
+            plan.execute(part_in, targets, finish=n == len(parts) - 1)
+        for out, p, t in later:  # after the wait: copies in flight wrote them
+            out[p.start:p.start + p.rows].copy_(t[:p.rows])
+        return joined
+
+    def _rows(self, inputs: list) -> int:
+        name = self.method.name
+        if len(inputs) != len(self.inputs):
+            raise InputError(f"method {name!r} takes {len(self.inputs)} inputs, got {len(inputs)}")
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                raise InputError(f"input {i} of {name!r} must be a tensor with a batch dimension (dim 0) to split "
+                                 f"into micro-batches, got {type(t).__name__ if not isinstance(t, torch.Tensor) else 'a scalar'}")
+        sizes = {t.shape[0] for t in inputs}
+        if len(sizes) != 1:
+            raise InputError(f"method {name!r}: the inputs disagree on the batch size (dim 0: "
+                             f"{', '.join(str(t.shape[0]) for t in inputs)})")
+        (rows,) = sizes
+        if rows == 0:
+            raise InputError(f"method {name!r}: an empty batch (0 rows) has no micro-batches")
+        return rows
+
+    def _part_size(self, rows: int) -> int:
+        """Rows per part: the program's batch when it is static, else the batch split evenly."""
+        size = self.bound if self.static else -(-rows // self.parts)
+        if size > self.bound or -(-rows // size) > self.parts:
+            per = "of" if self.static else "of at most"
+            raise InputError(f"method {self.method.name!r} takes at most {self.parts * self.bound} rows "
+                             f"({self.parts} micro-batches {per} {self.bound}), got {rows}: split the batch, or "
+                             "load the program with more micro-batches")
+        return size
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pin and t.device.type == "cpu" and not t.is_pinned():
+            return t.contiguous().pin_memory()
+        return t
+
+    def _targets(self, joined: list, p: _Part, size: int, later: list) -> list[torch.Tensor]:
+        """Where the part's outputs go: its rows of the joined result, or (a padded part, an
+        output the program lays out in another order) a tensor of its own, copied at the end."""
+        targets = []
+        for out, v, device in zip(joined, self.outputs, self.method.output_devices):
+            if size == p.rows and _row_major(v):
+                targets.append(out[p.start:p.start + p.rows])
+            else:
+                t = self._empty(v, device, size, ordered=True)
+                targets.append(t)
+                later.append((out, p, t))
+        return targets
+
+    def _empty(self, v: TensorValue, device: Device, rows: int, ordered: bool = False) -> torch.Tensor:
+        """A fresh output of `rows` rows (laid out as the program lays `v` out, when `ordered`)."""
+        shape = (rows, *v.shape[1:])
+        strides = _strides_like(shape, v.strides) if ordered and v.strides else ()
+        if device.is_cpu:
+            if strides:
+                return torch.empty_strided(shape, strides, dtype=v.torch_dtype, pin_memory=self.pin)
+            return torch.empty(shape, dtype=v.torch_dtype, pin_memory=self.pin)
+        return empty_on(device, shape, v.torch_dtype, strides)
+
+
+def _batched(m, vid: int, what: str) -> TensorValue:
+    v = m.values[vid]
+    if not isinstance(v, TensorValue) or not v.shape:
+        raise ConfigError(f"method {m.name!r}: {what} has no batch dimension (dim 0), so the method cannot be "
+                          "split into micro-batches: load it without microbatches=")
+    return v
+
+
+def _rows(v: TensorValue) -> str:
+    return f"<={v.shape[0]}" if v.dynamic and v.dynamic[0] else str(v.shape[0])
+
+
+def _row_major(v: TensorValue) -> bool:
+    """Whether the program writes `v` contiguously (so a run of rows of a joined result fits)."""
+    return not v.strides or tuple(v.strides) == _strides_like(v.shape, ())
+
+
+def _strides_like(shape, order) -> tuple[int, ...]:
+    """Dense strides for `shape`, dims ordered outermost-first as `order` (strides) orders
+    them; contiguous when `order` is empty."""
+    dims = sorted(range(len(shape)), key=lambda d: -order[d]) if order else list(range(len(shape)))
+    strides, step = [0] * len(shape), 1
+    for d in reversed(dims):
+        strides[d], step = step, step * max(shape[d], 1)
+    return tuple(strides)
+
+
+def _pad(t: torch.Tensor, size: int) -> torch.Tensor:
+    """`t` with copies of its first row appended up to `size` rows (real values: a padded row
+    of zeros could be a masked-out sequence, whose softmax is NaN, and NaN is best not made)."""
+    return torch.cat([t, t[:1].expand(size - t.shape[0], *t.shape[1:])])

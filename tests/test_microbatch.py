@@ -1,0 +1,158 @@
+"""Pipelined micro-batches (Module(program, microbatches=k)) on emulated devices.
+
+The asynchronous emulated device runs device work only when the host waits, so a part that
+overwrote memory the previous part's copies still read, or a host read of a result still in
+flight, gives a wrong answer here (runtime/simulated.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ferry
+from ferry import ConfigError, InputError
+from ferry.runtime import emulated_device
+from models import gpt2_lm
+from test_device_map import TinyLM, ids, split_map
+
+
+@pytest.fixture(params=["sync", "async"])
+def emu8(request):
+    with emulated_device(num_devices=8, asynchronous=request.param == "async", capacity=1 << 24) as allocator:
+        yield allocator
+
+
+def tiny_program(devices: list[str], batch: int = 2, layers: int = 4, dynamic: bool = False):
+    model = TinyLM(layers=layers).eval()
+    shapes = ({0: torch.export.Dim("batch", max=8)},) if dynamic else None
+    ep = torch.export.export(model, (ids(0, (batch, 10)),), dynamic_shapes=shapes)
+    return model, ferry.compile(ep, device_map=split_map(layers, devices))
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_parts_equal_eager_for_any_number_of_devices(emu8, devices, parts):
+    model, program = tiny_program([f"emu:{i}" for i in range(devices)], layers=8)
+    module = ferry.Module(program, microbatches=parts)
+    for rows in (2 * parts, 2 * parts - 1, 1):  # even, one short (a padded last part), one row
+        for seed in range(2):
+            x = ids(100 * rows + seed, (rows, 10))
+            got = module(x)
+            assert got.shape == (rows, 10, 32)
+            torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_graphs_are_captured_per_stage_and_replayed_for_every_part(emu_async, graphs):
+    model, program = tiny_program(["emu:0", "emu:1"])
+    module = ferry.Module(program, microbatches=3, cuda_graphs=graphs)
+    for seed in range(4):
+        x = ids(seed, (5, 10))  # 2 + 2 + 1 (padded to the program's 2 rows)
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    plan = module._instances[0].microbatches["forward"].plan
+    if graphs:  # one graph per stage (the delegate on each device); the copies run eagerly
+        assert len(plan.graphs) == 2 and all(g.graph is not None and "delegate" in g.label for g in plan.graphs)
+    else:
+        assert plan.graphs == []
+
+
+def test_the_host_waits_once_per_call_not_once_per_part(emu_async, monkeypatch):
+    """Between parts nothing blocks the host: part m+1 is issued while part m is in flight,
+    which is what lets device s run part m+1 while device s+1 runs part m."""
+    model, program = tiny_program(["emu:0", "emu:1"])
+    module = ferry.Module(program, microbatches=4)
+    module(ids(1, (8, 10)))  # the first call runs its first part with the checks
+    api = emu_async.streams_api()
+    start, queued_at_waits, real = api.launched, [], api._host_wait
+    monkeypatch.setattr(api, "_host_wait", lambda done: (queued_at_waits.append(api.launched - start), real(done))[1])
+    x = ids(2, (8, 10))
+    torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    # each part is 5 pieces of device work (h2d, delegate, d2d, delegate, d2h): all 4 parts
+    # were queued before the host first waited
+    assert queued_at_waits and queued_at_waits[0] == 4 * 5
+
+
+def test_a_dynamic_batch_splits_evenly_without_padding(emu_any):
+    model, program = tiny_program(["emu:0", "emu:1"], batch=4, dynamic=True)
+    module = ferry.Module(program, microbatches=2)
+    for rows in (16, 7, 3, 2):
+        x = ids(rows, (rows, 10))
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    with pytest.raises(InputError, match="at most 16 rows"):
+        module(ids(0, (17, 10)))
+
+
+def test_transformers_gpt2_split_over_two_devices(emu_async):
+    model, (example,) = gpt2_lm(layers=4)
+    example = example.expand(2, -1).contiguous()
+    ep = torch.export.export(model, (example,))
+    dmap = {"m.transformer.wte": "emu:0", "m.transformer.wpe": "emu:0", "m.transformer.h.0": "emu:0",
+            "m.transformer.h.1": "emu:0", "m.transformer.h.2": "emu:1", "m.transformer.h.3": "emu:1",
+            "m.transformer.ln_f": "emu:1", "m.lm_head": "emu:1"}
+    module = ferry.Module(ferry.compile(ep, device_map=dmap), microbatches=4)
+    for seed in range(2):
+        x = torch.randint(0, 256, (7, 16), generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(module(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+class TwoOutputs(nn.Module):
+    """A second output the program lays out transposed (eager keeps the permuted layout)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x, y):
+        h = self.b(torch.relu(self.a(x)) + y)
+        return h, torch.relu(h.permute(0, 2, 1))
+
+
+def test_several_inputs_and_outputs_in_any_layout(emu_any):
+    model = TwoOutputs().eval()
+    example = (torch.randn(2, 5, 6), torch.randn(2, 5, 6))
+    ep = torch.export.export(model, example)
+    program = ferry.compile(ep, device_map={"a": "emu:0", "b": "emu:1"})
+    module = ferry.Module(program, microbatches=3)
+    for rows in (6, 5):
+        x, y = torch.randn(rows, 5, 6), torch.randn(rows, 5, 6)
+        got, want = module(x, y), model(x, y)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+class Pooled(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
+def test_a_program_without_a_batch_dimension_is_refused_at_load(emu):
+    ep = torch.export.export(Pooled(), (torch.randn(4, 3),))
+    module = ferry.Module(ferry.compile(ep), microbatches=2)
+    with pytest.raises(ConfigError, match="output 0 has no batch dimension"):
+        module.load_method()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_microbatches_must_be_a_positive_int(bad):
+    with pytest.raises(ConfigError, match="microbatches must be an int"):
+        ferry.Module(ferry.compile(torch.export.export(Pooled(), (torch.randn(2),))), microbatches=bad)
+
+
+def test_bad_calls_are_input_errors_and_leave_the_module_usable(emu_async):
+    model, program = tiny_program(["emu:0", "emu:1"])
+    module = ferry.Module(program, microbatches=2)
+    with pytest.raises(InputError, match=r"at most 4 rows \(2 micro-batches of 2\), got 5"):
+        module(ids(0, (5, 10)))
+    with pytest.raises(InputError, match="empty batch"):
+        module(ids(0, (0, 10)))
+    with pytest.raises(InputError, match="must have shape"):
+        module(ids(0, (4, 11)))
+    with pytest.raises(InputError, match="must be int64"):
+        module(torch.zeros(4, 10))
+    with pytest.raises(InputError, match="takes 1 inputs"):
+        module(ids(0, (4, 10)), ids(0, (4, 10)))
+    x = ids(3, (4, 10))
+    torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
