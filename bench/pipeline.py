@@ -2,19 +2,20 @@
 them, Hugging Face accelerate's dispatch_model with the same map, and the whole model on one
 GPU in eager PyTorch — side by side in one process.
 
-Model: transformers GPT2Model from its config, 24 layers, 1024 wide, 16 heads (GPT-2
-medium's shape), random weights, float32 with TF32 matmuls allowed for every contender;
-a serving batch of 32 sequences of 128 tokens; CPU tensors in and out (token ids in, the
-last hidden state out), as a server sees them. Split: the embeddings and layers 0-11 on
-cuda:0, layers 12-23 and the final norm on cuda:1.
+Model: transformers GPT2Model from its config, by default 24 layers, 1024 wide, 16 heads
+(GPT-2 medium's shape; --layers/--width/--heads), random weights, float32 with TF32 matmuls
+allowed for every contender; a serving batch of 32 sequences of 128 tokens (--batch/--seq);
+CPU tensors in and out (token ids in, the last hidden state out), as a server sees them.
+Split: the embeddings and the first half of the layers on cuda:0, the second half and the
+final norm on cuda:1.
 
-ferry with micro-batches exports the model at one part's size (32/k rows) and runs
+ferry with micro-batches exports the model at one part's size (batch/k rows) and runs
 Module(program, microbatches=k); without, it exports at 32 rows. Throughput is rows per
 second at the median call time. Target: micro-batching >= 1.7x the split without it.
 
 Also reported: each program's planned memory per GPU (one micro-batch's worth), the bytes
 crossing between the GPUs per call, the time and GB/s of one such copy alone, and the GB/s of
-a 256 MiB peer copy (the link). torch.distributed.pipelining is not in the table: its stages
+a 256 MiB peer copy (the link), each timed alone. torch.distributed.pipelining is not in the table: its stages
 are one process each (a PipelineStage belongs to a process-group rank), so it does not run in
 one process.
 
@@ -24,6 +25,7 @@ installed), to check the script itself.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import parse_args, result_name, table, time_host, write_json  # noqa: E402
+from common import result_name, table, time_host, write_json  # noqa: E402
 
 import ferry  # noqa: E402
 from ferry.inspect import device_memory  # noqa: E402
@@ -81,8 +83,20 @@ def peer_bandwidth(nbytes: int, repeat: int = 20) -> float:
     return times[len(times) // 2]
 
 
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="a tiny model on two emulated devices (no GPU needed)")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--parts", default="2,4,8", help="micro-batch counts to try (each must divide --batch)")
+    return p.parse_args()
+
+
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse()
     gpus = torch.cuda.device_count()
     if gpus < 2 and not args.smoke:
         print(f"pipeline: skipped: needs two GPUs, found {gpus}; --smoke runs it on emulated devices")
@@ -95,7 +109,9 @@ def main() -> int:
 
         register_allocator(EmulatedAllocator(num_devices=2))
         devices = ["emu:0", "emu:1"]
-    layers, width, heads, batch, seq = (2, 64, 4, 8, 16) if args.smoke else (24, 1024, 16, 32, 128)
+    layers, width, heads, batch, seq = (2, 64, 4, 8, 16) if args.smoke else (
+        args.layers, args.width, args.heads, args.batch, args.seq)
+    counts = [1] + [int(k) for k in args.parts.split(",")]
     repeat = 3 if args.smoke else 20
     model = Hidden(layers, width, heads)
     x = torch.randint(0, model.m.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
@@ -116,7 +132,6 @@ def main() -> int:
         want = model(x).float()
         eager = Hidden(layers, width, heads).to(one)
         record("eager, one GPU", lambda: eager(x.to(one)).cpu())
-        del eager
         try:
             from accelerate import dispatch_model
         except ImportError:
@@ -128,7 +143,7 @@ def main() -> int:
         torch.cuda.empty_cache() if gpus else None
 
     programs, crossing = {}, {}
-    for parts in (1, 4, 8):
+    for parts in counts:
         rows_per_part = batch // parts
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -146,9 +161,11 @@ def main() -> int:
                 record(label, lambda: module(x), parts=parts)
             module.close()
 
+    with torch.no_grad():  # again, last: the order of the contenders does not decide the table
+        record("eager, one GPU (measured again, last)", lambda: eager(x.to(one)).cpu())
     ms = {k: v["ms"] for k, v in results.items()}
     speedup = {g: ms.get(f"ferry, no micro-batches{g}", float("nan")) / min(
-        ms.get(f"ferry, {p} micro-batches{g}", float("inf")) for p in (4, 8)) for g in ("", " + CUDA graphs")}
+        ms.get(f"ferry, {p} micro-batches{g}", float("inf")) for p in counts[1:]) for g in ("", " + CUDA graphs")}
     print(table(f"GPT-2 {layers}x{width}, batch {batch}x{seq}, split over {devices[0]} and {devices[1]} "
                 "(CPU tensors in and out)", ["contender", "ms / call", "rows / s", "max abs err vs eager"], rows))
     print(f"\nmicro-batching vs the same split without it: {speedup[''] :.2f}x eager kernels, "
@@ -163,13 +180,15 @@ def main() -> int:
                 ["micro-batches", "rows per part", *[f"{d} planned" for d in devices], "cuda:0 -> cuda:1 per call"],
                 mem_rows))
     if gpus >= 2:
-        part_bytes = crossing[8] // 8
-        t_part, t_raw = peer_bandwidth(part_bytes), peer_bandwidth(256 << 20)
-        link = {"part_bytes": part_bytes, "part_copy_us": t_part * 1e6, "part_gb_s": part_bytes / t_part / 1e9,
-                "raw_gb_s": (256 << 20) / t_raw / 1e9}
-        print(f"\none part's boundary copy ({part_bytes / 2**20:.2f} MiB): {t_part * 1e6:.1f} us, "
-              f"{link['part_gb_s']:.0f} GB/s; a 256 MiB peer copy: {link['raw_gb_s']:.0f} GB/s")
-    path = write_json(result_name("pipeline", args.smoke), {
+        part_bytes = crossing[counts[-1]] // counts[-1]
+        sizes = sorted({part_bytes, crossing[1], 256 << 20})
+        link = {"part_bytes": part_bytes, "copies": []}
+        for n in sizes:
+            t = peer_bandwidth(n)
+            link["copies"].append({"bytes": n, "us": t * 1e6, "gb_s": n / t / 1e9})
+        print(table("one cuda:0 -> cuda:1 copy alone (CUDA events)", ["bytes", "us", "GB/s"],
+                    [[f"{c['bytes'] / 2**20:.2f} MiB", c["us"], c["gb_s"]] for c in link["copies"]]))
+    path = write_json(result_name(f"pipeline_{layers}x{width}_b{batch}", args.smoke), {
         "model": {"layers": layers, "width": width, "heads": heads, "batch": batch, "seq": seq},
         "device_map": dmap, "results": results, "speedup": speedup, "target": TARGET,
         "crossing_bytes_per_call": crossing, "link": link,
