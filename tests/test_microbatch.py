@@ -156,3 +156,15 @@ def test_bad_calls_are_input_errors_and_leave_the_module_usable(emu_async):
         module(ids(0, (4, 10)), ids(0, (4, 10)))
     x = ids(3, (4, 10))
     torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_ferry_run_pipelines_parts_from_the_command_line(emu_async, tmp_path, capsys):
+    from ferry.cli import main
+
+    _, program = tiny_program(["emu:0", "emu:1"])
+    path = tmp_path / "tiny.ferry"
+    program.save(path)
+    assert main(["run", str(path), "--microbatches", "3", "--cuda-graphs", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "output 0: float32[6, 10, 32]" in out  # 3 parts of the program's 2 rows, joined
+    assert main(["run", str(path), "--microbatches", "0"]) == 2

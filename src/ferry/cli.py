@@ -241,19 +241,20 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _random_inputs(meta):
+def _random_inputs(meta, parts: int = 1):
+    """Random inputs of the method's shapes (`parts` times its batch, for micro-batches)."""
     import torch
-
 
     inputs = []
     for i in range(meta.num_inputs()):
         im = meta.input_meta(i)
+        shape = (im.shape[0] * parts, *im.shape[1:]) if parts > 1 and len(im.shape) else im.shape
         if im.dtype.is_floating_point:
-            t = torch.randn(im.shape, dtype=im.dtype)
+            t = torch.randn(shape, dtype=im.dtype)
         elif im.dtype == torch.bool:
-            t = torch.rand(im.shape) > 0.5
+            t = torch.rand(shape) > 0.5
         else:
-            t = torch.randint(0, 8, im.shape, dtype=im.dtype)
+            t = torch.randint(0, 8, shape, dtype=im.dtype)
         if not im.device.is_cpu:
             from ferry.runtime import clone_to
 
@@ -286,9 +287,9 @@ def cmd_run(args) -> int:
         _ensure_device_type(t)
     if "emu" in types:
         print("running on the emulated device (host memory standing in for a GPU)")
-    module = ferry.Module(program)
+    module = ferry.Module(program, cuda_graphs=args.cuda_graphs, microbatches=args.microbatches)
     meta = module.method_meta(args.method)
-    inputs = _random_inputs(meta) if args.inputs == "random" else _npz_inputs(args.inputs, meta)
+    inputs = _random_inputs(meta, args.microbatches or 1) if args.inputs == "random" else _npz_inputs(args.inputs, meta)
     module.load_method(args.method)
     for _ in range(args.warmup):  # first calls bind, check shapes and capture graphs: not timed
         module.run_method(args.method, inputs)
@@ -312,8 +313,8 @@ def cmd_run(args) -> int:
 def _sync():
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        torch.cuda.synchronize(i)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -355,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--inputs", default="random", help="'random' or an .npz file with one array per input")
     r.add_argument("--repeat", type=_positive_int, default=10, help="timed calls (default 10)")
     r.add_argument("--warmup", type=_non_negative_int, default=3, help="untimed calls first (default 3)")
+    r.add_argument("--cuda-graphs", action="store_true", help="capture each device segment as a CUDA graph")
+    r.add_argument("--microbatches", type=_positive_int, default=None, metavar="K",
+                   help="pipeline K parts per call (random inputs: K times the program's batch)")
     r.set_defaults(func=cmd_run)
     return p
 
