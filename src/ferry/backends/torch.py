@@ -82,16 +82,16 @@ class _Handle:
             out.copy_(r)
 
     def bind_static(self, inputs, outputs):
-        """The caller passes the same planned tensors every call: bind them once and return the
-        zero-argument call, or None when this delegate must move its own data (legacy mode) or
-        has dynamic shapes."""
+        """The caller passes the same planned tensors (and sizes) every call: bind them once and
+        return the zero-argument call, or None when this delegate must move its own data (legacy
+        mode) or has dynamic sizes no call at these shapes has recorded yet."""
         m = self.method.method
-        values = [m.values[v] for v in list(m.inputs) + list(m.outputs)]
-        if (self._needs_host_io(inputs) or not all(isinstance(v, TensorValue) for v in values)
-                or any(any(v.dynamic) for v in values)):
+        if self._needs_host_io(inputs) or not all(isinstance(m.values[v], TensorValue) for v in m.outputs):
             return None
-        self._host_io = False
-        return self.method.rebind(inputs, outputs)
+        run = self.method.rebind(inputs, outputs)
+        if run is not None:
+            self._host_io = False
+        return run
 
     def _needs_host_io(self, inputs) -> bool:
         return self.device.type == "cuda" and any(

@@ -18,6 +18,17 @@ class CopyRow:
     dtype: str
     nbytes: int
     value: str
+    dynamic: tuple[bool, ...] = ()  # dims sized per call: shape and bytes are their bound
+
+    @property
+    def at_bound(self) -> bool:
+        return any(self.dynamic)
+
+    @property
+    def shape_text(self) -> str:
+        """`[<=8, 16]`: a dim sized per call shows its bound."""
+        dyn = self.dynamic or (False,) * len(self.shape)
+        return "[" + ", ".join(f"<={n}" if d else str(n) for n, d in zip(self.shape, dyn)) + "]"
 
 
 @dataclass(frozen=True)
@@ -41,10 +52,13 @@ class CopyReport:
         if not self.rows:
             lines.append("  (none)")
         for r in self.rows:
+            bound = " at the bound" if r.at_bound else ""
             lines.append(f"  #{r.instruction:<4} {r.direction}  {r.src:>7} -> {r.dst:<7} {r.dtype:>9}"
-                         f"{list(r.shape)!s:>16}  {r.nbytes:>12,} B  {r.value}")
+                         f"{r.shape_text:>16}  {r.nbytes:>12,} B{bound}  {r.value}")
         t = self.totals()
-        lines.append("  totals: " + ", ".join(f"{d} {n} copies / {b:,} B" for d, (n, b) in t.items()))
+        lines.append("  totals: " + ", ".join(f"{d} {n} copies / {b:,} B" for d, (n, b) in t.items())
+                     + (" (at most: copies at the bound move fewer bytes in a smaller call)"
+                        if any(r.at_bound for r in self.rows) else ""))
         return "\n".join(lines)
 
 
@@ -58,5 +72,5 @@ def copy_report(program, method: str | None = None):
         if isinstance(ins, KernelCall) and ins.kernel in COPY_KERNELS:
             src, dst = m.tensor(ins.args[0]), m.tensor(ins.outputs[0])
             rows.append(CopyRow(i, COPY_KERNELS[ins.kernel], str(src.device), str(dst.device), src.shape, src.dtype,
-                                src.nbytes, src.name))
+                                src.nbytes, src.name, tuple(src.dynamic)))
     return CopyReport(method, tuple(rows))

@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -112,21 +113,58 @@ class Bound:
 
 
 def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_locked=None,
-                io: dict[int, torch.Tensor] | None = None, per_call: frozenset[int] = frozenset()) -> Bound:
+                io: dict[int, torch.Tensor] | None = None, per_call: frozenset[int] = frozenset(),
+                shapes: dict[int, object] | None = None) -> Bound:
     """Bind every instruction. `delegate(i)` gives delegate i's handle; `streams` (a CopyStreams)
     issues copies on an asynchronous device; `io` fixes more slots (a delegate's planned I/O);
     `per_call`: planned inputs and outputs the caller's tensors stand in for on each call
-    (micro-batches: a part's rows of the caller's batch and of the joined result)."""
+    (micro-batches: a part's rows of the caller's batch and of the joined result); `shapes`:
+    the sizes and the (shape, strides) of every dynamic value at one shape of the call, as
+    `record_shapes` took them from a call at that shape: the method is then bound as a static
+    one (views of its planned memory at those shapes, sizes as constants)."""
     slots, fixed = list(memory.slots), list(memory.fixed)
     for vid, t in (io or {}).items():
         slots[vid], fixed[vid] = t, True
     for vid in per_call:
         slots[vid], fixed[vid] = None, False
+    fresh_shapes = _fix_shapes(method, slots, fixed, shapes) if shapes is not None else {}
     _fix_lists(method, slots, fixed)
-    b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()))
+    b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()), shapes)
     steps = [b.instruction(i, ins) for i, ins in enumerate(method.instructions)]
     steps += b.writebacks()
-    return Bound(tuple(_with_releases(method, steps, fixed)), slots, tuple(fixed), _call_io(method, memory, fixed))
+    return Bound(tuple(_with_releases(method, steps, fixed)), slots, tuple(fixed),
+                 _call_io(method, memory, fixed, fresh_shapes))
+
+
+def dynamic_values(method: Method) -> tuple[int, ...]:
+    """The values whose size a call decides: sizes, and tensors with a dynamic dim (empty for
+    a static method)."""
+    return tuple(vid for vid, v in enumerate(method.values)
+                 if isinstance(v, ConstValue) and v.kind == "symint" or isinstance(v, TensorValue) and any(v.dynamic))
+
+
+def record_shapes(slots: list, ids: Sequence[int]) -> dict[int, object]:
+    """What a call at one shape made of the dynamic values: ints, and (shape, strides)."""
+    out: dict[int, object] = {}
+    for vid in ids:
+        x = slots[vid]
+        out[vid] = (tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else int(x)
+    return out
+
+
+def _fix_shapes(method: Method, slots: list, fixed: list, shapes: dict[int, Any]) -> dict[int, tuple]:
+    """Fix the dynamic values at one call's shapes; returns the shapes of fresh outputs."""
+    fresh: dict[int, tuple] = {}
+    for vid, s in shapes.items():
+        v = method.values[vid]
+        if isinstance(v, ConstValue):
+            slots[vid], fixed[vid] = s, True
+        elif v.storage == "output":
+            fresh[vid] = s  # type: ignore[assignment]
+        elif fixed[vid] and v.storage == "planned":  # a view of its memory at this shape (within the bound)
+            base, (size, stride) = slots[vid], s
+            slots[vid] = base.as_strided(size, stride, base.storage_offset())
+    return fresh
 
 
 def _with_releases(method: Method, steps: list[Step | None], fixed: list[bool]) -> list[Step | None]:
@@ -157,7 +195,7 @@ def _fix_lists(method: Method, slots: list, fixed: list) -> None:
             fixed[vid] = True
 
 
-def _call_io(m: Method, memory: Memory, fixed: list[bool]) -> CallIO:
+def _call_io(m: Method, memory: Memory, fixed: list[bool], fresh_shapes: dict[int, tuple]) -> CallIO:
     def mode(vid: int) -> str:
         v = m.values[vid]
         if not isinstance(v, TensorValue):  # a size passed into a delegate
@@ -169,7 +207,7 @@ def _call_io(m: Method, memory: Memory, fixed: list[bool]) -> CallIO:
         return "stage" if vid in memory.staged_inputs else "bind"
 
     passthrough = tuple((i, memory.staged_inputs[vid]) for i, vid in enumerate(m.outputs) if vid in memory.staged_inputs)
-    fresh = tuple((vid, v) for vid, v in enumerate(m.values)
+    fresh = tuple((vid, _at(v, fresh_shapes.get(vid))) for vid, v in enumerate(m.values)
                   if isinstance(v, TensorValue) and v.storage == "output" and not fixed[vid])
     owned = {i for i, vid in enumerate(m.outputs)
              if not fixed[vid] and isinstance(m.values[vid], TensorValue) and m.tensor(vid).storage in ("output", "input")}
@@ -185,6 +223,14 @@ def _call_io(m: Method, memory: Memory, fixed: list[bool]) -> CallIO:
         runtime_outputs={i: vid for i, vid in enumerate(m.outputs)
                          if isinstance(m.values[vid], TensorValue) and m.tensor(vid).storage == "runtime"},
     )
+
+
+def _at(v: TensorValue, shape_strides) -> TensorValue:
+    """`v` at one call's shape (a fresh output is then made at its real size, never resized)."""
+    if shape_strides is None:
+        return v
+    shape, strides = shape_strides
+    return dataclasses.replace(v, shape=tuple(shape), strides=tuple(strides), dynamic=())
 
 
 def _members(m: Method, vid: int) -> list[int]:
@@ -218,10 +264,14 @@ class _NoMeta(Exception):
     pass
 
 
-def _meta_of(m: Method, vid: int):
+def _meta_of(m: Method, vid: int, shapes: dict | None = None):
+    """A meta tensor (or int) like value `vid`: at its planned shape, or at `shapes`' (one call's)."""
     v = m.values[vid]
+    known = shapes.get(vid) if shapes is not None else None
     if isinstance(v, ConstValue) and v.kind in ("int", "symint"):
-        return v.value
+        return known if known is not None else v.value
+    if isinstance(v, TensorValue) and known is not None:
+        return torch.empty_strided(known[0], known[1], dtype=v.torch_dtype, device="meta")
     if not isinstance(v, TensorValue) or any(v.dynamic):
         raise _NoMeta()
     if v.strides:
@@ -274,14 +324,22 @@ def _resolve(ref, slots):
 
 
 class _Binder:
-    def __init__(self, method: Method, slots: list, fixed: list, delegate, streams, page_locked):
+    def __init__(self, method: Method, slots: list, fixed: list, delegate, streams, page_locked,
+                 shapes: dict | None = None):
         self.m, self.slots, self.fixed = method, slots, fixed
         self.delegate, self.streams, self.page_locked = delegate, streams, page_locked
+        self.shapes = shapes  # bound at one call's shapes: every dynamic value's size is known
+
+    def dynamic(self, v: TensorValue) -> bool:
+        return any(v.dynamic) and self.shapes is None
 
     def ref(self, vid: int):
         return _ref(self.slots, self.fixed, self.m, vid)
 
     def instruction(self, index: int, ins) -> Step | None:
+        if not isinstance(ins, DelegateCall) and ins.outputs and all(
+                self.fixed[o] and isinstance(self.m.values[o], ConstValue) for o in ins.outputs):
+            return None  # a size fixed at bind time (a method bound at one call's shapes)
         if isinstance(ins, DelegateCall):
             return self.delegate_step(index, ins)
         if ins.kernel in OUT_COPY_KERNELS:
@@ -331,7 +389,7 @@ class _Binder:
         capacity = out_v.nbytes if out_v.storage == "planned" else None
         kernel = CopyKernel(OUT_COPY_KERNELS[ins.kernel], src_v.device, out_v.device, capacity)
         devices = (src_v.device, out_v.device)
-        fixed = self.fixed[src_id] and self.fixed[out_id] and not any(src_v.dynamic) and not any(out_v.dynamic)
+        fixed = self.fixed[src_id] and self.fixed[out_id] and not self.dynamic(src_v) and not self.dynamic(out_v)
         if self.streams is not None and any(not d.is_cpu for d in devices):
             if fixed:
                 call = self.streams.bind(index, kernel.bind_static(slots[src_id], slots[out_id]), devices, src_v.nbytes)
@@ -382,7 +440,7 @@ class _Binder:
                 self.fixed[o] = True
             return None
         tensors = [o for o in ins.outputs if isinstance(m.values[o], TensorValue)]
-        dynamic = [o for o in tensors if m.tensor(o).storage == "planned" and any(m.tensor(o).dynamic)]
+        dynamic = [o for o in tensors if m.tensor(o).storage == "planned" and self.dynamic(m.tensor(o))]
         if writes_out and dynamic:
             call = self._dynamic_out(op, pos, kw, dynamic)
         elif writes_out and all(r[0] == "c" for r in list(pos) + list(kw.values())):
@@ -442,26 +500,30 @@ class _Binder:
         if kind == "c":
             return _to_meta(x)
         if kind == "l":
-            return [None if e is None else _meta_of(self.m, e) for e in x]
-        return _meta_of(self.m, x)
+            return [None if e is None else _meta_of(self.m, e, self.shapes) for e in x]
+        return _meta_of(self.m, x, self.shapes)
 
     def _fast(self, op, pos, kw, outputs):
         """The C++ argument parser's entry for `op`, checked once on meta tensors shaped like this
         instruction's values (falls back to the OpOverload)."""
         m = self.m
-        if not all(isinstance(m.values[o], TensorValue) and not any(m.tensor(o).dynamic) for o in outputs):
+        if not all(isinstance(m.values[o], TensorValue) and not self.dynamic(m.tensor(o)) for o in outputs):
             return None
         try:
             args, kwargs = [self._meta(r) for r in pos], {k: self._meta(r) for k, r in kw.items()}
         except _NoMeta:
             return None
-        return fast_functional(op, args, kwargs, [(m.tensor(o).shape, m.tensor(o).torch_dtype) for o in outputs])
+        return fast_functional(op, args, kwargs, [(self.shape(o), m.tensor(o).torch_dtype) for o in outputs])
+
+    def shape(self, vid: int) -> tuple[int, ...]:
+        known = self.shapes.get(vid) if self.shapes is not None else None
+        return tuple(known[0]) if known is not None else self.m.tensor(vid).shape
 
     def _view_of_fixed(self, ins: KernelCall) -> bool:
         """A view that can be made once: of fixed memory, with a fixed shape."""
         m = self.m
         outs = [m.values[o] for o in ins.outputs]
-        if not outs or not all(isinstance(v, TensorValue) and v.storage == "view" and not any(v.dynamic) for v in outs):
+        if not outs or not all(isinstance(v, TensorValue) and v.storage == "view" and not self.dynamic(v) for v in outs):
             return False
         return all(self.fixed[a] for a in ins.args if a != DEFAULT_ARG)
 

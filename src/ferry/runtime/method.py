@@ -8,20 +8,24 @@ inputs, and re-binds a delegate's planned inputs and outputs into a new plan.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from ferry.device import CPU
 from ferry.errors import InputError
 from ferry.program.schema import Method, TensorValue
 from ferry.runtime.allocator import get_allocator
-from ferry.runtime.bind import bind_method
+from ferry.runtime.bind import bind_method, dynamic_values
 from ferry.runtime.load import load_memory
 from ferry.runtime.run import Plan
 from ferry.runtime.schedule import schedule
 from ferry.runtime.streams import CopyStreams
 from ferry.runtime.tensor import device_of
 
-__all__ = ["LoadedMethod", "streams_api_for"]
+__all__ = ["LoadedMethod", "SHAPES_KEPT", "streams_api_for"]
+
+SHAPES_KEPT = 64  # plans bound per shape a method keeps (least recently used go first)
 
 
 def streams_api_for(method: Method):
@@ -45,27 +49,44 @@ class LoadedMethod:
         self.streams = CopyStreams(api) if api is not None else None
         self.memory = load_memory(program.segments, method, pin_host=pin_host, stage_io=cuda_graphs and api is not None,
                                   buffers=memory)
+        # a method with dynamic sizes runs its first call at each new shape through the generic
+        # plan, which records every size; later calls at that shape run a plan bound at those
+        # sizes, as a static method's is (kernel fast paths, views made once, fresh outputs at
+        # their real size, graphs per shape). The plans are kept for the last SHAPES_KEPT shapes.
+        self._dynamic = dynamic_values(method)
+        self._graphs = cuda_graphs
+        self._by_shape: OrderedDict[tuple, Plan] = OrderedDict()
+        self._sizes: OrderedDict[tuple, dict] = OrderedDict()
         try:
-            self.plan = self._plan(None, cuda_graphs)
+            self.plan = self._plan(None, cuda_graphs and not self._dynamic, record=self._dynamic)
         except BaseException:
             self.memory.close()
             raise
+        self.last_plan = self.plan
         self._inputs = [v if isinstance(v := method.values[i], TensorValue) else None for i in method.inputs]
         self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
                                for vid in method.outputs]
 
-    def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset()) -> Plan:
+    def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset(), shapes: dict | None = None,
+              record: tuple[int, ...] = ()) -> Plan:
         api = self.streams.api if self.streams is not None else None
         bound = bind_method(self.method, self.memory, delegate=self._delegate, streams=self.streams,
-                            page_locked=api.page_locked if api is not None else None, io=io, per_call=per_call)
+                            page_locked=api.page_locked if api is not None else None, io=io, per_call=per_call,
+                            shapes=shapes)
         kind = api.device_type if api is not None else None
         sched = schedule(bound.steps, kind, graphs)
-        self.notes = sched.notes
-        return Plan(self.name, bound, sched, schedule(bound.steps, kind), self.streams, list(self.method.outputs))
+        if shapes is None:
+            self.notes = sched.notes
+        return Plan(self.name, bound, sched, schedule(bound.steps, kind), self.streams, list(self.method.outputs),
+                    record)
 
     @property
     def graphs(self):
-        return self.plan.graphs
+        return [g for p in (self.plan, *self._by_shape.values()) for g in p.graphs]
+
+    def shape_plans(self) -> int:
+        """How many shapes have a plan of their own (a method with dynamic sizes)."""
+        return len(self._by_shape)
 
     def part_plan(self, graphs: bool) -> Plan:
         """A plan for micro-batches (runtime/microbatch.py): the host inputs and outputs planned
@@ -79,7 +100,7 @@ class LoadedMethod:
 
     @property
     def caller_owned_outputs(self) -> frozenset[int]:
-        return self.plan.caller_owned
+        return self.last_plan.caller_owned
 
     @property
     def constant_outputs(self) -> frozenset[int]:
@@ -95,7 +116,12 @@ class LoadedMethod:
         for vid, t in zip(m.outputs, outputs):  # outputs an instruction writes into; the rest are copied
             if vid not in io and isinstance(m.values[vid], TensorValue) and m.tensor(vid).storage == "output":
                 io[vid] = t
-        plan = self._plan(io, False)
+        shapes = None
+        if self._dynamic:  # bound at the shapes a call with these tensors recorded, or per call
+            shapes = self._sizes.get(_shape_key(inputs))
+            if shapes is None:
+                return None
+        plan = self._plan(io, False, shapes=shapes)
         copy_back = [(t, vid) for vid, t in zip(m.outputs, outputs) if vid not in io]
         return lambda: plan.run_bound(copy_back)
 
@@ -109,11 +135,39 @@ class LoadedMethod:
                 raise InputError(f"input {i} of {self.name!r} must be a torch.Tensor, got {type(t).__name__}")
             _check_input(self.name, i, t, v)
 
-    def execute(self, inputs, bind_outputs=None) -> list:
-        return self.plan.execute(inputs, bind_outputs)
+    def execute(self, inputs, bind_outputs=None, graphs: bool = True) -> list:
+        """One call. `graphs=False`: a new shape gets a plan without CUDA graphs (a shape the
+        caller does not expect again)."""
+        if not self._dynamic:
+            return self.plan.execute(inputs, bind_outputs)
+        key = _shape_key(inputs)
+        plan = self._by_shape.get(key)
+        if plan is None:
+            self.last_plan = self.plan
+            outs = self.plan.execute(inputs, bind_outputs)
+            self._remember(key, self.plan.shapes, graphs)
+            return outs
+        self._by_shape.move_to_end(key)
+        self.last_plan = plan
+        return plan.execute(inputs, bind_outputs)
+
+    def _remember(self, key: tuple, shapes: dict | None, graphs: bool) -> None:
+        if shapes is None:
+            return
+        self._sizes[key] = shapes
+        self._by_shape[key] = self._plan(None, self._graphs and graphs, shapes=shapes)
+        for kept in (self._sizes, self._by_shape):
+            while len(kept) > SHAPES_KEPT:
+                kept.popitem(last=False)
 
     def close(self) -> None:
         self.memory.close()
+
+
+def _shape_key(inputs) -> tuple:
+    """What a plan bound per shape depends on: each input's shape and whether it is contiguous
+    (sizes passed in: their values)."""
+    return tuple((tuple(t.shape), t.is_contiguous()) if isinstance(t, torch.Tensor) else int(t) for t in inputs)
 
 
 def _unusable(t: torch.Tensor) -> str:

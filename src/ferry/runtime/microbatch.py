@@ -33,7 +33,7 @@ from ferry.errors import ConfigError, InputError
 from ferry.program.schema import TensorValue
 from ferry.runtime.run import empty_on
 
-__all__ = ["MicroBatches"]
+__all__ = ["MicroBatches", "batched_values", "pad_rows"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,7 @@ class MicroBatches:
     def __init__(self, method, parts: int, graphs: bool = False):
         self.method, self.parts = method, parts
         m = method.method
-        self.inputs = [_batched(m, vid, f"input {i}") for i, vid in enumerate(m.inputs)]
-        self.outputs = [_batched(m, vid, f"output {i}") for i, vid in enumerate(m.outputs)]
+        self.inputs, self.outputs = batched_values(m, "microbatches=")
         static = [not v.dynamic or not v.dynamic[0] for v in self.inputs]
         if any(static) and not all(static) or len({v.shape[0] for v in self.inputs}) != 1:
             raise ConfigError(f"method {m.name!r}: micro-batches split every input along dim 0, but the inputs "
@@ -79,7 +78,7 @@ class MicroBatches:
         for n, p in enumerate(parts):
             part_in = [t[p.start:p.start + p.rows] for t in inputs]
             if p.rows < size and (self.static or plan.graphs):  # one shape: the program's, or the graphs'
-                part_in = [self._host(_pad(t, size)) for t in part_in]
+                part_in = [self._host(pad_rows(t, size)) for t in part_in]
             targets = self._targets(joined, p, part_in[0].shape[0], later)
             if n == 0:
                 self.method.check_inputs(part_in)
@@ -144,12 +143,17 @@ class MicroBatches:
         return empty_on(device, shape, v.torch_dtype, strides)
 
 
-def _batched(m, vid: int, what: str) -> TensorValue:
-    v = m.values[vid]
-    if not isinstance(v, TensorValue) or not v.shape:
-        raise ConfigError(f"method {m.name!r}: {what} has no batch dimension (dim 0), so the method cannot be "
-                          "split into micro-batches: load it without microbatches=")
-    return v
+def batched_values(m, feature: str) -> tuple[list[TensorValue], list[TensorValue]]:
+    """The method's inputs and outputs, each of which must carry a batch dimension (dim 0)."""
+    def batched(vid: int, what: str) -> TensorValue:
+        v = m.values[vid]
+        if not isinstance(v, TensorValue) or not v.shape:
+            raise ConfigError(f"method {m.name!r}: {what} has no batch dimension (dim 0) for {feature} to "
+                              f"split or pad: load the method without {feature}")
+        return v
+
+    return ([batched(vid, f"input {i}") for i, vid in enumerate(m.inputs)],
+            [batched(vid, f"output {i}") for i, vid in enumerate(m.outputs)])
 
 
 def _rows(v: TensorValue) -> str:
@@ -171,7 +175,7 @@ def _strides_like(shape, order) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _pad(t: torch.Tensor, size: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, size: int) -> torch.Tensor:
     """`t` with copies of its first row appended up to `size` rows (real values: a padded row
     of zeros could be a masked-out sequence, whose softmax is NaN, and NaN is best not made)."""
     return torch.cat([t, t[:1].expand(size - t.shape[0], *t.shape[1:])])

@@ -12,6 +12,7 @@ from ferry.backend_registry import get_backend
 from ferry.errors import BackendError, ConfigError, FerryError
 from ferry.program import Program, load_program
 from ferry.program.schema import MethodMeta
+from ferry.runtime.buckets import ShapeBuckets
 from ferry.runtime.limits import check_limits, load_bytes, parse_limits
 from ferry.runtime.method import LoadedMethod
 from ferry.runtime.microbatch import MicroBatches
@@ -31,6 +32,7 @@ class _Instance:
         self.module = module
         self.methods: dict[str, LoadedMethod] = {}
         self.microbatches: dict[str, MicroBatches] = {}
+        self.buckets: dict[str, ShapeBuckets] = {}
         self.delegates: dict[int, _DelegateHandle] = {}
 
     def load(self, name: str) -> LoadedMethod:
@@ -49,12 +51,14 @@ class _Instance:
         try:
             loaded = LoadedMethod(mod.program, mod.program.method(name), delegate, pin_host=mod.pin_host_memory,
                                   cuda_graphs=mod.cuda_graphs)
-            if mod.microbatches is not None:
-                try:
+            try:
+                if mod.microbatches is not None:
                     self.microbatches[name] = MicroBatches(loaded, mod.microbatches, mod.cuda_graphs)
-                except BaseException:
-                    loaded.close()
-                    raise
+                if mod.shape_buckets is not None:
+                    self.buckets[name] = ShapeBuckets(loaded, mod.shape_buckets)
+            except BaseException:
+                loaded.close()
+                raise
         except BaseException:
             for index in created:
                 self.delegates.pop(index).close()
@@ -69,6 +73,7 @@ class _Instance:
             d.close()
         self.methods.clear()
         self.microbatches.clear()
+        self.buckets.clear()
         self.delegates.clear()
 
 
@@ -98,13 +103,21 @@ class Module:
     to k times the program's batch; a part that comes out short is padded, and outputs are
     joined along dim 0 (runtime/microbatch.py). Rows must be independent, as in any pipeline.
 
+    A program exported with dynamic sizes (torch.export.Dim) binds a plan per shape it meets:
+    the first call at a shape records every size, later calls at that shape run as fast as a
+    program compiled for it (plans for the last 64 shapes are kept). shape_buckets=[1, 2, 4, 8]
+    pads a dynamic batch (dim 0) up to the smallest bucket that holds it and slices the results,
+    so that CUDA graphs are captured once per bucket; a call beyond the largest bucket runs at
+    its own shape without graphs (one warning, once).
+
     max_memory caps what loading may allocate: one size for every device, or {device: size}
     ("cpu", "cuda:0", or a type for all its indices; sizes in bytes or like "20GiB"). Loading a
     method that would need more raises AllocationError before allocating anything.
     """
 
     def __init__(self, program: Program | str | os.PathLike, *, outputs: str = "copy", pin_host_memory: bool = True,
-                 cuda_graphs: bool = False, concurrency: int = 1, max_memory=None, microbatches: int | None = None):
+                 cuda_graphs: bool = False, concurrency: int = 1, max_memory=None, microbatches: int | None = None,
+                 shape_buckets=None):
         if not isinstance(program, Program):
             program = load_program(program)
         if outputs not in ("copy", "view"):
@@ -115,7 +128,10 @@ class Module:
                                          or microbatches < 1):
             raise ConfigError(f"microbatches must be an int >= 1 (parts each call's batch is split into), "
                              f"got {microbatches!r}")
-        self.microbatches = microbatches
+        if microbatches is not None and shape_buckets is not None:
+            raise ConfigError("microbatches and shape_buckets both reshape the batch: pick one (a program for one "
+                              "micro-batch has a static batch to pipeline; buckets pad a dynamic one)")
+        self.microbatches, self.shape_buckets = microbatches, shape_buckets
         self.program = program
         self.max_memory = parse_limits(max_memory)
         self.outputs = outputs
@@ -182,13 +198,18 @@ class Module:
             split = inst.microbatches.get(name)
             if split is not None:
                 return split(list(inputs))  # joined results: the caller's own
-            return self._run(inst.methods[name], list(inputs))
+            buckets = inst.buckets.get(name)
+            if buckets is None:
+                return self._run(inst.methods[name], list(inputs))
+            padded, rows, in_bucket = buckets.pad(list(inputs))
+            outs = self._run(inst.methods[name], padded, in_bucket)
+            return outs if padded[0].shape[0] == rows else [o[:rows] for o in outs]
         finally:
             self._free.put(inst)
 
-    def _run(self, m: LoadedMethod, inputs: list) -> list:
+    def _run(self, m: LoadedMethod, inputs: list, graphs: bool = True) -> list:
         m.check_inputs(inputs)
-        outs = m.execute(inputs)
+        outs = m.execute(inputs, graphs=graphs)
         devices = m.output_devices
         if self.outputs == "view":
             # a view of a constant would let the caller write into the program (a read-only

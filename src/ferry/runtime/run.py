@@ -15,7 +15,7 @@ import torch
 from ferry.device import Device
 from ferry.errors import FerryError, ProgramError
 from ferry.runtime.allocator import DeviceMemoryBuffer
-from ferry.runtime.bind import Bound, Step
+from ferry.runtime.bind import Bound, Step, record_shapes
 from ferry.runtime.graphs import GraphSegment
 from ferry.runtime.schedule import HostWait, Run, Schedule, Segment
 from ferry.runtime.tensor import device_of, make_tensor
@@ -50,8 +50,13 @@ def empty_on(device: Device, shape, dtype: torch.dtype, strides=()) -> torch.Ten
 class Plan:
     """An immutable list of work for one bound method, and the per-call handling of its I/O."""
 
-    def __init__(self, name: str, bound: Bound, sched: Schedule, first: Schedule, streams, outputs: list[int]):
+    def __init__(self, name: str, bound: Bound, sched: Schedule, first: Schedule, streams, outputs: list[int],
+                 record: tuple[int, ...] = ()):
         self.name, self.bound, self.io = name, bound, bound.io
+        # the dynamic values whose sizes a call records (a method bound per shape: runtime/method.py)
+        self.record = record
+        self.shapes: dict[int, object] | None = None
+        self._recorded = frozenset(record)
         self.streams = streams
         self.outputs = outputs
         self.graphs: list[GraphSegment] = []
@@ -99,8 +104,11 @@ class Plan:
             calls.append(step.check)
         if step.release:
             slots, dead = self.bound.slots, step.release
+            recorded = [v for v in dead if v in self._recorded]
 
             def release():
+                if recorded and self.shapes is not None:  # their sizes, before they go
+                    self.shapes.update(record_shapes(slots, recorded))
                 for vid in dead:
                     slots[vid] = None
 
@@ -121,6 +129,7 @@ class Plan:
         call) returns with copies still in flight: the caller waits with `finish()` before it
         reads a host output, and `bind_outputs` must then be memory it keeps alive until then."""
         slots, io = self.bound.slots, self.io
+        self.shapes = {} if self.record else None
         try:
             self._take_inputs(inputs)
             self._fresh_outputs(bind_outputs)
@@ -140,6 +149,8 @@ class Plan:
                 outs[i] = inputs[pos]
             if bind_outputs is not None:
                 _copy_into(bind_outputs, outs) if finish else self._copy_in_order(bind_outputs, outs)
+            if self.shapes is not None:
+                self.shapes.update(record_shapes(slots, [v for v in self.record if slots[v] is not None]))
         finally:
             # drop this call's caller-owned tensors (inputs, fresh outputs, run-time results):
             # the method must not keep the caller's memory alive
@@ -193,7 +204,7 @@ class Plan:
             for vid, t in zip(self.outputs, bind_outputs):
                 if not self.bound.fixed[vid] and slots[vid] is None:
                     slots[vid] = t
-        for vid, v in self.io.fresh_outputs:
+        for vid, v in self.io.fresh_outputs:  # at the call's shape when the plan is bound per shape
             if slots[vid] is None:
                 slots[vid] = empty_on(v.device, v.shape, v.torch_dtype, v.strides)
 

@@ -1,0 +1,60 @@
+"""Shape buckets: a dynamic batch padded up to one of a few sizes, so that CUDA graphs are
+captured once per bucket, as serving engines capture one per batch size.
+
+A method with a dynamic batch binds a plan per shape it meets (runtime/method.py), and with
+CUDA graphs each such plan captures its own. Serving traffic brings every batch size up to
+the bound; buckets keep the number of shapes, captures and graph pools to `len(buckets)`: a
+call is padded (copies of its first row) up to the smallest bucket that holds it, runs at
+that shape, and its results are sliced back. A call beyond the largest bucket runs at its
+own shape without graphs, and says so once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ferry.errors import ConfigError, InputError
+from ferry.runtime.microbatch import batched_values, pad_rows
+
+__all__ = ["ShapeBuckets"]
+
+
+class ShapeBuckets:
+    def __init__(self, method, buckets):
+        m = method.method
+        if isinstance(buckets, (str, bytes)) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                                                         for b in buckets):
+            raise ConfigError(f"shape_buckets must be batch sizes (ints >= 1), got {buckets!r}")
+        inputs, _ = batched_values(m, "shape_buckets=")
+        if not all(v.dynamic and v.dynamic[0] for v in inputs):
+            raise ConfigError(f"method {m.name!r}: shape_buckets pad a dynamic batch dimension, but dim 0 of its "
+                              "inputs is static; export with torch.export.Dim('batch', max=N) on dim 0")
+        bound = inputs[0].shape[0]
+        self.buckets = sorted(set(buckets))
+        if self.buckets[-1] > bound:
+            raise ConfigError(f"method {m.name!r}: bucket {self.buckets[-1]} is larger than the batch the program "
+                              f"was planned for ({bound}); the largest bucket can be {bound}")
+        self.name = m.name
+        self.warned = False
+
+    def pad(self, inputs: list) -> tuple[list, int, bool]:
+        """(the inputs padded to their bucket, the call's rows, whether a bucket holds them)."""
+        if not inputs or not all(isinstance(t, torch.Tensor) and t.dim() for t in inputs):
+            raise InputError(f"method {self.name!r} takes batched tensors (dim 0) with shape buckets")
+        rows = inputs[0].shape[0]
+        if any(t.shape[0] != rows for t in inputs):
+            raise InputError(f"method {self.name!r}: the inputs disagree on the batch size (dim 0: "
+                             f"{', '.join(str(t.shape[0]) for t in inputs)})")
+        bucket = next((b for b in self.buckets if b >= rows), None)
+        if bucket is None:
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"method {self.name!r}: a call of {rows} rows is beyond the largest shape bucket "
+                              f"({self.buckets[-1]}); such calls run at their own shape without CUDA graphs "
+                              "(this warning is shown once)", RuntimeWarning, stacklevel=4)
+            return inputs, rows, False
+        if bucket == rows or rows == 0:
+            return inputs, rows, True
+        return [pad_rows(t, bucket) for t in inputs], rows, True

@@ -1,0 +1,178 @@
+"""Dynamic sizes at static speed: a plan bound per shape, cached; shape buckets for graphs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import tempfile
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ferry
+from ferry import ConfigError, InputError
+from ferry.runtime import method as method_module
+from test_device_map import TinyLM
+
+BATCH, SEQ = torch.export.Dim("batch", max=8), torch.export.Dim("seq", max=32)
+
+
+def encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+def compiled(model, example, dims, device="emu:0"):
+    ep = torch.export.export(model, example, dynamic_shapes=(dims,))
+    return ferry.compile(ep, ferry.OpSupportPartitioner(device) if device != "cpu" else None)
+
+
+@contextlib.contextmanager
+def stderr_at_fd():
+    """What C++ code writes to file descriptor 2 (PyTorch's warnings), which Python cannot filter."""
+    captured: list[str] = []
+    with tempfile.TemporaryFile(mode="w+") as f:
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            captured.append(f.read())
+
+
+def sizes(n: int, seed: int, seq: bool):
+    rng = random.Random(seed)
+    return [(rng.randint(1, 8), rng.randint(2, 32) if seq else 16) for _ in range(n)]
+
+
+@pytest.mark.parametrize("device", ["cpu", "emu:0"])
+@pytest.mark.parametrize("seq", [False, True], ids=["batch", "batch-x-seq"])
+def test_an_encoder_at_many_sizes_in_random_order_equals_eager(emu_any, device, seq):
+    model = encoder()
+    program = compiled(model, (torch.randn(4, 16, 32),), {0: BATCH, 1: SEQ} if seq else {0: BATCH}, device)
+    module = ferry.Module(program)
+    calls = sizes(30, 1, seq)
+    with stderr_at_fd() as err:
+        for i, (b, s) in enumerate(calls):
+            x = torch.randn(b, s, 32, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert "Resize" not in err[0] and "resized" not in err[0], err[0]
+    assert module._methods["forward"].shape_plans() == len(set(calls))  # one plan per shape, built once
+
+
+def test_a_decoder_with_a_dynamic_batch_and_sequence_equals_eager(emu_async):
+    model = TinyLM(layers=2).eval()
+    program = compiled(model, (torch.randint(0, 32, (4, 16)),), {0: BATCH, 1: SEQ})
+    module = ferry.Module(program)
+    for i, (b, s) in enumerate(sizes(12, 2, True) * 2):  # each shape twice: its own plan the second time
+        x = torch.randint(0, 32, (b, s), generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_later_calls_at_a_shape_run_the_plan_bound_for_it(emu):
+    model = encoder()
+    module = ferry.Module(compiled(model, (torch.randn(4, 16, 32),), {0: BATCH}))
+    loaded_first = module(torch.randn(3, 16, 32))  # noqa: F841 - the first call at 3 rows
+    m = module._methods["forward"]
+    generic = m.plan
+    x = torch.randn(3, 16, 32)
+    torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert m.last_plan is not generic
+    steps = [s for s in m.last_plan.bound.steps if s is not None]
+    # bound at one shape: no size is computed per call, and the delegate is bound to fixed tensors
+    assert not any(s.kind == "size" for s in steps)
+    assert all(not s.reads for s in steps if s.kind == "delegate")
+
+
+def test_fresh_outputs_are_made_at_their_real_size(emu):
+    model = encoder()
+    program = compiled(model, (torch.randn(4, 16, 32),), {0: BATCH})
+    module = ferry.Module(program)
+    for _ in range(2):
+        out = module(torch.randn(2, 16, 32))
+        assert out.shape == (2, 16, 32) and out.untyped_storage().nbytes() == out.nbytes
+
+
+def test_only_the_last_shapes_keep_a_plan(emu, monkeypatch):
+    monkeypatch.setattr(method_module, "SHAPES_KEPT", 2)
+    model = encoder()
+    module = ferry.Module(compiled(model, (torch.randn(4, 16, 32),), {0: BATCH}))
+    for i, b in enumerate([1, 2, 3, 1, 2, 3, 3, 1]):
+        x = torch.randn(b, 16, 32, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert module._methods["forward"].shape_plans() == 2
+
+
+def test_a_call_beyond_the_bound_is_refused_and_the_module_stays_usable(emu):
+    model = encoder()
+    module = ferry.Module(compiled(model, (torch.randn(4, 16, 32),), {0: BATCH}))
+    with pytest.raises(InputError, match="<=8"):
+        module(torch.randn(9, 16, 32))
+    x = torch.randn(5, 16, 32)
+    torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_the_copy_report_says_which_bytes_are_at_the_bound(emu):
+    program = compiled(encoder(), (torch.randn(4, 16, 32),), {0: BATCH, 1: SEQ})
+    text = str(program.copy_report("forward"))
+    assert "[<=8, <=32, 32]" in text and "at the bound" in text and "at most" in text
+    static = ferry.compile(torch.export.export(encoder(), (torch.randn(4, 16, 32),)),
+                           ferry.OpSupportPartitioner("emu:0"))
+    assert "at the bound" not in str(static.copy_report("forward"))
+
+
+# ---- shape buckets
+
+
+def test_buckets_capture_one_graph_set_per_bucket_and_slice_results(emu_async):
+    model = encoder()
+    program = compiled(model, (torch.randn(4, 16, 32),), {0: BATCH})
+    module = ferry.Module(program, cuda_graphs=True, shape_buckets=[2, 4, 8])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning storm: not one
+        for i, b in enumerate([1, 3, 8, 2, 5, 7, 1, 4, 6, 3, 8, 2] * 2):
+            x = torch.randn(b, 16, 32, generator=torch.Generator().manual_seed(i))
+            got = module(x)
+            assert got.shape == (b, 16, 32)
+            torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+    m = module._methods["forward"]
+    assert m.shape_plans() == 3
+    assert m.graphs and all(g.graph is not None for g in m.graphs)
+
+
+def test_a_call_beyond_the_buckets_runs_without_graphs_and_warns_once(emu_async):
+    model = encoder()
+    module = ferry.Module(compiled(model, (torch.randn(4, 16, 32),), {0: BATCH}), cuda_graphs=True,
+                          shape_buckets=[1, 2, 4])
+    with pytest.warns(RuntimeWarning, match="beyond the largest shape bucket") as record:
+        for i, b in enumerate([6, 7, 6, 6, 7]):
+            x = torch.randn(b, 16, 32, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert len([w for w in record if "bucket" in str(w.message)]) == 1
+    assert module._methods["forward"].graphs == []
+
+
+@pytest.mark.parametrize("buckets, match", [
+    ([16], "larger than the batch the program was planned for"),
+    ([0, 2], "ints >= 1"),
+    ("1,2", "ints >= 1"),
+])
+def test_bad_buckets_are_config_errors(emu, buckets, match):
+    module = ferry.Module(compiled(encoder(), (torch.randn(4, 16, 32),), {0: BATCH}), shape_buckets=buckets)
+    with pytest.raises(ConfigError, match=match):
+        module.load_method()
+
+
+def test_buckets_need_a_dynamic_batch(emu):
+    static = ferry.compile(torch.export.export(encoder(), (torch.randn(4, 16, 32),)))
+    with pytest.raises(ConfigError, match="dim 0 of its inputs is static"):
+        ferry.Module(static, shape_buckets=[2, 4]).load_method()
+    with pytest.raises(ConfigError, match="pick one"):
+        ferry.Module(static, shape_buckets=[2, 4], microbatches=2)
