@@ -176,3 +176,34 @@ def test_buckets_need_a_dynamic_batch(emu):
         ferry.Module(static, shape_buckets=[2, 4]).load_method()
     with pytest.raises(ConfigError, match="pick one"):
         ferry.Module(static, shape_buckets=[2, 4], microbatches=2)
+
+
+# ---- on a GPU
+
+
+@pytest.fixture
+def full_fp32():
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_dynamic_sizes_on_a_gpu_equal_eager(full_fp32, graphs):
+    """Without graphs: batch and sequence both dynamic. With graphs: a dynamic batch in buckets."""
+    model = encoder()
+    dims = {0: BATCH} if graphs else {0: BATCH, 1: SEQ}
+    program = compiled(model, (torch.randn(4, 16, 32),), dims, "cuda:0")
+    module = ferry.Module(program, cuda_graphs=graphs, shape_buckets=[1, 2, 4, 8] if graphs else None)
+    with stderr_at_fd() as err, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i, (b, s) in enumerate(sizes(24, 3, not graphs)):
+            x = torch.randn(b, s, 32, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert "Resize" not in err[0], err[0]
+    m = module._methods["forward"]
+    if graphs:
+        assert m.shape_plans() <= 4 and any(g.graph is not None for g in m.graphs)
