@@ -325,7 +325,9 @@ def test_cuda_graphs_device_input_handed_back_is_the_callers():
         torch.testing.assert_close(total, x + y)
 
 
-def test_cuda_graph_shape_change_falls_back():
+def test_cuda_graphs_are_captured_per_shape():
+    """A dynamic program binds a plan per shape, and each captures its own graphs: a new shape
+    is no reason to give up graphs, and no warning."""
     class Scale(torch.nn.Module):
         def forward(self, x):
             return x * 2 + 1
@@ -333,12 +335,13 @@ def test_cuda_graph_shape_change_falls_back():
     batch = torch.export.Dim("batch", max=64)
     ep = torch.export.export(Scale(), (torch.randn(8, 16),), dynamic_shapes=({0: batch},))
     module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0")), cuda_graphs=True)
-    for n in (8, 8, 8):
-        x = torch.randn(n, 16)
-        torch.testing.assert_close(module(x), Scale()(x))
-    with pytest.warns(RuntimeWarning, match="shapes changed"):
-        x = torch.randn(5, 16)
-        torch.testing.assert_close(module(x), Scale()(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in (8, 8, 8, 5, 5, 5, 8, 5, 5):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(module(x), Scale()(x))
+    m = module._methods["forward"]
+    assert m.shape_plans() == 2 and sum(g.graph is not None for g in m.graphs) == 2
 
 
 def test_legacy_mode_runs_on_gpu():

@@ -67,6 +67,27 @@ def test_an_encoder_at_many_sizes_in_random_order_equals_eager(emu_any, device, 
     assert module._methods["forward"].shape_plans() == len(set(calls))  # one plan per shape, built once
 
 
+class Scale(nn.Module):
+    def forward(self, x):
+        return x * 2 + 1  # the delegate's last kernel writes its output with out=
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_no_resize_warning_when_a_delegate_writes_its_output_at_a_new_size(emu_async, graphs):
+    program = compiled(Scale(), (torch.randn(8, 16),), {0: torch.export.Dim("batch", max=64)})
+    module = ferry.Module(program, cuda_graphs=graphs)
+    with stderr_at_fd() as err, warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no Python warning either: a new shape gets its own graphs
+        for n in (8, 8, 8, 5, 5, 5, 64, 8, 5, 1):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(module(x), Scale()(x))
+    assert "Resize" not in err[0], err[0]
+    m = module._methods["forward"]
+    assert m.shape_plans() == 4
+    if graphs:
+        assert sum(g.graph is not None for g in m.graphs) == 2  # the shapes called three times
+
+
 def test_a_decoder_with_a_dynamic_batch_and_sequence_equals_eager(emu_async):
     model = TinyLM(layers=2).eval()
     program = compiled(model, (torch.randint(0, 32, (4, 16)),), {0: BATCH, 1: SEQ})

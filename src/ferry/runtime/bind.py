@@ -440,7 +440,7 @@ class _Binder:
                 self.fixed[o] = True
             return None
         tensors = [o for o in ins.outputs if isinstance(m.values[o], TensorValue)]
-        dynamic = [o for o in tensors if m.tensor(o).storage == "planned" and self.dynamic(m.tensor(o))]
+        dynamic = [o for o in tensors if m.tensor(o).storage in ("planned", "output") and self.dynamic(m.tensor(o))]
         if writes_out and dynamic:
             call = self._dynamic_out(op, pos, kw, dynamic)
         elif writes_out and all(r[0] == "c" for r in list(pos) + list(kw.values())):
@@ -528,8 +528,10 @@ class _Binder:
         return all(self.fixed[a] for a in ins.args if a != DEFAULT_ARG)
 
     def _dynamic_out(self, op, pos, kw, dynamic_outs):
-        """Outputs with a dynamic dim are planned at their bound: shrink them to empty before the
-        op so it sizes them (no resize warning), then check they stayed within their plan."""
+        """Outputs with a dynamic dim are planned (or, a delegate's, handed in) at their bound or
+        at another call's size: shrink them to empty before the op so it sizes them (PyTorch
+        warns when an out= kernel resizes a tensor with elements), then check they stayed within
+        their plan."""
         slots, m = self.slots, self.m
         capacity = [(o, m.tensor(o).nbytes) for o in dynamic_outs]
 

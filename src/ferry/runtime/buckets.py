@@ -38,6 +38,7 @@ class ShapeBuckets:
                               f"was planned for ({bound}); the largest bucket can be {bound}")
         self.name = m.name
         self.warned = False
+        self._padded: dict[tuple, torch.Tensor] = {}  # one tensor per input and bucket, reused
 
     def pad(self, inputs: list) -> tuple[list, int, bool]:
         """(the inputs padded to their bucket, the call's rows, whether a bucket holds them)."""
@@ -57,4 +58,18 @@ class ShapeBuckets:
             return inputs, rows, False
         if bucket == rows or rows == 0:
             return inputs, rows, True
-        return [pad_rows(t, bucket) for t in inputs], rows, True
+        return [self._pad(i, t, bucket) for i, t in enumerate(inputs)], rows, True
+
+    def _pad(self, i: int, t: torch.Tensor, bucket: int) -> torch.Tensor:
+        """`t` padded to `bucket` rows in a tensor kept for this input and shape: a fresh one per
+        call would cost an allocation (page faults, for a large input) every call. A set of
+        planned memory runs one call at a time, so its buckets may reuse their tensors."""
+        key = (i, bucket, tuple(t.shape[1:]), t.dtype, t.device)
+        out = self._padded.get(key)
+        if out is None:
+            out = self._padded[key] = pad_rows(t, bucket)
+            return out
+        rows = t.shape[0]
+        out[:rows].copy_(t)
+        out[rows:].copy_(t[:1].expand(bucket - rows, *t.shape[1:]))
+        return out

@@ -202,14 +202,16 @@ class Module:
             if buckets is None:
                 return self._run(inst.methods[name], list(inputs))
             padded, rows, in_bucket = buckets.pad(list(inputs))
-            outs = self._run(inst.methods[name], padded, in_bucket)
-            return outs if padded[0].shape[0] == rows else [o[:rows] for o in outs]
+            return self._run(inst.methods[name], padded, in_bucket, rows if padded[0].shape[0] != rows else None)
         finally:
             self._free.put(inst)
 
-    def _run(self, m: LoadedMethod, inputs: list, graphs: bool = True) -> list:
+    def _run(self, m: LoadedMethod, inputs: list, graphs: bool = True, rows: int | None = None) -> list:
+        """`rows`: the call was padded (shape buckets); its results are the first `rows` rows."""
         m.check_inputs(inputs)
         outs = m.execute(inputs, graphs=graphs)
+        if rows is not None:
+            outs = [o[:rows] for o in outs]  # before any copy: only the call's own rows are copied
         devices = m.output_devices
         if self.outputs == "view":
             # a view of a constant would let the caller write into the program (a read-only
