@@ -7,7 +7,7 @@ program is exported once with torch.export.Dim("batch", max=N); the fixed ones o
 size. On a GPU everything is delegated to cuda:0 with CPU tensors in and out, and two more
 columns compare CUDA graphs: fixed-shape ferry with graphs at each size, against the dynamic
 program with shape buckets [1, 2, 4, 8, ...] (a call is padded up to its bucket). Without a
-GPU, ferry runs on the CPU.
+GPU, ferry and eager run on the CPU. On a GPU eager runs there too (CPU tensors in and out).
 
 Every size is called once untimed first (the call that records its shapes and binds its
 plan); then the timed calls come in one shuffled sequence, every size R times, and each cell is
@@ -19,6 +19,7 @@ at the file-descriptor level).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import random
 import statistics
@@ -117,8 +118,11 @@ def bench_model(model_name: str, args, device: str) -> tuple[list, dict]:
     make = lambda b, i: make_input(model_name, b, seq, width, i)  # noqa: E731
     dynamic = ferry.Module(compile_for(model, make(min(2, n), 0), device, n))
     fixed = {b: ferry.Module(compile_for(model, make(b, 0), device, None)) for b in sizes}
-    runners = {"eager": lambda b: model, "ferry fixed": lambda b: fixed[b], "ferry dynamic": lambda b: dynamic}
     gpu = device.startswith("cuda")
+    on = torch.device(device if gpu else "cpu")
+    eager = copy.deepcopy(model).to(on)  # CPU tensors in and out, as ferry's
+    runners = {"eager": lambda b: lambda x: eager(x.to(on)).cpu(), "ferry fixed": lambda b: fixed[b],
+               "ferry dynamic": lambda b: dynamic}
     if gpu:
         buckets = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < n] + [n]
         bucketed = ferry.Module(dynamic.program, cuda_graphs=True, shape_buckets=buckets)
