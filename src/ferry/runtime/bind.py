@@ -148,7 +148,10 @@ def record_shapes(slots: list, ids: Sequence[int]) -> dict[int, object]:
     out: dict[int, object] = {}
     for vid in ids:
         x = slots[vid]
-        out[vid] = (tuple(x.shape), tuple(x.stride())) if isinstance(x, torch.Tensor) else int(x)
+        if isinstance(x, torch.Tensor):
+            out[vid] = (tuple(x.shape), tuple(x.stride()))
+        elif x is not None:
+            out[vid] = int(x)
     return out
 
 

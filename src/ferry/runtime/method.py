@@ -56,6 +56,8 @@ class LoadedMethod:
         self._dynamic = dynamic_values(method)
         self._graphs = cuda_graphs
         self._by_shape: OrderedDict[tuple, Plan] = OrderedDict()
+        self._parts: Plan | None = None
+        self._host_io: frozenset[int] = frozenset()
         self._sizes: OrderedDict[tuple, dict] = OrderedDict()
         try:
             self.plan = self._plan(None, cuda_graphs and not self._dynamic, record=self._dynamic)
@@ -82,21 +84,24 @@ class LoadedMethod:
 
     @property
     def graphs(self):
-        return [g for p in (self.plan, *self._by_shape.values()) for g in p.graphs]
+        plans = (self.plan, *([self._parts] if self._parts is not None else []), *self._by_shape.values())
+        return [g for p in plans for g in p.graphs]
 
     def shape_plans(self) -> int:
         """How many shapes have a plan of their own (a method with dynamic sizes)."""
         return len(self._by_shape)
 
-    def part_plan(self, graphs: bool) -> Plan:
-        """A plan for micro-batches (runtime/microbatch.py): the host inputs and outputs planned
-        for staging a call's copies are bound per call instead, to the part's rows of the
-        caller's (page-locked) batch and of the joined result, so that a part never waits for
-        the previous one to leave that staging memory."""
-        m = self.method
-        host_io = frozenset(vid for vid in (*m.inputs, *m.outputs) if isinstance(v := m.values[vid], TensorValue)
-                            and v.storage == "planned" and v.device.is_cpu)
-        return self._plan(None, graphs, host_io)
+    def _part_plan(self) -> Plan:
+        """The plan for micro-batches (runtime/microbatch.py), made on first use: the host inputs
+        and outputs planned for staging a call's copies are bound per call instead, to the
+        part's rows of the caller's (page-locked) batch and of the joined result, so that a
+        part never waits for the previous one to leave that staging memory."""
+        if self._parts is None:
+            m = self.method
+            self._host_io = frozenset(vid for vid in (*m.inputs, *m.outputs) if isinstance(v := m.values[vid], TensorValue)
+                                      and v.storage == "planned" and v.device.is_cpu)
+            self._parts = self._plan(None, self._graphs and not self._dynamic, self._host_io, record=self._dynamic)
+        return self._parts
 
     @property
     def caller_owned_outputs(self) -> frozenset[int]:
@@ -135,27 +140,31 @@ class LoadedMethod:
                 raise InputError(f"input {i} of {self.name!r} must be a torch.Tensor, got {type(t).__name__}")
             _check_input(self.name, i, t, v)
 
-    def execute(self, inputs, bind_outputs=None, graphs: bool = True) -> list:
+    def execute(self, inputs, bind_outputs=None, graphs: bool = True, finish: bool = True, part: bool = False) -> list:
         """One call. `graphs=False`: a new shape gets a plan without CUDA graphs (a shape the
-        caller does not expect again)."""
+        caller does not expect again). `part`: one micro-batch (Plan.execute says what
+        `finish=False` asks of the caller)."""
+        generic = self._part_plan() if part else self.plan
         if not self._dynamic:
-            return self.plan.execute(inputs, bind_outputs)
-        key = _shape_key(inputs)
-        plan = self._by_shape.get(key)
-        if plan is None:
-            self.last_plan = self.plan
-            outs = self.plan.execute(inputs, bind_outputs)
-            self._remember(key, self.plan.shapes, graphs)
+            self.last_plan = generic
+            return generic.execute(inputs, bind_outputs, finish)
+        shape = _shape_key(inputs)
+        plan = self._by_shape.get((part, shape))
+        if plan is None:  # the first call at this shape finishes before its sizes are read
+            self.last_plan = generic
+            outs = generic.execute(inputs, bind_outputs)
+            self._remember(part, shape, generic.shapes, graphs)
             return outs
-        self._by_shape.move_to_end(key)
+        self._by_shape.move_to_end((part, shape))
         self.last_plan = plan
-        return plan.execute(inputs, bind_outputs)
+        return plan.execute(inputs, bind_outputs, finish)
 
-    def _remember(self, key: tuple, shapes: dict | None, graphs: bool) -> None:
-        if shapes is None:
+    def _remember(self, part: bool, shape: tuple, sizes: dict | None, graphs: bool) -> None:
+        if sizes is None:
             return
-        self._sizes[key] = shapes
-        self._by_shape[key] = self._plan(None, self._graphs and graphs, shapes=shapes)
+        self._sizes[shape] = sizes
+        per_call = self._host_io if part else frozenset()
+        self._by_shape[(part, shape)] = self._plan(None, self._graphs and graphs, per_call, shapes=sizes)
         for kept in (self._sizes, self._by_shape):
             while len(kept) > SHAPES_KEPT:
                 kept.popitem(last=False)

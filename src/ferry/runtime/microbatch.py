@@ -63,7 +63,7 @@ class MicroBatches:
                                   "output must keep the batch dimension")
         api = method.streams.api if method.streams is not None else None
         self.pin = api is not None and api.device_type == "cuda"  # a copy from pageable memory blocks the host
-        self.plan = method.part_plan(graphs)
+        self.graphs = graphs
 
     # ---- a call
 
@@ -74,15 +74,14 @@ class MicroBatches:
         inputs = [self._host(t) for t in inputs]
         joined = [self._empty(v, d, rows) for v, d in zip(self.outputs, self.method.output_devices)]
         later: list[tuple[torch.Tensor, _Part, torch.Tensor]] = []
-        plan = self.plan
         for n, p in enumerate(parts):
             part_in = [t[p.start:p.start + p.rows] for t in inputs]
-            if p.rows < size and (self.static or plan.graphs):  # one shape: the program's, or the graphs'
+            if p.rows < size and (self.static or self.graphs):  # one shape: the program's, or the graphs'
                 part_in = [self._host(pad_rows(t, size)) for t in part_in]
             targets = self._targets(joined, p, part_in[0].shape[0], later)
-            if n == 0:
+            if n == 0 or not self.static:
                 self.method.check_inputs(part_in)
-            plan.execute(part_in, targets, finish=n == len(parts) - 1)
+            self.method.execute(part_in, targets, finish=n == len(parts) - 1, part=True)
         for out, p, t in later:  # after the wait: copies in flight wrote them
             out[p.start:p.start + p.rows].copy_(t[:p.rows])
         return joined
