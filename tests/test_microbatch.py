@@ -171,3 +171,31 @@ def test_ferry_run_pipelines_parts_from_the_command_line(emu_async, tmp_path, ca
     out = capsys.readouterr().out
     assert "output 0: float32[6, 10, 32]" in out  # 3 parts of the program's 2 rows, joined
     assert main(["run", str(path), "--microbatches", "0"]) == 2
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_a_first_stage_on_the_cpu_waits_for_the_previous_parts_copy(emu_async, parts):
+    """Part m+1's CPU kernels write the host memory part m's copy to the device reads: the part
+    waits for that copy before its first host step (found by review: wrong rows before)."""
+    model = TinyLM(layers=4).eval()
+    ep = torch.export.export(model, (ids(0, (2, 10)),))
+    module = ferry.Module(ferry.compile(ep, device_map=split_map(4, ["cpu", "emu:0"])), microbatches=parts)
+    for seed in range(3):
+        x = ids(seed, (2 * parts, 10))
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n.add_(1)
+        return x + self.n
+
+
+def test_a_method_with_state_is_refused(emu):
+    program = ferry.compile(torch.export.export(Counter(), (torch.zeros(2, 4),)))
+    with pytest.raises(ConfigError, match="updates buffers"):
+        ferry.Module(program, microbatches=2).load_method()

@@ -136,3 +136,10 @@ def test_cpu_only_steps_never_wait_even_with_cpu_in_devices():
     s = Step(0, "kernel", "k", (), False, True, lambda: None)
     assert schedule([s, s], "cuda").work == (Run(s), Run(s))
     assert CPU not in s.devices
+
+
+def test_a_micro_batch_starts_by_waiting_before_its_first_host_step():
+    """The previous part may still be copying out of host memory this part's host code writes."""
+    assert shape(schedule([host(0), h2d(1), step(2, G0)], "cuda", pending=True)) == "W H0 [0:1,2] W"
+    assert shape(schedule([h2d(0), step(1, G0), host(2)], "cuda", pending=True)) == "[0:0,1] W H2"
+    assert shape(schedule([host(0), h2d(1)], None, pending=True)) == "H0 H1"  # nothing asynchronous

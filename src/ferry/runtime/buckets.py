@@ -27,10 +27,15 @@ class ShapeBuckets:
         if isinstance(buckets, (str, bytes)) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
                                                          for b in buckets):
             raise ConfigError(f"shape_buckets must be batch sizes (ints >= 1), got {buckets!r}")
-        inputs, _ = batched_values(m, "shape_buckets=")
+        inputs, outputs = batched_values(m, "shape_buckets=")
         if not all(v.dynamic and v.dynamic[0] for v in inputs):
             raise ConfigError(f"method {m.name!r}: shape_buckets pad a dynamic batch dimension, but dim 0 of its "
                               "inputs is static; export with torch.export.Dim('batch', max=N) on dim 0")
+        for i, v in enumerate(outputs):
+            if not (v.dynamic and v.dynamic[0]) or v.shape[0] != inputs[0].shape[0]:
+                raise ConfigError(f"method {m.name!r}: output {i} does not carry the batch in dim 0 (its dim 0 is "
+                                  f"{v.shape[0]}{'' if v.dynamic and v.dynamic[0] else ', static'}), so padding rows "
+                                  "would reach it: load the method without shape_buckets=")
         bound = inputs[0].shape[0]
         self.buckets = sorted(set(buckets))
         if self.buckets[-1] > bound:

@@ -8,12 +8,13 @@ inputs, and re-binds a delegate's planned inputs and outputs into a new plan.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
 
 from ferry.device import CPU
-from ferry.errors import InputError
+from ferry.errors import FerryError, InputError
 from ferry.program.schema import Method, TensorValue
 from ferry.runtime.allocator import get_allocator
 from ferry.runtime.bind import bind_method, dynamic_values
@@ -76,11 +77,17 @@ class LoadedMethod:
                             page_locked=api.page_locked if api is not None else None, io=io, per_call=per_call,
                             shapes=shapes)
         kind = api.device_type if api is not None else None
-        sched = schedule(bound.steps, kind, graphs)
-        if shapes is None:
-            self.notes = sched.notes
-        return Plan(self.name, bound, sched, schedule(bound.steps, kind), self.streams, list(self.method.outputs),
-                    record)
+        return Plan(self.name, bound, schedule(bound.steps, kind, graphs), schedule(bound.steps, kind), self.streams,
+                    list(self.method.outputs), record, schedule(bound.steps, kind, graphs, pending=True))
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self.plan.notes
+
+    def finish(self) -> None:
+        """Wait for copies a call left in flight (a micro-batch that failed part way)."""
+        if self.streams is not None:
+            self.streams.wait_host()
 
     @property
     def graphs(self):
@@ -147,24 +154,33 @@ class LoadedMethod:
         generic = self._part_plan() if part else self.plan
         if not self._dynamic:
             self.last_plan = generic
-            return generic.execute(inputs, bind_outputs, finish)
+            return generic.execute(inputs, bind_outputs, finish, part)
         shape = _shape_key(inputs)
         plan = self._by_shape.get((part, shape))
         if plan is None:  # the first call at this shape finishes before its sizes are read
             self.last_plan = generic
-            outs = generic.execute(inputs, bind_outputs)
+            outs = generic.execute(inputs, bind_outputs, True, part)
             self._remember(part, shape, generic.shapes, graphs)
             return outs
         self._by_shape.move_to_end((part, shape))
+        if shape in self._sizes:
+            self._sizes.move_to_end(shape)
         self.last_plan = plan
-        return plan.execute(inputs, bind_outputs, finish)
+        return plan.execute(inputs, bind_outputs, finish, part)
 
     def _remember(self, part: bool, shape: tuple, sizes: dict | None, graphs: bool) -> None:
         if sizes is None:
             return
-        self._sizes[shape] = sizes
         per_call = self._host_io if part else frozenset()
-        self._by_shape[(part, shape)] = self._plan(None, self._graphs and graphs, per_call, shapes=sizes)
+        try:
+            plan = self._plan(None, self._graphs and graphs, per_call, shapes=sizes)
+        except FerryError as e:  # this shape keeps the generic plan: correct, and as fast as before
+            warnings.warn(f"method {self.name!r}: calls at input shapes {[s[0] for s in shape if isinstance(s, tuple)]} "
+                          f"run without a plan of their own ({e})", RuntimeWarning, stacklevel=4)
+            self._by_shape[(part, shape)] = self._part_plan() if part else self.plan
+        else:
+            self._sizes[shape] = sizes
+            self._by_shape[(part, shape)] = plan
         for kept in (self._sizes, self._by_shape):
             while len(kept) > SHAPES_KEPT:
                 kept.popitem(last=False)
@@ -174,9 +190,9 @@ class LoadedMethod:
 
 
 def _shape_key(inputs) -> tuple:
-    """What a plan bound per shape depends on: each input's shape and whether it is contiguous
-    (sizes passed in: their values)."""
-    return tuple((tuple(t.shape), t.is_contiguous()) if isinstance(t, torch.Tensor) else int(t) for t in inputs)
+    """What a plan bound per shape depends on: each input's shape and strides (kernels lay some
+    results out as their inputs are laid out; sizes passed in: their values)."""
+    return tuple((tuple(t.shape), t.stride()) if isinstance(t, torch.Tensor) else int(t) for t in inputs)
 
 
 def _unusable(t: torch.Tensor) -> str:

@@ -74,14 +74,18 @@ class MicroBatches:
         inputs = [self._host(t) for t in inputs]
         joined = [self._empty(v, d, rows) for v, d in zip(self.outputs, self.method.output_devices)]
         later: list[tuple[torch.Tensor, _Part, torch.Tensor]] = []
-        for n, p in enumerate(parts):
-            part_in = [t[p.start:p.start + p.rows] for t in inputs]
-            if p.rows < size and (self.static or self.graphs):  # one shape: the program's, or the graphs'
-                part_in = [self._host(pad_rows(t, size)) for t in part_in]
-            targets = self._targets(joined, p, part_in[0].shape[0], later)
-            if n == 0 or not self.static:
-                self.method.check_inputs(part_in)
-            self.method.execute(part_in, targets, finish=n == len(parts) - 1, part=True)
+        try:
+            for n, p in enumerate(parts):
+                part_in = [t[p.start:p.start + p.rows] for t in inputs]
+                if p.rows < size and (self.static or self.graphs):  # one shape: the program's, or the graphs'
+                    part_in = [self._host(pad_rows(t, size)) for t in part_in]
+                targets = self._targets(joined, p, part_in[0].shape[0], later)
+                if n == 0 or not self.static:
+                    self.method.check_inputs(part_in)
+                self.method.execute(part_in, targets, finish=n == len(parts) - 1, part=True)
+        except BaseException:
+            self.method.finish()  # the earlier parts' copies: nothing stays in flight after an error
+            raise
         for out, p, t in later:  # after the wait: copies in flight wrote them
             out[p.start:p.start + p.rows].copy_(t[:p.rows])
         return joined
@@ -143,7 +147,12 @@ class MicroBatches:
 
 
 def batched_values(m, feature: str) -> tuple[list[TensorValue], list[TensorValue]]:
-    """The method's inputs and outputs, each of which must carry a batch dimension (dim 0)."""
+    """The method's inputs and outputs, each of which must carry a batch dimension (dim 0). A
+    method with state (buffers it updates) is refused: its rows are not independent (one call
+    made of parts would update the state once per part, padding rows would enter it)."""
+    if m.mutable_buffers:
+        raise ConfigError(f"method {m.name!r} updates buffers in forward, so its rows are not independent and "
+                          f"{feature} cannot split or pad a call: load the method without {feature}")
     def batched(vid: int, what: str) -> TensorValue:
         v = m.values[vid]
         if not isinstance(v, TensorValue) or not v.shape:

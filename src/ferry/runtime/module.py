@@ -210,8 +210,9 @@ class Module:
         """`rows`: the call was padded (shape buckets); its results are the first `rows` rows."""
         m.check_inputs(inputs)
         outs = m.execute(inputs, graphs=graphs)
-        if rows is not None:
-            outs = [o[:rows] for o in outs]  # before any copy: only the call's own rows are copied
+        if rows is not None:  # padded: the call's own rows, copied (even an input handed back is a
+            devices = m.output_devices  # view of the padded tensor the buckets reuse)
+            return [caller_copy(o[:rows], devices[i]) for i, o in enumerate(outs)]
         devices = m.output_devices
         if self.outputs == "view":
             # a view of a constant would let the caller write into the program (a read-only

@@ -51,7 +51,7 @@ class Plan:
     """An immutable list of work for one bound method, and the per-call handling of its I/O."""
 
     def __init__(self, name: str, bound: Bound, sched: Schedule, first: Schedule, streams, outputs: list[int],
-                 record: tuple[int, ...] = ()):
+                 record: tuple[int, ...] = (), in_flight: Schedule | None = None):
         self.name, self.bound, self.io = name, bound, bound.io
         # the dynamic values whose sizes a call records (a method bound per shape: runtime/method.py)
         self.record = record
@@ -60,12 +60,16 @@ class Plan:
         self.streams = streams
         self.outputs = outputs
         self.graphs: list[GraphSegment] = []
+        self._graph_calls: dict[Segment, Callable[[], object]] = {}
         self._key: tuple[tuple[int, ...], ...] | None = None  # input shapes, when graphs replay
         self.work = tuple(self._compile(sched, first_call=False))
         self.first_work = tuple(self._compile(first, first_call=True))
-        # the same without the host wait that ends a call: a micro-batch leaves its copies in
-        # flight while the next one is issued (runtime/microbatch.py waits once, at the end)
-        self.work_in_flight = _without_final_wait(self.work, self.streams)
+        # a micro-batch's: its copies are left in flight while the next one is issued (no host wait
+        # at the end; runtime/microbatch.py waits once, after the last), and it starts with the
+        # previous one's copies in flight (its first host step waits for them)
+        self.work_parts = tuple(self._compile(in_flight, first_call=False)) if in_flight is not None else self.work
+        self.work_in_flight = _without_final_wait(self.work_parts, self.streams)
+        self.notes = sched.notes
         self.checked = False
         # a functional kernel's result is fresh each call, so the caller may keep it; not one a
         # graph replays into (the same memory every call)
@@ -116,20 +120,28 @@ class Plan:
         return calls
 
     def _graph(self, seg: Segment) -> Callable[[], object]:
+        """One graph per segment, shared by the work lists that run it."""
+        known = self._graph_calls.get(seg)
+        if known is not None:
+            return known
         g = GraphSegment([self._launch(s) for s in seg.steps], seg.device.index, self.streams,  # type: ignore[union-attr]
                          seg.touches_host, f"method {self.name!r} {seg.label}", self.bound.slots, seg.writes)
         self.graphs.append(g)
-        return lambda: g(self._key)
+        call = self._graph_calls[seg] = lambda: g(self._key)
+        return call
 
     # ---- a call
 
-    def execute(self, inputs, bind_outputs=None, finish: bool = True) -> list:
+    def execute(self, inputs, bind_outputs=None, finish: bool = True, part: bool = False) -> list:
         """Run once. `bind_outputs`: tensors the outputs are written into (a delegate's, or a
-        micro-batch's rows of the joined result). `finish=False` (a micro-batch, after the first
-        call) returns with copies still in flight: the caller waits with `finish()` before it
-        reads a host output, and `bind_outputs` must then be memory it keeps alive until then."""
+        micro-batch's rows of the joined result). `part`: a micro-batch, which may start while
+        the previous one's copies are in flight; `finish=False` (a part but the last) returns
+        with its own copies in flight: the caller waits with `finish()` before it reads a host
+        output, and `bind_outputs` must be memory it keeps alive until then."""
         slots, io = self.bound.slots, self.io
         self.shapes = {} if self.record else None
+        if part and not self.checked:
+            self.finish()  # a first run's schedule assumes nothing in flight: make it so
         try:
             self._take_inputs(inputs)
             self._fresh_outputs(bind_outputs)
@@ -137,8 +149,10 @@ class Plan:
                 self._key = tuple(tuple(t.shape) for t in inputs)
             if not self.checked:
                 work = self.first_work
+            elif part:
+                work = self.work_parts if finish else self.work_in_flight
             else:
-                work = self.work if finish else self.work_in_flight
+                work = self.work
             for call in work:
                 call()
             self.checked = True

@@ -79,14 +79,17 @@ def _device_of(step: Step, async_type: str) -> Device | None:
     return next(iter(devs)) if len(devs) == 1 else None
 
 
-def schedule(steps: Sequence[Step | None], async_type: str | None, graphs: bool = False) -> Schedule:
+def schedule(steps: Sequence[Step | None], async_type: str | None, graphs: bool = False,
+             pending: bool = False) -> Schedule:
     """The order of work for `steps` (None entries: done at bind time) when devices of
-    `async_type` run asynchronously (None: every step runs where it stands)."""
+    `async_type` run asynchronously (None: every step runs where it stands). `pending`: copies
+    touching host memory may still be in flight when the call starts (the previous micro-batch
+    left them), so the first host step waits for them too."""
     work: list[Work] = []
     notes: list[str] = []
     segment: list[Step] = []
     current = _Run()
-    pending = False
+    pending = pending and async_type is not None
 
     def close():
         if segment:
