@@ -63,6 +63,14 @@ def test_doc_has_runnable_code(doc):
         compile("\n" * (line - 1) + source, doc, "exec")
 
 
+def test_readme_code_is_valid_python():
+    """The README's blocks need GPUs to run; they must at least compile."""
+    blocks = code_blocks((ROOT / "README.md").read_text())
+    assert len(blocks) >= 3
+    for line, source, _ in blocks:
+        compile("\n" * (line - 1) + source, "README.md", "exec")
+
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_doc_runs(doc):
     env = dict(os.environ)

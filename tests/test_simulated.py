@@ -155,8 +155,8 @@ def test_cpu_fallback_in_the_middle_matches_eager(emu_async):
 def _without_host_waits(monkeypatch):
     real = method_mod.schedule
 
-    def no_waits(steps, async_type, graphs=False):
-        s = real(steps, async_type, graphs)
+    def no_waits(steps, async_type, graphs=False, pending=False):
+        s = real(steps, async_type, graphs, pending)
         return Schedule(tuple(w for w in s.work if not isinstance(w, HostWait)), s.notes)
 
     monkeypatch.setattr(method_mod, "schedule", no_waits)

@@ -285,6 +285,12 @@ def cmd_run(args) -> int:
     types = {b.device.type for m in program.methods.values() for b in m.buffers}
     for t in types:
         _ensure_device_type(t)
+    if "cuda" in types:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError(f"{args.file} was compiled for a CUDA GPU and this machine has none: compile it with "
+                            "--device emu:0 to run it on the emulated device")
     if "emu" in types:
         print("running on the emulated device (host memory standing in for a GPU)")
     module = ferry.Module(program, cuda_graphs=args.cuda_graphs, microbatches=args.microbatches)
