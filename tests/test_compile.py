@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -606,3 +607,24 @@ def test_several_methods_in_one_program(emu):
     torch.testing.assert_close(module.run_method("chain", [x, y])[0], AddChain()(x, y))
     with pytest.raises(ferry.CompileError, match="identifier"):
         ferry.compile({"not a name": exported("add")})
+
+
+class _Tanh(torch.nn.Module):
+    def forward(self, x):
+        return torch.tanh(x) + 1
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x):
+        return x * 3
+
+
+def test_an_exclude_matching_one_method_of_several_is_not_a_mistake(emu):
+    x = torch.randn(2, 4)
+    eps = {"a": torch.export.export(_Tanh(), (x,)), "b": torch.export.export(_Scale(), (x,))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ferry.compile(eps, ferry.OpSupportPartitioner("emu:0", exclude=["aten.tanh"]))
+    with pytest.warns(UserWarning, match="exclude='aten.sinh' matches no op") as record:
+        ferry.compile(eps, ferry.OpSupportPartitioner("emu:0", exclude=["aten.sinh"]))
+    assert sum("matches no op" in str(w.message) for w in record) == 1  # once, not once per method

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -81,14 +83,37 @@ def auto_attempts(budgets) -> int:
 def _compile(eps, partitioner, options, budgets) -> Program:
     builder = ProgramBuilder()
     methods = {}
+    unmatched: list[dict[str, warnings.WarningMessage]] = []
     for name, ep in eps.items():
-        placed = _place(ep, partitioner, options[name])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            placed = _place(ep, partitioner, options[name])
+        unmatched.append(_reemit_but_unmatched(caught))
         method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
                              placed.range_constraints)
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}
         method.max_memory = {str(d): n for d, n in (budgets or {}).items()}
         methods[name] = method
+    for key, w in unmatched[0].items():  # an op name is a mistake only if no method has that op
+        if all(key in per_method for per_method in unmatched[1:]):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return Program(methods, builder.delegates, builder.segments)
+
+
+_UNMATCHED = re.compile(r"^(\w+=\S+) matches no op in this program")
+
+
+def _reemit_but_unmatched(caught) -> dict[str, warnings.WarningMessage]:
+    """Re-emit what lowering warned, except `ops=`/`exclude=` names matching nothing: those are
+    returned by name, to be told only when they match nothing in any method."""
+    unmatched = {}
+    for w in caught:
+        m = _UNMATCHED.match(str(w.message))
+        if m:
+            unmatched[m.group(1)] = w
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return unmatched
 
 
 def device_bytes(program: Program) -> dict[Device, int]:
