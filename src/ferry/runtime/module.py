@@ -108,7 +108,8 @@ class Module:
     program compiled for it (plans for the last 64 shapes are kept). shape_buckets=[1, 2, 4, 8]
     pads a dynamic batch (dim 0) up to the smallest bucket that holds it and slices the results,
     so that CUDA graphs are captured once per bucket; a call beyond the largest bucket runs at
-    its own shape without graphs (one warning, once).
+    its own shape without graphs (one warning, once). Without buckets, every shape called three
+    times captures graphs of its own and keeps their memory while its plan is kept.
 
     max_memory caps what loading may allocate: one size for every device, or {device: size}
     ("cpu", "cuda:0", or a type for all its indices; sizes in bytes or like "20GiB"). Loading a
