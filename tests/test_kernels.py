@@ -277,3 +277,19 @@ def test_kernel_reuse_moves_fresh_data_each_call(emu):
         assert torch.equal(back, src)
     assert emu.copy_summary() == {"h2d": (3, 72), "d2h": (3, 72), "d2d": (0, 0)}
     assert emu.allocations == 0
+
+
+def test_a_fast_path_is_checked_once_per_op_and_argument_metadata(monkeypatch):
+    """Binding a model's identical layers, or a dynamic method at each new shape, asks the meta
+    check once per signature; other shapes or expectations are checked again."""
+    from ferry.runtime import kernels
+
+    cache: dict = {}
+    monkeypatch.setattr(kernels, "_FAST_CHECKED", cache)
+    op = torch.ops.aten.relu.default
+    meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    fns = [kernels.fast_functional(op, [meta(2, 3)], {}, [((2, 3), torch.float32)]) for _ in range(3)]
+    assert fns[0] is torch._C._VariableFunctions.relu and len(set(map(id, fns))) == 1 and len(cache) == 1
+    assert kernels.fast_functional(op, [meta(4, 3)], {}, [((4, 3), torch.float32)]) is not None and len(cache) == 2
+    assert kernels.fast_functional(op, [meta(4, 3)], {}, [((5, 3), torch.float32)]) is None  # wrong expectation
+    assert len(cache) == 3

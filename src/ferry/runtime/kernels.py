@@ -145,6 +145,39 @@ def _to_meta(x):
     return x
 
 
+_FAST_CHECKED: dict = {}  # (op, argument signature) -> the parser entry, or None
+_FAST_CHECKED_MAX = 8192
+
+
+def _signature(x):
+    """What a meta check of `x` depends on (its metadata, not its data)."""
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.stride(), x.dtype, x.device.type)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_signature(e) for e in x))
+    try:
+        hash(x)
+    except TypeError:
+        return ("R", repr(x))
+    return (type(x).__name__, x)
+
+
+def _checked_once(check):
+    """A meta check's answer is a function of the op and the arguments' metadata: a model's
+    identical layers, and each shape a dynamic method is bound at, ask it once."""
+    def cached(op, args, kwargs, *rest):
+        key = (check.__name__, op, _signature(args), _signature(sorted(kwargs.items())), _signature(rest))
+        if key not in _FAST_CHECKED:
+            if len(_FAST_CHECKED) >= _FAST_CHECKED_MAX:
+                _FAST_CHECKED.clear()
+            _FAST_CHECKED[key] = check(op, args, kwargs, *rest)
+        return _FAST_CHECKED[key]
+
+    cached.__doc__, cached.__name__ = check.__doc__, check.__name__
+    return cached
+
+
+@_checked_once
 def fast_aten(op: torch._ops.OpOverload, args: list, kwargs: dict):
     """PyTorch's C++ argument parser (`torch.mul(a, b, out=c)`) is faster than calling an
     OpOverload (boxed dispatch from Python): about 2.7 µs instead of 4 µs per tiny op. Use it
@@ -165,6 +198,7 @@ def fast_aten(op: torch._ops.OpOverload, args: list, kwargs: dict):
     return fn
 
 
+@_checked_once
 def fast_functional(op: torch._ops.OpOverload, args: list, kwargs: dict, expect: list):
     """The C++ argument parser's entry for a functional op, when on meta tensors shaped like
     this instruction's values it picks an overload giving the outputs the program expects
