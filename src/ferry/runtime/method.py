@@ -3,7 +3,8 @@
 load (runtime/load.py) allocates the memory; bind (runtime/bind.py) turns instructions into
 Steps; schedule (runtime/schedule.py) orders them, placing host waits and graph segments;
 run (runtime/run.py) walks the result. This class only connects them, checks a call's
-inputs, and re-binds a delegate's planned inputs and outputs into a new plan.
+inputs, re-binds a delegate's planned inputs and outputs into a new plan, and keeps the plans
+a method with dynamic sizes binds per shape (and micro-batches' plans).
 """
 
 from __future__ import annotations

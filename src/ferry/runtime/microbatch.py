@@ -13,7 +13,9 @@ what keeps the host from blocking between parts:
 * host inputs are page-locked once per call, so each part's host-to-device copy is
   asynchronous (a copy from pageable memory blocks the host until it is done);
 * each part's outputs are written straight into its rows of the joined result (page-locked
-  too), and the host waits once, after the last part, not after each;
+  too), and the host waits once, after the last part, not after each; a part whose program
+  runs host code waits there (runtime/schedule.py, `pending`) for the previous part's copies,
+  which may still read the host memory that code writes;
 * a part shorter than the program's batch (the last one, when the batch does not divide)
   is padded with copies of its first row and its results sliced: the program's shapes and
   its captured graphs stay those of one micro-batch.
