@@ -301,3 +301,20 @@ def test_a_caller_layout_the_plan_cannot_view_keeps_the_generic_plan(emu):
     x = torch.randn(3, 4, 8)  # contiguous: the same shape with another layout gets its own plan
     for _ in range(2):
         torch.testing.assert_close(module(x), Flatten()(x))
+
+
+def test_bad_calls_with_buckets_are_input_errors_and_leave_the_module_usable(emu_async):
+    model = encoder()
+    module = ferry.Module(compiled(model, (torch.randn(4, 16, 32),), {0: BATCH}), cuda_graphs=True,
+                          shape_buckets=[2, 4, 8])
+    with pytest.raises(InputError, match="batched tensors"):
+        module(3.0)
+    with pytest.raises(InputError, match="must be float32"):
+        module(torch.zeros(3, 16, 32, dtype=torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not "beyond the largest bucket": beyond what the program takes
+        with pytest.raises(InputError, match="<=8"):
+            module(torch.randn(9, 16, 32))
+    for i, b in enumerate([3, 3, 3, 8]):
+        x = torch.randn(b, 16, 32, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)

@@ -41,7 +41,7 @@ class ShapeBuckets:
         if self.buckets[-1] > bound:
             raise ConfigError(f"method {m.name!r}: bucket {self.buckets[-1]} is larger than the batch the program "
                               f"was planned for ({bound}); the largest bucket can be {bound}")
-        self.name = m.name
+        self.name, self.bound = m.name, bound
         self.warned = False
         self._padded: dict[tuple, torch.Tensor] = {}  # one tensor per input and bucket, reused
 
@@ -55,6 +55,8 @@ class ShapeBuckets:
                              f"{', '.join(str(t.shape[0]) for t in inputs)})")
         bucket = next((b for b in self.buckets if b >= rows), None)
         if bucket is None:
+            if rows > self.bound:
+                return inputs, rows, False  # beyond the program's bound: the input check says so
             if not self.warned:
                 self.warned = True
                 warnings.warn(f"method {self.name!r}: a call of {rows} rows is beyond the largest shape bucket "
