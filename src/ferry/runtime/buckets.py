@@ -22,7 +22,7 @@ __all__ = ["ShapeBuckets"]
 
 
 class ShapeBuckets:
-    def __init__(self, method, buckets):
+    def __init__(self, method, buckets) -> None:
         m = method.method
         if isinstance(buckets, (str, bytes)) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
                                                          for b in buckets):
