@@ -10,12 +10,15 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import ferry
 from ferry import ConfigError, InputError
+from ferry.runtime import emulated_device
 from ferry.runtime import method as method_module
-from test_device_map import TinyLM
+from test_device_map import DAG_EXAMPLES, RandomDag, TinyLM
 
 BATCH, SEQ = torch.export.Dim("batch", max=8), torch.export.Dim("seq", max=32)
 
@@ -318,3 +321,37 @@ def test_bad_calls_with_buckets_are_input_errors_and_leave_the_module_usable(emu
     for i, b in enumerate([3, 3, 3, 8]):
         x = torch.randn(b, 16, 32, generator=torch.Generator().manual_seed(i))
         torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+# ---- any map, any sizes
+
+
+
+@st.composite
+def dynamic_cases(draw):
+    k = draw(st.integers(2, 6))
+    reads = [(draw(st.integers(0, i)), draw(st.integers(0, i))) for i in range(k)]
+    glue = [draw(st.booleans()) for _ in range(k)]
+    devices = [draw(st.sampled_from(["emu:0", "emu:1", "cpu"])) for _ in range(k)]
+    sizes_ = draw(st.lists(st.integers(1, 8), min_size=2, max_size=8))
+    buckets = draw(st.sampled_from([None, [2, 4, 8], [1, 3], [8]]))
+    return reads, glue, devices, sizes_, buckets, draw(st.booleans())
+
+
+@settings(max_examples=DAG_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dynamic_cases())
+def test_any_map_at_any_sizes_equals_eager_on_an_asynchronous_device(case):
+    """Random graphs over two simulated GPUs and the CPU, exported with a dynamic batch, called
+    at random sizes (each twice, so per-shape plans and their graphs run), with or without
+    buckets and graphs."""
+    reads, glue, devices, calls, buckets, graphs = case
+    model = RandomDag(reads, glue).eval()
+    with emulated_device(num_devices=2, asynchronous=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # calls beyond the buckets say so, once
+        ep = torch.export.export(model, (torch.randn(4, 4),), dynamic_shapes=({0: BATCH},))
+        program = ferry.compile(ep, device_map={f"ms.{i}": d for i, d in enumerate(devices)})
+        module = ferry.Module(program, cuda_graphs=graphs, shape_buckets=buckets)
+        for i, rows in enumerate(calls * 2):
+            x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(i))
+            for got, want in zip(module(x), model(x)):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
