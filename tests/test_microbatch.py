@@ -215,7 +215,7 @@ def pipelines(draw):
     devices = [draw(st.sampled_from(["emu:0", "emu:1", "emu:2", "cpu"])) for _ in range(k)]
     parts = draw(st.integers(1, 4))
     calls = draw(st.lists(st.integers(1, 2 * parts), min_size=1, max_size=3))
-    return reads, glue, devices, parts, calls, draw(st.booleans())
+    return reads, glue, devices, parts, calls, draw(st.booleans()), draw(st.booleans())
 
 
 @settings(max_examples=DAG_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -223,10 +223,11 @@ def pipelines(draw):
 def test_any_map_split_into_any_parts_equals_eager_on_an_asynchronous_device(case):
     """Random graphs, random maps over three simulated GPUs and the CPU (host stages anywhere),
     random part counts and batch sizes, graphs or not: every part's hazards are covered."""
-    reads, glue, devices, parts, calls, graphs = case
+    reads, glue, devices, parts, calls, graphs, dynamic = case
     model = RandomDag(reads, glue).eval()
     with emulated_device(num_devices=3, asynchronous=True):
-        ep = torch.export.export(model, (torch.randn(2, 4),))
+        shapes = ({0: torch.export.Dim("batch", max=8)},) if dynamic else None  # parts bound per shape
+        ep = torch.export.export(model, (torch.randn(2, 4),), dynamic_shapes=shapes)
         program = ferry.compile(ep, device_map={f"ms.{i}": d for i, d in enumerate(devices)})
         module = ferry.Module(program, microbatches=parts, cuda_graphs=graphs)
         for i, rows in enumerate(calls * 2):  # each size twice: graphs capture on later calls
