@@ -147,13 +147,7 @@ class Plan:
             self._fresh_outputs(bind_outputs)
             if self.graphs:
                 self._key = tuple(tuple(t.shape) for t in inputs)
-            if not self.checked:
-                work = self.first_work
-            elif part:
-                work = self.work_parts if finish else self.work_in_flight
-            else:
-                work = self.work
-            for call in work:
+            for call in self._work(part, finish):
                 call()
             self.checked = True
             if finish:
@@ -171,6 +165,13 @@ class Plan:
             for vid in io.transient:
                 slots[vid] = None
         return outs
+
+    def _work(self, part: bool, finish: bool) -> tuple:
+        if not self.checked:
+            return self.first_work  # with the shape checks
+        if part:
+            return self.work_parts if finish else self.work_in_flight
+        return self.work
 
     def finish(self) -> None:
         """Wait for the copies a call left in flight; the device outputs are then the caller's."""
