@@ -18,15 +18,24 @@ import torch
 from ferry.errors import ConfigError, InputError
 from ferry.runtime.microbatch import batched_values, pad_rows
 
-__all__ = ["ShapeBuckets"]
+__all__ = ["ShapeBuckets", "check_buckets"]
+
+
+def check_buckets(buckets) -> None:
+    """A non-empty sequence of batch sizes (ints >= 1)."""
+    try:
+        ok = (not isinstance(buckets, (str, bytes)) and len(buckets) > 0
+              and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in buckets))
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"shape_buckets must be batch sizes (ints >= 1), got {buckets!r}")
 
 
 class ShapeBuckets:
     def __init__(self, method, buckets) -> None:
         m = method.method
-        if isinstance(buckets, (str, bytes)) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
-                                                         for b in buckets):
-            raise ConfigError(f"shape_buckets must be batch sizes (ints >= 1), got {buckets!r}")
+        check_buckets(buckets)
         inputs, outputs = batched_values(m, "shape_buckets=")
         if not all(v.dynamic and v.dynamic[0] for v in inputs):
             raise ConfigError(f"method {m.name!r}: shape_buckets pad a dynamic batch dimension, but dim 0 of its "

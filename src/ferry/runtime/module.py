@@ -12,7 +12,7 @@ from ferry.backend_registry import get_backend
 from ferry.errors import BackendError, ConfigError, FerryError
 from ferry.program import Program, load_program
 from ferry.program.schema import MethodMeta
-from ferry.runtime.buckets import ShapeBuckets
+from ferry.runtime.buckets import ShapeBuckets, check_buckets
 from ferry.runtime.limits import check_limits, load_bytes, parse_limits
 from ferry.runtime.method import LoadedMethod
 from ferry.runtime.microbatch import MicroBatches
@@ -132,6 +132,8 @@ class Module:
         if microbatches is not None and shape_buckets is not None:
             raise ConfigError("microbatches and shape_buckets both reshape the batch: pick one (a program for one "
                               "micro-batch has a static batch to pipeline; buckets pad a dynamic one)")
+        if shape_buckets is not None:
+            check_buckets(shape_buckets)
         self.microbatches, self.shape_buckets = microbatches, shape_buckets
         self.program = program
         self.max_memory = parse_limits(max_memory)
