@@ -356,3 +356,42 @@ def test_any_map_at_any_sizes_equals_eager_on_an_asynchronous_device(case):
             x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(i))
             for got, want in zip(module(x), model(x)):
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+class SeqFirst(nn.Module):
+    def forward(self, x):
+        return (x * 2).transpose(0, 1).contiguous()  # [seq, batch, d]: dim 0 is not the batch
+
+
+def test_buckets_refuse_a_program_whose_batch_bound_another_dim_shares(emu):
+    """ferry knows which dims are dynamic, not which symbol each is: an output [seq, batch, ...]
+    with both bounds 8 would be sliced on its sequence (found by review)."""
+    same = torch.export.Dim("seq8", max=8)
+    ep = torch.export.export(SeqFirst(), (torch.randn(4, 5, 3),), dynamic_shapes=({0: BATCH, 1: same},))
+    with pytest.raises(ConfigError, match="another dynamic dim with the batch's bound"):
+        ferry.Module(ferry.compile(ep), shape_buckets=[4, 8]).load_method()
+    ep = torch.export.export(SeqFirst(), (torch.randn(4, 5, 3),), dynamic_shapes=({0: BATCH, 1: SEQ},))
+    with pytest.raises(ConfigError, match="output 0 does not carry the batch"):  # bounds differ: told apart
+        ferry.Module(ferry.compile(ep), shape_buckets=[4, 8]).load_method()
+
+
+def test_buckets_pad_the_batch_of_a_program_with_a_dynamic_sequence(emu_async):
+    model = encoder()
+    module = ferry.Module(compiled(model, (torch.randn(4, 16, 32),), {0: BATCH, 1: SEQ}), cuda_graphs=True,
+                          shape_buckets=[4, 8])
+    for i, (b, s) in enumerate(sizes(10, 5, True) * 2):
+        x = torch.randn(b, s, 32, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_buckets_pad_inputs_the_caller_passes_on_the_device(emu_async):
+    """skip_h2d: the caller's tensors are on the device, and so is their padding."""
+    model = encoder()
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, False))
+    ep = torch.export.export(model, (torch.randn(4, 16, 32),), dynamic_shapes=({0: BATCH},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), cfg), shape_buckets=[4, 8])
+    from ferry.runtime import clone_to
+
+    for i, b in enumerate([3, 5, 3, 8]):
+        x = torch.randn(b, 16, 32, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(module(clone_to(x, "emu:0")), model(x), atol=1e-5, rtol=1e-4)

@@ -234,3 +234,17 @@ def test_any_map_split_into_any_parts_equals_eager_on_an_asynchronous_device(cas
             x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(i))
             for got, want in zip(module(x), model(x)):
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+class Double(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_a_dynamic_size_beyond_the_batch_is_refused(emu):
+    """Joined outputs are made at the program's other sizes: a dynamic sequence would come back
+    at its bound (found by review). One program per sequence length, or no micro-batches."""
+    dims = {0: torch.export.Dim("b", max=8), 1: torch.export.Dim("s", max=16)}
+    ep = torch.export.export(Double(), (torch.randn(4, 5, 3),), dynamic_shapes=(dims,))
+    with pytest.raises(ConfigError, match="dynamic size beyond the batch"):
+        ferry.Module(ferry.compile(ep), microbatches=2).load_method()

@@ -16,7 +16,9 @@ import warnings
 import torch
 
 from ferry.errors import ConfigError, InputError
-from ferry.runtime.microbatch import batched_values, pad_rows
+from ferry.runtime.microbatch import batched_values
+from ferry.runtime.run import empty_on
+from ferry.runtime.tensor import device_of
 
 __all__ = ["ShapeBuckets", "check_buckets"]
 
@@ -46,6 +48,12 @@ class ShapeBuckets:
                                   f"{v.shape[0]}{'' if v.dynamic and v.dynamic[0] else ', static'}), so padding rows "
                                   "would reach it: load the method without shape_buckets=")
         bound = inputs[0].shape[0]
+        ambiguous = [v.name or "a value" for v in (*inputs, *outputs)
+                     if any(d and n == bound for n, d in zip(v.shape[1:], v.dynamic[1:]))]
+        if ambiguous:  # the program records which dims are dynamic, not which symbol each is
+            raise ConfigError(f"method {m.name!r}: {ambiguous[0]!r} has another dynamic dim with the batch's bound "
+                              f"({bound}), so ferry cannot tell which dim 0 of the outputs is the batch: export the "
+                              "batch with a bound no other dim shares")
         self.buckets = sorted(set(buckets))
         if self.buckets[-1] > bound:
             raise ConfigError(f"method {m.name!r}: bucket {self.buckets[-1]} is larger than the batch the program "
@@ -80,11 +88,11 @@ class ShapeBuckets:
         """`t` padded to `bucket` rows in a tensor kept for this input and shape: a fresh one per
         call would cost an allocation (page faults, for a large input) every call. A set of
         planned memory runs one call at a time, so its buckets may reuse their tensors."""
-        key = (i, bucket, tuple(t.shape[1:]), t.dtype, t.device)
+        device = device_of(t)  # where the program expects it (an emulated device's memory is host memory)
+        key = (i, bucket, tuple(t.shape[1:]), t.dtype, device)
         out = self._padded.get(key)
         if out is None:
-            out = self._padded[key] = pad_rows(t, bucket)
-            return out
+            out = self._padded[key] = empty_on(device, (bucket, *t.shape[1:]), t.dtype)
         rows = t.shape[0]
         out[:rows].copy_(t)
         out[rows:].copy_(t[:1].expand(bucket - rows, *t.shape[1:]))

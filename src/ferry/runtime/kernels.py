@@ -167,11 +167,13 @@ def _checked_once(check):
     identical layers, and each shape a dynamic method is bound at, ask it once."""
     def cached(op, args, kwargs, *rest):
         key = (check.__name__, op, _signature(args), _signature(sorted(kwargs.items())), _signature(rest))
-        if key not in _FAST_CHECKED:
-            if len(_FAST_CHECKED) >= _FAST_CHECKED_MAX:
-                _FAST_CHECKED.clear()
-            _FAST_CHECKED[key] = check(op, args, kwargs, *rest)
-        return _FAST_CHECKED[key]
+        if key in _FAST_CHECKED:
+            return _FAST_CHECKED[key]
+        answer = check(op, args, kwargs, *rest)
+        if len(_FAST_CHECKED) >= _FAST_CHECKED_MAX:
+            _FAST_CHECKED.clear()  # (another thread may clear it too: the answer is kept here)
+        _FAST_CHECKED[key] = answer
+        return answer
 
     cached.__doc__, cached.__name__ = check.__doc__, check.__name__
     return cached

@@ -58,6 +58,12 @@ class MicroBatches:
                               "dimension shared by all inputs")
         self.static = all(static)
         self.bound = self.inputs[0].shape[0]  # rows of one micro-batch (static), or at most (dynamic)
+        other = [f"{what} {i}" for what, vs in (("input", self.inputs), ("output", self.outputs))
+                 for i, v in enumerate(vs) if any(v.dynamic[1:])]
+        if other:
+            raise ConfigError(f"method {m.name!r}: {', '.join(other)} of it have a dynamic size beyond the batch "
+                              "(dim 0), which micro-batches cannot join: export the other dims static (one "
+                              "program per sequence length), or load the method without microbatches=")
         for i, v in enumerate(self.outputs):
             if v.shape[0] != self.bound or bool(v.dynamic and v.dynamic[0]) != (not self.static):
                 raise ConfigError(f"method {m.name!r}: output {i} has {_rows(v)} rows where the inputs have "

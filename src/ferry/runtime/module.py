@@ -9,7 +9,7 @@ import warnings
 from typing import Protocol
 
 from ferry.backend_registry import get_backend
-from ferry.errors import BackendError, ConfigError, FerryError
+from ferry.errors import BackendError, ConfigError, FerryError, ProgramError
 from ferry.program import Program, load_program
 from ferry.program.schema import MethodMeta
 from ferry.runtime.buckets import ShapeBuckets, check_buckets
@@ -215,6 +215,9 @@ class Module:
         outs = m.execute(inputs, graphs=graphs)
         if rows is not None:  # padded: the call's own rows, copied (even an input handed back is a
             devices = m.output_devices  # view of the padded tensor the buckets reuse)
+            if any(o.shape[0] != inputs[0].shape[0] for o in outs):
+                raise ProgramError(f"method {m.name!r}: an output's dim 0 is not the padded batch "
+                                   f"({[tuple(o.shape) for o in outs]}); load it without shape_buckets=")
             return [caller_copy(o[:rows], devices[i]) for i, o in enumerate(outs)]
         devices = m.output_devices
         if self.outputs == "view":
