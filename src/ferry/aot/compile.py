@@ -64,8 +64,11 @@ def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None, *
     eps = _methods(ep_or_dict)
     options = (config or CompileConfig()).resolve(eps)
     auto = getattr(partitioner, "auto", False)
-    for _ in range(auto_attempts(budgets) if auto else 1):
-        program = _compile(eps, partitioner, options, budgets)
+    for attempt in range(auto_attempts(budgets) if auto else 1):
+        with warnings.catch_warnings():
+            if attempt:  # a retry lowers the same methods again: what it warns was said already
+                warnings.simplefilter("ignore")
+            program = _compile(eps, partitioner, options, budgets)
         over = over_budget(program, budgets)
         if not over:
             return program
