@@ -93,7 +93,8 @@ class LoadedMethod:
     @property
     def graphs(self):
         plans = (self.plan, *([self._parts] if self._parts is not None else []), *self._by_shape.values())
-        return [g for p in plans for g in p.graphs]
+        unique = {id(p): p for p in plans}  # a shape that kept the generic plan lists it once
+        return [g for p in unique.values() for g in p.graphs]
 
     def shape_plans(self) -> int:
         """How many shapes have a plan of their own (a method with dynamic sizes)."""
