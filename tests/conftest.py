@@ -9,6 +9,7 @@ host wait gives a wrong answer (runtime/simulated.py).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ferry.runtime import emulated_device
 
@@ -30,3 +31,12 @@ def emu_any(request):
     """Both: a test using it runs once with each execution model."""
     with emulated_device(num_devices=2, asynchronous=request.param == "async") as allocator:
         yield allocator
+
+
+@pytest.fixture
+def full_fp32():
+    """Compare against eager float32 on the CPU: no TF32 shortcuts on the GPU."""
+    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev

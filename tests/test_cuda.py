@@ -16,17 +16,9 @@ from ferry.runtime import DeviceMemoryBuffer, get_allocator
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.usefixtures("full_fp32"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _full_fp32():
-    """Compare against eager float32 on the CPU: no TF32 shortcuts on the GPU."""
-    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
 
 
 class _Counting:

@@ -210,14 +210,6 @@ def test_buckets_need_a_dynamic_batch(emu):
 # ---- on a GPU
 
 
-@pytest.fixture
-def full_fp32():
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = prev
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("graphs", [False, True])

@@ -14,16 +14,9 @@ from test_device_map import TinyLM, ids, split_map
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.usefixtures("full_fp32"),
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _full_fp32():
-    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
 
 
 def gpt2_map(layers: int) -> dict[str, int]:
