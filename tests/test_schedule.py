@@ -143,3 +143,10 @@ def test_a_micro_batch_starts_by_waiting_before_its_first_host_step():
     assert shape(schedule([host(0), h2d(1), step(2, G0)], "cuda", pending=True)) == "W H0 [0:1,2] W"
     assert shape(schedule([h2d(0), step(1, G0), host(2)], "cuda", pending=True)) == "[0:0,1] W H2"
     assert shape(schedule([host(0), h2d(1)], None, pending=True)) == "H0 H1"  # nothing asynchronous
+
+
+def test_a_part_but_the_last_leaves_its_final_copies_in_flight():
+    sched = schedule([h2d(0), step(1, G0), d2h(2)], "cuda", pending=True)
+    assert shape(sched.without_final_wait()) == "[0:0,1,2]"
+    device_only = schedule([step(0, G0)], "cuda")
+    assert device_only.without_final_wait() is device_only

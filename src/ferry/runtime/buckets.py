@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from ferry.errors import ConfigError, InputError
-from ferry.runtime.microbatch import batched_values
+from ferry.runtime.microbatch import batched_values, pad_rows
 from ferry.runtime.run import empty_on
 from ferry.runtime.tensor import device_of
 
@@ -93,7 +93,4 @@ class ShapeBuckets:
         out = self._padded.get(key)
         if out is None:
             out = self._padded[key] = empty_on(device, (bucket, *t.shape[1:]), t.dtype)
-        rows = t.shape[0]
-        out[:rows].copy_(t)
-        out[rows:].copy_(t[:1].expand(bucket - rows, *t.shape[1:]))
-        return out
+        return pad_rows(t, bucket, out)

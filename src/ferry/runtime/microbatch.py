@@ -191,7 +191,13 @@ def _strides_like(shape, order) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def pad_rows(t: torch.Tensor, size: int) -> torch.Tensor:
-    """`t` with copies of its first row appended up to `size` rows (real values: a padded row
-    of zeros could be a masked-out sequence, whose softmax is NaN, and NaN is best not made)."""
-    return torch.cat([t, t[:1].expand(size - t.shape[0], *t.shape[1:])])
+def pad_rows(t: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`t` with copies of its first row appended up to `size` rows, in `out` when given (real
+    values: a padded row of zeros could be a masked-out sequence, whose softmax is NaN, and NaN
+    is best not made)."""
+    if out is None:
+        return torch.cat([t, t[:1].expand(size - t.shape[0], *t.shape[1:])])
+    rows = t.shape[0]
+    out[:rows].copy_(t)
+    out[rows:].copy_(t[:1].expand(size - rows, *t.shape[1:]))
+    return out

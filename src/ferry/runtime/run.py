@@ -67,8 +67,9 @@ class Plan:
         # a micro-batch's: its copies are left in flight while the next one is issued (no host wait
         # at the end; runtime/microbatch.py waits once, after the last), and it starts with the
         # previous one's copies in flight (its first host step waits for them)
-        self.work_parts = tuple(self._compile(in_flight, first_call=False)) if in_flight is not None else self.work
-        self.work_in_flight = _without_final_wait(self.work_parts, self.streams)
+        parts = in_flight if in_flight is not None else sched
+        self.work_parts = tuple(self._compile(parts, first_call=False))
+        self.work_in_flight = tuple(self._compile(parts.without_final_wait(), first_call=False))
         self.notes = sched.notes
         self.checked = False
         # a functional kernel's result is fresh each call, so the caller may keep it; not one a
@@ -231,12 +232,6 @@ class Plan:
         self.checked = True
         slots = self.bound.slots
         _copy_into([t for t, _ in copy_back], [slots[vid] for _, vid in copy_back])
-
-
-def _without_final_wait(work: tuple, streams) -> tuple:
-    if streams is not None and work and work[-1] == streams.wait_host:
-        return work[:-1]
-    return work
 
 
 def _labelled(call: Callable[[], object], method: str, step: Step) -> Callable[[], object]:

@@ -72,6 +72,13 @@ class Schedule:
     def segments(self) -> list[Segment]:
         return [w for w in self.work if isinstance(w, Segment)]
 
+    def without_final_wait(self) -> Schedule:
+        """The same work, leaving the copies of the end in flight (a micro-batch but the last:
+        the caller waits once, after the last part)."""
+        if self.work and isinstance(self.work[-1], HostWait):
+            return Schedule(self.work[:-1], self.notes)
+        return self
+
 
 def _device_of(step: Step, async_type: str) -> Device | None:
     """The one asynchronous device a step runs on; None for a copy between two of them."""
