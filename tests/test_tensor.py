@@ -361,3 +361,13 @@ def test_round_trip_property(shape, dtype, index):
         assert emu.copy_summary()["d2h"] == ((1, n) if n else (0, 0))
         gc.collect()
         assert emu.live_bytes == 0 and emu.allocations == emu.deallocations == 1
+
+
+@pytest.mark.parametrize("perm", [(0, 1, 2), (0, 2, 1), (2, 0, 1), (1, 2, 0)])
+def test_dense_strides_carry_a_layout_to_another_size(perm):
+    """A value's permuted layout, carried to other sizes (a micro-batch's rows), is eager's there."""
+    from ferry.layout import dense_strides_like
+
+    like = torch.empty(2, 5, 6).permute(*perm)
+    eager = torch.empty(7, 5, 6).permute(*perm)
+    assert dense_strides_like(eager.shape, like.stride()) == eager.stride()

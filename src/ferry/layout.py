@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["contiguous_strides", "is_dense"]
+__all__ = ["contiguous_strides", "dense_strides_like", "is_dense"]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -19,6 +19,15 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         out.append(step)
         step *= max(int(d), 1)
     return tuple(reversed(out))
+
+
+def dense_strides_like(shape: Sequence[int], like: Sequence[int]) -> tuple[int, ...]:
+    """Dense strides for `shape` with its dims in the order strides `like` put them (a value's
+    layout carried to another size of it, such as a micro-batch's rows)."""
+    strides, step = [0] * len(shape), 1
+    for d in sorted(range(len(shape)), key=lambda d: like[d]):
+        strides[d], step = step, step * max(int(shape[d]), 1)
+    return tuple(strides)
 
 
 def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:

@@ -32,6 +32,7 @@ import torch
 
 from ferry.device import Device
 from ferry.errors import ConfigError, InputError
+from ferry.layout import contiguous_strides, dense_strides_like
 from ferry.program.schema import TensorValue
 from ferry.runtime.run import empty_on
 
@@ -146,7 +147,7 @@ class MicroBatches:
     def _empty(self, v: TensorValue, device: Device, rows: int, ordered: bool = False) -> torch.Tensor:
         """A fresh output of `rows` rows (laid out as the program lays `v` out, when `ordered`)."""
         shape = (rows, *v.shape[1:])
-        strides = _strides_like(shape, v.strides) if ordered and v.strides else ()
+        strides = dense_strides_like(shape, v.strides) if ordered and v.strides else ()
         if device.is_cpu:
             if strides:
                 return torch.empty_strided(shape, strides, dtype=v.torch_dtype, pin_memory=self.pin)
@@ -178,17 +179,7 @@ def _rows(v: TensorValue) -> str:
 
 def _row_major(v: TensorValue) -> bool:
     """Whether the program writes `v` contiguously (so a run of rows of a joined result fits)."""
-    return not v.strides or tuple(v.strides) == _strides_like(v.shape, ())
-
-
-def _strides_like(shape, order) -> tuple[int, ...]:
-    """Dense strides for `shape`, dims ordered outermost-first as `order` (strides) orders
-    them; contiguous when `order` is empty."""
-    dims = sorted(range(len(shape)), key=lambda d: -order[d]) if order else list(range(len(shape)))
-    strides, step = [0] * len(shape), 1
-    for d in reversed(dims):
-        strides[d], step = step, step * max(shape[d], 1)
-    return tuple(strides)
+    return not v.strides or tuple(v.strides) == contiguous_strides(v.shape)
 
 
 def pad_rows(t: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
