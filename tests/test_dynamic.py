@@ -120,12 +120,19 @@ def test_later_calls_at_a_shape_run_the_plan_bound_for_it(emu):
 
 
 def test_fresh_outputs_are_made_at_their_real_size(emu):
-    model = encoder()
-    program = compiled(model, (torch.randn(4, 16, 32),), {0: BATCH})
+    """An output made for the caller each call (not planned) is allocated at the call's size on
+    the plan bound for it, not at the bound and shrunk."""
+    model = Scale()
+    ep = torch.export.export(model, (torch.randn(8, 16),), dynamic_shapes=({0: BATCH},))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), ferry.CompileConfig(alloc_graph_output=False))
+    vid = program.method("forward").outputs[0]
+    assert program.method("forward").tensor(vid).storage == "output"
     module = ferry.Module(program)
-    for _ in range(2):
-        out = module(torch.randn(2, 16, 32))
-        assert out.shape == (2, 16, 32) and out.untyped_storage().nbytes() == out.nbytes
+    for _ in range(3):  # the first call at the size, then its own plan
+        x = torch.randn(2, 16)
+        out = module(x)
+        torch.testing.assert_close(out, model(x))
+    assert out.untyped_storage().nbytes() == out.nbytes
 
 
 def test_only_the_last_shapes_keep_a_plan(emu, monkeypatch):
