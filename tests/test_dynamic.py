@@ -265,6 +265,23 @@ def test_a_padded_call_returns_tensors_the_caller_owns(emu):
     assert torch.equal(echo, x1) and torch.equal(doubled, x1 * 2)
 
 
+def test_a_padded_call_hands_back_its_rows_of_a_fresh_output_without_a_copy(emu):
+    """A fresh output is the caller's already: the call's rows are a view of it, which later
+    calls leave alone; the padded inputs hold only real rows (the call's, or an earlier call's)."""
+    ep = torch.export.export(EchoRows(), (torch.randn(4, 16),), dynamic_shapes=({0: BATCH},))
+    cfg = ferry.CompileConfig(alloc_graph_output=False)  # outputs fresh per call
+    module = ferry.Module(ferry.compile(ep, None, cfg), shape_buckets=[4, 8])
+    x1, x2 = torch.randn(7, 16), torch.randn(5, 16)
+    doubled, echo = module(x1)
+    assert doubled._base is not None and doubled._base.shape[0] == 8  # rows of the padded result, not a copy
+    assert echo._base is None or echo.untyped_storage().data_ptr() != x1.untyped_storage().data_ptr()
+    again, _ = module(x2)
+    torch.testing.assert_close(doubled, x1 * 2)
+    torch.testing.assert_close(again, x2 * 2)
+    padded = next(iter(module._instances[0].buckets["forward"]._padded.values()))
+    assert torch.equal(padded[:5], x2) and torch.equal(padded[5:7], x1[5:]) and torch.equal(padded[7], x1[0])
+
+
 class Total(nn.Module):
     def __init__(self):
         super().__init__()

@@ -205,20 +205,29 @@ class Module:
             if buckets is None:
                 return self._run(inst.methods[name], list(inputs))
             padded, rows, in_bucket = buckets.pad(list(inputs))
-            return self._run(inst.methods[name], padded, in_bucket, rows if padded[0].shape[0] != rows else None)
+            if padded[0].shape[0] == rows:
+                return self._run(inst.methods[name], padded, in_bucket)
+            return self._rows(inst.methods[name], buckets, padded, rows)
         finally:
             self._free.put(inst)
 
-    def _run(self, m: LoadedMethod, inputs: list, graphs: bool = True, rows: int | None = None) -> list:
-        """`rows`: the call was padded (shape buckets); its results are the first `rows` rows."""
+    def _rows(self, m: LoadedMethod, buckets: ShapeBuckets, padded: list, rows: int) -> list:
+        """A call padded to its bucket: its results are the first `rows` rows. A fresh output the
+        caller owns (or any, with outputs="view") is returned as a view of those rows; the rest
+        are copied, since they are planned memory or the padded inputs the buckets reuse."""
+        m.check_inputs(padded)
+        outs = m.execute(padded)
+        if any(o.shape[0] != padded[0].shape[0] for o in outs):
+            raise ProgramError(f"method {m.name!r}: an output's dim 0 is not the padded batch "
+                               f"({[tuple(o.shape) for o in outs]}); load it without shape_buckets=")
+        keep = m.caller_owned_outputs | (set(range(len(outs))) - m.constant_outputs if self.outputs == "view" else set())
+        devices = m.output_devices
+        return [o[:rows] if i in keep and not buckets.owns(o) else caller_copy(o[:rows], devices[i])
+                for i, o in enumerate(outs)]
+
+    def _run(self, m: LoadedMethod, inputs: list, graphs: bool = True) -> list:
         m.check_inputs(inputs)
         outs = m.execute(inputs, graphs=graphs)
-        if rows is not None:  # padded: the call's own rows, copied (even an input handed back is a
-            devices = m.output_devices  # view of the padded tensor the buckets reuse)
-            if any(o.shape[0] != inputs[0].shape[0] for o in outs):
-                raise ProgramError(f"method {m.name!r}: an output's dim 0 is not the padded batch "
-                                   f"({[tuple(o.shape) for o in outs]}); load it without shape_buckets=")
-            return [caller_copy(o[:rows], devices[i]) for i, o in enumerate(outs)]
         devices = m.output_devices
         if self.outputs == "view":
             # a view of a constant would let the caller write into the program (a read-only
