@@ -4,7 +4,7 @@ from ferry import ops  # noqa: F401  (registers the et_copy ops)
 from ferry.device import Device
 from ferry.errors import (
     AllocationError, BackendError, CompileError, ConfigError, DeviceError, FerryError, InputError, InternalError,
-    ProgramError, UnknownMethodError,
+    PeerError, ProgramError, UnknownMethodError,
 )
 from ferry.aot.partition import OpSupportPartitioner, Partition, target_device
 from ferry.aot.device_map import DeviceMapPartitioner
@@ -24,7 +24,7 @@ _register_cuda()  # the CUDA allocator registers itself when a GPU is present
 __all__ = [
     "AllocationError", "BackendError", "CompileConfig", "CompileError", "ConfigError", "CopyReport", "Device",
     "DeviceError", "DeviceMapPartitioner", "FerryError", "InputError", "InternalError", "LoweredBackendModule",
-    "LoweredProgram", "MethodMeta", "Module", "OpSupportPartitioner", "Partition", "Program", "ProgramError",
+    "LoweredProgram", "MethodMeta", "Module", "OpSupportPartitioner", "Partition", "PeerError", "Program", "ProgramError",
     "PropagateDeviceConfig", "UnknownMethodError", "compile", "copy_report", "load_program", "passes", "place",
     "save_program", "target_device", "to_backend",
 ]

@@ -20,8 +20,10 @@ BUILTIN_DEVICE_TYPES = ("cpu", "cuda")
 _allocators: dict[str, DeviceAllocator] = {}
 _allocators_lock = threading.Lock()
 
-# the canonical spelling, as program files store it: lowercase type, ':' and an index
-_CANONICAL = re.compile(r"([a-z_][a-z0-9_]*):(0|[1-9][0-9]{0,17})\Z")
+# the canonical spelling, as program files store it: an optional 'rankN:' (a device of another
+# process, issue "stages on other ranks"), a lowercase type, ':' and an index
+_CANONICAL = re.compile(r"(?:rank(0|[1-9][0-9]{0,8}):)?([a-z_][a-z0-9_]*):(0|[1-9][0-9]{0,17})\Z")
+_RANK = re.compile(r"\s*rank\s*([0-9]+)\s*:(.*)\Z", re.IGNORECASE | re.DOTALL)
 
 
 def registered_allocator(device_type: str):
@@ -60,8 +62,12 @@ def known_device_types() -> tuple[str, ...]:
 
 @dataclass(frozen=True, order=True)
 class Device:
+    """A device of one process: `rank` is the torch.distributed rank whose process owns it (0 for
+    a program that runs in one process). Its index is the device's index in that process."""
+
     type: str
     index: int = 0
+    rank: int = 0
 
     def __post_init__(self):
         if not isinstance(self.type, str) or not self.type:
@@ -70,14 +76,21 @@ class Device:
             raise ValueError(f"device index must be an integer, got {self.index!r}")
         if self.index < 0:
             raise ValueError(f"device index must be >= 0, got {self.index} in {self.type}:{self.index}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"device rank must be an integer >= 0, got {self.rank!r}")
 
     @classmethod
     def parse(cls, text: str | Device) -> Device:
-        """Parse 'cuda:1', 'CUDA:1', ' cuda ', 'cpu' (index 0 when absent)."""
+        """Parse 'cuda:1', 'CUDA:1', ' cuda ', 'cpu' (index 0 when absent), 'rank1:cuda:0' (a
+        device of the process of rank 1)."""
         if isinstance(text, Device):
             return text
         if not isinstance(text, str):
             raise ValueError(f"expected a device string like 'cuda:0', got {type(text).__name__}")
+        ranked = _RANK.match(text)
+        if ranked is not None:
+            local = cls.parse(ranked.group(2))
+            return cls(local.type, local.index, int(ranked.group(1)))
         s = text.strip().lower()
         kind, sep, idx = s.partition(":")
         kind = kind.strip()
@@ -96,19 +109,25 @@ class Device:
 
     @classmethod
     def from_canonical(cls, text: str) -> Device:
-        """Exactly 'type:index' (as str(device) writes it and program files store it); any
-        device type, known here or not. ValueError otherwise."""
+        """Exactly '[rankN:]type:index' (as str(device) writes it and program files store it);
+        any device type, known here or not. ValueError otherwise."""
         m = _CANONICAL.match(text) if isinstance(text, str) else None
         if m is None:
-            raise ValueError(f"device {text!r} is not 'type:index' (lowercase type, index >= 0), e.g. 'cuda:0'")
-        return cls(m.group(1), int(m.group(2)))
+            raise ValueError(f"device {text!r} is not '[rankN:]type:index' (lowercase type, index >= 0), "
+                             "e.g. 'cuda:0' or 'rank1:cuda:0'")
+        return cls(m.group(2), int(m.group(3)), int(m.group(1) or 0))
 
     @property
     def is_cpu(self) -> bool:
         return self.type == "cpu"
 
+    @property
+    def local(self) -> Device:
+        """The same device as its own process names it (rank left out)."""
+        return Device(self.type, self.index) if self.rank else self
+
     def __str__(self) -> str:
-        return f"{self.type}:{self.index}"
+        return f"rank{self.rank}:{self.type}:{self.index}" if self.rank else f"{self.type}:{self.index}"
 
     def to_torch(self):
         """The torch.device holding this device's memory (emulated devices live in host memory)."""

@@ -46,3 +46,8 @@ class BackendError(FerryError, RuntimeError):
 
 class InternalError(FerryError, AssertionError):
     """A ferry invariant broke: a bug in ferry, please report it."""
+
+
+class PeerError(FerryError, RuntimeError):
+    """Another rank of a distributed program died, hung past the timeout or failed; every
+    rank gets this error instead of waiting forever. Restart all ranks."""

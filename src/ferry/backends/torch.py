@@ -17,6 +17,7 @@ from ferry.aot.place import delegate_target_device
 from ferry.device import CPU
 from ferry.errors import ProgramError
 from ferry.program import Program, load_program, program_to_bytes
+from ferry.program.ranks import localized
 from ferry.program.schema import Buffer, TensorValue
 from ferry.runtime.method import LoadedMethod
 
@@ -52,9 +53,10 @@ class TorchBackend:
         """`memory`: tensors for the buffers `memory_needs` named, planned by the caller; without
         them the delegate allocates its own."""
         program = load_program(payload)
-        # the delegate's steps run inside one step of the caller, already on its device's stream
-        nested = LoadedMethod(program, program.method("forward"), _no_nested_delegates, asynchronous=False,
-                              memory=memory)
+        # the delegate's steps run inside one step of the caller, already on its device's stream;
+        # a delegate of another rank's stage runs in that rank's process, on its devices
+        nested = LoadedMethod(program, localized(program.method("forward")), _no_nested_delegates,
+                              asynchronous=False, memory=memory)
         return _Handle(nested)
 
 

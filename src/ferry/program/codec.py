@@ -160,7 +160,7 @@ class OneOf(Field):
 
 class DeviceField(Field):
     def encode(self, x):
-        return f"{x.type}:{x.index}"
+        return str(x)  # 'cuda:0', or 'rank1:cuda:0' for a device of another process
 
     def decode(self, x, path):
         if not isinstance(x, str):

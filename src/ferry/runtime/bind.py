@@ -24,6 +24,7 @@ from ferry.device import Device
 from ferry.errors import InputError, ProgramError
 from ferry.op_names import resolve_kernel
 from ferry.ops import OUT_COPY_KERNELS
+from ferry.program.ranks import RECV, SEND
 from ferry.program.schema import (
     DEFAULT_ARG,
     LIST_KINDS,
@@ -114,14 +115,15 @@ class Bound:
 
 def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_locked=None,
                 io: dict[int, torch.Tensor] | None = None, per_call: frozenset[int] = frozenset(),
-                shapes: dict[int, object] | None = None) -> Bound:
+                shapes: dict[int, object] | None = None, transport=None) -> Bound:
     """Bind every instruction. `delegate(i)` gives delegate i's handle; `streams` (a CopyStreams)
     issues copies on an asynchronous device; `io` fixes more slots (a delegate's planned I/O);
     `per_call`: planned inputs and outputs the caller's tensors stand in for on each call
     (micro-batches: a part's rows of the caller's batch and of the joined result); `shapes`:
     the sizes and the (shape, strides) of every dynamic value at one shape of the call, as
     `record_shapes` took them from a call at that shape: the method is then bound as a static
-    one (views of its planned memory at those shapes, sizes as constants)."""
+    one (views of its planned memory at those shapes, sizes as constants). `transport` runs the
+    copies between ranks of a program split over processes (runtime/transport.py)."""
     slots, fixed = list(memory.slots), list(memory.fixed)
     for vid, t in (io or {}).items():
         slots[vid], fixed[vid] = t, True
@@ -129,7 +131,7 @@ def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_
         slots[vid], fixed[vid] = None, False
     fresh_shapes = _fix_shapes(method, slots, fixed, shapes) if shapes is not None else {}
     _fix_lists(method, slots, fixed)
-    b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()), shapes)
+    b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()), shapes, transport)
     steps = [b.instruction(i, ins) for i, ins in enumerate(method.instructions)]
     steps += b.writebacks()
     return Bound(tuple(_with_releases(method, steps, fixed)), slots, tuple(fixed),
@@ -244,6 +246,15 @@ def _members(m: Method, vid: int) -> list[int]:
     return []
 
 
+def _device_sync(streams, device: Device) -> Callable[[], None]:
+    """The host waits for the work queued on `device` (nothing to wait for on the CPU or on a
+    device that runs synchronously)."""
+    if device.is_cpu or streams is None or device.type != streams.api.device_type:
+        return lambda: None
+    synchronize, index = streams.api.synchronize, device.index
+    return lambda: synchronize(index)
+
+
 def _ref(slots, fixed, m: Method, vid: int):
     """('c', value) for what is fixed, ('v', id) for a value of this call, ('l', ids) for a
     list with members of this call (built when the instruction runs)."""
@@ -328,8 +339,8 @@ def _resolve(ref, slots):
 
 class _Binder:
     def __init__(self, method: Method, slots: list, fixed: list, delegate, streams, page_locked,
-                 shapes: dict | None = None):
-        self.m, self.slots, self.fixed = method, slots, fixed
+                 shapes: dict | None = None, transport=None):
+        self.m, self.slots, self.fixed, self.transport = method, slots, fixed, transport
         self.delegate, self.streams, self.page_locked = delegate, streams, page_locked
         self.shapes = shapes  # bound at one call's shapes: every dynamic value's size is known
 
@@ -349,6 +360,8 @@ class _Binder:
             return self.copy_step(index, ins)
         if ins.kernel in SYM_OPS:
             return self.size_step(index, ins)
+        if ins.kernel in (SEND, RECV):
+            return self.transfer_step(index, ins)
         return self.kernel_step(index, ins)
 
     def step(self, index: int, kind: str, name: str, ins, call, *, extra_devices=(), check=None) -> Step:
@@ -408,6 +421,26 @@ class _Binder:
             # host memory bound per call: a graph would replay the copy into the capture's
             step = dataclasses.replace(step, capturable=False)
         return step
+
+    # ---- copies between ranks
+
+    def transfer_step(self, index: int, ins: KernelCall) -> Step:
+        """A host step: the transport waits for the device, moves the planned tensor and waits
+        for the peer (program/ranks.py made it; runtime/transport.py runs it)."""
+        m, transport = self.m, self.transport
+        if transport is None:
+            raise ProgramError(f"method {m.name!r} instruction {index}: {ins.kernel} needs the ranks of a "
+                               "distributed job; load the program with ferry.distributed.Module")
+        vid, peer, tag, nccl, *deferred = ins.args
+        slots, sync = self.slots, _device_sync(self.streams, m.tensor(vid).device)
+        get = (lambda t=slots[vid]: t) if self.fixed[vid] else (lambda: slots[vid])  # host memory bound per call
+        const = lambda a: m.values[a].value  # noqa: E731
+        if ins.kernel == SEND:
+            call = transport.bind_send(get, const(peer), const(tag), const(nccl), sync)
+        else:
+            call = transport.bind_recv(get, const(peer), const(tag), const(nccl), const(deferred[0]), sync)
+        reads = frozenset({vid} if ins.kernel == SEND and not self.fixed[vid] else ())
+        return Step(index, "transfer", ins.kernel, (), False, False, call, reads=reads)
 
     # ---- sizes
 

@@ -44,8 +44,9 @@ def streams_api_for(method: Method):
 
 class LoadedMethod:
     def __init__(self, program, method: Method, delegate, *, pin_host: bool = True, cuda_graphs: bool = False,
-                 asynchronous: bool = True, memory=None):
+                 asynchronous: bool = True, memory=None, transport=None):
         self.method, self.name = method, method.name
+        self.transport = transport
         self._delegate = delegate
         api = streams_api_for(method) if asynchronous else None
         self.streams = CopyStreams(api) if api is not None else None
@@ -76,10 +77,11 @@ class LoadedMethod:
         api = self.streams.api if self.streams is not None else None
         bound = bind_method(self.method, self.memory, delegate=self._delegate, streams=self.streams,
                             page_locked=api.page_locked if api is not None else None, io=io, per_call=per_call,
-                            shapes=shapes)
+                            shapes=shapes, transport=self.transport)
         kind = api.device_type if api is not None else None
         return Plan(self.name, bound, schedule(bound.steps, kind, graphs), schedule(bound.steps, kind), self.streams,
-                    list(self.method.outputs), record, schedule(bound.steps, kind, graphs, pending=True))
+                    list(self.method.outputs), record, schedule(bound.steps, kind, graphs, pending=True),
+                    self.transport)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -87,6 +89,11 @@ class LoadedMethod:
 
     def finish(self) -> None:
         """Wait for copies a call left in flight (a micro-batch that failed part way)."""
+        if self.transport is not None:
+            try:
+                self.transport.finish()
+            except FerryError:  # the error that stopped the call is the one to report
+                pass
         if self.streams is not None:
             self.streams.wait_host()
 

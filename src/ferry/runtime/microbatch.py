@@ -76,6 +76,11 @@ class MicroBatches:
 
     # ---- a call
 
+    def count(self, inputs: list) -> int:
+        """How many parts a call on `inputs` runs (the inputs checked as a call checks them)."""
+        rows = self._rows(inputs)
+        return -(-rows // self._part_size(rows))
+
     def __call__(self, inputs: list) -> list:
         rows = self._rows(inputs)
         size = self._part_size(rows)

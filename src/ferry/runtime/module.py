@@ -9,8 +9,9 @@ import warnings
 from typing import Protocol
 
 from ferry.backend_registry import get_backend
-from ferry.errors import BackendError, ConfigError, FerryError, ProgramError
+from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, ProgramError
 from ferry.program import Program, load_program
+from ferry.program.ranks import program_ranks
 from ferry.program.schema import MethodMeta
 from ferry.runtime.buckets import ShapeBuckets, check_buckets
 from ferry.runtime.limits import check_limits, load_bytes, parse_limits
@@ -50,7 +51,7 @@ class _Instance:
 
         try:
             loaded = LoadedMethod(mod.program, mod.program.method(name), delegate, pin_host=mod.pin_host_memory,
-                                  cuda_graphs=mod.cuda_graphs)
+                                  cuda_graphs=mod.cuda_graphs, transport=mod.transport)
             try:
                 if mod.microbatches is not None:
                     self.microbatches[name] = MicroBatches(loaded, mod.microbatches, mod.cuda_graphs)
@@ -118,9 +119,14 @@ class Module:
 
     def __init__(self, program: Program | str | os.PathLike, *, outputs: str = "copy", pin_host_memory: bool = True,
                  cuda_graphs: bool = False, concurrency: int = 1, max_memory=None, microbatches: int | None = None,
-                 shape_buckets=None):
+                 shape_buckets=None, transport=None):
         if not isinstance(program, Program):
             program = load_program(program)
+        ranks = program_ranks(program)
+        if len(ranks) > 1 and transport is None:
+            raise DeviceError(f"this program spans the processes of ranks {', '.join(map(str, ranks))} (devices "
+                              "such as 'rank1:cuda:0'): load it with ferry.distributed.Module in each process of a "
+                              "torch.distributed job (torchrun), or compile it without ranks")
         if outputs not in ("copy", "view"):
             raise ValueError(f"outputs must be 'copy' or 'view', got {outputs!r}")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -140,6 +146,7 @@ class Module:
         self.outputs = outputs
         self.pin_host_memory = pin_host_memory
         self.cuda_graphs = cuda_graphs
+        self.transport = transport  # a distributed rank's part (ferry.distributed): its copies between ranks
         self._instances = [_Instance(self) for _ in range(concurrency)]
         self._free: queue.SimpleQueue[_Instance] = queue.SimpleQueue()
         for inst in self._instances:
@@ -193,6 +200,17 @@ class Module:
             raise BackendError(f"backend {d.backend_id!r} failed to initialise delegate {index}: {e}") from e
 
     # ---------------------------------------------------------------- run
+
+    def parts(self, name: str, inputs) -> int:
+        """How many micro-batches a call of `name` on `inputs` runs (1 without microbatches=),
+        after checking the inputs: a distributed rank 0 tells the other ranks before it starts."""
+        self.load_method(name)
+        inst = self._instances[0]
+        split = inst.microbatches.get(name)
+        if split is not None:
+            return split.count(list(inputs))
+        inst.methods[name].check_inputs(list(inputs))
+        return 1
 
     def run_method(self, name: str, inputs) -> list:
         self.load_method(name)

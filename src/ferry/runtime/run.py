@@ -51,8 +51,9 @@ class Plan:
     """An immutable list of work for one bound method, and the per-call handling of its I/O."""
 
     def __init__(self, name: str, bound: Bound, sched: Schedule, first: Schedule, streams, outputs: list[int],
-                 record: tuple[int, ...] = (), in_flight: Schedule | None = None):
+                 record: tuple[int, ...] = (), in_flight: Schedule | None = None, transport=None):
         self.name, self.bound, self.io = name, bound, bound.io
+        self.transport = transport  # copies between ranks, whose receives may finish at the end
         # the dynamic values whose sizes a call records (a method bound per shape: runtime/method.py)
         self.record = record
         self.shapes: dict[int, object] | None = None
@@ -176,6 +177,8 @@ class Plan:
 
     def finish(self) -> None:
         """Wait for the copies a call left in flight; the device outputs are then the caller's."""
+        if self.transport is not None:
+            self.transport.finish()
         if self.streams is not None:
             self.streams.wait_host()
             self.streams.end_of_call()

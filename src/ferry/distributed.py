@@ -1,0 +1,191 @@
+"""One program over the processes of a torch.distributed job: stages on other ranks, and hosts.
+
+Compile with devices that name a rank (`"rank1:cuda:0"`: device `cuda:0` of the process of
+rank 1) in a device map, then, in every process of the job (torchrun sets the environment)::
+
+    with ferry.distributed.Module("model.ferry", microbatches=8) as module:
+        if module.rank == 0:
+            y = module(x)          # rank 0 takes the inputs and returns the outputs
+        else:
+            module.serve()         # other ranks run their stages until rank 0 closes
+
+Each rank loads only its own part of the program (program/ranks.py): its planned memory,
+its delegates, and a send or receive where a copy crosses to another rank
+(runtime/transport.py: NCCL between GPUs, Gloo in host memory otherwise). For each call,
+rank 0 tells the others, over Gloo, which method to run and for how many micro-batches;
+then every rank walks its part, and the copies between ranks pace the pipeline. A rank that
+dies or stops answering for `timeout` seconds is a PeerError on the others, never a hang.
+docs/distributed.md says how this spans hosts.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from ferry.errors import ConfigError, PeerError
+from ferry.program import Program, load_program
+from ferry.program.ranks import boundaries, program_ranks, project
+from ferry.runtime.module import Module as _LocalModule
+from ferry.runtime.transport import Groups, Transport
+
+__all__ = ["Module"]
+
+_STOP, _CALL = 0, 1
+_IDLE = timedelta(days=365)  # a serving rank waits this long for rank 0's next call
+
+
+class Module:
+    """This process's part of a program split over ranks (see the module docstring).
+
+    timeout: seconds any transfer or command may wait for another rank before PeerError.
+    idle_timeout: seconds a serving rank waits for the next call (None: as long as rank 0 lives).
+    The other options are those of ferry.Module; microbatches= pipelines each call's batch
+    across the ranks. Joins the default process group, initialising it from torchrun's
+    environment when the caller has not.
+    """
+
+    def __init__(self, program: Program | str | os.PathLike, *, timeout: float = 60.0,
+                 idle_timeout: float | None = None, microbatches: int | None = None, cuda_graphs: bool = False,
+                 outputs: str = "copy", pin_host_memory: bool = True):
+        import torch.distributed as dist
+
+        if not isinstance(program, Program):
+            program = load_program(program)
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self._owns_group = _join(timeout)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        ranks = program_ranks(program)
+        if ranks[-1] >= self.world_size:
+            raise ConfigError(f"the program has stages on rank {ranks[-1]}, but this job has {self.world_size} "
+                              f"processes: start it with --nproc-per-node={ranks[-1] + 1} (or more)")
+        self.methods = list(program.methods)
+        self.boundaries = boundaries(program)
+        self._groups = _groups(dist, self.boundaries, timeout, idle_timeout)
+        self.transport = Transport(self.rank, self._groups, float(timeout))
+        self._control = self._groups.control
+        self.closed = False
+        self.module = _LocalModule(project(program, self.rank), transport=self.transport, cuda_graphs=cuda_graphs,
+                                   microbatches=microbatches if self.rank == 0 else None, outputs=outputs,
+                                   pin_host_memory=pin_host_memory)
+        for name in self.methods:  # every rank allocates before the first call, so no call waits on a load
+            self.module.load_method(name)
+        self.transport._wait(dist.barrier(group=self._groups.gloo, async_op=True), "waiting for every rank to load")
+
+    # ---- rank 0
+
+    def run_method(self, name: str, inputs) -> list:
+        self._require(rank0=True)
+        parts = self.module.parts(name, inputs)  # a bad call fails here, before any rank hears of it
+        self._command(_CALL, self.methods.index(name), parts)
+        return self.module.run_method(name, inputs)
+
+    def forward(self, *inputs):
+        outs = self.run_method("forward", inputs)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    __call__ = forward
+
+    def _command(self, kind: int, method: int = 0, parts: int = 0) -> None:
+        import torch.distributed as dist
+
+        message = torch.tensor([kind, method, parts], dtype=torch.int64)
+        for r in range(1, self.world_size):
+            self.transport._wait(dist.isend(message, r, group=self._control), f"telling rank {r} what to run")
+
+    # ---- other ranks
+
+    def serve(self) -> None:
+        """Run this rank's stages for every call of rank 0, until rank 0 closes the module."""
+        import torch.distributed as dist
+
+        self._require(rank0=False)
+        message = torch.empty(3, dtype=torch.int64)
+        while True:
+            try:
+                dist.recv(message, 0, group=self._control)
+            except Exception as e:
+                self.transport.broken = f"rank 0 is gone: {e}"
+                raise PeerError(f"rank {self.rank}: waiting for rank 0's next call failed ({e}); rank 0 died or "
+                                "its job ended without closing the module") from None
+            kind, method, parts = (int(x) for x in message)
+            if kind == _STOP:
+                return
+            for _ in range(parts):
+                self.module.run_method(self.methods[method], [])
+
+    # ---- both
+
+    def _require(self, rank0: bool) -> None:
+        if self.closed:
+            raise ConfigError("this distributed module is closed")
+        self.transport.check()
+        if rank0 and self.rank != 0:
+            raise ConfigError(f"only rank 0 takes calls; rank {self.rank} runs module.serve()")
+        if not rank0 and self.rank == 0:
+            raise ConfigError("rank 0 takes the calls (module(x)); module.serve() is for the other ranks")
+
+    def close(self) -> None:
+        """Rank 0 stops the serving ranks; every rank frees its memory and its process groups."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.rank == 0 and self.transport.broken is None:
+                try:
+                    self._command(_STOP)
+                except PeerError:
+                    pass  # a dead rank needs no stopping
+        finally:
+            self.module.close()
+            _leave(self._groups, self._owns_group, self.transport.broken is None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _join(timeout: float) -> bool:
+    """Join the default group (from torchrun's environment) unless the caller already has."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"no torch.distributed job: {', '.join(missing)} not set. Start every rank with torchrun "
+                          "(torchrun --nproc-per-node=N ...), or call torch.distributed.init_process_group first")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=max(timeout, 60)))
+    return True
+
+
+def _groups(dist, bounds, timeout: float, idle_timeout: float | None) -> Groups:
+    """Every rank creates the same groups in the same order (new_group is collective)."""
+    wait = timedelta(seconds=timeout)
+    idle = _IDLE if idle_timeout is None else timedelta(seconds=idle_timeout)
+    groups = Groups(dist.new_group(backend="gloo", timeout=wait), dist.new_group(backend="gloo", timeout=idle))
+    for pair in sorted({(b.src.rank, b.dst.rank) for b in bounds if b.nccl}):
+        groups.nccl[pair] = dist.new_group(ranks=sorted(pair), backend="nccl", timeout=wait)
+    return groups
+
+
+def _leave(groups: Groups, owns_default: bool, clean: bool) -> None:
+    import torch.distributed as dist
+
+    for g in (*groups.nccl.values(), groups.control, groups.gloo):
+        try:
+            if not clean and hasattr(g, "abort"):
+                g.abort()
+            dist.destroy_process_group(g)
+        except Exception:  # a group a dead peer broke: nothing more to free
+            pass
+    if owns_default and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass

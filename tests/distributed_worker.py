@@ -1,0 +1,59 @@
+"""One rank of a two-process ferry.distributed job, for tests/test_distributed.py.
+
+argv: program path, inputs path (a list of input tensors, one per call), result path, and a
+JSON object of options. Rank 0 saves the outputs (or the error it got); other ranks serve.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import ferry
+import ferry.distributed
+from ferry.runtime import EmulatedAllocator, register_allocator
+
+
+def main() -> int:
+    program, inputs, result, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    register_allocator(EmulatedAllocator(asynchronous=options.get("asynchronous", False)))
+    rank = int(os.environ["RANK"])
+    report: dict = {"rank": rank}
+    try:
+        with ferry.distributed.Module(program, timeout=options.get("timeout", 30), cuda_graphs=options.get("graphs", False),
+                                      microbatches=options.get("microbatches")) as module:
+            die = options.get("die", {})
+            if str(rank) in die:  # this rank exits abruptly at the start of call number die[rank]
+                calls, run = [0], module.module.run_method
+
+                def dying(name, inputs):
+                    calls[0] += 1
+                    if calls[0] == die[str(rank)]:
+                        os._exit(9)
+                    return run(name, inputs)
+
+                module.module.run_method = dying
+            report["transfers"] = sum(1 for ins in module.module.program.method("forward").instructions
+                                      if getattr(ins, "kernel", "").startswith("ferry::"))
+            if rank == 0:
+                outs = []
+                for x in torch.load(inputs):
+                    start = time.monotonic()
+                    try:
+                        outs.append(module(*x))
+                    except ferry.FerryError as e:
+                        report.update(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
+                        break
+                report["outputs"] = outs
+            else:
+                module.serve()
+    except ferry.FerryError as e:
+        report.update(error=type(e).__name__, message=str(e))
+    torch.save(report, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Stages on other processes: a program split over ranks, two processes over Gloo on the
+loopback address with emulated devices (CPU), and NCCL on two GPUs (marker cuda)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ferry
+from ferry.program.ranks import RECV, SEND, boundaries, program_ranks, project
+from ferry.program.schema import DelegateCall, KernelCall
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+SRC = Path(__file__).parents[1] / "src"
+
+
+class Stages(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32))
+        self.b = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 8))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def split_program(batch: int = 4, second: str = "rank1:emu:0", first: str = "emu:0"):
+    ep = torch.export.export(Stages().eval(), (torch.randn(batch, 16),))
+    return ferry.compile(ep, ferry.DeviceMapPartitioner({"a": first, "b": second}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, program, calls, options=None, world: int = 2, limit: float = 120) -> list[dict]:
+    """Run the worker on `world` processes; each returns its report (rank 0: the outputs)."""
+    path, inputs = tmp_path / "split.ferry", tmp_path / "inputs.pt"
+    program.save(path)
+    torch.save(calls, inputs)
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path), str(inputs),
+                                       str(tmp_path / f"rank{rank}.pt"), json.dumps(options or {})],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=limit)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a rank did not finish within {limit} s: the job hung")
+    reports = []
+    for rank in range(world):
+        f = tmp_path / f"rank{rank}.pt"
+        reports.append(torch.load(f, weights_only=False) if f.exists() else {"rank": rank, "exit": procs[rank].returncode,
+                                                                                 "log": logs[rank]})
+    return reports
+
+
+# ---- compile and projection (one process)
+
+
+def test_a_device_map_may_name_ranks_and_the_report_shows_copies_between_them(emu):
+    program = split_program()
+    assert program_ranks(program) == (0, 1)
+    rows = program.copy_report()["forward"].rows
+    crossing = [r for r in rows if "rank1" in r.src or "rank1" in r.dst]
+    assert [(r.direction, r.src, r.dst) for r in crossing] == [("d2d", "emu:0", "rank1:emu:0"),
+                                                              ("d2h", "rank1:emu:0", "cpu:0")]
+    assert [b.nbytes for b in boundaries(program)] == [r.nbytes for r in crossing]
+    again = ferry.load_program(program.to_bytes())  # the file keeps the ranks
+    assert program_ranks(again) == (0, 1)
+
+
+def test_each_rank_keeps_only_its_part(emu):
+    program = split_program()
+    m = program.method("forward")
+    zero, one = project(program, 0).method("forward"), project(program, 1).method("forward")
+    kinds = lambda meth: [i.kernel if isinstance(i, KernelCall) else "delegate" for i in meth.instructions]  # noqa: E731
+    assert kinds(zero).count(SEND) == 1 and kinds(zero).count(RECV) == 1
+    assert kinds(one) == [RECV, "delegate", SEND]
+    own = lambda meth: {i.delegate for i in meth.instructions if isinstance(i, DelegateCall)}  # noqa: E731
+    assert own(zero).isdisjoint(own(one)) and len(own(zero) | own(one)) == 2
+    # memory of the other rank is never allocated; this rank's devices are local
+    assert sum(b.size for b in one.buffers if b.device.type == "cpu") == 0
+    assert all(b.device.rank == 0 for b in one.buffers) and sum(b.size for b in one.buffers) > 0
+    assert sum(b.size for b in zero.buffers) + sum(b.size for b in one.buffers) == sum(b.size for b in m.buffers)
+    # rank 0's receive of the output is waited for at the end of the call (nothing reads it)
+    recv = next(i for i in zero.instructions if isinstance(i, KernelCall) and i.kernel == RECV)
+    assert zero.values[recv.args[4]].value is True
+    recv1 = next(i for i in one.instructions if isinstance(i, KernelCall) and i.kernel == RECV)
+    assert one.values[recv1.args[4]].value is False  # the stage reads it next
+
+
+def test_a_plain_module_refuses_a_program_over_ranks(emu):
+    with pytest.raises(ferry.DeviceError, match="ferry.distributed.Module"):
+        ferry.Module(split_program())
+
+
+def test_rank_spellings():
+    d = ferry.Device.parse(" Rank2:CUDA:1")
+    assert (d.type, d.index, d.rank, str(d)) == ("cuda", 1, 2, "rank2:cuda:1")
+    assert ferry.Device.from_canonical("rank2:cuda:1") == d and d.local == ferry.Device("cuda", 1)
+    assert str(ferry.Device.parse("rank0:cpu")) == "cpu:0"
+    for bad in ("rank:cuda:0", "rank-1:cuda:0", "rank1:gpu:0"):
+        with pytest.raises(ValueError):
+            ferry.Device.parse(bad)
+    with pytest.raises(ValueError):
+        ferry.Device.from_canonical("rank01:cuda:0")
+
+
+def test_a_program_over_ranks_with_dynamic_sizes_is_refused_at_load(emu):
+    ep = torch.export.export(Stages().eval(), (torch.randn(4, 16),),
+                             dynamic_shapes=({0: torch.export.Dim("batch", max=8)},))
+    program = ferry.compile(ep, ferry.DeviceMapPartitioner({"a": "emu:0", "b": "rank1:emu:0"}))
+    with pytest.raises(ferry.ConfigError, match="static shapes"):
+        project(program, 0)
+
+
+def test_the_distributed_module_needs_a_job(emu, monkeypatch):
+    import ferry.distributed
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ferry.ConfigError, match="torchrun"):
+        ferry.distributed.Module(split_program())
+
+
+# ---- two processes over Gloo
+
+
+def _calls(n: int, batch: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 16, generator=g),) for _ in range(n)]
+
+
+@pytest.mark.parametrize("options", [{}, {"asynchronous": True}, {"asynchronous": True, "graphs": True}],
+                         ids=["sync", "async", "async+graphs"])
+def test_two_ranks_equal_eager(tmp_path, options, emu):
+    calls = _calls(5)
+    zero, one = run_ranks(tmp_path, split_program(), calls, options)
+    assert "error" not in zero and "error" not in one, (zero, one)
+    model = Stages().eval()
+    for (x,), got in zip(calls, zero["outputs"]):
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+    # one send and one receive per rank: the two copies the report lists between ranks
+    assert zero["transfers"] == one["transfers"] == 2
+
+
+def test_micro_batches_pipeline_across_ranks(tmp_path, emu):
+    calls = _calls(3, batch=10, seed=1)  # 10 rows in parts of 4: the last part is padded
+    zero, one = run_ranks(tmp_path, split_program(batch=4), calls, {"microbatches": 3, "asynchronous": True})
+    assert "error" not in zero and "error" not in one, (zero, one)
+    model = Stages().eval()
+    for (x,), got in zip(calls, zero["outputs"]):
+        assert got.shape == (10, 8)
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_a_rank_that_dies_is_a_peer_error_on_rank_0_within_the_timeout(tmp_path, emu):
+    zero, one = run_ranks(tmp_path, split_program(), _calls(4), {"die": {"1": 2}, "timeout": 20})
+    assert one.get("exit") == 9
+    assert zero["error"] == "PeerError" and "rank 1" in zero["message"], zero
+    assert zero["seconds"] < 20 and len(zero["outputs"]) == 1
+
+
+def test_rank_0_dying_stops_the_serving_rank_with_a_peer_error(tmp_path, emu):
+    zero, one = run_ranks(tmp_path, split_program(), _calls(4), {"die": {"0": 2}, "timeout": 20})
+    assert zero.get("exit") == 9
+    assert one["error"] == "PeerError", one
+
+
+def test_a_second_job_in_the_same_test_run_works(tmp_path, emu):
+    for i in range(2):
+        (tmp_path / str(i)).mkdir()
+        calls = _calls(2, seed=i)
+        zero, _ = run_ranks(tmp_path / str(i), split_program(), calls)
+        torch.testing.assert_close(zero["outputs"][-1], Stages().eval()(calls[-1][0]), atol=1e-5, rtol=1e-4)
+
+
+# ---- NCCL on two GPUs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("options", [{}, {"graphs": True, "microbatches": 2}], ids=["plain", "graphs+microbatches"])
+def test_two_gpus_on_two_ranks_over_nccl_equal_eager(tmp_path, options, full_fp32):
+    calls = _calls(4, batch=8 if options.get("microbatches") else 4)
+    program = split_program(first="cuda:0", second="rank1:cuda:1")
+    assert [b.nccl for b in boundaries(program)] == [True, False]
+    zero, one = run_ranks(tmp_path, program, calls, options)
+    assert "error" not in zero and "error" not in one, (zero, one)
+    model = Stages().eval()
+    for (x,), got in zip(calls, zero["outputs"]):
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
