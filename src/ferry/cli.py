@@ -279,7 +279,6 @@ def _npz_inputs(path, meta):
 
 def cmd_run(args) -> int:
     import ferry
-    from ferry.program.report import copy_report
 
     program = ferry.load_program(args.file)
     types = {b.device.type for m in program.methods.values() for b in m.buffers}
@@ -291,9 +290,40 @@ def cmd_run(args) -> int:
         if not torch.cuda.is_available():
             raise UserError(f"{args.file} was compiled for a CUDA GPU and this machine has none: compile it with "
                             "--device emu:0 to run it on the emulated device")
-    if "emu" in types:
-        print("running on the emulated device (host memory standing in for a GPU)")
-    module = ferry.Module(program, cuda_graphs=args.cuda_graphs, microbatches=args.microbatches)
+    module = _open(program, args)
+    if module is None:  # a serving rank of a distributed job: done when rank 0 closed it
+        return 0
+    with module:
+        return _timed_runs(module, program, args)
+
+
+def _open(program, args):
+    """A ferry.Module, or under torchrun for a program over ranks, this rank's part (None once a
+    serving rank has served every call of rank 0)."""
+    import ferry
+    from ferry.program.ranks import program_ranks
+
+    ranks = program_ranks(program)
+    if len(ranks) == 1:
+        if any(b.device.type == "emu" for m in program.methods.values() for b in m.buffers):
+            print("running on the emulated device (host memory standing in for a GPU)")
+        return ferry.Module(program, cuda_graphs=args.cuda_graphs, microbatches=args.microbatches)
+    import ferry.distributed
+
+    module = ferry.distributed.Module(program, cuda_graphs=args.cuda_graphs, microbatches=args.microbatches,
+                                      timeout=args.timeout)
+    if module.rank != 0:
+        with module:
+            module.serve()
+        return None
+    print(f"rank 0 of {module.world_size}: stages on ranks {', '.join(map(str, ranks))}; "
+          f"{len(module.boundaries)} copies cross between ranks per call")
+    return module
+
+
+def _timed_runs(module, program, args) -> int:
+    from ferry.program.report import copy_report
+
     meta = module.method_meta(args.method)
     inputs = _random_inputs(meta, args.microbatches or 1) if args.inputs == "random" else _npz_inputs(args.inputs, meta)
     module.load_method(args.method)
@@ -365,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cuda-graphs", action="store_true", help="capture each device segment as a CUDA graph")
     r.add_argument("--microbatches", type=_positive_int, default=None, metavar="K",
                    help="pipeline K parts per call (random inputs: K times the program's batch)")
+    r.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="a program over ranks (under torchrun): seconds a rank waits for another before it fails")
     r.set_defaults(func=cmd_run)
     return p
 

@@ -77,6 +77,13 @@ class Module:
 
     # ---- rank 0
 
+    def method_meta(self, name: str = "forward"):
+        return self.module.method_meta(name)
+
+    def load_method(self, name: str = "forward") -> None:
+        """Every method is loaded on every rank when the module is made."""
+        self.module.load_method(name)
+
     def run_method(self, name: str, inputs) -> list:
         self._require(rank0=True)
         parts = self.module.parts(name, inputs)  # a bad call fails here, before any rank hears of it

@@ -9,7 +9,10 @@ file and in the copy report. Each rank then keeps its own part at load (`project
 * instructions on other ranks are dropped, and values and buffers of other ranks are never
   allocated;
 * a copy whose two ends are on two ranks becomes `ferry::send` on one side and `ferry::recv`
-  into the planned destination on the other, tagged with the copy's instruction index.
+  into the planned destination on the other, tagged with the copy's instruction index. It
+  goes over NCCL when both ranks have a GPU in the program (an end in host memory is staged
+  through that rank's first GPU: GPUDirect between hosts, NVLink within one), else over
+  Gloo in host memory.
 
 The runtime (bind, schedule, streams, graphs) runs the result unchanged; only the two
 transfer steps are new (runtime/transport.py). The method's inputs and outputs, and every
@@ -47,11 +50,7 @@ class Boundary:
     src: Device
     dst: Device
     nbytes: int
-
-    @property
-    def nccl(self) -> bool:
-        """Both ends are GPUs: NCCL moves it device to device; otherwise Gloo, in host memory."""
-        return self.src.type == "cuda" and self.dst.type == "cuda"
+    nccl: bool  # both ranks have a GPU: NCCL moves it; otherwise Gloo, in host memory
 
 
 def program_ranks(program) -> tuple[int, ...]:
@@ -91,12 +90,30 @@ def boundaries(program) -> list[Boundary]:
     """The copies between ranks, method by method, in program order."""
     out = []
     for name, m in program.methods.items():
+        gpus = _gpus(m)
         for i, ins in enumerate(m.instructions):
             ends = _cross_rank_copy(m, ins)
             if ends is not None:
                 src, dst = (m.tensor(x) for x in ends)
-                out.append(Boundary(name, i, src.device, dst.device, dst.nbytes))
+                nccl = _nccl_device(src.device, gpus, dst.device) is not None
+                out.append(Boundary(name, i, src.device, dst.device, dst.nbytes, nccl))
     return out
+
+
+def _gpus(m: Method) -> dict[int, int]:
+    """rank -> the first GPU of that rank the method uses."""
+    out: dict[int, int] = {}
+    for v in m.values:
+        if isinstance(v, TensorValue) and v.device.type == "cuda":
+            out[v.device.rank] = min(out.get(v.device.rank, v.device.index), v.device.index)
+    return out
+
+
+def _nccl_device(end: Device, gpus: dict[int, int], other: Device) -> int | None:
+    """The GPU of `end`'s rank NCCL moves this end through (None: Gloo, in host memory)."""
+    if end.rank not in gpus or other.rank not in gpus:
+        return None
+    return end.index if end.type == "cuda" else gpus[end.rank]
 
 
 def _owner(m: Method, index: int, ins) -> int:
@@ -135,6 +152,7 @@ def _project_method(m: Method, rank: int) -> Method:
         return len(values) - 1
 
     kept: list = []
+    gpus = _gpus(m)
     transfers: list[tuple[int, int]] = []  # (position in kept, destination) of each recv
     for i, ins in enumerate(m.instructions):
         ends = _cross_rank_copy(m, ins)
@@ -144,12 +162,15 @@ def _project_method(m: Method, rank: int) -> Method:
             continue
         src, dst = ends
         s, d = m.tensor(src).device, m.tensor(dst).device
-        nccl = const("bool", s.type == "cuda" and d.type == "cuda")
         if s.rank == rank:
-            kept.append(KernelCall(SEND, (src, const("int", d.rank), const("int", i), nccl), ()))
+            via = _nccl_device(s, gpus, d)
+            kept.append(KernelCall(SEND, (src, const("int", d.rank), const("int", i),
+                                          const("none" if via is None else "int", via)), ()))
         elif d.rank == rank:
+            via = _nccl_device(d, gpus, s)
             transfers.append((len(kept), dst))
-            kept.append(KernelCall(RECV, (dst, const("int", s.rank), const("int", i), nccl, -1), (dst,)))
+            kept.append(KernelCall(RECV, (dst, const("int", s.rank), const("int", i),
+                                          const("none" if via is None else "int", via), -1), (dst,)))
     written_back = {x for mb in m.mutable_buffers for x in (mb.value, mb.update)}
     for pos, dst in transfers:  # a destination nothing later reads is waited for at the end of the call
         seen = _views_of(m, dst)

@@ -25,6 +25,12 @@ class CopyRow:
         return any(self.dynamic)
 
     @property
+    def between_ranks(self) -> bool:
+        """The two ends are in two processes (a send and a receive over torch.distributed)."""
+        rank = lambda device: device.split(":")[0] if device.startswith("rank") else "rank0"  # noqa: E731
+        return rank(self.src) != rank(self.dst)
+
+    @property
     def shape_text(self) -> str:
         """`[<=8, 16]`: a dim sized per call shows its bound."""
         dyn = self.dynamic or (False,) * len(self.shape)
@@ -51,12 +57,15 @@ class CopyReport:
         lines = [f"copies of method {self.method!r}:"]
         if not self.rows:
             lines.append("  (none)")
+        width = max([7, *(len(r.src) for r in self.rows), *(len(r.dst) for r in self.rows)])
         for r in self.rows:
-            bound = " at the bound" if r.at_bound else ""
-            lines.append(f"  #{r.instruction:<4} {r.direction}  {r.src:>7} -> {r.dst:<7} {r.dtype:>9}"
-                         f"{r.shape_text:>16}  {r.nbytes:>12,} B{bound}  {r.value}")
+            notes = (" at the bound" if r.at_bound else "") + (" between ranks" if r.between_ranks else "")
+            lines.append(f"  #{r.instruction:<4} {r.direction}  {r.src:>{width}} -> {r.dst:<{width}} {r.dtype:>9}"
+                         f"{r.shape_text:>16}  {r.nbytes:>12,} B{notes}  {r.value}")
         t = self.totals()
+        crossing = [r.nbytes for r in self.rows if r.between_ranks]
         lines.append("  totals: " + ", ".join(f"{d} {n} copies / {b:,} B" for d, (n, b) in t.items())
+                     + (f"; {len(crossing)} between ranks / {sum(crossing):,} B" if crossing else "")
                      + (" (at most: copies at the bound move fewer bytes in a smaller call)"
                         if any(r.at_bound for r in self.rows) else ""))
         return "\n".join(lines)

@@ -247,9 +247,10 @@ def _members(m: Method, vid: int) -> list[int]:
 
 
 def _device_sync(streams, device: Device) -> Callable[[], None]:
-    """The host waits for the work queued on `device` (nothing to wait for on the CPU or on a
-    device that runs synchronously)."""
-    if device.is_cpu or streams is None or device.type != streams.api.device_type:
+    """The host waits for the work queued on `device` before a transfer touches its memory.
+    Nothing to wait for on the CPU, on a device that runs synchronously, or on CUDA: NCCL
+    orders its transfer after the current stream, and a staging copy to the host waits."""
+    if device.is_cpu or device.type == "cuda" or streams is None or device.type != streams.api.device_type:
         return lambda: None
     synchronize, index = streams.api.synchronize, device.index
     return lambda: synchronize(index)
@@ -431,14 +432,14 @@ class _Binder:
         if transport is None:
             raise ProgramError(f"method {m.name!r} instruction {index}: {ins.kernel} needs the ranks of a "
                                "distributed job; load the program with ferry.distributed.Module")
-        vid, peer, tag, nccl, *deferred = ins.args
+        vid, peer, tag, cuda, *deferred = ins.args
         slots, sync = self.slots, _device_sync(self.streams, m.tensor(vid).device)
         get = (lambda t=slots[vid]: t) if self.fixed[vid] else (lambda: slots[vid])  # host memory bound per call
         const = lambda a: m.values[a].value  # noqa: E731
         if ins.kernel == SEND:
-            call = transport.bind_send(get, const(peer), const(tag), const(nccl), sync)
+            call = transport.bind_send(get, const(peer), const(tag), const(cuda), sync)
         else:
-            call = transport.bind_recv(get, const(peer), const(tag), const(nccl), const(deferred[0]), sync)
+            call = transport.bind_recv(get, const(peer), const(tag), const(cuda), const(deferred[0]), sync)
         reads = frozenset({vid} if ins.kernel == SEND and not self.fixed[vid] else ())
         return Step(index, "transfer", ins.kernel, (), False, False, call, reads=reads)
 

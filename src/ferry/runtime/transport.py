@@ -18,6 +18,7 @@ still on its way back.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,45 +47,47 @@ class Transport:
         if dist is None:
             import torch.distributed as dist
         self.rank, self.groups, self.timeout, self.dist = rank, groups, timeout, dist
-        self.pending: list[tuple[object, str, bool]] = []
+        self.pending: list[tuple] = []  # (request, what, poll, then): receives waited for at the end
         self.broken: str | None = None
 
     # ---- binding (runtime/bind.py calls these once per transfer step)
 
-    def bind_send(self, get: Callable[[], torch.Tensor], peer: int, tag: int, nccl: bool, sync: Callable[[], None]):
-        """The call of one send; `get()` is the tensor (planned memory, or host memory the
-        caller binds per call: a micro-batch's rows)."""
-        what = f"sending to rank {peer} (copy #{tag})"
-        if nccl:
-            group = self.groups.nccl[(self.rank, peer)]
-            return lambda: self._run(sync, lambda: self.dist.isend(get(), peer, group=group), what, poll=True)
-        gloo, host = self.groups.gloo, _HostTwin(get)
-
-        def send():
-            self._run(sync, lambda: self.dist.isend(host.filled(), peer, group=gloo, tag=tag), what)
-
-        return send
-
-    def bind_recv(self, get: Callable[[], torch.Tensor], peer: int, tag: int, nccl: bool, deferred: bool,
+    def bind_send(self, get: Callable[[], torch.Tensor], peer: int, tag: int, cuda: int | None,
                   sync: Callable[[], None]):
+        """The call of one send. `get()` is the tensor (planned memory, or host memory bound per
+        call: a micro-batch's rows); `cuda`: the GPU of this rank NCCL moves it from (the
+        tensor's own, or one to stage host memory through), None for Gloo."""
+        what = f"sending to rank {peer} (copy #{tag})"
+        twin, group, poll = self._route(get, peer, cuda, sending=True)
+        kwargs = {} if poll else {"tag": tag}
+        return lambda: self._run(sync, lambda: self.dist.isend(twin.filled(), peer, group=group, **kwargs), what,
+                                 poll=poll)
+
+    def bind_recv(self, get: Callable[[], torch.Tensor], peer: int, tag: int, cuda: int | None, deferred: bool,
+                  sync: Callable[[], None]):
+        """The call of one receive into `get()`; `deferred`: nothing later in the call reads it, so
+        it is waited for at the end of the call (`finish`)."""
         what = f"receiving from rank {peer} (copy #{tag})"
-        if nccl:
-            group = self.groups.nccl[(peer, self.rank)]
-            return lambda: self._run(sync, lambda: self.dist.irecv(get(), peer, group=group), what, deferred, poll=True)
-        gloo, host = self.groups.gloo, _HostTwin(get)
+        twin, group, poll = self._route(get, peer, cuda, sending=False)
+        kwargs = {} if poll else {"tag": tag}
 
         def recv():
-            t, staged = get(), host.empty()
-            self._run(sync, lambda: self.dist.irecv(staged, peer, group=gloo, tag=tag), what,
-                      deferred and staged is t)
-            if staged is not t:
-                t.copy_(staged)
+            t, staged = get(), twin.empty()
+            then = None if staged is t else functools.partial(t.copy_, staged)
+            self._run(sync, lambda: self.dist.irecv(staged, peer, group=group, **kwargs), what, deferred, poll, then)
 
         return recv
 
+    def _route(self, get, peer: int, cuda: int | None, sending: bool):
+        """(where the bytes are staged, the group, whether its requests are polled: NCCL's)."""
+        if cuda is None:
+            return _Twin(get, torch.device("cpu")), self.groups.gloo, False
+        pair = (self.rank, peer) if sending else (peer, self.rank)
+        return _Twin(get, torch.device("cuda", cuda)), self.groups.nccl[pair], True
+
     # ---- running
 
-    def _run(self, sync, issue, what: str, deferred: bool = False, poll: bool = False) -> None:
+    def _run(self, sync, issue, what: str, deferred: bool = False, poll: bool = False, then=None) -> None:
         self.check()
         sync()
         try:
@@ -92,15 +95,19 @@ class Transport:
         except Exception as e:
             self._fail(f"{what} failed: {e}")
         if deferred:
-            self.pending.append((work, what, poll))
-        else:
-            self._wait(work, what, poll)
+            self.pending.append((work, what, poll, then))
+            return
+        self._wait(work, what, poll)
+        if then is not None:
+            then()
 
     def finish(self) -> None:
         """Wait for the receives a call left pending (its outputs)."""
         pending, self.pending = self.pending, []
-        for work, what, poll in pending:
+        for work, what, poll, then in pending:
             self._wait(work, what, poll)
+            if then is not None:
+                then()
 
     def check(self) -> None:
         if self.broken is not None:
@@ -135,23 +142,25 @@ class Transport:
         raise PeerError(message)
 
 
-class _HostTwin:
-    """Host memory for a tensor Gloo moves: the tensor itself when it is host memory, else a
-    page-locked twin made on first use and reused."""
+class _Twin:
+    """Where a transport moves a tensor from or into: the tensor itself when it already lives
+    there (host memory for Gloo, the GPU for NCCL), else a twin made on first use and reused
+    (page-locked, on the host)."""
 
-    def __init__(self, get: Callable[[], torch.Tensor]):
-        self.get, self.twin = get, None
+    def __init__(self, get: Callable[[], torch.Tensor], device: torch.device):
+        self.get, self.device, self.twin = get, device, None
 
     def empty(self) -> torch.Tensor:
         t = self.get()
-        if t.device.type == "cpu":
+        if t.device == self.device or (self.device.type == "cpu" and t.device.type == "cpu"):
             return t
         if self.twin is None or self.twin.shape != t.shape:
-            self.twin = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            pin = self.device.type == "cpu" and torch.cuda.is_available()
+            self.twin = torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=pin)
         return self.twin
 
     def filled(self) -> torch.Tensor:
-        t, host = self.get(), self.empty()
-        if host is not t:
-            host.copy_(t)
-        return host
+        t, staged = self.get(), self.empty()
+        if staged is not t:
+            staged.copy_(t)
+        return staged
