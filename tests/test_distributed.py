@@ -208,3 +208,85 @@ def test_two_gpus_on_two_ranks_over_nccl_equal_eager(tmp_path, options, full_fp3
     model = Stages().eval()
     for (x,), got in zip(calls, zero["outputs"]):
         torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+
+
+# ---- the transport's waits, with a fake torch.distributed
+
+
+class FakeWork:
+    def __init__(self, done=True, error=None):
+        self.done, self.error, self.waited = done, error, []
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self, timeout=None):
+        self.waited.append(timeout)
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
+class FakeDist:
+    def __init__(self, work):
+        self.work, self.calls = work, []
+
+    def isend(self, t, peer, group=None, tag=0):
+        self.calls.append(("send", peer, group, tag, t))
+        return self.work
+
+    def irecv(self, t, peer, group=None, tag=0):
+        self.calls.append(("recv", peer, group, tag, t))
+        return self.work
+
+
+def _transport(work, timeout=5.0):
+    from ferry.runtime.transport import Groups, Transport
+
+    return Transport(0, Groups("gloo", "control", {(0, 1): "nccl01", (1, 0): "nccl10"}), timeout, FakeDist(work))
+
+
+def test_a_failed_gloo_transfer_is_a_peer_error_and_breaks_the_transport():
+    t = torch.randn(4)
+    transport = _transport(FakeWork(error="Connection closed by peer"))
+    send = transport.bind_send(lambda: t, 1, 7, None, lambda: None)
+    with pytest.raises(ferry.PeerError, match="sending to rank 1 .*Connection closed by peer"):
+        send()
+    assert transport.dist.calls[0][2:4] == ("gloo", 7)  # Gloo, tagged with the copy's instruction
+    with pytest.raises(ferry.PeerError, match="earlier transfer failed"):
+        send()
+
+
+def test_an_nccl_request_that_never_completes_times_out(monkeypatch):
+    from ferry.runtime import transport as module
+
+    t = torch.randn(4)  # stands in for a GPU tensor: no staging
+    monkeypatch.setattr(module._Twin, "empty", lambda self, fresh=False: t)
+    transport = _transport(FakeWork(done=False), timeout=0.05)
+    recv = transport.bind_recv(lambda: t, 1, 3, 0, False, lambda: None)
+    with pytest.raises(ferry.PeerError, match="no answer within 0.05 s"):
+        recv()
+    assert transport.dist.calls[0][2] == "nccl10"  # the direction rank 1 -> rank 0 has its own group
+
+
+def test_a_deferred_receive_is_waited_for_at_the_end_of_the_call():
+    work, t, synced = FakeWork(), torch.randn(4), []
+    transport = _transport(work)
+    recv = transport.bind_recv(lambda: t, 1, 3, None, True, lambda: synced.append(1))
+    recv()
+    assert synced == [1] and work.waited == [] and len(transport.pending) == 1
+    transport.finish()
+    assert len(work.waited) == 1 and work.waited[0].total_seconds() == 5.0 and transport.pending == []
+    assert transport.dist.calls[0][4] is t  # host memory is received into directly, not staged
+
+
+def test_staged_receives_left_pending_each_get_their_own_memory():
+    """Micro-batches leave one output receive pending per part: a shared staging twin would
+    hand every part the last part's rows (found on two H200s)."""
+    work, t = FakeWork(), torch.empty(4, device="meta")
+    transport = _transport(work)
+    recv = transport.bind_recv(lambda: t, 1, 3, None, True, lambda: None)
+    recv()
+    recv()
+    staged = [c[4] for c in transport.dist.calls]
+    assert staged[0] is not staged[1] and all(s.device.type == "cpu" for s in staged)
+    transport.finish()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["docs/concepts.md", "docs/new-device.md"]
+DOCS = ["docs/concepts.md", "docs/new-device.md", "docs/distributed.md"]
 
 _FENCE = re.compile(r"^```(\S*)(.*)$")
 

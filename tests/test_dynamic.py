@@ -267,7 +267,7 @@ def test_a_padded_call_returns_tensors_the_caller_owns(emu):
 
 def test_a_padded_call_hands_back_its_rows_of_a_fresh_output_without_a_copy(emu):
     """A fresh output is the caller's already: the call's rows are a view of it, which later
-    calls leave alone; the padded inputs hold only real rows (the call's, or an earlier call's)."""
+    calls leave alone; padding rows are real rows (copies of the call's first)."""
     ep = torch.export.export(EchoRows(), (torch.randn(4, 16),), dynamic_shapes=({0: BATCH},))
     cfg = ferry.CompileConfig(alloc_graph_output=False)  # outputs fresh per call
     module = ferry.Module(ferry.compile(ep, None, cfg), shape_buckets=[4, 8])
@@ -278,8 +278,12 @@ def test_a_padded_call_hands_back_its_rows_of_a_fresh_output_without_a_copy(emu)
     again, _ = module(x2)
     torch.testing.assert_close(doubled, x1 * 2)
     torch.testing.assert_close(again, x2 * 2)
-    padded = next(iter(module._instances[0].buckets["forward"]._padded.values()))
-    assert torch.equal(padded[:5], x2) and torch.equal(padded[5:7], x1[5:]) and torch.equal(padded[7], x1[0])
+    padded = next(iter(module._instances[0].buckets["forward"]._padded.values()))  # the first call at the bucket
+    assert torch.equal(padded[:7], x1) and torch.equal(padded[7], x1[0])
+    m = module._methods["forward"]  # later ones: padded as they are copied into planned memory, one copy
+    planned = m.last_plan.bound.slots[m.method.inputs[0]]
+    assert m.last_plan is not m.plan and planned.shape == (8, 16)
+    assert torch.equal(planned[:5], x2) and torch.equal(planned[5:], x2[:1].expand(3, 16))
 
 
 class Total(nn.Module):

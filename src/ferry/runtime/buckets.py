@@ -16,9 +16,9 @@ import warnings
 import torch
 
 from ferry.errors import ConfigError, InputError
-from ferry.runtime.microbatch import batched_values, pad_rows
+from ferry.runtime.microbatch import batched_values
 from ferry.runtime.run import empty_on
-from ferry.runtime.tensor import device_of
+from ferry.runtime.tensor import device_of, pad_rows
 
 __all__ = ["ShapeBuckets", "check_buckets"]
 
@@ -62,36 +62,37 @@ class ShapeBuckets:
         self.warned = False
         self._padded: dict[tuple, torch.Tensor] = {}  # one tensor per input and bucket, reused
 
-    def pad(self, inputs: list) -> tuple[list, int, bool]:
-        """(the inputs padded to their bucket, the call's rows, whether a bucket holds them)."""
+    def bucket_for(self, inputs: list) -> int | None:
+        """The bucket a call runs at (its own rows when a bucket holds exactly them), or None:
+        beyond the buckets, the call runs at its own shape without graphs."""
         if not inputs or not all(isinstance(t, torch.Tensor) and t.dim() for t in inputs):
             raise InputError(f"method {self.name!r} takes batched tensors (dim 0) with shape buckets")
         rows = inputs[0].shape[0]
         if any(t.shape[0] != rows for t in inputs):
             raise InputError(f"method {self.name!r}: the inputs disagree on the batch size (dim 0: "
                              f"{', '.join(str(t.shape[0]) for t in inputs)})")
+        if rows == 0:
+            return 0
         bucket = next((b for b in self.buckets if b >= rows), None)
-        if bucket is None:
-            if rows > self.bound:
-                return inputs, rows, False  # beyond the program's bound: the input check says so
-            if not self.warned:
-                self.warned = True
-                warnings.warn(f"method {self.name!r}: a call of {rows} rows is beyond the largest shape bucket "
-                              f"({self.buckets[-1]}); such calls run at their own shape without CUDA graphs "
-                              "(this warning is shown once)", RuntimeWarning, stacklevel=4)
-            return inputs, rows, False
-        if bucket == rows or rows == 0:
-            return inputs, rows, True
-        return [self._pad(i, t, bucket) for i, t in enumerate(inputs)], rows, True
+        if bucket is None and rows <= self.bound and not self.warned:  # beyond the bound: the input check says so
+            self.warned = True
+            warnings.warn(f"method {self.name!r}: a call of {rows} rows is beyond the largest shape bucket "
+                          f"({self.buckets[-1]}); such calls run at their own shape without CUDA graphs "
+                          "(this warning is shown once)", RuntimeWarning, stacklevel=4)
+        return bucket
+
+    def pad(self, inputs: list, bucket: int) -> list:
+        """The inputs padded to `bucket` rows."""
+        return [self._pad(i, t, bucket) for i, t in enumerate(inputs)]
 
     def _pad(self, i: int, t: torch.Tensor, bucket: int) -> torch.Tensor:
         """`t` padded to `bucket` rows in a tensor kept for this input and shape: a fresh one per
         call would cost an allocation (page faults, for a large input) every call. Only the
-        call's rows are written (one memcpy; filling the rest from a broadcast row cost 3x as
-        much on the H200 host): the rows past them hold copies of the first row of the call that
+        call's rows are written: the rows past them hold copies of the first row of the call that
         made the tensor, or rows of a later call, always real values (a padded row of zeros could
         be a masked-out sequence, whose softmax is NaN). A set of planned memory runs one call at
-        a time, so its buckets may reuse their tensors."""
+        a time, so its buckets may reuse their tensors. (Most calls do not come here: the plan
+        bound at the bucket pads as it copies into planned memory, LoadedMethod.execute_padded.)"""
         device = device_of(t)  # where the program expects it (an emulated device's memory is host memory)
         key = (i, bucket, tuple(t.shape[1:]), t.dtype, device)
         out = self._padded.get(key)

@@ -16,6 +16,7 @@ import torch
 
 from ferry.device import CPU
 from ferry.errors import FerryError, InputError
+from ferry.layout import contiguous_strides
 from ferry.program.schema import Method, TensorValue
 from ferry.runtime.allocator import get_allocator
 from ferry.runtime.bind import bind_method, dynamic_values
@@ -176,6 +177,18 @@ class LoadedMethod:
             self._sizes.move_to_end(shape)
         self.last_plan = plan
         return plan.execute(inputs, bind_outputs, finish, part)
+
+    def execute_padded(self, inputs, rows: int) -> list | None:
+        """One call of fewer rows than `rows` on the plan bound at `rows`, the inputs padded as
+        they are copied into its planned memory (one copy, not a padded copy and then a
+        planned one); None when there is no such plan yet or it binds an input in place."""
+        shape = tuple(((rows, *t.shape[1:]), contiguous_strides((rows, *t.shape[1:]))) for t in inputs)
+        plan = self._by_shape.get((False, shape))
+        if plan is None or not plan.copies_inputs or not all(t.is_contiguous() for t in inputs):
+            return None
+        self._by_shape.move_to_end((False, shape))
+        self.last_plan = plan
+        return plan.execute(inputs, pad_to=rows)
 
     def _remember(self, part: bool, shape: tuple, sizes: dict | None, graphs: bool) -> None:
         if sizes is None:

@@ -35,8 +35,9 @@ from ferry.errors import ConfigError, InputError
 from ferry.layout import contiguous_strides, dense_strides_like
 from ferry.program.schema import TensorValue
 from ferry.runtime.run import empty_on
+from ferry.runtime.tensor import pad_rows
 
-__all__ = ["MicroBatches", "batched_values", "pad_rows"]
+__all__ = ["MicroBatches", "batched_values"]
 
 
 @dataclass(frozen=True)
@@ -185,15 +186,3 @@ def _rows(v: TensorValue) -> str:
 def _row_major(v: TensorValue) -> bool:
     """Whether the program writes `v` contiguously (so a run of rows of a joined result fits)."""
     return not v.strides or tuple(v.strides) == contiguous_strides(v.shape)
-
-
-def pad_rows(t: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`t` with copies of its first row appended up to `size` rows, in `out` when given (real
-    values: a padded row of zeros could be a masked-out sequence, whose softmax is NaN, and NaN
-    is best not made)."""
-    if out is None:
-        return torch.cat([t, t[:1].expand(size - t.shape[0], *t.shape[1:])])
-    rows = t.shape[0]
-    out[:rows].copy_(t)
-    out[rows:].copy_(t[:1].expand(size - rows, *t.shape[1:]))
-    return out

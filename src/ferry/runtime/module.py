@@ -222,20 +222,26 @@ class Module:
             buckets = inst.buckets.get(name)
             if buckets is None:
                 return self._run(inst.methods[name], list(inputs))
-            padded, rows, in_bucket = buckets.pad(list(inputs))
-            if padded[0].shape[0] == rows:
-                return self._run(inst.methods[name], padded, in_bucket)
-            return self._rows(inst.methods[name], buckets, padded, rows)
+            inputs = list(inputs)
+            bucket = buckets.bucket_for(inputs)
+            if bucket is None or bucket == inputs[0].shape[0]:
+                return self._run(inst.methods[name], inputs, graphs=bucket is not None)
+            return self._rows(inst.methods[name], buckets, inputs, bucket)
         finally:
             self._free.put(inst)
 
-    def _rows(self, m: LoadedMethod, buckets: ShapeBuckets, padded: list, rows: int) -> list:
-        """A call padded to its bucket: its results are the first `rows` rows. A fresh output the
-        caller owns (or any, with outputs="view") is returned as a view of those rows; the rest
-        are copied, since they are planned memory or the padded inputs the buckets reuse."""
-        m.check_inputs(padded)
-        outs = m.execute(padded)
-        if any(o.shape[0] != padded[0].shape[0] for o in outs):
+    def _rows(self, m: LoadedMethod, buckets: ShapeBuckets, inputs: list, bucket: int) -> list:
+        """A call padded to its bucket: its results are the first rows, as many as it has. The
+        plan bound at the bucket pads the inputs as it copies them into planned memory, or they
+        are padded first (the first call at the bucket, or inputs it binds in place). A fresh
+        output the caller owns (or any, with outputs="view") is returned as a view of those
+        rows; the rest are copied: they are planned memory or the padded inputs reused."""
+        m.check_inputs(inputs)
+        outs = m.execute_padded(inputs, bucket)
+        if outs is None:
+            outs = m.execute(buckets.pad(inputs, bucket))
+        rows = inputs[0].shape[0]
+        if any(o.shape[0] != bucket for o in outs):
             raise ProgramError(f"method {m.name!r}: an output's dim 0 is not the padded batch "
                                f"({[tuple(o.shape) for o in outs]}); load it without shape_buckets=")
         keep = m.caller_owned_outputs | (set(range(len(outs))) - m.constant_outputs if self.outputs == "view" else set())

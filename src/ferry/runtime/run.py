@@ -18,7 +18,7 @@ from ferry.runtime.allocator import DeviceMemoryBuffer
 from ferry.runtime.bind import Bound, Step, record_shapes
 from ferry.runtime.graphs import GraphSegment
 from ferry.runtime.schedule import HostWait, Run, Schedule, Segment
-from ferry.runtime.tensor import device_of, make_tensor
+from ferry.runtime.tensor import device_of, make_tensor, pad_rows
 
 __all__ = ["Plan", "caller_copy", "empty_on"]
 
@@ -134,21 +134,29 @@ class Plan:
 
     # ---- a call
 
-    def execute(self, inputs, bind_outputs=None, finish: bool = True, part: bool = False) -> list:
+    @property
+    def copies_inputs(self) -> bool:
+        """Every input is copied into planned memory (so a call may pass fewer rows: `pad_to`)."""
+        return all(mode == "copy" for _, mode in self.io.inputs)
+
+    def execute(self, inputs, bind_outputs=None, finish: bool = True, part: bool = False,
+                pad_to: int | None = None) -> list:
         """Run once. `bind_outputs`: tensors the outputs are written into (a delegate's, or a
         micro-batch's rows of the joined result). `part`: a micro-batch, which may start while
         the previous one's copies are in flight; `finish=False` (a part but the last) returns
         with its own copies in flight: the caller waits with `finish()` before it reads a host
-        output, and `bind_outputs` must be memory it keeps alive until then."""
+        output, and `bind_outputs` must be memory it keeps alive until then. `pad_to`: the plan
+        is bound at that many rows and the inputs have fewer (shape buckets; `copies_inputs`
+        only): they are padded as they are copied into planned memory."""
         slots, io = self.bound.slots, self.io
         self.shapes = {} if self.record else None
         if part and not self.checked:
             self.finish()  # a first run's schedule assumes nothing in flight: make it so
         try:
-            self._take_inputs(inputs)
+            self._take_inputs(inputs, pad_to)
             self._fresh_outputs(bind_outputs)
             if self.graphs:
-                self._key = tuple(tuple(t.shape) for t in inputs)
+                self._key = tuple((pad_to, *t.shape[1:]) if pad_to else tuple(t.shape) for t in inputs)
             for call in self._work(part, finish):
                 call()
             self.checked = True
@@ -183,7 +191,7 @@ class Plan:
             self.streams.wait_host()
             self.streams.end_of_call()
 
-    def _take_inputs(self, inputs) -> None:
+    def _take_inputs(self, inputs, pad_to: int | None = None) -> None:
         slots = self.bound.slots
         for t, (vid, mode) in zip(inputs, self.io.inputs):
             if mode == "bind":
@@ -192,6 +200,9 @@ class Plan:
                 if self.streams is not None:
                     self.streams.wait_host()
                 dst = slots[vid]
+                if pad_to is not None:
+                    pad_rows(t, pad_to, dst)
+                    continue
                 if dst.shape != t.shape:
                     dst.resize_(t.shape)
                 dst.copy_(t)

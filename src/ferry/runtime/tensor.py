@@ -20,7 +20,7 @@ from ferry.runtime.allocator import (
     require_allocator,
 )
 
-__all__ = ["buffer_of", "clone_to", "device_of", "make_tensor"]
+__all__ = ["buffer_of", "clone_to", "device_of", "make_tensor", "pad_rows"]
 
 _BUFFER_ATTR = "_ferry_buffer"
 _DEVICE_ATTR = "_ferry_device"
@@ -211,3 +211,15 @@ def clone_to(tensor: torch.Tensor, device: Device | str) -> torch.Tensor:
             staging.close()
     setattr(result, _BUFFER_ATTR, buffer)
     return result
+
+
+def pad_rows(t: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`t` with copies of its first row appended up to `size` rows, in `out` when given (real
+    values: a padded row of zeros could be a masked-out sequence, whose softmax is NaN, and NaN
+    is best not made)."""
+    if out is None:
+        return torch.cat([t, t[:1].expand(size - t.shape[0], *t.shape[1:])])
+    rows = t.shape[0]
+    out[:rows].copy_(t)
+    out[rows:].copy_(t[:1].expand(size - rows, *t.shape[1:]))
+    return out

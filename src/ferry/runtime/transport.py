@@ -71,8 +71,8 @@ class Transport:
         twin, group, poll = self._route(get, peer, cuda, sending=False)
         kwargs = {} if poll else {"tag": tag}
 
-        def recv():
-            t, staged = get(), twin.empty()
+        def recv():  # a staged receive left pending gets a twin of its own: the next part's would overwrite it
+            t, staged = get(), twin.empty(fresh=deferred)
             then = None if staged is t else functools.partial(t.copy_, staged)
             self._run(sync, lambda: self.dist.irecv(staged, peer, group=group, **kwargs), what, deferred, poll, then)
 
@@ -150,13 +150,17 @@ class _Twin:
     def __init__(self, get: Callable[[], torch.Tensor], device: torch.device):
         self.get, self.device, self.twin = get, device, None
 
-    def empty(self) -> torch.Tensor:
+    def empty(self, fresh: bool = False) -> torch.Tensor:
+        """`fresh`: a new twin (from PyTorch's caching allocator), not the reused one."""
         t = self.get()
         if t.device == self.device or (self.device.type == "cpu" and t.device.type == "cpu"):
             return t
-        if self.twin is None or self.twin.shape != t.shape:
+        if fresh or self.twin is None or self.twin.shape != t.shape:
             pin = self.device.type == "cpu" and torch.cuda.is_available()
-            self.twin = torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=pin)
+            twin = torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=pin)
+            if fresh:
+                return twin
+            self.twin = twin
         return self.twin
 
     def filled(self) -> torch.Tensor:
