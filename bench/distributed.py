@@ -98,6 +98,8 @@ def ferry_worker(args) -> None:
     import ferry.distributed
 
     use_emulated(args)
+    if args.gpu:  # as every contender: TF32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     want = torch.load(Path(args.out).with_name("want.pt"))

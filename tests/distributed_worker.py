@@ -26,15 +26,17 @@ def main() -> int:
                                       microbatches=options.get("microbatches")) as module:
             die = options.get("die", {})
             if str(rank) in die:  # this rank exits abruptly at the start of call number die[rank]
-                calls, run = [0], module.module.run_method
+                calls = [0]
+                attr = "run_method" if rank == 0 else "run_parts"
+                run = getattr(module.module, attr)
 
-                def dying(name, inputs):
+                def dying(*args):
                     calls[0] += 1
                     if calls[0] == die[str(rank)]:
                         os._exit(9)
-                    return run(name, inputs)
+                    return run(*args)
 
-                module.module.run_method = dying
+                setattr(module.module, attr, dying)
             report["transfers"] = sum(1 for ins in module.module.program.method("forward").instructions
                                       if getattr(ins, "kernel", "").startswith("ferry::"))
             if rank == 0:

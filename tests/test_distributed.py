@@ -261,9 +261,14 @@ def test_an_nccl_request_that_never_completes_times_out(monkeypatch):
 
     t = torch.randn(4)  # stands in for a GPU tensor: no staging
     monkeypatch.setattr(module._Twin, "empty", lambda self, fresh=False: t)
-    transport = _transport(FakeWork(done=False), timeout=0.05)
+    work = FakeWork(done=False)
+    transport = _transport(work, timeout=0.05)
     recv = transport.bind_recv(lambda: t, 1, 3, 0, False, lambda: None)
+    recv()  # GPU memory over NCCL: ordered on the device (the stream waits), the host goes on
+    assert work.waited == [None] and len(transport.pending) == 1
     with pytest.raises(ferry.PeerError, match="no answer within 0.05 s"):
+        transport.finish()  # polled at the end of the call, bounded
+    with pytest.raises(ferry.PeerError, match="earlier transfer failed"):
         recv()
     assert transport.dist.calls[0][2] == "nccl10"  # the direction rank 1 -> rank 0 has its own group
 
@@ -290,3 +295,12 @@ def test_staged_receives_left_pending_each_get_their_own_memory():
     staged = [c[4] for c in transport.dist.calls]
     assert staged[0] is not staged[1] and all(s.device.type == "cpu" for s in staged)
     transport.finish()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_rank_that_dies_over_nccl_is_a_peer_error_on_rank_0(tmp_path):
+    program = split_program(first="cuda:0", second="rank1:cuda:1")
+    zero, one = run_ranks(tmp_path, program, _calls(4), {"die": {"1": 2}, "timeout": 15}, limit=90)
+    assert one.get("exit") == 9
+    assert zero.get("error") == "PeerError" and zero["seconds"] < 30, zero

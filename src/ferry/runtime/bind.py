@@ -441,6 +441,10 @@ class _Binder:
         else:
             call = transport.bind_recv(get, const(peer), const(tag), const(cuda), const(deferred[0]), sync)
         reads = frozenset({vid} if ins.kernel == SEND and not self.fixed[vid] else ())
+        device = m.tensor(vid).device
+        if const(cuda) is not None and device.type == "cuda" and self.streams is not None:
+            # NCCL on GPU memory: a device step in stream order (never captured in a graph)
+            return Step(index, "transfer", ins.kernel, (device,), False, False, call, reads=reads)
         return Step(index, "transfer", ins.kernel, (), False, False, call, reads=reads)
 
     # ---- sizes

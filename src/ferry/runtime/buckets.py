@@ -88,7 +88,7 @@ class ShapeBuckets:
     def _pad(self, i: int, t: torch.Tensor, bucket: int) -> torch.Tensor:
         """`t` padded to `bucket` rows in a tensor kept for this input and shape: a fresh one per
         call would cost an allocation (page faults, for a large input) every call. Only the
-        call's rows are written: the rows past them hold copies of the first row of the call that
+        call's rows are written: the rows past them hold copies of the rows of the call that
         made the tensor, or rows of a later call, always real values (a padded row of zeros could
         be a masked-out sequence, whose softmax is NaN). A set of planned memory runs one call at
         a time, so its buckets may reuse their tensors. (Most calls do not come here: the plan

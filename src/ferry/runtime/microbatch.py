@@ -17,7 +17,7 @@ what keeps the host from blocking between parts:
   runs host code waits there (runtime/schedule.py, `pending`) for the previous part's copies,
   which may still read the host memory that code writes;
 * a part shorter than the program's batch (the last one, when the batch does not divide)
-  is padded with copies of its first row and its results sliced: the program's shapes and
+  is padded with copies of its own rows and its results sliced: the program's shapes and
   its captured graphs stay those of one micro-batch.
 
 Rows must be independent (the batch dimension of a model in inference): that is what makes

@@ -261,6 +261,23 @@ class Module:
         caller_owned = m.caller_owned_outputs
         return [o if i in caller_owned else caller_copy(o, devices[i]) for i, o in enumerate(outs)]
 
+    def run_parts(self, name: str, parts: int) -> None:
+        """A serving rank's share of one call of a program over ranks (ferry.distributed): the
+        method, which takes no inputs here, run `parts` times back to back as micro-batches,
+        with one wait at the end, as rank 0 runs its parts."""
+        self.load_method(name)
+        inst = self._free.get()
+        try:
+            m = inst.methods[name]
+            try:
+                for i in range(parts):
+                    m.execute([], finish=i == parts - 1, part=parts > 1)
+            except BaseException:
+                m.finish()
+                raise
+        finally:
+            self._free.put(inst)
+
     def forward(self, *inputs):
         outs = self.run_method("forward", inputs)
         return outs[0] if len(outs) == 1 else tuple(outs)

@@ -214,12 +214,17 @@ def clone_to(tensor: torch.Tensor, device: Device | str) -> torch.Tensor:
 
 
 def pad_rows(t: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`t` with copies of its first row appended up to `size` rows, in `out` when given (real
+    """`t` with its own rows repeated after it up to `size` rows, in `out` when given. Real
     values: a padded row of zeros could be a masked-out sequence, whose softmax is NaN, and NaN
-    is best not made)."""
-    if out is None:
-        return torch.cat([t, t[:1].expand(size - t.shape[0], *t.shape[1:])])
+    is best not made. Whole blocks of rows are plain memcpys; filling from one broadcast row
+    cost 3x as much on the H200 host."""
     rows = t.shape[0]
+    if out is None:
+        out = torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     out[:rows].copy_(t)
-    out[rows:].copy_(t[:1].expand(size - rows, *t.shape[1:]))
+    filled = rows
+    while filled < size:
+        n = min(rows, size - filled)
+        out[filled:filled + n].copy_(t[:n])
+        filled += n
     return out

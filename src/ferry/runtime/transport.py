@@ -94,6 +94,10 @@ class Transport:
             work = issue()
         except Exception as e:
             self._fail(f"{what} failed: {e}")
+        if poll and then is None:  # NCCL into or out of GPU memory: ordered on the device, not the host
+            work.wait()  # the current stream waits for the transfer; the host goes on
+            self.pending.append((work, what, poll, None))  # polled, bounded, at the end of the call
+            return
         if deferred:
             self.pending.append((work, what, poll, then))
             return
