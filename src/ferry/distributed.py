@@ -174,11 +174,6 @@ def _groups(dist, bounds, timeout: float, idle_timeout: float | None) -> Groups:
     """Every rank creates the same groups in the same order (new_group is collective)."""
     wait = timedelta(seconds=timeout)
     idle = _IDLE if idle_timeout is None else timedelta(seconds=idle_timeout)
-    if any(b.nccl for b in bounds):
-        # a transfer stuck on a dead peer: NCCL's watchdog aborts the communicator after the
-        # timeout and leaves the process running (its default kills it), so the device unblocks
-        # and the stuck request fails, which ferry reports as a PeerError
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     groups = Groups(dist.new_group(backend="gloo", timeout=wait), dist.new_group(backend="gloo", timeout=idle))
     for pair in sorted({(b.src.rank, b.dst.rank) for b in bounds if b.nccl}):
         groups.nccl[pair] = dist.new_group(ranks=sorted(pair), backend="nccl", timeout=wait)
