@@ -183,9 +183,10 @@ def _project_method(m: Method, rank: int) -> Method:
     buffers = [dataclasses.replace(b, device=b.device.local) if b.device.rank == rank else Buffer(0, CPU)
                for b in m.buffers]
     mutable = [mb for mb in m.mutable_buffers if m.tensor(mb.value).device.rank == rank]
-    io = {} if rank == 0 else {"inputs": [], "outputs": []}  # the call's inputs and outputs are rank 0's
+    ours = rank == 0  # the call's inputs and outputs are rank 0's
     return dataclasses.replace(m, values=values, instructions=kept, buffers=buffers,
-                               mutable_buffers=[MutableBuffer(mb.value, mb.update, mb.name) for mb in mutable], **io)
+                               mutable_buffers=[MutableBuffer(mb.value, mb.update, mb.name) for mb in mutable],
+                               inputs=m.inputs if ours else [], outputs=m.outputs if ours else [])
 
 
 def _views_of(m: Method, vid: int) -> set[int]:

@@ -434,8 +434,15 @@ class _Binder:
                                "distributed job; load the program with ferry.distributed.Module")
         vid, peer, tag, cuda, *deferred = ins.args
         slots, sync = self.slots, _device_sync(self.streams, m.tensor(vid).device)
-        get = (lambda t=slots[vid]: t) if self.fixed[vid] else (lambda: slots[vid])  # host memory bound per call
-        const = lambda a: m.values[a].value  # noqa: E731
+        fixed_tensor = slots[vid] if self.fixed[vid] else None
+
+        def get() -> torch.Tensor:  # planned memory, or host memory bound per call (a part's rows)
+            return fixed_tensor if fixed_tensor is not None else slots[vid]
+
+        def const(a: int):
+            v = m.values[a]
+            return v.value if isinstance(v, ConstValue) else None
+
         if ins.kernel == SEND:
             call = transport.bind_send(get, const(peer), const(tag), const(cuda), sync)
         else:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -37,9 +38,9 @@ class Groups:
     GPU to GPU in one direction, `control` for rank 0's commands (a serving rank waits on it
     between calls, so its timeout is the idle one)."""
 
-    gloo: object
-    control: object = None
-    nccl: dict[tuple[int, int], object] = field(default_factory=dict)
+    gloo: Any
+    control: Any = None
+    nccl: dict[tuple[int, int], Any] = field(default_factory=dict)
 
 
 class Transport:
@@ -152,7 +153,8 @@ class _Twin:
     (page-locked, on the host)."""
 
     def __init__(self, get: Callable[[], torch.Tensor], device: torch.device):
-        self.get, self.device, self.twin = get, device, None
+        self.get, self.device = get, device
+        self.twin: torch.Tensor | None = None
 
     def empty(self, fresh: bool = False) -> torch.Tensor:
         """`fresh`: a new twin (from PyTorch's caching allocator), not the reused one."""
