@@ -308,3 +308,24 @@ def test_a_rank_that_dies_over_nccl_ends_rank_0_within_the_timeout(tmp_path):
     zero, one = run_ranks(tmp_path, program, _calls(4), {"die": {"1": 2}, "timeout": 15}, limit=90)
     assert one.get("exit") == 9
     assert zero.get("error") == "PeerError" or zero.get("exit") == -6, zero
+
+
+def test_a_host_wait_stuck_behind_a_dead_peer_is_a_peer_error():
+    """Device work queued behind a transfer that never completes: a host wait of a program over
+    ranks gives up after the timeout with a PeerError instead of blocking forever."""
+    from ferry.runtime.simulated import SimulatedApi, _Mark
+    from ferry.runtime.streams import CopyStreams
+
+    api = SimulatedApi()
+    blocked = api.Stream(0)
+    api._queue(blocked, ("wait", _Mark()))  # a receive whose peer never sends
+    done = api.Event()
+    done.record(blocked)
+    assert not done.query()
+    streams = CopyStreams(api)
+    transport = _transport(FakeWork(), timeout=0.05)
+    streams.bound_waits(transport.timeout, transport.stuck)
+    streams._pending.append(done)
+    with pytest.raises(ferry.PeerError, match="did not finish within 0.05 s"):
+        streams.wait_host()
+    assert transport.broken is not None

@@ -175,8 +175,11 @@ def _groups(dist, bounds, timeout: float, idle_timeout: float | None) -> Groups:
     wait = timedelta(seconds=timeout)
     idle = _IDLE if idle_timeout is None else timedelta(seconds=idle_timeout)
     groups = Groups(dist.new_group(backend="gloo", timeout=wait), dist.new_group(backend="gloo", timeout=idle))
+    # NCCL's watchdog kills the process when a request outlives its group's timeout: give ferry's
+    # own bounded waits (transport polls, host waits) the time to fail first, with a PeerError
+    watchdog = timedelta(seconds=2 * timeout + 10)
     for pair in sorted({(b.src.rank, b.dst.rank) for b in bounds if b.nccl}):
-        groups.nccl[pair] = dist.new_group(ranks=sorted(pair), backend="nccl", timeout=wait)
+        groups.nccl[pair] = dist.new_group(ranks=sorted(pair), backend="nccl", timeout=watchdog)
     return groups
 
 

@@ -51,6 +51,8 @@ class LoadedMethod:
         self._delegate = delegate
         api = streams_api_for(method) if asynchronous else None
         self.streams = CopyStreams(api) if api is not None else None
+        if self.streams is not None and transport is not None:  # a dead peer must not hang a host wait
+            self.streams.bound_waits(transport.timeout, transport.stuck)
         self.memory = load_memory(program.segments, method, pin_host=pin_host, stage_io=cuda_graphs and api is not None,
                                   buffers=memory)
         # a method with dynamic sizes runs its first call at each new shape through the generic

@@ -63,6 +63,14 @@ class SimEvent:
     def synchronize(self) -> None:
         self.api._host_wait(lambda: self.mark is None or self.mark.reached)
 
+    def query(self) -> bool:
+        """Whether the work before the recording has run (the device makes what progress it can:
+        False when it is stuck, as a stream waiting on a peer that never sends is)."""
+        while not (self.mark is None or self.mark.reached):
+            if not self.api._step():
+                return False
+        return True
+
 
 class SimGraph:
     def __init__(self, api: SimulatedApi):

@@ -16,6 +16,7 @@ memory a pending `_h2d_copy` still reads (the schedule says where: runtime/sched
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -95,6 +96,7 @@ class CopyStreams:
         self._capture: dict[int, object] = {}
         self._pending: list = []
         self.capturing = False
+        self._bound: tuple[float, Callable[[], None]] | None = None
 
     def event(self, key):
         """One reusable event per call site: recording again is cheaper than creating."""
@@ -192,11 +194,31 @@ class CopyStreams:
         ev.record(self.api.current_stream(index))
         self._pending.append(ev)
 
+    def bound_waits(self, timeout: float, stuck: Callable[[], None]) -> None:
+        """Host waits give up after `timeout` seconds and call `stuck` (which raises): a program
+        over ranks, whose device work may wait on a peer that died (runtime/transport.py)."""
+        self._bound = (timeout, stuck)
+
     def wait_host(self) -> None:
         if self._pending:
-            for ev in self._pending:
-                ev.synchronize()
-            self._pending.clear()
+            try:
+                for ev in self._pending:  # (device work run during a wait may add events: waited for too)
+                    if self._bound is None:
+                        ev.synchronize()
+                    else:
+                        self._wait_bounded(ev, *self._bound)
+            finally:
+                self._pending.clear()
+
+    @staticmethod
+    def _wait_bounded(ev, timeout: float, stuck: Callable[[], None]) -> None:
+        deadline, spins = time.monotonic() + timeout, 0
+        while not ev.query():
+            if time.monotonic() > deadline:
+                stuck()
+            spins += 1
+            if spins > 2000:
+                time.sleep(min(1e-3, 1e-6 * (spins - 2000)))
 
     def end_of_call(self) -> None:
         self.api.end_of_call()

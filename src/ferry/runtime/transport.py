@@ -114,6 +114,12 @@ class Transport:
             if then is not None:
                 then()
 
+    def stuck(self) -> None:
+        """A host wait for the device ran out of time: device work is queued behind a transfer
+        whose peer does not answer."""
+        self._fail(f"the device did not finish within {self.timeout:g} s: a transfer to or from another rank is "
+                   "waiting on a peer that died or is stuck")
+
     def check(self) -> None:
         if self.broken is not None:
             raise PeerError(f"an earlier transfer failed ({self.broken}); the ranks are out of step: restart all "
