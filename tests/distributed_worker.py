@@ -40,15 +40,18 @@ def main() -> int:
             report["transfers"] = sum(1 for ins in module.module.program.method("forward").instructions
                                       if getattr(ins, "kernel", "").startswith("ferry::"))
             if rank == 0:
-                outs = []
+                outs, errors = [], []
                 for x in torch.load(inputs):
                     start = time.monotonic()
                     try:
                         outs.append(module(*x))
                     except ferry.FerryError as e:
                         report.update(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
-                        break
-                report["outputs"] = outs
+                        errors.append(type(e).__name__)
+                        if not options.get("keep_going"):
+                            break
+                        outs.append(None)
+                report.update(outputs=outs, errors=errors)
             else:
                 module.serve()
     except ferry.FerryError as e:

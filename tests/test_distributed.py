@@ -118,11 +118,39 @@ def test_rank_spellings():
     assert (d.type, d.index, d.rank, str(d)) == ("cuda", 1, 2, "rank2:cuda:1")
     assert ferry.Device.from_canonical("rank2:cuda:1") == d and d.local == ferry.Device("cuda", 1)
     assert str(ferry.Device.parse("rank0:cpu")) == "cpu:0"
-    for bad in ("rank:cuda:0", "rank-1:cuda:0", "rank1:gpu:0"):
+    for bad in ("rank:cuda:0", "rank-1:cuda:0", "rank1:gpu:0", "rank1:rank2:cuda:0", "rank1234567890:cuda:0"):
         with pytest.raises(ValueError):
             ferry.Device.parse(bad)
     with pytest.raises(ValueError):
         ferry.Device.from_canonical("rank01:cuda:0")
+
+
+def test_inputs_and_outputs_on_another_rank_are_refused(emu):
+    ep = torch.export.export(Stages().eval(), (torch.randn(4, 16),))
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip_d2h_for_method_outputs=True))
+    program = ferry.compile(ep, ferry.DeviceMapPartitioner({"a": "emu:0", "b": "rank1:emu:0"}), cfg)
+    with pytest.raises(ferry.ConfigError, match="output 0 lives on rank1:emu:0"):
+        project(program, 0)
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 8)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n.add_(1)
+        return self.b(self.a(x)) * self.n
+
+
+def test_micro_batches_refuse_a_stage_with_state_on_another_rank(emu):
+    import ferry.distributed
+
+    ep = torch.export.export(Counting().eval(), (torch.randn(4, 16),))
+    program = ferry.compile(ep, ferry.DeviceMapPartitioner({"a": "emu:0", "b": "rank1:emu:0", "": "rank1:emu:0"}))
+    with pytest.raises(ferry.ConfigError, match="updates buffers"):
+        ferry.distributed.Module(program, microbatches=2)
 
 
 def test_a_program_over_ranks_with_dynamic_sizes_is_refused_at_load(emu):
@@ -171,6 +199,37 @@ def test_micro_batches_pipeline_across_ranks(tmp_path, emu):
     for (x,), got in zip(calls, zero["outputs"]):
         assert got.shape == (10, 8)
         torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+
+
+class Transposed(Stages):
+    def forward(self, x):
+        return super().forward(x).view(-1, 2, 4).transpose(1, 2)
+
+
+def test_non_contiguous_tensors_cross_ranks(tmp_path, emu):
+    """A result laid out transposed, and a caller's transposed input bound per micro-batch, move
+    through contiguous staging (both transports move dense bytes; found by review)."""
+    ep = torch.export.export(Transposed().eval(), (torch.randn(4, 16),))
+    program = ferry.compile(ep, ferry.DeviceMapPartitioner({"a": "rank1:emu:0", "b": "rank1:emu:0"}))
+    calls = [(torch.randn(16, 8, generator=torch.Generator().manual_seed(i)).t(),) for i in range(2)]
+    assert not calls[0][0].is_contiguous()
+    zero, one = run_ranks(tmp_path, program, calls, {"microbatches": 2})
+    assert "error" not in zero and "error" not in one, (zero, one)
+    model = Transposed().eval()
+    for (x,), got in zip(calls, zero["outputs"]):
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_a_bad_call_leaves_every_rank_ready_for_the_next(tmp_path, emu):
+    """A call that fails its input checks (here on the dtype of a micro-batch) fails on rank 0
+    before any other rank hears of it (found by review: rank 1 used to wait for data)."""
+    good = _calls(2, batch=8)
+    calls = [good[0], (torch.randn(8, 16, dtype=torch.float64),), good[1]]
+    zero, one = run_ranks(tmp_path, split_program(), calls, {"microbatches": 2, "keep_going": True, "timeout": 20})
+    assert zero["errors"] == ["InputError"] and "error" not in one, (zero, one)
+    model = Stages().eval()
+    for i in (0, 2):
+        torch.testing.assert_close(zero["outputs"][i], model(calls[i][0]), atol=1e-5, rtol=1e-4)
 
 
 def test_a_rank_that_dies_is_a_peer_error_on_rank_0_within_the_timeout(tmp_path, emu):

@@ -89,8 +89,11 @@ class Device:
             raise ValueError(f"expected a device string like 'cuda:0', got {type(text).__name__}")
         ranked = _RANK.match(text)
         if ranked is not None:
-            local = cls.parse(ranked.group(2))
-            return cls(local.type, local.index, int(ranked.group(1)))
+            digits, rest = ranked.group(1), ranked.group(2)
+            if len(digits.lstrip("0") or "0") > 9 or _RANK.match(rest):
+                raise ValueError(f"{text!r}: a device names one rank, 'rankN:' with N < 10**9, e.g. 'rank1:cuda:0'")
+            local = cls.parse(rest)
+            return cls(local.type, local.index, int(digits))
         s = text.strip().lower()
         kind, sep, idx = s.partition(":")
         kind = kind.strip()

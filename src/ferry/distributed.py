@@ -21,6 +21,7 @@ docs/distributed.md says how this spans hosts.
 from __future__ import annotations
 
 import os
+import threading
 from datetime import timedelta
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from ferry.errors import ConfigError, PeerError
 from ferry.program import Program, load_program
 from ferry.program.ranks import boundaries, program_ranks, project
+from ferry.runtime.microbatch import batched_values
 from ferry.runtime.module import Module as _LocalModule
 from ferry.runtime.transport import Groups, Transport
 
@@ -56,24 +58,38 @@ class Module:
             program = load_program(program)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if microbatches is not None:  # every rank's stages: a stateful one elsewhere would be split silently
+            for m in program.methods.values():
+                batched_values(m, "microbatches=")
         self._owns_group = _join(timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.closed, self._lock = False, threading.Lock()
+        self._groups: Groups | None = None
+        try:
+            self._open(program, dist, timeout, idle_timeout, microbatches=microbatches if self.rank == 0 else None,
+                       cuda_graphs=cuda_graphs, outputs=outputs, pin_host_memory=pin_host_memory)
+        except BaseException:  # nothing stays allocated or joined
+            self.closed = True
+            if "module" in self.__dict__:
+                self.module.close()
+            _leave(self._groups, self._owns_group, clean=False)
+            raise
+
+    def _open(self, program: Program, dist, timeout: float, idle_timeout, **options) -> None:
         ranks = program_ranks(program)
         if ranks[-1] >= self.world_size:
             raise ConfigError(f"the program has stages on rank {ranks[-1]}, but this job has {self.world_size} "
                               f"processes: start it with --nproc-per-node={ranks[-1] + 1} (or more)")
+        local = project(program, self.rank)  # a program ferry cannot split fails here, before any group
         self.methods = list(program.methods)
         self.boundaries = boundaries(program)
         self._groups = _groups(dist, self.boundaries, timeout, idle_timeout)
         self.transport = Transport(self.rank, self._groups, float(timeout))
         self._control = self._groups.control
-        self.closed = False
-        self.module = _LocalModule(project(program, self.rank), transport=self.transport, cuda_graphs=cuda_graphs,
-                                   microbatches=microbatches if self.rank == 0 else None, outputs=outputs,
-                                   pin_host_memory=pin_host_memory)
+        self.module: _LocalModule = _LocalModule(local, transport=self.transport, **options)
         for name in self.methods:  # every rank allocates before the first call, so no call waits on a load
             self.module.load_method(name)
-        self.transport._wait(dist.barrier(group=self._groups.gloo, async_op=True), "waiting for every rank to load")
+        self.transport.wait(dist.barrier(group=self._groups.gloo, async_op=True), "waiting for every rank to load")
 
     # ---- rank 0
 
@@ -86,9 +102,15 @@ class Module:
 
     def run_method(self, name: str, inputs) -> list:
         self._require(rank0=True)
-        parts = self.module.parts(name, inputs)  # a bad call fails here, before any rank hears of it
-        self._command(_CALL, self.methods.index(name), parts)
-        return self.module.run_method(name, inputs)
+        with self._lock:  # one call at a time: the other ranks follow rank 0's commands in order
+            parts = self.module.parts(name, inputs)  # a bad call fails here, before any rank hears of it
+            self._command(_CALL, self.methods.index(name), parts)
+            try:
+                return self.module.run_method(name, inputs)
+            except BaseException as e:  # the other ranks are mid-call: they cannot be told to stop
+                if self.transport.broken is None:
+                    self.transport.broken = f"rank 0 failed during a call ({type(e).__name__}: {e})"
+                raise
 
     def forward(self, *inputs):
         outs = self.run_method("forward", inputs)
@@ -101,7 +123,7 @@ class Module:
 
         message = torch.tensor([kind, method, parts], dtype=torch.int64)
         for r in range(1, self.world_size):
-            self.transport._wait(dist.isend(message, r, group=self._control), f"telling rank {r} what to run")
+            self.transport.wait(dist.isend(message, r, group=self._control), f"telling rank {r} what to run")
 
     # ---- other ranks
 
@@ -183,10 +205,10 @@ def _groups(dist, bounds, timeout: float, idle_timeout: float | None) -> Groups:
     return groups
 
 
-def _leave(groups: Groups, owns_default: bool, clean: bool) -> None:
+def _leave(groups: Groups | None, owns_default: bool, clean: bool) -> None:
     import torch.distributed as dist
 
-    for g in (*groups.nccl.values(), groups.control, groups.gloo):
+    for g in (*groups.nccl.values(), groups.control, groups.gloo) if groups is not None else ():
         try:
             if not clean and hasattr(g, "abort"):
                 g.abort()

@@ -133,6 +133,17 @@ def check_static(m: Method) -> None:
                           "shapes (compile one per batch size, or use microbatches=)")
 
 
+def check_io_on_rank_0(m: Method) -> None:
+    """Rank 0 takes a call's inputs and returns its outputs: none of them may live elsewhere."""
+    for what, ids in (("input", m.inputs), ("output", m.outputs)):
+        for i, vid in enumerate(ids):
+            v = m.values[vid]
+            if isinstance(v, TensorValue) and v.device.rank != 0:
+                raise ConfigError(f"method {m.name!r}: {what} {i} lives on {v.device}, but rank 0 takes the inputs "
+                                  "and returns the outputs; compile without skip_h2d/skip_d2h for a stage on "
+                                  "another rank")
+
+
 def project(program, rank: int):
     """The part of `program` that the process of `rank` runs (a new Program; the segments and
     delegates are shared, not copied)."""
@@ -145,6 +156,7 @@ def project(program, rank: int):
 def _project_method(m: Method, rank: int) -> Method:
     if len(_method_ranks(m) | {0}) > 1:
         check_static(m)
+        check_io_on_rank_0(m)
     values = list(m.values)
 
     def const(kind: str, value) -> int:

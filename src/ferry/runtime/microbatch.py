@@ -80,7 +80,10 @@ class MicroBatches:
     def count(self, inputs: list) -> int:
         """How many parts a call on `inputs` runs (the inputs checked as a call checks them)."""
         rows = self._rows(inputs)
-        return -(-rows // self._part_size(rows))
+        size = self._part_size(rows)
+        first = size if self.static else min(size, rows)  # the first part's shape, as a call makes it (a view)
+        self.method.check_inputs([t[:1].expand(first, *t.shape[1:]) for t in inputs])
+        return -(-rows // size)
 
     def __call__(self, inputs: list) -> list:
         rows = self._rows(inputs)

@@ -125,6 +125,10 @@ class Transport:
             raise PeerError(f"an earlier transfer failed ({self.broken}); the ranks are out of step: restart all "
                             "of them")
 
+    def wait(self, work, what: str) -> None:
+        """Wait for a Gloo request of the caller's (a command, a barrier), bounded, as transfers wait."""
+        self._wait(work, what)
+
     def _wait(self, work, what: str, poll: bool = False) -> None:
         """Wait for `work` at most `timeout` seconds. `poll`: an NCCL request, whose wait() would
         not block the host (Gloo's blocks, up to the timeout it is given)."""
@@ -155,8 +159,9 @@ class Transport:
 
 class _Twin:
     """Where a transport moves a tensor from or into: the tensor itself when it already lives
-    there (host memory for Gloo, the GPU for NCCL), else a twin made on first use and reused
-    (page-locked, on the host)."""
+    there (host memory for Gloo, the GPU for NCCL) and is contiguous (both transports move dense
+    bytes, and the two ends of a copy may lay the tensor out differently), else a contiguous
+    twin made on first use and reused (page-locked, on the host)."""
 
     def __init__(self, get: Callable[[], torch.Tensor], device: torch.device):
         self.get, self.device = get, device
@@ -165,7 +170,8 @@ class _Twin:
     def empty(self, fresh: bool = False) -> torch.Tensor:
         """`fresh`: a new twin (from PyTorch's caching allocator), not the reused one."""
         t = self.get()
-        if t.device == self.device or (self.device.type == "cpu" and t.device.type == "cpu"):
+        here = t.device == self.device or (self.device.type == "cpu" and t.device.type == "cpu")
+        if here and t.is_contiguous():
             return t
         if fresh or self.twin is None or self.twin.shape != t.shape:
             pin = self.device.type == "cpu" and torch.cuda.is_available()
