@@ -82,6 +82,10 @@ def _text_w(s: str, size: float = 12.0) -> float:
 
 def _parse_device(text: str, fallback: Device) -> Device:
     """Lenient: a program may name a device type whose allocator is not registered here."""
+    try:
+        return Device.from_canonical(text.strip())  # 'cuda:0', 'rank1:cuda:0'
+    except ValueError:
+        pass
     kind, _, idx = text.strip().lower().partition(":")
     try:
         return Device(kind or fallback.type, int(idx) if idx.strip() else 0)
