@@ -123,6 +123,9 @@ def test_rank_spellings():
             ferry.Device.parse(bad)
     with pytest.raises(ValueError):
         ferry.Device.from_canonical("rank01:cuda:0")
+    D = ferry.Device  # noqa: N806
+    assert sorted([D("cuda", 1), D("cuda", 0, 1), D("cpu"), D("cuda", 0)]) == [
+        D("cpu"), D("cuda", 0), D("cuda", 1), D("cuda", 0, 1)]  # a rank's devices list together
 
 
 def test_inputs_and_outputs_on_another_rank_are_refused(emu):

@@ -7,6 +7,7 @@ one fact both parsing ("is 'emu' a known type?") and the runtime ("which allocat
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from dataclasses import dataclass
@@ -60,10 +61,12 @@ def known_device_types() -> tuple[str, ...]:
     return BUILTIN_DEVICE_TYPES + tuple(sorted(extra))
 
 
-@dataclass(frozen=True, order=True)
+@functools.total_ordering
+@dataclass(frozen=True)
 class Device:
     """A device of one process: `rank` is the torch.distributed rank whose process owns it (0 for
-    a program that runs in one process). Its index is the device's index in that process."""
+    a program that runs in one process). Its index is the device's index in that process.
+    Devices sort by rank first, so a rank's devices list together."""
 
     type: str
     index: int = 0
@@ -123,6 +126,11 @@ class Device:
     @property
     def is_cpu(self) -> bool:
         return self.type == "cpu"
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Device):
+            return NotImplemented
+        return (self.rank, self.type, self.index) < (other.rank, other.type, other.index)
 
     @property
     def local(self) -> Device:
