@@ -391,3 +391,21 @@ def test_a_host_wait_stuck_behind_a_dead_peer_is_a_peer_error():
     with pytest.raises(ferry.PeerError, match="did not finish within 0.05 s"):
         streams.wait_host()
     assert transport.broken is not None
+
+
+def test_the_cli_compiles_a_map_over_ranks_and_runs_it_only_under_a_job(tmp_path, capsys, emu, monkeypatch):
+    from ferry.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    out = tmp_path / "split.ferry"
+    dmap = {"ln1": "emu:0", "qkv": "emu:0", "proj": "emu:0", "ln2": "rank1:emu:0", "fc1": "rank1:emu:0",
+            "fc2": "rank1:emu:0"}
+    assert main(["compile", "ferry.examples:transformer_block", "-o", str(out), "--device-map", json.dumps(dmap)]) == 0
+    assert program_ranks(ferry.load_program(out)) == (0, 1)
+    capsys.readouterr()
+    assert main(["run", str(out)]) == 2  # one process, no job: say how to start one
+    assert "torchrun" in capsys.readouterr().err
+    dmap["fc2"] = "rank1:gpu:0"
+    assert main(["compile", "ferry.examples:transformer_block", "-o", str(out), "--device-map", json.dumps(dmap)]) == 2
+    assert "unknown device type 'gpu' in --device-map 'rank1:gpu:0'" in capsys.readouterr().err

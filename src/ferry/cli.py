@@ -68,14 +68,18 @@ def _non_negative_int(text: str) -> int:
     return n
 
 
-def _parse_device(text: str):
-    """The --device value as a Device; `emu` (the emulated device) is known to the CLI."""
+def _parse_device(text: str, flag: str = "--device"):
+    """A device named on the command line, as a Device; `emu` (the emulated device) is known to
+    the CLI. A device map's may name a rank first ('rank1:cuda:0')."""
+    import re
+
     from ferry.device import Device, known_device_types
 
-    kind = text.strip().lower().partition(":")[0].strip()
+    local = re.sub(r"(?i)^\s*rank\s*[0-9]+\s*:", "", text) if flag == "--device-map" else text
+    kind = local.strip().lower().partition(":")[0].strip()
     known = tuple(dict.fromkeys(known_device_types() + ("emu",)))
     if kind not in known:
-        raise UserError(f"unknown device type {kind!r} in --device {text!r}; known types: {', '.join(known)}")
+        raise UserError(f"unknown device type {kind!r} in {flag} {text!r}; known types: {', '.join(known)}")
     _ensure_device_type(kind)
     try:
         return Device.parse(text)
@@ -171,9 +175,12 @@ def _partitioner(args):
         raise UserError("give --device (one device) or --device-map (several), not both")
     device_map = "auto" if args.device_map.strip() == "auto" else _read_device_map(args.device_map)
     max_memory = _read_max_memory(args.max_memory) if args.max_memory is not None else None
-    for value in [*(device_map.values() if isinstance(device_map, dict) else ()), *(max_memory or {})]:
+    for value in device_map.values() if isinstance(device_map, dict) else ():
         if isinstance(value, str) and not value.strip().isdigit():
-            _parse_device(value)
+            _parse_device(value, "--device-map")
+    for value in max_memory or {}:
+        if isinstance(value, str) and not value.strip().isdigit():
+            _parse_device(value, "--max-memory")
     try:
         partitioner = ferry.DeviceMapPartitioner(device_map, exclude=exclude, max_memory=max_memory)
     except ferry.ConfigError as e:
