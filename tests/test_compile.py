@@ -116,6 +116,14 @@ def lifetimes(m) -> dict[int, tuple[int, int]]:
     for mb in m.mutable_buffers:
         touch(mb.update, n)
         touch(mb.value, n)
+    host_copies = [[e for e in (ins.args[0], ins.outputs[0])] for ins in m.instructions
+                   if getattr(ins, "kernel", "").startswith("et_copy::")
+                   and len({m.values[e].device.is_cpu for e in (ins.args[0], ins.outputs[0])}) == 2]
+    if len({m.values[e].device for ends in host_copies for e in ends if not m.values[e].device.is_cpu}) > 1:
+        for ends in host_copies:  # two devices' copies touch host memory: it lives to the end of the call
+            for e in ends:
+                if m.values[e].device.is_cpu:
+                    touch(e, n)
     for vid in [*m.inputs, *(mb.value for mb in m.mutable_buffers)]:
         r = _root(m, vid)
         first[r] = -1

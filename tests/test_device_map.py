@@ -289,3 +289,26 @@ def test_cli_compiles_with_a_device_map(tmp_path, capsys):
     finally:
         if not had and get_allocator("emu") is not None:
             unregister_allocator("emu")
+
+
+def test_host_memory_a_copy_reads_is_not_reused_by_another_devices_copy():
+    """Two devices read the input and each returns a result: the first result's copy back to
+    the host ran on another stream than the second device's copy of the input, and used to be
+    planned over the input's bytes (the input's last reader comes first in program order). On
+    asynchronous devices the second copy then read the first result (found by hypothesis)."""
+    from ferry.program.lifetimes import value_lifetimes
+
+    model = RandomDag([(0, 0), (0, 0), (0, 0), (0, 0), (0, 1)], [False] * 5).eval()
+    devices = ["emu:0", "emu:0", "emu:1", "emu:0", "emu:0"]
+    with emulated_device(num_devices=2, asynchronous=True):
+        program = ferry.compile(torch.export.export(model, (torch.randn(4, 4),)),
+                                device_map={f"ms.{i}": d for i, d in enumerate(devices)})
+        m = program.method("forward")
+        life = value_lifetimes(m)
+        host = [vid for vid, v in enumerate(m.values) if getattr(v, "plan", None) and v.device.is_cpu]
+        assert all(life[vid][1] == len(m.instructions) for vid in host)  # alive to the end of the call
+        module = ferry.Module(program)
+        for i in range(3):
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(i))
+            for got, want in zip(module(x), model(x)):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

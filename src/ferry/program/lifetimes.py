@@ -22,12 +22,30 @@ def tensor_ids(method: Method, vid: int) -> list[int]:
     return []
 
 
+def _host_ends_of_device_copies(method: Method) -> list[int]:
+    from ferry.ops import COPY_KERNELS  # (ops registers torch operators: imported when needed)
+
+    host, devices = [], set()
+    for ins in method.instructions:
+        if getattr(ins, "kernel", None) in COPY_KERNELS and ins.args and ins.outputs:
+            ends = [t for a in (ins.args[0], ins.outputs[0]) for t in tensor_ids(method, a)]
+            where = [method.tensor(t).device for t in ends]
+            if any(d.is_cpu for d in where) and any(not d.is_cpu for d in where):
+                host += [t for t, d in zip(ends, where) if d.is_cpu]
+                devices |= {d for d in where if not d.is_cpu}
+    return host if len(devices) > 1 else []
+
+
 def value_lifetimes(method: Method) -> dict[int, tuple[int, int]]:
     """(first, last) instruction index of every tensor value that owns memory (not a view).
 
     A value starts at the instruction that defines it; a method input or a mutable buffer at -1.
     It ends at the last instruction that reads it, or one of its views; a method output or a
-    mutable buffer lives to len(instructions)."""
+    mutable buffer lives to len(instructions). So does host memory a copy to or from a device
+    touches when copies of two devices touch host memory: a copy runs asynchronously on its
+    device's streams, and the other device's copy, later in program order but on other streams,
+    could reuse the bytes before it has run (only the end of the call orders them for certain;
+    one device's copies are ordered among themselves)."""
     n = len(method.instructions)
     start: dict[int, int] = {}
     end: dict[int, int] = {}
@@ -52,6 +70,8 @@ def value_lifetimes(method: Method) -> dict[int, tuple[int, int]]:
                 start.setdefault(t, i)
             touch(o, i)
     for vid in method.outputs:
+        touch(vid, n)
+    for vid in _host_ends_of_device_copies(method):
         touch(vid, n)
     mutable = {mb.value for mb in method.mutable_buffers}
     for mb in method.mutable_buffers:
