@@ -4,6 +4,7 @@ argv: program path, inputs path (a list of input tensors, one per call), result 
 JSON object of options. Rank 0 saves the outputs (or the error it got); other ranks serve.
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -20,6 +21,8 @@ def main() -> int:
     program, inputs, result, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     register_allocator(EmulatedAllocator(asynchronous=options.get("asynchronous", False)))
     rank = int(os.environ["RANK"])
+    if "dump_after" in options:  # where every thread is, should the job hang (shown by the test)
+        faulthandler.dump_traceback_later(options["dump_after"], exit=False)
     report: dict = {"rank": rank}
     try:
         with ferry.distributed.Module(program, timeout=options.get("timeout", 30), cuda_graphs=options.get("graphs", False),
@@ -47,6 +50,8 @@ def main() -> int:
                         outs.append(module(*x))
                     except ferry.FerryError as e:
                         report.update(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
+                        print(f"rank 0: {type(e).__name__} after {time.monotonic() - start:.1f} s", flush=True)
+                        report["failed_at"] = time.monotonic()
                         errors.append(type(e).__name__)
                         if not options.get("keep_going"):
                             break
@@ -56,7 +61,11 @@ def main() -> int:
                 module.serve()
     except ferry.FerryError as e:
         report.update(error=type(e).__name__, message=str(e))
+    print(f"rank {rank}: closed", flush=True)
+    report["closed_after"] = time.monotonic() - report.pop("failed_at", time.monotonic())
     torch.save(report, result)
+    if options.get("exit_after_peer_error") and report.get("error") == "PeerError":
+        os._exit(3)  # what a job does after a PeerError over NCCL: end, for torchrun to restart it
     return 0
 
 

@@ -36,6 +36,7 @@ from ferry.runtime.transport import Groups, Transport
 __all__ = ["Module"]
 
 _STOP, _CALL = 0, 1
+_ABORT_WAIT = 5.0  # seconds closing waits for NCCL to abort after a peer failed
 _IDLE = timedelta(days=365)  # a serving rank waits this long for rank 0's next call
 
 
@@ -167,9 +168,9 @@ class Module:
                     self._command(_STOP)
                 except PeerError:
                     pass  # a dead rank needs no stopping
-        finally:
-            self.module.close()
+        finally:  # groups first: aborting NCCL ends device work stuck on a dead peer
             _leave(self._groups, self._owns_group, self.transport.broken is None)
+            self.module.close()
 
     def __enter__(self):
         return self
@@ -206,11 +207,22 @@ def _groups(dist, bounds, timeout: float, idle_timeout: float | None) -> Groups:
 
 
 def _leave(groups: Groups | None, owns_default: bool, clean: bool) -> None:
+    """Destroy this module's groups. After a peer failed, NCCL groups are aborted first, in a
+    thread given _ABORT_WAIT seconds: NCCL's abort can block on a transfer whose peer is dead
+    (measured on two H200s, torch 2.11), and closing must not hang. If it does not finish, no
+    group is destroyed (that blocks behind the abort): they end with the process, and the GPU
+    stream stays busy until then (docs/distributed.md: end the process after such a PeerError)."""
     import torch.distributed as dist
 
-    for g in (*groups.nccl.values(), groups.control, groups.gloo) if groups is not None else ():
+    if groups is None:
+        return
+    nccl = list(groups.nccl.values())
+    if not clean and nccl and not _abort_within(nccl, _ABORT_WAIT):
+        return  # still aborting: destroying any group now blocks behind it (measured)
+    gloo = [groups.control, groups.gloo]
+    for g in (*nccl, *gloo):
         try:
-            if not clean and hasattr(g, "abort"):
+            if not clean and g in gloo and hasattr(g, "abort"):
                 g.abort()
             dist.destroy_process_group(g)
         except Exception:  # a group a dead peer broke: nothing more to free
@@ -220,3 +232,18 @@ def _leave(groups: Groups | None, owns_default: bool, clean: bool) -> None:
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _abort_within(groups: list, seconds: float) -> bool:
+    """Abort each group in a daemon thread; True if all were aborted within `seconds`."""
+    def abort():
+        for g in groups:
+            try:
+                g.abort()
+            except Exception:
+                pass
+
+    worker = threading.Thread(target=abort, name="ferry-abort-nccl", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return not worker.is_alive()
