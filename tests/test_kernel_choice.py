@@ -102,3 +102,17 @@ def test_a_transposed_gemm_input_is_made_contiguous_once():
     assert kernels[first_linear - 1] == "aten::clone.default" and kernels[first_linear] == "aten::linear.out"
     (x,) = fresh_inputs((x,), 4)
     torch.testing.assert_close(ferry.Module(program)(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_linear_over_a_batch_of_rows_runs_functionally_on_cuda_only():
+    """On CUDA the functional linear folds the batch into one GEMM with the bias fused (addmm);
+    linear.out runs the GEMM, then a separate add (two kernels; measured on an H200). On the
+    CPU the difference was noise, and .out keeps the result in planned memory."""
+    batched = _node(nn.Linear(8, 4), (torch.randn(2, 5, 8),), aten.linear.default)
+    flat = _node(nn.Linear(8, 4), (torch.randn(5, 8),), aten.linear.default)
+    no_bias = _node(nn.Linear(8, 4, bias=False), (torch.randn(2, 5, 8),), aten.linear.default)
+    on_cuda = choose_kernel(aten.linear.default, batched, "cuda")
+    assert on_cuda.functional and "addmm" in on_cuda.reason
+    assert not choose_kernel(aten.linear.default, batched, "cpu").functional
+    assert not choose_kernel(aten.linear.default, flat, "cuda").functional
+    assert not choose_kernel(aten.linear.default, no_bias, "cuda").functional

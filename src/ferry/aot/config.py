@@ -57,6 +57,9 @@ class CompileConfig:
     a device are never planned, whatever these say.
     memory_planning: "greedy" (lifetimes that do not overlap share memory) or "naive".
     alignment: bytes, an int or a {device type: int} dict; None = ferry's defaults.
+    fuse_for_inference: give delegates eager's inference shortcuts (nn.MultiheadAttention as one
+    fused op, batch norms folded into the convolutions before them; aot/fuse.py). False keeps
+    the traced ops exactly (bit-for-bit with eager's unfused ops).
     """
 
     enable_non_cpu_memory_planning: bool = True
@@ -67,6 +70,7 @@ class CompileConfig:
     alloc_graph_output: bool = True
     memory_planning: str = "greedy"
     alignment: AlignmentSpec = None
+    fuse_for_inference: bool = True
 
     def __post_init__(self):
         if self.memory_planning not in ("greedy", "naive"):
@@ -75,7 +79,7 @@ class CompileConfig:
             resolve_alignment(self.alignment)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        for name in ("enable_non_cpu_memory_planning", "alloc_graph_input", "alloc_graph_output"):
+        for name in ("enable_non_cpu_memory_planning", "alloc_graph_input", "alloc_graph_output", "fuse_for_inference"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -118,6 +122,7 @@ class CompileConfig:
             name=name, device_placement=self.enable_non_cpu_memory_planning, skip_h2d=skip_h2d, skip_d2h=skip_d2h,
             alloc_graph_input=self.alloc_graph_input, alloc_graph_output=self.alloc_graph_output,
             memory_planning=self.memory_planning, alignment=resolve_alignment(self.alignment),
+            fuse_for_inference=self.fuse_for_inference,
         )
 
 
@@ -137,6 +142,7 @@ class MethodOptions:
     alloc_graph_output: bool = True
     memory_planning: str = "greedy"
     alignment: Mapping[str, int] = field(default_factory=lambda: resolve_alignment(None))
+    fuse_for_inference: bool = True
 
     def alignment_of(self, device_type: str) -> int:
         return alignment_for(self.alignment, device_type)

@@ -312,7 +312,7 @@ class _MethodEmitter:
         vals = list(val) if isinstance(val, (tuple, list)) else [val]
         dev = self.device_of(node)
         outs = tuple(self.tensor_value(node, v, dev) for v in vals)
-        choice = choose_kernel(op, node)
+        choice = choose_kernel(op, node, dev.type)
         if choice.functional:
             self.runtime_alloc.update(outs)
             self.allocating_ops.append(kernel_name(op))

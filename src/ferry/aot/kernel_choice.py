@@ -41,12 +41,15 @@ class KernelChoice:
     reason: str = ""
 
 
-def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node) -> KernelChoice:
+def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node, device_type: str = "cpu") -> KernelChoice:
     out = out_variant(op)
     if out is None:
         return KernelChoice(op, True, "no out variant: allocates its result each call")
     if op in ops.FUNCTIONAL_COPIES:
         return KernelChoice(out, False)  # ferry's own copies write in place
+    if op is torch.ops.aten.linear.default and _batched(node) and device_type in _FOLDING_DEVICES:
+        return KernelChoice(op, True, "over a batch of rows the functional kernel runs one GEMM with the bias fused "
+                                      "(addmm); linear.out runs the GEMM, then adds the bias (measured)")
     if not _contiguous(node.meta.get("val")):
         return KernelChoice(op, True, "eager gives its result a non-contiguous layout: computed as eager does, "
                                       "so every view eager allows stays legal")
@@ -60,6 +63,18 @@ def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node) -> KernelChoic
         return KernelChoice(op, True, f"{kernel_name(out)} computes into a temporary and copies (measured): "
                                       "the functional kernel's result is used in place")
     return KernelChoice(out, False)
+
+
+# where linear.out's GEMM-then-add was measured slower than the functional addmm (an H200: two
+# kernels and an extra pass); on the CPU the difference was within noise, and .out keeps the
+# result in planned memory
+_FOLDING_DEVICES = {"cuda"}
+
+
+def _batched(node: torch.fx.Node) -> bool:
+    x = node.args[0] if node.args else None
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() >= 3 and len(node.args) > 2 and node.args[2] is not None
 
 
 def _contiguous(val) -> bool:

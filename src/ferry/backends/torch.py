@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from ferry.aot.emit import ProgramBuilder, emit_method
+from ferry.aot.fuse import fuse_for_inference, fusion_notes
 from ferry.aot.place import delegate_target_device
 from ferry.device import CPU
 from ferry.errors import ProgramError
@@ -29,7 +30,9 @@ class TorchBackend:
         device = delegate_target_device(lowered) or CPU
         opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False)
         builder = ProgramBuilder()
+        fused = fuse_for_inference(lowered.original_module) if options.fuse_for_inference else []
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
+        method.kernel_choices.update(fusion_notes(fused))
         return program_to_bytes(Program({"forward": method}, builder.delegates, builder.segments))
 
     def memory_needs(self, payload) -> list[Buffer]:

@@ -1,0 +1,163 @@
+"""Delegates get eager's inference shortcuts (aot/fuse.py): nn.MultiheadAttention as one fused
+op, batch norms folded into convolutions; each checked against eager with fresh inputs."""
+
+import pytest
+import torch
+
+import ferry
+from ferry.aot.fuse import fuse_for_inference
+
+MHA = "aten::_native_multi_head_attention.default"
+SDPA = "aten::scaled_dot_product_attention.default"
+BN = "aten::_native_batch_norm_legit_no_training.default"
+
+
+def delegate_kernels(program) -> list[str]:
+    return [i.kernel for d in program.delegates
+            for i in ferry.load_program(program.segments[d.payload]).method("forward").instructions
+            if hasattr(i, "kernel")]
+
+
+def compile_on(model, inputs, fuse=True, device="emu:0"):
+    ep = torch.export.export(model.eval(), inputs)
+    return ferry.compile(ep, ferry.OpSupportPartitioner(device), ferry.CompileConfig(fuse_for_inference=fuse))
+
+
+def assert_matches_eager(program, model, make_inputs, calls=3):
+    module = ferry.Module(program)
+    for _ in range(calls):
+        inputs = make_inputs()
+        got = module(*inputs)
+        with torch.no_grad():
+            want = model(*inputs)
+        got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, batch_first=True, mask=False):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(32, 4, batch_first=batch_first)
+        self.norm = torch.nn.LayerNorm(32)
+        self.mask = mask
+
+    def forward(self, x):
+        y = self.norm(x)
+        n = x.shape[1] if self.mha.batch_first else x.shape[0]
+        mask = torch.triu(torch.full((n, n), float("-inf")), 1) if self.mask else None
+        return x + self.mha(y, y, y, need_weights=False, attn_mask=mask)[0]
+
+
+def test_self_attention_becomes_one_fused_op_and_equals_eager(emu):
+    model = SelfAttention().eval()
+    program = compile_on(model, (torch.randn(2, 7, 32),))
+    kernels = delegate_kernels(program)
+    assert kernels.count(MHA) == 1 and SDPA not in kernels, kernels
+    assert len(kernels) <= 4  # layer norm, attention, add (the traced attention alone is ~25 ops)
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 7, 32),))
+    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    assert "nn.MultiheadAttention" in notes[MHA]
+
+
+def test_without_fusion_the_traced_ops_stay(emu):
+    model = SelfAttention().eval()
+    kernels = delegate_kernels(compile_on(model, (torch.randn(2, 7, 32),), fuse=False))
+    assert MHA not in kernels and kernels.count(SDPA) == 1
+
+
+@pytest.mark.parametrize("kind", ["sequence_first", "masked"])
+def test_attention_the_fused_kernel_does_not_compute_alike_stays_traced(kind, emu):
+    """Sequence-first attention and a masked one are not what the fused op computes: the
+    numerical check (or the mask) keeps the traced ops, and results still equal eager."""
+    model = SelfAttention(batch_first=kind != "sequence_first", mask=kind == "masked").eval()
+    shape = (7, 2, 32) if kind == "sequence_first" else (2, 7, 32)
+    program = compile_on(model, (torch.randn(*shape),))
+    assert MHA not in delegate_kernels(program)
+    assert_matches_eager(program, model, lambda: (torch.randn(*shape),))
+
+
+def _bn(channels, dims=2):
+    bn = {1: torch.nn.BatchNorm1d, 2: torch.nn.BatchNorm2d}[dims](channels)
+    with torch.no_grad():  # statistics and affine parameters far from the identity
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.2, 3.0)
+        bn.weight.normal_()
+        bn.bias.normal_()
+    return bn
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_batch_norm_after_a_convolution_is_folded_and_equals_eager(bias, emu):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, bias=bias), _bn(8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, groups=2), _bn(8)).eval()
+    program = compile_on(model, (torch.randn(2, 3, 12, 12),))
+    kernels = delegate_kernels(program)
+    assert BN not in kernels and kernels.count("aten::conv2d.default") == 2, kernels
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 12, 12),))
+    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    assert notes[BN].startswith("2 folded")
+
+
+def test_conv1d_batch_norm_is_folded(emu):
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 6, 3), _bn(6, dims=1)).eval()
+    program = compile_on(model, (torch.randn(2, 4, 10),))
+    assert BN not in delegate_kernels(program)
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 4, 10),))
+
+
+class ConvReadTwice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 4, 3), _bn(4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y) + y  # the convolution's own result is needed too: nothing to fold into
+
+
+def test_a_convolution_read_elsewhere_keeps_its_batch_norm(emu):
+    model = ConvReadTwice().eval()
+    program = compile_on(model, (torch.randn(1, 3, 8, 8),))
+    assert BN in delegate_kernels(program)
+    assert_matches_eager(program, model, lambda: (torch.randn(1, 3, 8, 8),))
+
+
+def test_folding_leaves_no_unused_constants():
+    """The folded weights replace the originals: the delegate carries one weight and one bias
+    per convolution, not the batch norm's four tensors as well."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), _bn(8)).eval()
+    ep = torch.export.export(model, (torch.randn(1, 3, 8, 8),))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu"))
+    sub = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward")
+    constants = [v for v in sub.values if getattr(v, "storage", None) == "constant"]
+    assert sorted(v.shape for v in constants) == [(8,), (8, 3, 3, 3)]
+
+
+def test_fusing_twice_changes_nothing_more():
+    model = SelfAttention().eval()
+    gm = torch.export.export(model, (torch.randn(2, 5, 32),)).run_decompositions({}).module()
+    # get_attr constants, as in a delegate's subgraph
+    first = fuse_for_inference(gm)
+    assert fuse_for_inference(gm) == [] and len(first) == 1
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fused_attention_and_folded_batch_norm_on_cuda_equal_eager(full_fp32):
+    convs = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), _bn(8), torch.nn.ReLU()).eval()
+    for model, shape in ((SelfAttention().eval(), (2, 7, 32)), (convs, (2, 3, 12, 12))):
+        program = compile_on(model, (torch.randn(*shape),), device="cuda:0")
+        kernels = delegate_kernels(program)
+        assert BN not in kernels and SDPA not in kernels, kernels
+        module = ferry.Module(program)
+        cuda_model = model.cuda()
+        for _ in range(3):
+            x = torch.randn(*shape)
+            with torch.no_grad():
+                want = cuda_model(x.cuda()).cpu()
+            torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5)
+        model.cpu()
