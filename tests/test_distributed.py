@@ -438,8 +438,8 @@ def test_closing_after_a_peer_failure_does_not_hang_on_an_nccl_abort_that_blocks
     monkeypatch.setattr(fd, "_ABORT_WAIT", 0.05)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda g=None: destroyed.append(g))
     start = time.monotonic()
-    fd._leave(Groups("gloo", "control", {(0, 1): Nccl(blocks=True)}), False, clean=False)
+    assert not fd._leave(Groups("gloo", "control", {(0, 1): Nccl(blocks=True)}), False, clean=False)
     assert time.monotonic() - start < 1 and destroyed == []
     fine = Nccl(blocks=False)
-    fd._leave(Groups("gloo", "control", {(0, 1): fine}), False, clean=False)
+    assert fd._leave(Groups("gloo", "control", {(0, 1): fine}), False, clean=False)
     assert fine.aborted and destroyed == [fine, "control", "gloo"]

@@ -161,3 +161,34 @@ def test_fused_attention_and_folded_batch_norm_on_cuda_equal_eager(full_fp32):
                 want = cuda_model(x.cuda()).cpu()
             torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5)
         model.cpu()
+
+
+class MaskedAttention(torch.nn.Module):
+    """Attention whose mask is built from arange, as transformers builds one when a model is
+    exported without an attention mask."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q):
+        i = torch.arange(q.shape[2])
+        mask = {"all": (i[None, :] >= 0).expand(q.shape[2], q.shape[2]),
+                "causal": i[:, None] >= i[None, :],
+                "band": (i[:, None] - i[None, :]).abs() <= 1,
+                "input": q[..., :1] > 0}[self.kind]
+        return torch.nn.functional.scaled_dot_product_attention(q, q * 2, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind,note", [("all", "1 all true"), ("causal", "1 lower-triangular"),
+                                       ("band", None), ("input", None)])
+def test_attention_masks_known_at_compile_time_are_dropped_or_made_causal(kind, note, emu):
+    model = MaskedAttention(kind)
+    program = compile_on(model, (torch.randn(2, 3, 6, 8),))
+    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    if note is None:  # a mask that is neither, or one that depends on the input, stays
+        assert "compile time" not in notes.get(SDPA, "")
+    else:
+        assert note in notes[SDPA]
+        assert not any(k.startswith(("aten::arange", "aten::ge")) for k in delegate_kernels(program))  # mask ops gone
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 6, 8),))

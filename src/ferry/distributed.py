@@ -169,8 +169,10 @@ class Module:
                 except PeerError:
                     pass  # a dead rank needs no stopping
         finally:  # groups first: aborting NCCL ends device work stuck on a dead peer
-            _leave(self._groups, self._owns_group, self.transport.broken is None)
-            self.module.close()
+            if _leave(self._groups, self._owns_group, self.transport.broken is None):
+                self.module.close()
+            # else a transfer NCCL could not abort may still write into this module's memory:
+            # it stays allocated until the process ends (measured: freeing it then blocked too)
 
     def __enter__(self):
         return self
@@ -206,19 +208,20 @@ def _groups(dist, bounds, timeout: float, idle_timeout: float | None) -> Groups:
     return groups
 
 
-def _leave(groups: Groups | None, owns_default: bool, clean: bool) -> None:
+def _leave(groups: Groups | None, owns_default: bool, clean: bool) -> bool:
     """Destroy this module's groups. After a peer failed, NCCL groups are aborted first, in a
     thread given _ABORT_WAIT seconds: NCCL's abort can block on a transfer whose peer is dead
     (measured on two H200s, torch 2.11), and closing must not hang. If it does not finish, no
     group is destroyed (that blocks behind the abort): they end with the process, and the GPU
-    stream stays busy until then (docs/distributed.md: end the process after such a PeerError)."""
+    stream stays busy until then (docs/distributed.md: end the process after such a PeerError).
+    Returns False in that case."""
     import torch.distributed as dist
 
     if groups is None:
-        return
+        return True
     nccl = list(groups.nccl.values())
     if not clean and nccl and not _abort_within(nccl, _ABORT_WAIT):
-        return  # still aborting: destroying any group now blocks behind it (measured)
+        return False  # still aborting: destroying any group now blocks behind it (measured)
     gloo = [groups.control, groups.gloo]
     for g in (*nccl, *gloo):
         try:
@@ -232,6 +235,7 @@ def _leave(groups: Groups | None, owns_default: bool, clean: bool) -> None:
             dist.destroy_process_group()
         except Exception:
             pass
+    return True
 
 
 def _abort_within(groups: list, seconds: float) -> bool:
