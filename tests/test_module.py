@@ -650,3 +650,21 @@ def test_nested_and_quantized_inputs_are_input_errors():
     for bad, message in ((nested, "nested"), (quantized, "quantized")):
         with pytest.raises(ferry.InputError, match=message):
             module(bad)
+
+
+def test_the_fast_input_check_accepts_only_what_the_full_check_accepts():
+    """Fixed-shape CUDA inputs are checked by a few comparisons per call (runtime/method.py);
+    anything unusual falls through to the full check and its clear errors."""
+    from ferry.runtime.method import _is_expected
+
+    where, shape = torch.device("cpu"), torch.Size([2, 3])
+    t = torch.randn(2, 3)
+    assert _is_expected(t, where, torch.float32, shape)
+    complex_t = torch.randn(2, 3, dtype=torch.complex64)
+    nested = torch.nested.nested_tensor([torch.randn(3), torch.randn(3)])
+    for bad, dtype in ((t.double(), torch.float32), (torch.randn(3, 2), torch.float32),
+                       (torch.randn(2, 3, requires_grad=True), torch.float32),
+                       (torch.nn.Parameter(torch.randn(2, 3)), torch.float32),
+                       (complex_t.conj(), torch.complex64), (nested, torch.float32),
+                       (t.to_sparse(), torch.float32), (t.to("meta"), torch.float32)):
+        assert not _is_expected(bad, where, dtype, shape), bad

@@ -72,6 +72,7 @@ class LoadedMethod:
             raise
         self.last_plan = self.plan
         self._inputs = [v if isinstance(v := method.values[i], TensorValue) else None for i in method.inputs]
+        self._expected = [_expected_cuda_tensor(v) for v in self._inputs]
         self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
                                for vid in method.outputs]
 
@@ -152,9 +153,11 @@ class LoadedMethod:
     def check_inputs(self, inputs) -> None:
         if len(inputs) != len(self._inputs):
             raise InputError(f"method {self.name!r} takes {len(self._inputs)} inputs, got {len(inputs)}")
-        for i, (t, v) in enumerate(zip(inputs, self._inputs)):
+        for i, (t, v, expected) in enumerate(zip(inputs, self._inputs, self._expected)):
             if v is None:
                 continue  # a size, computed by the caller
+            if expected is not None and _is_expected(t, *expected):
+                continue
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {i} of {self.name!r} must be a torch.Tensor, got {type(t).__name__}")
             _check_input(self.name, i, t, v)
@@ -234,6 +237,20 @@ def _unusable(t: torch.Tensor) -> str:
     if t.requires_grad:
         return "a tensor that requires grad (ferry runs inference: pass tensor.detach())"
     return ""
+
+
+def _expected_cuda_tensor(v: TensorValue | None):
+    """(torch device, dtype, shape) of a fixed-shape CUDA input: what one call's fast check
+    compares (CUDA memory needs no allocator to say whose it is); None for the rest."""
+    if v is None or v.device.type != "cuda" or v.dynamic:
+        return None
+    return v.device.to_torch(), v.torch_dtype, torch.Size(v.shape)
+
+
+def _is_expected(t, device, dtype, shape) -> bool:
+    """`_check_input` would accept `t`: a plain dense CUDA tensor on `device` of `dtype` and `shape`."""
+    return (type(t) is torch.Tensor and t.device == device and t.dtype is dtype and t.layout is torch.strided
+            and not t.is_nested and t.shape == shape and not t.requires_grad and not t.is_conj() and not t.is_neg())
 
 
 def _check_input(name: str, i: int, t: torch.Tensor, v: TensorValue) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ferry.device import Device
-from ferry.errors import FerryError, ProgramError
+from ferry.errors import AllocationError, FerryError, ProgramError
 from ferry.runtime.allocator import DeviceMemoryBuffer
 from ferry.runtime.bind import Bound, Step, record_shapes
 from ferry.runtime.graphs import GraphSegment
@@ -38,6 +38,14 @@ def empty_on(device: Device, shape, dtype: torch.dtype, strides=()) -> torch.Ten
     as `strides` say (contiguous when empty)."""
     if device.is_cpu:
         return torch.empty_strided(shape, strides, dtype=dtype) if strides else torch.empty(shape, dtype=dtype)
+    if device.type == "cuda":  # torch's caching allocator, as eager's outputs: no buffer object to make
+        try:
+            where = torch.device("cuda", device.index)
+            return (torch.empty_strided(shape, strides, dtype=dtype, device=where) if strides
+                    else torch.empty(shape, dtype=dtype, device=where))
+        except Exception as exc:  # noqa: BLE001 - out of memory, or no such device
+            raise AllocationError(f"allocation of a {dtype} tensor of shape {tuple(shape)} on {device} failed: "
+                                  f"{exc}") from exc
     nbytes = dtype.itemsize
     for s in shape:
         nbytes *= s
