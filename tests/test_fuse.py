@@ -192,3 +192,13 @@ def test_attention_masks_known_at_compile_time_are_dropped_or_made_causal(kind, 
         assert note in notes[SDPA]
         assert not any(k.startswith(("aten::arange", "aten::ge")) for k in delegate_kernels(program))  # mask ops gone
     assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 6, 8),))
+
+
+def test_half_precision_attention_is_fused_too(emu):
+    model = SelfAttention().eval().to(torch.bfloat16)
+    program = compile_on(model, (torch.randn(2, 7, 32, dtype=torch.bfloat16),))
+    assert delegate_kernels(program).count(MHA) == 1
+    module = ferry.Module(program)
+    x = torch.randn(2, 7, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), model(x), rtol=2e-2, atol=2e-2)

@@ -233,7 +233,10 @@ def _same_result(gm, members, region) -> bool:
     except Exception:  # noqa: BLE001 - an op the check cannot run here: keep the traced ops
         return False
     want = values[out]
-    return fused.shape == want.shape and torch.allclose(fused, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-6)
+    full = xv.dtype in (torch.float32, torch.float64)
+    rtol, atol = (1e-4, 1e-5) if full else (2e-2, 2e-2)  # half precision rounds after every op
+    return fused.shape == want.shape and torch.allclose(fused.float(), want.float(), rtol=rtol,
+                                                        atol=atol * float(want.abs().max()) + 1e-6)
 
 
 def fusion_notes(done: list[str]) -> dict[str, str]:
@@ -296,6 +299,16 @@ def _is_causal(mask: torch.Tensor, q, k) -> bool:
     return bool((mask == torch.ones(rows, cols, dtype=torch.bool).tril()).all())
 
 
+def _small(val) -> bool:
+    """A traced result of static shape small enough to compute at compile time."""
+    if not isinstance(val, torch.Tensor):
+        return False
+    try:
+        return int(val.numel()) <= _CHECK_ELEMENTS
+    except (TypeError, RuntimeError):  # dynamic sizes
+        return False
+
+
 def _constant_value(gm, node, memo: dict):
     """The value of `node` when it depends on constants alone (evaluated on the CPU), else None."""
     if node in memo:
@@ -304,7 +317,7 @@ def _constant_value(gm, node, memo: dict):
     if node.op == "get_attr":
         memo[node] = _attr(gm, node)
     elif (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-          and torch.Tag.nondeterministic_seeded not in node.target.tags):
+          and torch.Tag.nondeterministic_seeded not in node.target.tags and _small(node.meta.get("val"))):
         inputs = [_constant_value(gm, a, memo) for a in node.all_input_nodes]
         if all(isinstance(v, torch.Tensor) for v in inputs):
             values = dict(zip(node.all_input_nodes, inputs))
