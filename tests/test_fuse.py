@@ -202,3 +202,13 @@ def test_half_precision_attention_is_fused_too(emu):
     x = torch.randn(2, 7, 32, dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(module(x), model(x), rtol=2e-2, atol=2e-2)
+
+
+def test_inspect_shows_what_each_delegate_runs_and_why():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), _bn(8)).eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(1, 3, 8, 8),)), ferry.OpSupportPartitioner("cpu"))
+    from ferry.inspect import program_json, program_summary
+
+    text = program_summary(program)
+    assert "delegate 0 (torch): 1 instructions" in text and "1 folded into the convolution" in text
+    assert BN in program_json(program)["delegates"][0]["kernel_choices"]

@@ -87,7 +87,27 @@ def program_summary(program: Program, instructions: bool = True, method: str | N
                 out.append(f"    {op}: {m.kernel_choices.get(op, 'no out variant')}")
     out.append(f"delegates: {len(program.delegates)}, segments: {len(program.segments)} "
                f"({_fmt_bytes(sum(len(memoryview(s)) for s in program.segments))})")
+    for i, d in enumerate(program.delegates):
+        inside = _torch_payload(program, d)
+        if inside is None:
+            continue
+        out.append(f"  delegate {i} ({d.backend_id}): {len(inside.instructions)} instructions")
+        for op, why in inside.kernel_choices.items():
+            out.append(f"    {op}: {why}")
     return "\n".join(out)
+
+
+def _torch_payload(program: Program, d):
+    """The method inside a `torch` delegate's payload (a ferry program: data, never code), or None."""
+    if d.backend_id != "torch":
+        return None
+    from ferry.errors import FerryError
+    from ferry.program import load_program
+
+    try:
+        return load_program(program.segments[d.payload]).method("forward")
+    except (FerryError, IndexError, KeyError):
+        return None
 
 
 def device_memory(program: Program, m) -> dict[str, dict[str, int | None]]:
@@ -165,7 +185,8 @@ def _program_json(program: Program, method: str | None) -> dict:
     return {
         "methods": methods,
         "delegates": [
-            {"backend_id": d.backend_id, "compile_specs": {k: v.decode(errors="replace") for k, v in d.compile_specs}}
+            {"backend_id": d.backend_id, "compile_specs": {k: v.decode(errors="replace") for k, v in d.compile_specs},
+             "kernel_choices": dict(inside.kernel_choices) if (inside := _torch_payload(program, d)) else {}}
             for d in program.delegates
         ],
     }
