@@ -152,6 +152,7 @@ class Module:
         for inst in self._instances:
             self._free.put(inst)
         self._load_lock = threading.Lock()
+        self._loaded: set[str] = set()  # methods loaded in every set of memory (a call's one check)
 
     @property
     def _methods(self) -> dict[str, LoadedMethod]:
@@ -179,6 +180,7 @@ class Module:
             try:
                 for inst in taken:
                     loaded = inst.load(name)
+                self._loaded.add(name)
                 for note in loaded.notes:
                     warnings.warn(f"method {name!r}: {note}", RuntimeWarning, stacklevel=2)
             finally:
@@ -213,7 +215,8 @@ class Module:
         return 1
 
     def run_method(self, name: str, inputs) -> list:
-        self.load_method(name)
+        if name not in self._loaded:
+            self.load_method(name)
         inst = self._free.get()  # waits while every set of memory is in use
         try:
             split = inst.microbatches.get(name)
@@ -287,6 +290,7 @@ class Module:
     def close(self) -> None:
         taken = [self._free.get() for _ in self._instances]  # waits for calls in flight
         try:
+            self._loaded.clear()
             for inst in taken:
                 inst.close()
         finally:
