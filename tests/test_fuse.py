@@ -212,3 +212,83 @@ def test_inspect_shows_what_each_delegate_runs_and_why():
     text = program_summary(program)
     assert "delegate 0 (torch): 1 instructions" in text and "1 folded into the convolution" in text
     assert BN in program_json(program)["delegates"][0]["kernel_choices"]
+
+
+# ---- regressions a review found: each was a wrong answer
+
+
+def test_a_mask_over_a_dynamic_length_keeps_the_length_dynamic(emu):
+    """Evaluating a mask must not call int() on an export size: that returns the example size
+    and fixes it, so longer calls ran in memory planned for the example (wrong values)."""
+    class ArangeCausal(torch.nn.Module):
+        def forward(self, q):
+            i = torch.arange(q.shape[-2])
+            return torch.nn.functional.scaled_dot_product_attention(q, q * 2, q, attn_mask=i[:, None] >= i[None, :])
+
+    model = ArangeCausal()
+    ep = torch.export.export(model, (torch.randn(1, 3, 6, 8),),
+                             dynamic_shapes=({2: torch.export.Dim("L", min=2, max=60)},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0")))
+    for length in (6, 9, 20, 3):
+        q = torch.randn(1, 3, length, 8)
+        torch.testing.assert_close(module(q), model(q), rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_norm_scale_computed_in_the_graph_is_not_folded_away(emu):
+    class Softplus(torch.nn.Module):
+        def forward(self, w):
+            return torch.nn.functional.softplus(w)
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), _bn(8)).eval()
+    torch.nn.utils.parametrize.register_parametrization(model[1], "weight", Softplus())
+    program = compile_on(model, (torch.randn(2, 3, 8, 8),))
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 8, 8),))
+
+
+class PaddedMultiheadAttention(torch.nn.MultiheadAttention):
+    """A subclass that does more than nn.MultiheadAttention: not the fused kernel's job."""
+
+    def forward(self, x):
+        out = super().forward(x, x, x, need_weights=False)[0]
+        return out * (x.abs().sum(-1, keepdim=True) != 0)
+
+
+def test_a_multihead_attention_subclass_is_not_fused(emu):
+    model = PaddedMultiheadAttention(32, 4, batch_first=True).eval()
+
+    def padded():
+        x = torch.randn(2, 7, 32)
+        x[0, 5:] = 0  # rows a random input never zeroes
+        return (x,)
+
+    program = compile_on(model, padded())
+    assert MHA not in delegate_kernels(program)
+    assert_matches_eager(program, model, padded)
+
+
+class TwiceAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        y = self.mha(x, x, x, need_weights=False)[0]
+        return self.mha(y, y, y, need_weights=False)[0]
+
+
+def test_one_attention_module_called_twice_is_fused_per_call(emu):
+    model = TwiceAttention().eval()
+    program = compile_on(model, (torch.randn(2, 5, 32),))
+    assert delegate_kernels(program).count(MHA) == 2 and SDPA not in delegate_kernels(program)
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 5, 32),))
+
+
+def test_a_constant_mask_that_would_grow_the_result_is_left_to_fail_as_in_eager():
+    """Eager raises when a mask has more leading dimensions than the attention weights; dropping
+    an all-true one would have returned a result instead."""
+    from ferry.aot.fuse import _fits
+
+    q = torch.empty(3, 6, 8)
+    assert _fits(torch.ones(2, 3, 6, 6, dtype=torch.bool), q, q) is None
+    assert _fits(torch.ones(6, 6, dtype=torch.bool), q, q) == ((3, 6, 8), (3, 6, 8))
+    assert _fits(torch.ones(6, 5, dtype=torch.bool), q, q) is None  # does not broadcast at all

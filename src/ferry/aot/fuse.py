@@ -22,6 +22,7 @@ inputs before it replaces them, so a pattern that only looks alike is left as tr
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -36,6 +37,20 @@ _CONVS = (aten.conv2d.default, aten.conv1d.default, aten.conv3d.default, aten.co
 _BATCH_NORM = aten._native_batch_norm_legit_no_training.default
 _SDPA = aten.scaled_dot_product_attention.default
 _CHECK_ELEMENTS = 1 << 22  # the largest activation a numerical check materialises
+# what the traced ops of one nn.MultiheadAttention (self-attention, packed projections) may be
+_MHA_OPS = {aten.linear.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+            aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+            aten.squeeze.dims, aten.squeeze.default, aten.clone.default, aten.select.int, aten.split.Tensor,
+            aten.split_with_sizes.default, aten.unbind.int, aten.expand.default, aten.t.default,
+            aten.mm.default, aten.addmm.default, _SDPA, operator.getitem}
+_MHA_CLASS = "torch.nn.modules.activation.MultiheadAttention"
+
+
+def _static(shape) -> tuple[int, ...] | None:
+    """`shape` as plain ints, or None when a size is symbolic. (int() of an export SymInt does
+    not fail: it returns the example size and adds a guard that fixes it, so never call it.)"""
+    dims = tuple(shape)
+    return dims if all(type(d) is int for d in dims) else None
 
 
 def fuse_for_inference(gm: torch.fx.GraphModule) -> list[str]:
@@ -89,6 +104,8 @@ def _foldable(gm, conv, bn):
     if conv.target is aten.convolution.default and conv.args[6]:
         return None  # a transposed convolution lays its weight out (in, out, ...)
     gamma, beta, mean, var = (_attr(gm, a) for a in bn.args[1:5])
+    if (bn.args[1] is not None and gamma is None) or (bn.args[2] is not None and beta is None):
+        return None  # a scale or shift computed in the graph (a parametrization, FiLM): not a constant
     weight = _attr(gm, conv.args[1])
     bias = conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
     bias_t = _attr(gm, bias) if bias is not None else None
@@ -144,7 +161,7 @@ def _fuse_attention(gm: torch.fx.GraphModule) -> list[str]:
         x, weights, heads, out = region
         with gm.graph.inserting_before(out):
             fused = gm.graph.call_function(aten._native_multi_head_attention.default,
-                                           (x, x, x, int(x.meta["val"].shape[2]), heads, *weights),
+                                           (x, x, x, x.meta["val"].shape[2], heads, *weights),
                                            {"need_weights": False})
             first = gm.graph.call_function(operator.getitem, (fused, 0))
         val = out.meta["val"].new_empty(out.meta["val"].shape)  # the fused kernel's result is contiguous
@@ -160,15 +177,16 @@ def _fuse_attention(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def _attention_modules(gm) -> dict[str, list[torch.fx.Node]]:
-    """The call_function nodes of each nn.MultiheadAttention, by module path, in graph order."""
+    """The call_function nodes of each call of an nn.MultiheadAttention (exactly that class: a
+    subclass may do more), by the module stack's key for that call, in graph order."""
     found: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+        for key, (_path, kind) in (node.meta.get("nn_module_stack") or {}).items():
             name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
-            if name.endswith("MultiheadAttention"):
-                found.setdefault(path, []).append(node)
+            if name == _MHA_CLASS:
+                found.setdefault(key, []).append(node)
                 break
     return found
 
@@ -176,6 +194,8 @@ def _attention_modules(gm) -> dict[str, list[torch.fx.Node]]:
 def _attention_region(gm, members):
     """(x, [in_w, in_b, out_w, out_b], heads, output node) when `members` is self-attention
     over one input with packed projections and no mask; None otherwise."""
+    if any(n.target not in _MHA_OPS for n in members):
+        return None  # anything else is not what the fused kernel computes
     inside = set(members)
     inputs = []
     for n in members:
@@ -191,17 +211,21 @@ def _attention_region(gm, members):
         return None
     x, out = acts[0], outs[0]
     xv, ov = x.meta.get("val"), out.meta.get("val")
-    if not (isinstance(xv, torch.Tensor) and isinstance(ov, torch.Tensor) and xv.dim() == 3 and ov.shape == xv.shape):
+    if not (isinstance(xv, torch.Tensor) and isinstance(ov, torch.Tensor) and xv.dim() == 3):
         return None
-    embed = int(xv.shape[2])
+    shape = _static(xv.shape)
+    if shape is None or _static(ov.shape) != shape:
+        return None  # dynamic sizes: the numerical check needs concrete ones
+    embed = shape[2]
     shapes = {tuple(_attr(gm, a).shape): a for a in inputs if a.op == "get_attr" and _attr(gm, a) is not None}
     want = [(3 * embed, embed), (3 * embed,), (embed, embed), (embed,)]
     if any(s not in shapes for s in want):
         return None
     q = sdpa[0].args[0].meta.get("val")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+    q_shape = _static(q.shape) if isinstance(q, torch.Tensor) else None
+    if q_shape is None or len(q_shape) != 4:
         return None
-    return x, [shapes[s] for s in want], int(q.shape[1]), out
+    return x, [shapes[s] for s in want], q_shape[1], out
 
 
 def _has_mask_or_dropout(sdpa) -> bool:
@@ -213,11 +237,8 @@ def _same_result(gm, members, region) -> bool:
     """Run the traced ops and the fused op on one random input with the real weights."""
     x, weights, heads, out = region
     xv = x.meta["val"]
-    try:
-        shape = tuple(int(s) for s in xv.shape)
-    except (TypeError, RuntimeError):  # dynamic sizes: the check needs concrete ones
-        return False
-    if xv.numel() > _CHECK_ELEMENTS or not xv.dtype.is_floating_point:
+    shape = _static(xv.shape)  # static: _attention_region checked
+    if shape is None or math.prod(shape) > _CHECK_ELEMENTS or not xv.dtype.is_floating_point:
         return False
     values = {w: _attr(gm, w).cpu() for w in weights}
     gen = torch.Generator().manual_seed(0)
@@ -274,7 +295,10 @@ def _simplify_attention_masks(gm: torch.fx.GraphModule) -> list[str]:
         value = _constant_value(gm, mask, {}) if isinstance(mask, torch.fx.Node) else None
         if value is None or value.dtype != torch.bool:
             continue
-        q, k = (a.meta.get("val") for a in node.args[:2])
+        shapes = _fits(value, *(a.meta.get("val") for a in node.args[:2]))
+        if shapes is None:
+            continue
+        q, k = shapes
         if bool(value.all()):
             what = "all true: dropped"
         elif not kwargs.get("is_causal") and _is_causal(value, q, k):
@@ -287,26 +311,31 @@ def _simplify_attention_masks(gm: torch.fx.GraphModule) -> list[str]:
     return done
 
 
-def _is_causal(mask: torch.Tensor, q, k) -> bool:
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
-        return False
-    try:
-        rows, cols = int(q.shape[-2]), int(k.shape[-2])
-    except (TypeError, RuntimeError):
-        return False
+def _is_causal(mask: torch.Tensor, q: tuple, k: tuple) -> bool:
+    rows, cols = q[-2], k[-2]
     if rows != cols or mask.dim() < 2 or tuple(mask.shape[-2:]) != (rows, cols):
         return False
     return bool((mask == torch.ones(rows, cols, dtype=torch.bool).tril()).all())
 
 
+def _fits(mask: torch.Tensor, q, k):
+    """(q, k) as static shapes when `mask` broadcasts to the attention weights' shape without
+    growing it (else eager raises, and so must ferry); None otherwise."""
+    qs = _static(q.shape) if isinstance(q, torch.Tensor) else None
+    ks = _static(k.shape) if isinstance(k, torch.Tensor) else None
+    if qs is None or ks is None or mask.dim() > len(qs):
+        return None
+    weights = (*qs[:-1], ks[-2])
+    try:
+        return (qs, ks) if torch.broadcast_shapes(tuple(mask.shape), weights) == weights else None
+    except RuntimeError:
+        return None
+
+
 def _small(val) -> bool:
     """A traced result of static shape small enough to compute at compile time."""
-    if not isinstance(val, torch.Tensor):
-        return False
-    try:
-        return int(val.numel()) <= _CHECK_ELEMENTS
-    except (TypeError, RuntimeError):  # dynamic sizes
-        return False
+    shape = _static(val.shape) if isinstance(val, torch.Tensor) else None
+    return shape is not None and math.prod(shape) <= _CHECK_ELEMENTS
 
 
 def _constant_value(gm, node, memo: dict):
