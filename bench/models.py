@@ -9,6 +9,8 @@ Runners, everything on cuda:0:
 - compile / compile-ro: `torch.compile(model)` and `torch.compile(model, mode="reduce-overhead")`;
 - ferry / ferry-graphs: `ferry.compile(export(model), OpSupportPartitioner("cuda:0"))`, run by
   `ferry.Module(program)` and `ferry.Module(program, cuda_graphs=True)`.
+- ferry-traced (not run by default): ferry without its inference rewrites
+  (`CompileConfig(fuse_for_inference=False)`), to show what they give.
 
 I/O: `device` — inputs already on the GPU, outputs left there (ferry: both skip flags);
 `host` — CPU tensors in and out, end to end (eager and torch.compile: `.cuda()` / `.cpu()`).
@@ -179,11 +181,11 @@ def _eager_like(model, x, device, io, compile_mode):
     return call, time.perf_counter() - t0
 
 
-def _ferry_program(model, x, device, io):
+def _ferry_program(model, x, device, io, fuse=True):
     t0 = time.perf_counter()
     ep = torch.export.export(model.cpu(), (x,))
     skip = io == "device" and device.type != "cpu"
-    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip, skip))
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip, skip), fuse_for_inference=fuse)
     part = ferry.OpSupportPartitioner(str(device) if device.type != "cpu" else "cpu")
     program = ferry.compile(ep, part if device.type != "cpu" else None, cfg)
     return program, time.perf_counter() - t0
@@ -225,6 +227,9 @@ def run_model(name, batch, device, runners, ios, repeat):
                 mode = {"eager": None, "compile": "default", "compile-ro": "reduce-overhead"}[runner]
                 call, setup = _eager_like(model, x, device, io, mode)
                 build_s = None
+            elif runner == "ferry-traced":  # the traced ops, without aot/fuse.py's inference rewrites
+                traced, build_s = _ferry_program(model, x, device, io, fuse=False)
+                call, setup, module = _ferry(traced, x, device, io, False)
             else:
                 if program is None:
                     program, compile_s = _ferry_program(model, x, device, io)
