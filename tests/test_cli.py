@@ -324,3 +324,23 @@ def test_a_read_only_folder_names_the_path_given(tmp_path):
             program.save(folder / "out.ferry")
     finally:
         folder.chmod(0o700)
+
+
+def test_compile_traced_ops_keeps_the_batch_norms_the_default_folds(tmp_path):
+    """`--traced-ops` turns the inference rewrites off (eager's results bit for bit)."""
+    kernels = {}
+    had_emu = get_allocator("emu") is not None
+    try:
+        for flag in ([], ["--traced-ops"]):
+            path = tmp_path / f"cnn{len(flag)}.ferry"
+            rc, _, err = call(["compile", "ferry.examples:small_cnn", "-o", path, "--device", "emu:0", *flag])
+            assert rc == 0, err
+            program = ferry.load_program(path)
+            kernels[bool(flag)] = [i.kernel for d in program.delegates
+                                   for i in ferry.load_program(program.segments[d.payload]).method("forward").instructions
+                                   if hasattr(i, "kernel")]
+    finally:
+        if not had_emu and get_allocator("emu") is not None:
+            unregister_allocator("emu")
+    bn = "aten::_native_batch_norm_legit_no_training.default"
+    assert kernels[True].count(bn) == 2 and bn not in kernels[False]

@@ -152,7 +152,8 @@ def cmd_compile(args) -> int:
             ep = torch.export.export(model, tuple(inputs))
         except Exception as e:  # torch.export refused the model: its first line says why
             raise UserError(f"torch.export of {args.spec} failed: {type(e).__name__}: {_one_line(e)}") from None
-    config = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(args.skip_h2d, args.skip_d2h))
+    config = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(args.skip_h2d, args.skip_d2h),
+                                 fuse_for_inference=not args.traced_ops)
     with _stage(f"partition, place, plan and emit for {where}"):
         program = ferry.compile(ep, partitioner, config)
     with _stage(f"save {args.output}"):
@@ -383,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--exclude", help="comma-separated ops kept on the CPU, e.g. aten.softmax,aten.gelu")
     c.add_argument("--skip-h2d", action="store_true", help="inputs read on the device are passed in already there")
     c.add_argument("--skip-d2h", action="store_true", help="device outputs stay on the device")
+    c.add_argument("--traced-ops", action="store_true", help="run the ops export traced, without the inference "
+                   "rewrites (fused attention, batch norms folded into convolutions): eager's results bit for bit")
     c.set_defaults(func=cmd_compile)
 
     i = sub.add_parser("inspect", help="show methods, instructions, copies and buffers of a program file")
