@@ -17,8 +17,9 @@ I/O: `device` — inputs already on the GPU, outputs left there (ferry: both ski
 
 Each row: median ms per call after warm-up (TF32 off, every runner in one process), the
 ratio to eager, the peak of GPU memory the runner allocated (weights, activations,
-workspaces: `torch.cuda.max_memory_allocated` from an empty GPU), and for ferry and
-torch.compile the compile and load (first call) seconds. Targets (issue 12): ferry no
+workspaces: `torch.cuda.max_memory_allocated` from an empty GPU); for ferry, how much of that
+loading allocated (weights and the planned arena; the rest is what kernels allocate per call);
+for ferry and torch.compile, the compile and load (first call) seconds. Targets (issue 12): ferry no
 slower than eager on every model (device I/O, no graphs); with graphs at batch 1, at most half
 of eager's time; peak memory no higher than eager's.
 
@@ -152,6 +153,16 @@ def _fresh_gpu(device):
     return 0
 
 
+def _at_load_mib(module, device) -> float | None:
+    """What ferry allocated on the GPU at load (weights and the planned arena, from the program):
+    the rest of its peak is what kernels allocate per call (functional results, workspaces)."""
+    if module is None or device.type != "cuda":
+        return None
+    from ferry.aot.compile import device_bytes
+
+    return device_bytes(module.program).get(ferry.Device("cuda", device.index or 0), 0) / 2**20
+
+
 def _peak_mib(device, base) -> float | None:
     if device.type != "cuda":
         return None
@@ -239,7 +250,7 @@ def run_model(name, batch, device, runners, ios, repeat):
             err = _check(call(), want)
             rows.append({"model": name, "batch": batch, "io": io, "runner": runner, "ms": ms,
                          "peak_mib": _peak_mib(device, base), "compile_s": build_s, "load_s": setup,
-                         "rel_err": err})
+                         "rel_err": err, "at_load_mib": _at_load_mib(module, device)})
             if module is not None:
                 module.close()
             del call
@@ -282,18 +293,20 @@ def report(rows, out):
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append([r["model"], r["batch"], "-", "FAILED", r["error"][:60], "", "", "", "", ""])
+            lines.append([r["model"], r["batch"], "-", "FAILED", r["error"][:60], "", "", "", "", "", ""])
             continue
         key = (r["model"], r["batch"], r["io"])
         ratio = r["ms"] / eager[key] if key in eager else float("nan")
         mem = r["peak_mib"]
+        at_load = r.get("at_load_mib")
         mem_ratio = mem / eager_mem[key] if mem is not None and eager_mem.get(key) else None
         lines.append([r["model"], r["batch"], r["io"], r["runner"], round(r["ms"], 3), round(ratio, 2),
                       "-" if mem is None else round(mem, 1), "-" if mem_ratio is None else round(mem_ratio, 2),
+                      "-" if at_load is None else round(at_load, 1),
                       "-" if r["compile_s"] is None else round(r["compile_s"], 1), round(r["load_s"], 2)])
     print(table("Real models (median ms per call; ratio to eager)",
-                ["model", "batch", "I/O", "runner", "ms", "vs eager", "peak MiB", "peak vs eager", "compile s",
-                 "load/first call s"], lines))
+                ["model", "batch", "I/O", "runner", "ms", "vs eager", "peak MiB", "peak vs eager",
+                 "of it at load MiB", "compile s", "load/first call s"], lines))
     path = write_json(out, {"rows": rows})
     print(f"wrote {path}")
 
