@@ -443,3 +443,34 @@ def test_closing_after_a_peer_failure_does_not_hang_on_an_nccl_abort_that_blocks
     fine = Nccl(blocks=False)
     assert fd._leave(Groups("gloo", "control", {(0, 1): fine}), False, clean=False)
     assert fine.aborted and destroyed == [fine, "control", "gloo"]
+
+
+def test_closing_keeps_what_a_failed_abort_left_and_frees_memory_first_otherwise(monkeypatch):
+    """Clean: the module's memory is closed first (that waits for a call still running), then
+    the groups. After a peer failed and NCCL's abort did not finish: the memory is neither freed
+    nor left to the garbage collector (a stuck transfer may still write into it)."""
+    from ferry import distributed as fd
+
+    order: list = []
+
+    class Local:
+        def close(self):
+            order.append("memory")
+
+    def fake(leave_ok):
+        m = object.__new__(fd.Module)
+        m.closed, m.rank, m._groups, m._owns_group = False, 1, "groups", False
+        m.module, m.transport = Local(), type("T", (), {"broken": None})()
+        return m
+
+    monkeypatch.setattr(fd, "_leave", lambda groups, owns, clean: order.append(f"groups clean={clean}") or True)
+    fake(True).close()
+    assert order == ["memory", "groups clean=True"]
+    order.clear()
+    monkeypatch.setattr(fd, "_leave", lambda groups, owns, clean: order.append(f"groups clean={clean}") or False)
+    broken = fake(False)
+    broken.transport.broken = "rank 0 is gone"
+    before = len(fd._ABANDONED)
+    broken.close()
+    assert order == ["groups clean=False"] and fd._ABANDONED[before][0] is broken.module
+    fd._ABANDONED.pop()

@@ -666,5 +666,39 @@ def test_the_fast_input_check_accepts_only_what_the_full_check_accepts():
                        (torch.randn(2, 3, requires_grad=True), torch.float32),
                        (torch.nn.Parameter(torch.randn(2, 3)), torch.float32),
                        (complex_t.conj(), torch.complex64), (nested, torch.float32),
-                       (t.to_sparse(), torch.float32), (t.to("meta"), torch.float32)):
+                       (t.to_sparse(), torch.float32), (t.to("meta"), torch.float32),
+                       (torch.quantize_per_tensor(t, 0.1, 0, torch.qint8), torch.qint8)):
         assert not _is_expected(bad, where, dtype, shape), bad
+
+
+def test_closing_while_other_threads_call_never_fails_a_call():
+    """A call that starts as another thread closes the module loads the method again (a call
+    found the method gone: KeyError); close and load never deadlock with concurrency=2."""
+    import threading
+
+    model, example = ferry.examples.transformer_block()
+    module = ferry.Module(ferry.compile(torch.export.export(model, example)), concurrency=2)
+    x = example[0]
+    want = model(x)
+    errors: list = []
+    stop = threading.Event()
+
+    def calls():
+        while not stop.is_set():
+            try:
+                torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5)
+            except Exception as e:  # noqa: BLE001 - any failure is the test's finding
+                errors.append(repr(e))
+
+    workers = [threading.Thread(target=calls) for _ in range(2)]
+    loader = threading.Thread(target=lambda: [module.load_method() for _ in range(200)])
+    for w in workers:
+        w.start()
+    loader.start()
+    for _ in range(100):
+        module.close()
+    stop.set()
+    for w in (*workers, loader):
+        w.join(timeout=60)
+        assert not w.is_alive(), "a thread is stuck: close and load deadlocked"
+    assert errors == []

@@ -37,6 +37,7 @@ __all__ = ["Module"]
 
 _STOP, _CALL = 0, 1
 _ABORT_WAIT = 5.0  # seconds closing waits for NCCL to abort after a peer failed
+_ABANDONED: list = []  # what a failed NCCL abort left: freeing it could race the stuck transfer
 _IDLE = timedelta(days=365)  # a serving rank waits this long for rank 0's next call
 
 
@@ -168,11 +169,16 @@ class Module:
                     self._command(_STOP)
                 except PeerError:
                     pass  # a dead rank needs no stopping
-        finally:  # groups first: aborting NCCL ends device work stuck on a dead peer
-            if _leave(self._groups, self._owns_group, self.transport.broken is None):
+        finally:
+            clean = self.transport.broken is None
+            if clean:  # memory first: closing it waits for a call still running on another thread
                 self.module.close()
-            # else a transfer NCCL could not abort may still write into this module's memory:
-            # it stays allocated until the process ends (measured: freeing it then blocked too)
+                _leave(self._groups, self._owns_group, True)
+            elif _leave(self._groups, self._owns_group, False):  # groups first: aborting NCCL ends
+                self.module.close()                             # device work stuck on a dead peer
+            else:  # a transfer NCCL could not abort may still write into this module's memory: it
+                # stays allocated (kept from the garbage collector too) until the process ends
+                _ABANDONED.append((self.module, self._groups))
 
     def __enter__(self):
         return self

@@ -250,7 +250,8 @@ def _expected_cuda_tensor(v: TensorValue | None):
 def _is_expected(t, device, dtype, shape) -> bool:
     """`_check_input` would accept `t`: a plain dense CUDA tensor on `device` of `dtype` and `shape`."""
     return (type(t) is torch.Tensor and t.device == device and t.dtype is dtype and t.layout is torch.strided
-            and not t.is_nested and t.shape == shape and not t.requires_grad and not t.is_conj() and not t.is_neg())
+            and not t.is_nested and not t.is_quantized and t.shape == shape and not t.requires_grad
+            and not t.is_conj() and not t.is_neg())
 
 
 def _check_input(name: str, i: int, t: torch.Tensor, v: TensorValue) -> None:

@@ -215,9 +215,13 @@ class Module:
         return 1
 
     def run_method(self, name: str, inputs) -> list:
-        if name not in self._loaded:
-            self.load_method(name)
-        inst = self._free.get()  # waits while every set of memory is in use
+        while True:
+            if name not in self._loaded:
+                self.load_method(name)
+            inst = self._free.get()  # waits while every set of memory is in use
+            if name in inst.methods:
+                break
+            self._free.put(inst)  # closed since the check: load again, then take a set
         try:
             split = inst.microbatches.get(name)
             if split is not None:
@@ -288,14 +292,15 @@ class Module:
     __call__ = forward
 
     def close(self) -> None:
-        taken = [self._free.get() for _ in self._instances]  # waits for calls in flight
-        try:
-            self._loaded.clear()
-            for inst in taken:
-                inst.close()
-        finally:
-            for inst in taken:
-                self._free.put(inst)
+        with self._load_lock:  # as loading: two takers of every set, one at a time, would deadlock
+            taken = [self._free.get() for _ in self._instances]  # waits for calls in flight
+            try:
+                self._loaded.clear()
+                for inst in taken:
+                    inst.close()
+            finally:
+                for inst in taken:
+                    self._free.put(inst)
 
     def __enter__(self):
         return self
