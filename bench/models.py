@@ -214,6 +214,26 @@ def _ferry(program, x, device, io, graphs):
     return (lambda: module(arg)), time.perf_counter() - t0, module
 
 
+def side_by_side(name, batch, device):
+    """For the profiling scripts: model `name` at `batch` on `device` (TF32 off, device I/O),
+    as (ferry program, eager call, ferry call, ferry module)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model, (x,) = MODELS[name][0](batch)
+    program, _ = _ferry_program(model, x, device, "device")
+    model = model.to(device)
+    xd = x.to(device)
+
+    def eager():
+        with torch.no_grad():
+            return model(xd)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        call, _, module = _ferry(program, x, device, "device", False)
+    return program, eager, call, module
+
+
 def _check(got, want):
     got = got if isinstance(got, torch.Tensor) else got[0]
     return float((got.float().cpu() - want.float()).abs().max() / (want.float().abs().max() + 1e-6))

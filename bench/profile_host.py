@@ -13,7 +13,6 @@ import cProfile
 import io
 import pstats
 import sys
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import MODELS, _ferry, _ferry_program, _time  # noqa: E402
+from models import _time, side_by_side  # noqa: E402
 
 CALLS = 10
 
@@ -56,21 +55,8 @@ def python_time(fn):
 
 
 def one(name, batch):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda:0")
-    model, (x,) = MODELS[name][0](batch)
-    program, _ = _ferry_program(model, x, device, "device")
-    model = model.to(device)
-    xd = x.to(device)
-
-    def eager():
-        with torch.no_grad():
-            return model(xd)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        call, _, module = _ferry(program, x, device, "device", False)
+    _, eager, call, module = side_by_side(name, batch, device)
     print(f"=== {name} batch {batch}: eager {_time(eager, device, 30):.3f} ms, ferry {_time(call, device, 30):.3f} ms")
     print(" eager")
     counts(eager)

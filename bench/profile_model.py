@@ -9,14 +9,13 @@ kernels that take the most GPU time, with their call counts.
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import MODELS, _ferry, _ferry_program, _time  # noqa: E402
+from models import _time, side_by_side  # noqa: E402
 
 
 def top(fn, n=14):
@@ -32,21 +31,8 @@ def top(fn, n=14):
 
 def main():
     name, batch = sys.argv[1], int(sys.argv[2])
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda:0")
-    model, (x,) = MODELS[name][0](batch)
-    program, _ = _ferry_program(model, x, device, "device")
-    model = model.to(device)
-    xd = x.to(device)
-
-    def eager():
-        with torch.no_grad():
-            return model(xd)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        call, _, module = _ferry(program, x, device, "device", False)
+    program, eager, call, _ = side_by_side(name, batch, device)
     print(f"eager {_time(eager, device, 20):.3f} ms, ferry {_time(call, device, 20):.3f} ms")
     print("=== eager")
     top(eager)
