@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx
 
 from ferry.aot import meta as M
 
-__all__ = ["fuse_for_inference", "fusion_notes"]
+__all__ = ["Rewrite", "fuse_for_inference", "fusion_notes"]
 
 aten = torch.ops.aten
 _CONVS = (aten.conv2d.default, aten.conv1d.default, aten.conv3d.default, aten.convolution.default)
@@ -54,7 +55,12 @@ def _static(shape) -> tuple[int, ...] | None:
     return dims if all(type(d) is int for d in dims) else None
 
 
-def fuse_for_inference(gm: torch.fx.GraphModule) -> list[str]:
+class Rewrite(NamedTuple):
+    kind: str  # "fold", "attention", "mask dropped" or "mask causal"
+    where: str  # the node or module call it applied to
+
+
+def fuse_for_inference(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done."""
     done = _fold_batch_norms(gm) + _fuse_attention(gm) + _simplify_attention_masks(gm)
     if done:
@@ -69,7 +75,7 @@ def fuse_for_inference(gm: torch.fx.GraphModule) -> list[str]:
 # ---------------------------------------------------------------- batch norm into convolution
 
 
-def _fold_batch_norms(gm: torch.fx.GraphModule) -> list[str]:
+def _fold_batch_norms(gm: torch.fx.GraphModule) -> list[Rewrite]:
     done = []
     for bn in list(gm.graph.nodes):
         if bn.op != "call_function" or bn.target is not _BATCH_NORM:
@@ -93,7 +99,7 @@ def _fold_batch_norms(gm: torch.fx.GraphModule) -> list[str]:
             user.replace_all_uses_with(conv)
             gm.graph.erase_node(user)
         gm.graph.erase_node(bn)
-        done.append(f"batch norm {bn.name} folded into {conv.name}")
+        done.append(Rewrite("fold", f"{bn.name} into {conv.name}"))
     return done
 
 
@@ -153,7 +159,7 @@ def _constant(gm, name: str, value: torch.Tensor, like: torch.fx.Node) -> torch.
 # ---------------------------------------------------------------- multi-head attention
 
 
-def _fuse_attention(gm: torch.fx.GraphModule) -> list[str]:
+def _fuse_attention(gm: torch.fx.GraphModule) -> list[Rewrite]:
     done = []
     for path, members in _attention_modules(gm).items():
         region = _attention_region(gm, members)
@@ -173,7 +179,7 @@ def _fuse_attention(gm: torch.fx.GraphModule) -> list[str]:
         out.replace_all_uses_with(first)
         for node in reversed(members):
             gm.graph.erase_node(node)
-        done.append(f"attention {path} fused into one _native_multi_head_attention ({len(members)} ops)")
+        done.append(Rewrite("attention", f"{path} ({len(members)} ops)"))
     return done
 
 
@@ -261,23 +267,20 @@ def _same_result(gm, members, region) -> bool:
                                                         atol=atol * float(want.abs().max()) + 1e-6)
 
 
-def fusion_notes(done: list[str]) -> dict[str, str]:
+def fusion_notes(done: list[Rewrite]) -> dict[str, str]:
     """What `fuse_for_inference` did, as kernel choices of the method (shown by ferry inspect)."""
+    count = {kind: sum(r.kind == kind for r in done) for kind in ("fold", "attention", "mask dropped", "mask causal")}
     notes = {}
-    folded = [d for d in done if d.startswith("batch norm")]
-    fused = [d for d in done if d.startswith("attention")]
-    if folded:
+    if count["fold"]:
         notes["aten::_native_batch_norm_legit_no_training.default"] = (
-            f"{len(folded)} folded into the convolution before each (weights and bias scaled at compile time)")
-    if fused:
+            f"{count['fold']} folded into the convolution before each (weights and bias scaled at compile time)")
+    if count["attention"]:
         notes["aten::_native_multi_head_attention.default"] = (
-            f"{len(fused)} nn.MultiheadAttention traced as separate ops, run as eager's fused inference kernel")
-    masks = [d for d in done if d.startswith("mask")]
-    if masks:
-        dropped = sum(d.endswith("dropped") for d in masks)
+            f"{count['attention']} nn.MultiheadAttention traced as separate ops, run as eager's fused inference kernel")
+    if count["mask dropped"] or count["mask causal"]:
         notes["aten::scaled_dot_product_attention.default"] = (
-            f"masks computed from constants, evaluated at compile time: {dropped} all true (dropped), "
-            f"{len(masks) - dropped} lower-triangular (is_causal=True); a fused kernel runs as without a mask")
+            f"masks computed from constants, evaluated at compile time: {count['mask dropped']} all true (dropped), "
+            f"{count['mask causal']} lower-triangular (is_causal=True); a fused kernel runs as without a mask")
     return notes
 
 
@@ -286,7 +289,7 @@ def fusion_notes(done: list[str]) -> dict[str, str]:
 _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _simplify_attention_masks(gm: torch.fx.GraphModule) -> list[str]:
+def _simplify_attention_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
     done = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _SDPA:
@@ -301,14 +304,14 @@ def _simplify_attention_masks(gm: torch.fx.GraphModule) -> list[str]:
             continue
         q, k = shapes
         if bool(value.all()):
-            what = "all true: dropped"
+            kind = "mask dropped"
         elif not kwargs.get("is_causal") and _is_causal(value, q, k):
-            kwargs["is_causal"], what = True, "lower-triangular: is_causal=True"
+            kwargs["is_causal"], kind = True, "mask causal"
         else:
             continue
         kwargs["attn_mask"] = None
         node.args, node.kwargs = tuple(node.args[:3]), kwargs
-        done.append(f"mask of {node.name} {what}")
+        done.append(Rewrite(kind, node.name))
     return done
 
 
