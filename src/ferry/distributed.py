@@ -72,9 +72,7 @@ class Module:
                        cuda_graphs=cuda_graphs, outputs=outputs, pin_host_memory=pin_host_memory)
         except BaseException:  # nothing stays allocated or joined
             self.closed = True
-            if "module" in self.__dict__:
-                self.module.close()
-            _leave(self._groups, self._owns_group, clean=False)
+            self._release(clean=False)
             raise
 
     def _open(self, program: Program, dist, timeout: float, idle_timeout, **options) -> None:
@@ -170,15 +168,21 @@ class Module:
                 except PeerError:
                     pass  # a dead rank needs no stopping
         finally:
-            clean = self.transport.broken is None
-            if clean:  # memory first: closing it waits for a call still running on another thread
-                self.module.close()
-                _leave(self._groups, self._owns_group, True)
-            elif _leave(self._groups, self._owns_group, False):  # groups first: aborting NCCL ends
-                self.module.close()                             # device work stuck on a dead peer
-            else:  # a transfer NCCL could not abort may still write into this module's memory: it
-                # stays allocated (kept from the garbage collector too) until the process ends
-                _ABANDONED.append((self.module, self._groups))
+            self._release(clean=self.transport.broken is None)
+
+    def _release(self, clean: bool) -> None:
+        """Free this rank's memory and groups (what exists of them: opening may have failed)."""
+        local = self.__dict__.get("module")
+        if clean:  # memory first: closing it waits for a call still running on another thread
+            if local is not None:
+                local.close()
+            _leave(self._groups, self._owns_group, True)
+        elif _leave(self._groups, self._owns_group, False):  # groups first: aborting NCCL ends
+            if local is not None:                           # device work stuck on a dead peer
+                local.close()
+        else:  # a transfer NCCL could not abort may still write into this module's memory: it
+            # stays allocated (kept from the garbage collector too) until the process ends
+            _ABANDONED.append((local, self._groups))
 
     def __enter__(self):
         return self

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from ferry.errors import BackendError
-from ferry.program import Program
+from ferry.errors import BackendError, FerryError
+from ferry.program import Program, load_program
 from ferry.program.footprint import load_bytes
 from ferry.program.report import copy_report
 from ferry.program.schema import DEFAULT_ARG, STORAGE_KINDS, ConstValue, DelegateCall, TensorValue, root_storage
@@ -101,9 +101,6 @@ def _torch_payload(program: Program, d):
     """The method inside a `torch` delegate's payload (a ferry program: data, never code), or None."""
     if d.backend_id != "torch":
         return None
-    from ferry.errors import FerryError
-    from ferry.program import load_program
-
     try:
         return load_program(program.segments[d.payload]).method("forward")
     except (FerryError, IndexError, KeyError):
