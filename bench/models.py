@@ -9,13 +9,16 @@ Runners, everything on cuda:0:
 - compile / compile-ro: `torch.compile(model)` and `torch.compile(model, mode="reduce-overhead")`;
 - ferry / ferry-graphs: `ferry.compile(export(model), OpSupportPartitioner("cuda:0"))`, run by
   `ferry.Module(program)` and `ferry.Module(program, cuda_graphs=True)`.
+- eager-graphs: eager's kernels captured by hand in one CUDA graph (`torch.cuda.graph`), the
+  time of its kernels alone: no runner that launches the same kernels can be faster;
 - ferry-traced (not run by default): ferry without its inference rewrites
   (`CompileConfig(fuse_for_inference=False)`), to show what they give.
 
 I/O: `device` — inputs already on the GPU, outputs left there (ferry: both skip flags);
 `host` — CPU tensors in and out, end to end (eager and torch.compile: `.cuda()` / `.cpu()`).
 
-Each row: median ms per call after warm-up (TF32 off, every runner in one process), the
+Each row: median ms per call after warm-up (TF32 off, every runner in one process, all of a
+model's runners timed in interleaved rounds so that a noisy host's slow spells hit each alike), the
 ratio to eager, the peak of GPU memory the runner allocated (weights, activations,
 workspaces: `torch.cuda.max_memory_allocated` from an empty GPU); for ferry, how much of that
 loading allocated (weights and the planned arena; the rest is what kernels allocate per call);
@@ -30,6 +33,7 @@ kept whole): the CPU target is "no slower than eager".
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import statistics
 import sys
@@ -192,6 +196,35 @@ def _eager_like(model, x, device, io, compile_mode):
     return call, time.perf_counter() - t0
 
 
+def _eager_graphed(model, x, device, io):
+    """Eager's kernels captured once in a CUDA graph by hand (`torch.cuda.graph`) and replayed:
+    the time of eager's kernels alone, the floor for any runner that launches the same kernels."""
+    m = model.to(device)
+    t0 = time.perf_counter()
+    xd = x.to(device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):
+            m(xd)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = m(xd)
+
+    def call():
+        if io == "host":
+            xd.copy_(x)
+            graph.replay()
+            return out.cpu()
+        graph.replay()
+        return out
+
+    call()
+    _sync(device)
+    return call, time.perf_counter() - t0
+
+
 def _ferry_program(model, x, device, io, fuse=True):
     t0 = time.perf_counter()
     ep = torch.export.export(model.cpu(), (x,))
@@ -243,49 +276,88 @@ def _check(got, want):
 
 
 def run_model(name, batch, device, runners, ios, repeat):
+    """Every runner of one model and batch. Each is built and measured for memory on its own
+    (its own copy of the weights, counted in its peak); then all are timed in interleaved
+    rounds, so a slow spell of a noisy host falls on every runner alike."""
     build, _ = MODELS[name]
     model, (x,) = build(batch)
     with torch.no_grad():
         want = model.to(device)(x.to(device)).cpu()
-    model.cpu()  # every runner starts from an empty GPU: its weights count in its peak
+    model.cpu()
     rows = []
     for io in ios:
-        program, compile_s = (None, None)
+        built, live = {}, []
         for runner in runners:
-            base = _fresh_gpu(device)
-            module = None
-            if runner in ("eager", "compile", "compile-ro"):
-                mode = {"eager": None, "compile": "default", "compile-ro": "reduce-overhead"}[runner]
-                call, setup = _eager_like(model, x, device, io, mode)
-                build_s = None
-            elif runner == "ferry-traced":  # the traced ops, without aot/fuse.py's inference rewrites
-                traced, build_s = _ferry_program(model, x, device, io, fuse=False)
-                call, setup, module = _ferry(traced, x, device, io, False)
-            else:
-                if program is None:
-                    program, compile_s = _ferry_program(model, x, device, io)
-                call, setup, module = _ferry(program, x, device, io, runner == "ferry-graphs")
-                build_s = compile_s
-            ms = _time(call, device, repeat)
-            err = _check(call(), want)
-            rows.append({"model": name, "batch": batch, "io": io, "runner": runner, "ms": ms,
-                         "peak_mib": _peak_mib(device, base), "compile_s": build_s, "load_s": setup,
-                         "rel_err": err, "at_load_mib": _at_load_mib(module, device)})
+            try:
+                row, call, module = _one_runner(name, batch, io, runner, copy.deepcopy(model), x, want, device, built)
+                live.append((row, call, module))
+            except Exception as e:  # noqa: BLE001 - one runner failing must not lose the others' rows
+                print(f"{name} batch {batch} {io} {runner}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                rows.append({"model": name, "batch": batch, "io": io, "runner": runner,
+                             "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        for (row, _, _), ms in zip(live, _time_interleaved([c for _, c, _ in live], device, repeat)):
+            row["ms"] = ms
+            rows.append(row)
+        for _, _, module in live:
             if module is not None:
                 module.close()
-            del call
-            model.cpu()
-            torch._dynamo.reset()
+        del live
+        torch._dynamo.reset()
     return rows
+
+
+def _time_interleaved(calls, device, repeat, rounds=6, warmup=5) -> list[float]:
+    """Median ms per call of each of `calls`, sampled round-robin in `rounds` rounds."""
+    for call in calls:
+        for _ in range(warmup):
+            call()
+    samples: list[list[float]] = [[] for _ in calls]
+    per_round = max(1, repeat // rounds)
+    for _ in range(rounds):
+        for call, out in zip(calls, samples):
+            for _ in range(per_round):
+                _sync(device)
+                t = time.perf_counter()
+                call()
+                _sync(device)
+                out.append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(s) for s in samples]
+
+
+def _one_runner(name, batch, io, runner, model, x, want, device, built):
+    """Build one runner on its own copy of the model: (row without its time, call, ferry module)."""
+    base = _fresh_gpu(device)
+    module = None
+    if runner in ("eager", "compile", "compile-ro"):
+        mode = {"eager": None, "compile": "default", "compile-ro": "reduce-overhead"}[runner]
+        call, setup = _eager_like(model, x, device, io, mode)
+        build_s = None
+    elif runner == "eager-graphs":
+        call, setup = _eager_graphed(model, x, device, io)
+        build_s = None
+    elif runner == "ferry-traced":  # the traced ops, without aot/fuse.py's inference rewrites
+        traced, build_s = _ferry_program(model, x, device, io, fuse=False)
+        call, setup, module = _ferry(traced, x, device, io, False)
+    else:
+        if "program" not in built:
+            built["program"], built["compile_s"] = _ferry_program(model, x, device, io)
+        call, setup, module = _ferry(built["program"], x, device, io, runner == "ferry-graphs")
+        build_s = built["compile_s"]
+    for _ in range(3):
+        call()
+    err = _check(call(), want)
+    row = {"model": name, "batch": batch, "io": io, "runner": runner, "peak_mib": _peak_mib(device, base),
+           "compile_s": build_s, "load_s": setup, "rel_err": err, "at_load_mib": _at_load_mib(module, device)}
+    return row, call, module
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--batches", default="1,serving", help="comma-separated; 'serving' is each model's serving batch")
-    p.add_argument("--runners", default="eager,compile,compile-ro,ferry,ferry-graphs")
+    p.add_argument("--runners", default="eager,eager-graphs,compile,compile-ro,ferry,ferry-graphs")
     p.add_argument("--io", default="device,host")
-    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--repeat", type=int, default=60, help="timed calls per runner, in 6 interleaved rounds")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="models", help="name of the JSON file written under bench/results")
     args = p.parse_args()
@@ -313,7 +385,8 @@ def report(rows, out):
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append([r["model"], r["batch"], "-", "FAILED", r["error"][:60], "", "", "", "", "", ""])
+            lines.append([r["model"], r["batch"], r.get("io", "-"), r.get("runner", "-"), "FAILED", r["error"][:60],
+                          "", "", "", "", ""])
             continue
         key = (r["model"], r["batch"], r["io"])
         ratio = r["ms"] / eager[key] if key in eager else float("nan")

@@ -292,3 +292,78 @@ def test_a_constant_mask_that_would_grow_the_result_is_left_to_fail_as_in_eager(
     assert _fits(torch.ones(2, 3, 6, 6, dtype=torch.bool), q, q) is None
     assert _fits(torch.ones(6, 6, dtype=torch.bool), q, q) == ((3, 6, 8), (3, 6, 8))
     assert _fits(torch.ones(6, 5, dtype=torch.bool), q, q) is None  # does not broadcast at all
+
+
+# ---- linear as eager's one GEMM over rows, into planned memory
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, bias=True):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 48, bias=bias), torch.nn.Linear(48, 16, bias=bias)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def delegate_method(program):
+    return ferry.load_program(program.segments[program.delegates[0].payload]).method("forward")
+
+
+@pytest.mark.parametrize("bias,shape", [(True, (2, 5, 16)), (False, (2, 5, 16)), (True, (2, 3, 4, 16)), (True, (6, 16))])
+def test_linear_runs_as_one_gemm_into_planned_memory_and_equals_eager(bias, shape, emu):
+    model = Mlp(bias).eval()
+    program = compile_on(model, (torch.randn(shape),))
+    kernels = delegate_kernels(program)
+    gemm = "aten::addmm.out" if bias else "aten::mm.out"
+    assert kernels.count(gemm) == 2 and "aten::linear.default" not in kernels, kernels
+    method = delegate_method(program)
+    results = [method.values[i.outputs[0]] for i in method.instructions if getattr(i, "kernel", None) == gemm]
+    assert [v.storage for v in results] == ["planned", "planned"]  # inside the plan, not allocated per call
+    assert "2 run as eager's one GEMM" in method.kernel_choices["aten::linear.default"]
+    assert_matches_eager(program, model, lambda: (torch.randn(shape),))
+
+
+def test_without_fusion_linear_stays_linear(emu):
+    kernels = delegate_kernels(compile_on(Mlp().eval(), (torch.randn(2, 5, 16),), fuse=False))
+    assert "aten::addmm.out" not in kernels and any(k.startswith("aten::linear") for k in kernels)
+
+
+def test_linear_over_a_transposed_input_or_a_dynamic_batch_equals_eager(emu):
+    class Transposed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(5, 8)
+
+        def forward(self, x):
+            return self.fc(x.transpose(1, 2))
+
+    model = Transposed().eval()
+    program = compile_on(model, (torch.randn(2, 5, 7),))
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 5, 7),))
+
+    model = Mlp().eval()
+    ep = torch.export.export(model, (torch.randn(2, 5, 16),), dynamic_shapes=({0: torch.export.Dim("b", max=9)},))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
+    assert "aten::addmm.out" not in delegate_kernels(program)  # sizes are read only when static
+    module = ferry.Module(program)
+    for batch in (2, 7, 1):
+        x = torch.randn(batch, 5, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_linear_as_one_gemm_on_cuda_equals_eager(full_fp32):
+    for bias in (True, False):
+        model = Mlp(bias).eval()
+        program = compile_on(model, (torch.randn(4, 9, 16),), device="cuda:0")
+        assert ("aten::addmm.out" if bias else "aten::mm.out") in delegate_kernels(program)
+        module = ferry.Module(program)
+        cuda_model = model.cuda()
+        for _ in range(3):
+            x = torch.randn(4, 9, 16)
+            with torch.no_grad():
+                want = cuda_model(x.cuda()).cpu()
+            torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5)

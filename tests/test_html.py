@@ -333,7 +333,7 @@ def test_timeline_lifetimes_and_lower_bound(block):
     assert headings[0].startswith("Buffer 1 on cpu:0 \u00b7 16.0 KiB")
     # the cuda:0 arena holds the delegates' working memory too, one plan for the device
     assert f"lower bound on cuda:0: {m.lower_bounds['cuda:0'] / 1024:.1f} KiB" in headings[1]
-    assert "6 values" in headings[1] and "plan is 1.00\u00d7 the bound" in headings[1]
+    assert "7 values" in headings[1] and "plan is 1.00\u00d7 the bound" in headings[1]
 
 
 def test_summary_tables(busy):

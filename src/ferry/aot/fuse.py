@@ -11,6 +11,11 @@ does not show. Three of them cost ferry the most on real models (measured on an 
   true, it is dropped; lower-triangular, it becomes `is_causal=True`. Eager, given no mask,
   runs fused attention; with the traced mask, whose last dimension is broadcast (stride 0),
   CUDA fell back to its unfused kernel (BERT: 24 extra GEMMs per call).
+- `linear` over a batch of rows is, in eager, one GEMM over a 2-D view of its input (bias
+  fused: `addmm`). ferry runs exactly that, as `addmm.out`/`mm.out` into planned memory: one
+  ATen call per linear where the functional `linear` makes four or five (views, `t`, the GEMM),
+  the views of planned tensors around it made once at load, and its result inside the plan
+  (`linear.out` is a wrapper that computes into a temporary and copies).
 - A batch norm after a convolution, with fixed statistics, is a per-channel scale and shift:
   folded into the convolution's weights and bias, it costs nothing per call. Unfolded it is
   a kernel and, on CUDA, a host-side copy of its statistics per call (53 per ResNet-50 call).
@@ -56,13 +61,13 @@ def _static(shape) -> tuple[int, ...] | None:
 
 
 class Rewrite(NamedTuple):
-    kind: str  # "fold", "attention", "mask dropped" or "mask causal"
+    kind: str  # "fold", "attention", "mask dropped", "mask causal" or "gemm"
     where: str  # the node or module call it applied to
 
 
 def fuse_for_inference(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done."""
-    done = _fold_batch_norms(gm) + _fuse_attention(gm) + _simplify_attention_masks(gm)
+    done = _fold_batch_norms(gm) + _fuse_attention(gm) + _simplify_attention_masks(gm) + _linear_as_gemm(gm)
     if done:
         for node in reversed(list(gm.graph.nodes)):  # what only a dropped mask read, then unread constants
             if not node.users and (node.op == "get_attr" or (node.op == "call_function" and not node.is_impure())):
@@ -269,8 +274,12 @@ def _same_result(gm, members, region) -> bool:
 
 def fusion_notes(done: list[Rewrite]) -> dict[str, str]:
     """What `fuse_for_inference` did, as kernel choices of the method (shown by ferry inspect)."""
-    count = {kind: sum(r.kind == kind for r in done) for kind in ("fold", "attention", "mask dropped", "mask causal")}
+    count = {kind: sum(r.kind == kind for r in done)
+             for kind in ("fold", "attention", "mask dropped", "mask causal", "gemm")}
     notes = {}
+    if count["gemm"]:
+        notes["aten::linear.default"] = (
+            f"{count['gemm']} run as eager's one GEMM over a 2-D view (addmm.out / mm.out into planned memory)")
     if count["fold"]:
         notes["aten::_native_batch_norm_legit_no_training.default"] = (
             f"{count['fold']} folded into the convolution before each (weights and bias scaled at compile time)")
@@ -365,3 +374,46 @@ def _constant_value(gm, node, memo: dict):
             if isinstance(result, torch.Tensor) and result.numel() <= _CHECK_ELEMENTS:
                 memo[node] = result
     return memo[node]
+
+
+# ---------------------------------------------------------------- linear as one GEMM over rows
+
+
+def _linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    """`linear(x, w, b)` -> `view(addmm(b, view(x, (rows, k)), t(w)), (..., n))` (`mm` without a
+    bias), what eager's linear computes for a contiguous input; x of static shape only, and not
+    where a batched result is the delegate's own output (a view there would cost a copy)."""
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        xv, wv, out = x.meta.get("val"), w.meta.get("val"), node.meta.get("val")
+        if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and isinstance(out, torch.Tensor)):
+            continue
+        shape, out_shape = _static(xv.shape), _static(out.shape)
+        if shape is None or out_shape is None or len(shape) < 2 or wv.dim() != 2 or not xv.is_contiguous():
+            continue
+        if len(shape) > 2 and any(u.op == "output" for u in node.users):
+            continue  # a view as the delegate's result would be copied out: linear writes the caller's tensor
+        rows = (math.prod(shape[:-1]), shape[-1])
+        with gm.graph.inserting_before(node):
+            flat = x if len(shape) == 2 else _call(gm, node, aten.view.default, (x, list(rows)), xv.new_empty(rows))
+            wt = _call(gm, node, aten.t.default, (w,), wv.t())
+            res = out.new_empty((rows[0], out_shape[-1]))
+            gemm = (_call(gm, node, aten.mm.default, (flat, wt), res) if b is None
+                    else _call(gm, node, aten.addmm.default, (b, flat, wt), res))
+            y = gemm if len(shape) == 2 else _call(gm, node, aten.view.default, (gemm, list(out_shape)), out)
+        node.replace_all_uses_with(y)
+        gm.graph.erase_node(node)
+        done.append(Rewrite("gemm", node.name))
+    return done
+
+
+def _call(gm, like: torch.fx.Node, op, args, val) -> torch.fx.Node:
+    """A new node calling `op`, with `like`'s metadata (device, module stack) and value `val`."""
+    node = gm.graph.call_function(op, args)
+    node.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+    node.meta["val"] = val
+    return node

@@ -53,7 +53,7 @@ def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node, device_type: s
     if not _contiguous(node.meta.get("val")):
         return KernelChoice(op, True, "eager gives its result a non-contiguous layout: computed as eager does, "
                                       "so every view eager allows stays legal")
-    if not all(_contiguous(a.meta.get("val")) for a in node.all_input_nodes):
+    if op not in _GEMMS and not all(_contiguous(a.meta.get("val")) for a in node.all_input_nodes):
         # measured on ViT: linear.out over a transposed input runs one small GEMM per row (bmm
         # with a broadcast weight, 2.4x slower end to end) where eager's functional linear
         # copies the input once and runs one large GEMM
@@ -64,6 +64,10 @@ def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node, device_type: s
                                       "the functional kernel's result is used in place")
     return KernelChoice(out, False)
 
+
+# GEMMs take transposed operands as BLAS does, in their .out kernels as in the functional ones:
+# the same algorithm whatever the layout (aot/fuse.py gives them a transposed weight)
+_GEMMS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
 
 # where linear.out's GEMM-then-add was measured slower than the functional addmm (an H200: two
 # kernels and an extra pass); on the CPU the difference was within noise, and .out keeps the
@@ -122,7 +126,10 @@ def _measure(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
     (data-dependent inputs, huge shapes) counts as a wrapper: the functional kernel is
     always correct and is what eager runs."""
     try:
-        args, kwargs, out_bytes = _example_call(out, node)
+        try:
+            args, kwargs, out_bytes = _example_call(out, node)
+        except _TooLarge:  # whether an overload copies does not depend on sizes: measure smaller ones
+            args, kwargs, out_bytes = _example_call(out, node, cap=_SMALL_SIZE)
     except _CannotMeasure:
         return True
     try:
@@ -138,30 +145,43 @@ class _CannotMeasure(Exception):
     pass
 
 
-def _materialise(x):
+class _TooLarge(_CannotMeasure):
+    pass
+
+
+# every size capped at this when the traced ones are too large to materialise: equal sizes stay
+# equal and broadcast 1s stay 1, so most ops (elementwise, GEMMs, norms) still accept the call;
+# one that does not (cat, view: sizes related by arithmetic) counts as a wrapper
+_SMALL_SIZE = 8
+
+
+def _materialise(x, cap=None):
     if isinstance(x, torch.fx.Node):
-        return _materialise(x.meta.get("val"))
+        return _materialise(x.meta.get("val"), cap)
     if isinstance(x, (list, tuple)):
-        return type(x)(_materialise(e) for e in x)
+        return type(x)(_materialise(e, cap) for e in x)
     if isinstance(x, torch.SymInt):
         raise _CannotMeasure()
     if isinstance(x, torch.Tensor):
-        if any(isinstance(s, torch.SymInt) for s in x.shape) or x.numel() > _MEASURE_ELEMENTS:
+        if any(isinstance(s, torch.SymInt) for s in x.shape):
             raise _CannotMeasure()
+        shape = tuple(x.shape) if cap is None else tuple(min(s, cap) for s in x.shape)
+        if cap is None and x.numel() > _MEASURE_ELEMENTS:
+            raise _TooLarge()
         if x.is_floating_point() or x.is_complex():
-            return torch.randn(tuple(x.shape), dtype=x.dtype)
-        return torch.zeros(tuple(x.shape), dtype=x.dtype)  # indices: zeros are in range
+            return torch.randn(shape, dtype=x.dtype)
+        return torch.zeros(shape, dtype=x.dtype)  # indices: zeros are in range
     return x
 
 
-def _example_call(out: torch._ops.OpOverload, node: torch.fx.Node):
-    args = [_materialise(a) for a in node.args]
+def _example_call(out: torch._ops.OpOverload, node: torch.fx.Node, cap=None):
+    args = [_materialise(a, cap) for a in node.args]
     accepted = {a.name for a in out._schema.arguments}  # out variants drop dtype/device/layout
-    kwargs = {k: _materialise(v) for k, v in node.kwargs.items() if k in accepted}
+    kwargs = {k: _materialise(v, cap) for k, v in node.kwargs.items() if k in accepted}
     val = node.meta.get("val")
     vals = list(val) if isinstance(val, (list, tuple)) else [val]
     outs = [a.name for a in out._schema.arguments if a.is_out]
-    results = [_materialise(v) for v in vals]
+    results = [_materialise(v, cap) for v in vals]
     if len(outs) != len(results) or not all(isinstance(r, torch.Tensor) for r in results):
         raise _CannotMeasure()
     kwargs.update({name: torch.empty_like(r) for name, r in zip(outs, results)})
