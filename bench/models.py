@@ -14,6 +14,9 @@ Runners, everything on cuda:0:
   can be faster. Run it in a process of its own (`--runners eager,eager-graphs`, one model per
   process): in the all-models loop, once interleaved with other runners, it has hit CUDA errors
   (illegal address, device-side assert) from one model on, not yet explained;
+- ferry-inductor / ferry-inductor-graphs: ferry with `backend_id="inductor"` (delegates
+  compiled by Inductor when the program loads: that time is in the load column), without and
+  with CUDA graphs;
 - ferry-traced (not run by default): ferry without its inference rewrites
   (`CompileConfig(fuse_for_inference=False)`), to show what they give.
 
@@ -228,12 +231,12 @@ def _eager_graphed(model, x, device, io):
     return call, time.perf_counter() - t0
 
 
-def _ferry_program(model, x, device, io, fuse=True):
+def _ferry_program(model, x, device, io, fuse=True, backend="torch"):
     t0 = time.perf_counter()
     ep = torch.export.export(model.cpu(), (x,))
     skip = io == "device" and device.type != "cpu"
     cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip, skip), fuse_for_inference=fuse)
-    part = ferry.OpSupportPartitioner(str(device) if device.type != "cpu" else "cpu")
+    part = ferry.OpSupportPartitioner(str(device) if device.type != "cpu" else "cpu", backend_id=backend)
     program = ferry.compile(ep, part if device.type != "cpu" else None, cfg)
     return program, time.perf_counter() - t0
 
@@ -338,6 +341,11 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built):
     elif runner == "eager-graphs":
         call, setup = _eager_graphed(model, x, device, io)
         build_s = None
+    elif runner.startswith("ferry-inductor"):  # delegates compiled by Inductor at load (its time is in load_s)
+        if "inductor" not in built:
+            built["inductor"], built["inductor_s"] = _ferry_program(model, x, device, io, backend="inductor")
+        call, setup, module = _ferry(built["inductor"], x, device, io, runner == "ferry-inductor-graphs")
+        build_s = built["inductor_s"]
     elif runner == "ferry-traced":  # the traced ops, without aot/fuse.py's inference rewrites
         traced, build_s = _ferry_program(model, x, device, io, fuse=False)
         call, setup, module = _ferry(traced, x, device, io, False)
@@ -367,7 +375,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)
-    runners = [r for r in args.runners.split(",") if device.type == "cuda" or r in ("eager", "ferry")]
+    runners = [r for r in args.runners.split(",") if device.type == "cuda" or r in ("eager", "ferry", "ferry-inductor")]
     rows = []
     for name in args.models.split(","):
         for b in args.batches.split(","):

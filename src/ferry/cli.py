@@ -171,7 +171,7 @@ def _partitioner(args):
         if args.max_memory is not None:
             raise UserError("--max-memory goes with --device-map (a map or 'auto')")
         device = str(_parse_device(args.device or "cuda:0"))
-        return ferry.OpSupportPartitioner(device, exclude=exclude), device
+        return ferry.OpSupportPartitioner(device, exclude=exclude, backend_id=args.backend), device
     if args.device is not None:
         raise UserError("give --device (one device) or --device-map (several), not both")
     device_map = "auto" if args.device_map.strip() == "auto" else _read_device_map(args.device_map)
@@ -183,7 +183,8 @@ def _partitioner(args):
         if isinstance(value, str) and not value.strip().isdigit():
             _parse_device(value, "--max-memory")
     try:
-        partitioner = ferry.DeviceMapPartitioner(device_map, exclude=exclude, max_memory=max_memory)
+        partitioner = ferry.DeviceMapPartitioner(device_map, exclude=exclude, max_memory=max_memory,
+                                                 backend_id=args.backend)
     except ferry.ConfigError as e:
         raise UserError(f"--device-map: {e}") from None
     devices = partitioner.budgets if partitioner.auto else partitioner.device_map.values()
@@ -384,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--exclude", help="comma-separated ops kept on the CPU, e.g. aten.softmax,aten.gelu")
     c.add_argument("--skip-h2d", action="store_true", help="inputs read on the device are passed in already there")
     c.add_argument("--skip-d2h", action="store_true", help="device outputs stay on the device")
+    c.add_argument("--backend", choices=("torch", "inductor"), default="torch",
+                   help="what runs each delegate: torch (ATen ops in planned memory) or inductor (compiled by "
+                        "Inductor when the program loads; static shapes)")
     c.add_argument("--traced-ops", action="store_true", help="run the ops export traced, without the inference "
                    "rewrites (fused attention, batch norms folded into convolutions): eager's results bit for bit")
     c.set_defaults(func=cmd_compile)

@@ -92,14 +92,19 @@ def program_summary(program: Program, instructions: bool = True, method: str | N
         if inside is None:
             continue
         out.append(f"  delegate {i} ({d.backend_id}): {len(inside.instructions)} instructions")
+        if d.backend_id == "inductor":
+            out.append("    compiled by Inductor when the program loads (no native code in the file); "
+                       "its results are copied into the planned outputs")
+            continue
         for op, why in inside.kernel_choices.items():
             out.append(f"    {op}: {why}")
     return "\n".join(out)
 
 
 def _torch_payload(program: Program, d):
-    """The method inside a `torch` delegate's payload (a ferry program: data, never code), or None."""
-    if d.backend_id != "torch":
+    """The method inside a `torch` or `inductor` delegate's payload (a ferry program: data, never
+    code), or None."""
+    if d.backend_id not in ("torch", "inductor"):
         return None
     try:
         return load_program(program.segments[d.payload]).method("forward")
@@ -183,7 +188,8 @@ def _program_json(program: Program, method: str | None) -> dict:
         "methods": methods,
         "delegates": [
             {"backend_id": d.backend_id, "compile_specs": {k: v.decode(errors="replace") for k, v in d.compile_specs},
-             "kernel_choices": dict(inside.kernel_choices) if (inside := _torch_payload(program, d)) else {}}
+             "kernel_choices": dict(inside.kernel_choices) if (inside := _torch_payload(program, d)) else {},
+             "native_code": False}  # no built-in backend stores native code; inductor compiles at load
             for d in program.delegates
         ],
     }

@@ -143,6 +143,7 @@ class MethodOptions:
     memory_planning: str = "greedy"
     alignment: Mapping[str, int] = field(default_factory=lambda: resolve_alignment(None))
     fuse_for_inference: bool = True
+    functional_kernels: bool = False  # every op its functional overload, nothing planned (a graph compiler's input)
 
     def alignment_of(self, device_type: str) -> int:
         return alignment_for(self.alignment, device_type)

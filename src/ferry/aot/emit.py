@@ -19,7 +19,7 @@ import torch.fx
 
 from ferry.aot import meta as M
 from ferry.aot.config import MethodOptions
-from ferry.aot.kernel_choice import choose_kernel
+from ferry.aot.kernel_choice import KernelChoice, choose_kernel
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
 from ferry.aot.out_variants import is_view
 from ferry.aot.plan import PlanValue, plan_memory
@@ -312,7 +312,8 @@ class _MethodEmitter:
         vals = list(val) if isinstance(val, (tuple, list)) else [val]
         dev = self.device_of(node)
         outs = tuple(self.tensor_value(node, v, dev) for v in vals)
-        choice = choose_kernel(op, node, dev.type)
+        choice = (KernelChoice(op, True, "compiled with the rest of the graph") if self.opts.functional_kernels
+                  else choose_kernel(op, node, dev.type))
         if choice.functional:
             self.runtime_alloc.update(outs)
             self.allocating_ops.append(kernel_name(op))

@@ -1,0 +1,159 @@
+"""The `inductor` backend: a delegate compiled by PyTorch's Inductor when the program loads.
+
+Its payload is a ferry program, like the `torch` backend's, but functional: every op is its
+functional overload and nothing is planned, which is the graph a graph compiler wants. It is
+stored in ferry's own format, so the file holds no pickle and no native code: kernel names
+resolve only to operators registered with PyTorch, and every call is checked against its
+schema before anything runs. At load the method is rebuilt as a torch.fx graph, with its
+constants uploaded to the delegate's device, and compiled by Inductor for that device (Triton
+kernels on CUDA, C++ on the CPU). Inductor's on-disk cache makes a later load of the same graph
+fast. Inductor allocates its results; they are copied into the caller's planned outputs.
+
+Static shapes only: a partition with a dynamic size is a compile error that says to give it
+backend "torch". Ahead-of-time AOTInductor packages are not offered: loading one crashed the
+process (SIGSEGV) on the H200 machines this was tested on, and native code would need an
+explicit opt-in to load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+
+from ferry.aot.emit import ProgramBuilder, emit_method
+from ferry.aot.place import delegate_target_device
+from ferry.device import CPU
+from ferry.errors import BackendError, CompileError, ProgramError
+from ferry.op_names import resolve_kernel
+from ferry.program import Program, load_program, program_to_bytes
+from ferry.program.ranks import localized
+from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
+from ferry.runtime.kernels import bind_aten, check_call
+from ferry.runtime.load import Memory, load_memory
+
+__all__ = ["InductorBackend", "graph_of"]
+
+
+class InductorBackend:
+    backend_id = "inductor"
+
+    def preprocess(self, lowered, options, range_constraints=None) -> bytes:
+        device = delegate_target_device(lowered) or CPU
+        opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False,
+                                   functional_kernels=True, fuse_for_inference=False)
+        builder = ProgramBuilder()
+        method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
+        dynamic = [v.name for v in method.values if isinstance(v, TensorValue) and any(v.dynamic)]
+        if dynamic or any(isinstance(v, ConstValue) and v.kind in ("symint", "symints") for v in method.values):
+            raise CompileError(f"backend 'inductor' compiles static shapes; this partition has dynamic sizes "
+                               f"({', '.join(dynamic[:3]) or 'computed sizes'}): give it backend_id='torch'")
+        if builder.delegates:
+            raise CompileError("backend 'inductor': a partition must not contain delegates")
+        return program_to_bytes(Program({"forward": method}, [], builder.segments))
+
+    def memory_needs(self, payload) -> list:
+        return []  # nothing is planned: Inductor allocates what it computes
+
+    def load_bytes(self, payload, given_memory: bool) -> dict:
+        """Bytes `init` allocates per device: the constants it uploads."""
+        need: dict = {}
+        for v in load_program(payload).method("forward").values:
+            if isinstance(v, TensorValue) and v.storage == "constant" and not v.device.is_cpu:
+                need[v.device] = need.get(v.device, 0) + v.nbytes
+        return need
+
+    def init(self, payload, compile_specs, pin_host: bool = True, memory=None):
+        program = load_program(payload)
+        method = localized(program.method("forward"))
+        mem = load_memory(program.segments, method, pin_host=False)
+        try:
+            gm = graph_of(method, mem)
+            with torch.no_grad():
+                compiled = torch._inductor.compile(gm, [_example(method.values[v]) for v in method.inputs])
+        except (ProgramError, BackendError):
+            mem.close()
+            raise
+        except Exception as e:
+            mem.close()
+            raise BackendError(f"Inductor could not compile the delegate: {type(e).__name__}: {e}; "
+                               "give this partition backend_id='torch'") from e
+        return _Compiled(compiled, mem, method)
+
+
+class _Compiled:
+    def __init__(self, fn, memory: Memory, method: Method):
+        self.fn, self.memory, self.method = fn, memory, method
+        self.devices = [method.tensor(v).device.to_torch() for v in method.inputs]
+
+    def execute(self, inputs, outputs) -> None:
+        # legacy mode (no device placement) passes host tensors: move them as the torch backend does
+        args = [t if t.device == d else t.to(d) for t, d in zip(inputs, self.devices)]
+        with torch.no_grad():
+            results = self.fn(*args)
+        for out, r in zip(outputs, results):
+            out.copy_(r)
+
+    def close(self) -> None:
+        self.fn = None
+        self.memory.close()
+
+
+def _example(v) -> torch.Tensor:
+    if not isinstance(v, TensorValue):
+        raise ProgramError("an inductor delegate takes tensors only")
+    if v.torch_dtype.is_floating_point or v.torch_dtype.is_complex:
+        return torch.randn(v.shape, dtype=v.torch_dtype, device=v.device.to_torch())
+    return torch.zeros(v.shape, dtype=v.torch_dtype, device=v.device.to_torch())  # indices: in range
+
+
+def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
+    """The method as a torch.fx graph: inputs are placeholders, constants buffers of the module,
+    each instruction one call of its (checked) operator."""
+    graph, root, env = torch.fx.Graph(), torch.nn.Module(), {}
+    for i, vid in enumerate(method.inputs):
+        env[vid] = graph.placeholder(f"input_{i}")
+
+    def ref(vid: int):
+        if vid in env:
+            return ("v", vid)
+        if memory.fixed[vid]:
+            value = memory.slots[vid]
+            if not isinstance(value, torch.Tensor):
+                return ("c", value)
+            root.register_buffer(f"constant_{vid}", value)
+            env[vid] = graph.get_attr(f"constant_{vid}")
+            return ("v", vid)
+        v = method.values[vid]
+        if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
+            return ("l", list(v.value))  # type: ignore[call-overload]
+        raise ProgramError(f"method {method.name!r}: value {vid} is read before it is computed")
+
+    def resolve(r):
+        kind, x = r
+        if kind == "c":
+            return x
+        if kind == "v":
+            return env[x]
+        return [None if e is None else resolve(ref(e)) for e in x]
+
+    for index, ins in enumerate(method.instructions):
+        if not isinstance(ins, KernelCall):
+            raise ProgramError(f"method {method.name!r} instruction {index}: an inductor delegate runs kernels only")
+        try:
+            op = resolve_kernel(ins.kernel)
+        except LookupError as e:
+            raise ProgramError(f"method {method.name!r} instruction {index}: {e}") from None
+        check_call(op, ins.args, ins.outputs, method.values, f"method {method.name!r} instruction {index}")
+        pos, kw = bind_aten(op, ins.args, ref)
+        node = graph.call_function(op, tuple(resolve(r) for r in pos), {k: resolve(r) for k, r in kw.items()})
+        returns = op._schema.returns
+        if len(ins.outputs) == 1 and len(returns) == 1 and not str(returns[0].type).endswith("[]"):
+            env[ins.outputs[0]] = node
+        else:
+            for j, out in enumerate(ins.outputs):
+                env[out] = graph.call_function(operator.getitem, (node, j))
+    graph.output(tuple(resolve(ref(o)) for o in method.outputs))
+    return torch.fx.GraphModule(root, graph)

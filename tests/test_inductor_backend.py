@@ -1,0 +1,135 @@
+"""The `inductor` backend: delegates compiled by Inductor at load, results equal eager's.
+
+Inductor on the CPU compiles C++ (tens of seconds on CI's two cores): the tests share a few
+small programs."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import ferry
+from ferry.errors import CompileError, ProgramError
+from ferry.program import load_program, program_to_bytes
+
+
+class Block(torch.nn.Module):
+    """Attention kept whole, a norm, an MLP: what Inductor fuses around a fused kernel."""
+
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.norm, self.qkv = torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 3 * dim)
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(self.norm(x)).chunk(3, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + y
+        return x + self.down(torch.softmax(self.up(x), dim=-1))
+
+
+SHAPE = (2, 8, 32)
+
+
+@pytest.fixture(scope="module")
+def block():
+    torch.manual_seed(0)
+    return Block().eval()
+
+
+@pytest.fixture(scope="module")
+def inductor_program(block):
+    ep = torch.export.export(block, (torch.randn(SHAPE),))
+    return ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+
+
+def matches_eager(module, model, calls=3):
+    for _ in range(calls):
+        x = torch.randn(SHAPE)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_an_inductor_delegate_equals_eager_and_plans_nothing_inside(inductor_program, block, tmp_path):
+    assert [d.backend_id for d in inductor_program.delegates] == ["inductor"]
+    inner = load_program(inductor_program.segments[inductor_program.delegates[0].payload]).method("forward")
+    kernels = [i.kernel for i in inner.instructions]
+    assert "aten::scaled_dot_product_attention.default" in kernels  # the graph Inductor gets keeps it whole
+    assert not any(k.endswith(".out") for k in kernels) and len(inner.buffers) <= 1  # functional, unplanned
+    path = tmp_path / "block.ferry"
+    inductor_program.save(path)
+    module = ferry.Module(path)
+    matches_eager(module, block)
+    module.close()
+
+
+class Mixed:
+    """softmax on the CPU between two delegates: the first compiled by Inductor, the second op by op."""
+
+    def partition(self, ep):
+        parts = ferry.OpSupportPartitioner("cpu", exclude=["aten.softmax"]).partition(ep)
+        return [ferry.Partition(p.nodes, p.compile_specs, "inductor" if i == 0 else "torch") for i, p in enumerate(parts)]
+
+
+def test_inductor_and_torch_delegates_mix_in_one_program_with_a_cpu_op_between(block):
+    program = ferry.compile(torch.export.export(block, (torch.randn(SHAPE),)), Mixed())
+    assert [d.backend_id for d in program.delegates] == ["inductor", "torch"]
+    top = [getattr(i, "kernel", "delegate") for i in program.method("forward").instructions]
+    assert any("softmax" in k for k in top)
+    matches_eager(ferry.Module(program), block)
+
+
+def test_a_dynamic_partition_is_a_compile_error_that_names_the_fix(block):
+    ep = torch.export.export(block, (torch.randn(SHAPE),), dynamic_shapes=({0: torch.export.Dim("b", max=8)},))
+    with pytest.raises(CompileError, match="backend_id='torch'"):
+        ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+
+
+def test_a_payload_naming_something_that_is_not_an_operator_is_refused_at_load(inductor_program):
+    """A hostile payload cannot name Python callables: kernel names resolve only to operators."""
+    d = inductor_program.delegates[0]
+    inner = load_program(inductor_program.segments[d.payload])
+    m = inner.method("forward")
+    bad = dataclasses.replace(m.instructions[0], kernel="builtins::eval")
+    m2 = dataclasses.replace(m, instructions=[bad, *m.instructions[1:]])
+    segments = list(inductor_program.segments)
+    segments[d.payload] = program_to_bytes(ferry.Program({"forward": m2}, [], inner.segments))
+    hostile = dataclasses.replace(inductor_program, segments=segments)
+    with pytest.raises((ProgramError, ferry.BackendError)):
+        ferry.Module(hostile).load_method()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_inductor_delegate_on_cuda_equals_eager(block, graphs, full_fp32):
+    ep = torch.export.export(block, (torch.randn(SHAPE),))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id="inductor"))
+    module = ferry.Module(program, cuda_graphs=graphs)
+    model = Block().eval()
+    model.load_state_dict(block.state_dict())
+    model = model.cuda()
+    for _ in range(4):
+        x = torch.randn(SHAPE)
+        with torch.no_grad():
+            want = model(x.cuda()).cpu()
+        torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_inspect_says_an_inductor_delegate_is_compiled_at_load_and_carries_no_native_code(inductor_program):
+    from ferry.inspect import program_json, program_summary
+
+    assert "compiled by Inductor when the program loads (no native code in the file)" in program_summary(inductor_program)
+    (d,) = program_json(inductor_program)["delegates"]
+    assert d["backend_id"] == "inductor" and d["native_code"] is False
+
+
+def test_the_cli_compiles_with_the_inductor_backend(tmp_path):
+    from ferry.cli import main
+
+    out = tmp_path / "block.ferry"
+    assert main(["compile", "ferry.examples:transformer_block", "-o", str(out), "--device", "cpu",
+                 "--backend", "inductor"]) == 0
+    assert {d.backend_id for d in ferry.load_program(out).delegates} == {"inductor"}
