@@ -237,7 +237,7 @@ def _ferry_program(model, x, device, io, fuse=True, backend="torch"):
     skip = io == "device" and device.type != "cpu"
     cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip, skip), fuse_for_inference=fuse)
     part = ferry.OpSupportPartitioner(str(device) if device.type != "cpu" else "cpu", backend_id=backend)
-    program = ferry.compile(ep, part if device.type != "cpu" else None, cfg)
+    program = ferry.compile(ep, part if device.type != "cpu" or backend != "torch" else None, cfg)
     return program, time.perf_counter() - t0
 
 
@@ -375,7 +375,8 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)
-    runners = [r for r in args.runners.split(",") if device.type == "cuda" or r in ("eager", "ferry", "ferry-inductor")]
+    on_cpu = ("eager", "compile", "ferry", "ferry-inductor")
+    runners = [r for r in args.runners.split(",") if device.type == "cuda" or r in on_cpu]
     rows = []
     for name in args.models.split(","):
         for b in args.batches.split(","):
