@@ -133,3 +133,14 @@ def test_the_cli_compiles_with_the_inductor_backend(tmp_path):
     assert main(["compile", "ferry.examples:transformer_block", "-o", str(out), "--device", "cpu",
                  "--backend", "inductor"]) == 0
     assert {d.backend_id for d in ferry.load_program(out).delegates} == {"inductor"}
+
+
+def test_a_delegate_inductor_cannot_compile_runs_op_by_op_with_a_warning(inductor_program, block, monkeypatch):
+    def fail(gm, example_inputs):
+        raise RuntimeError("no lowering for this op")
+
+    monkeypatch.setattr(torch._inductor, "compile", fail)
+    module = ferry.Module(inductor_program)
+    with pytest.warns(RuntimeWarning, match="runs op by op"):
+        module.load_method()
+    matches_eager(module, block)

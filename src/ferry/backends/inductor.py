@@ -10,7 +10,8 @@ kernels on CUDA, C++ on the CPU). Inductor's on-disk cache makes a later load of
 fast. Inductor allocates its results; they are copied into the caller's planned outputs.
 
 Static shapes only: a partition with a dynamic size is a compile error that says to give it
-backend "torch". Ahead-of-time AOTInductor packages are not offered: loading one crashed the
+backend "torch". A graph Inductor fails to compile still loads: it runs op by op, with a
+warning. Ahead-of-time AOTInductor packages are not offered: loading one crashed the
 process (SIGSEGV) on the H200 machines this was tested on, and native code would need an
 explicit opt-in to load.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 
 import torch
 import torch.fx
@@ -26,7 +28,7 @@ import torch.fx
 from ferry.aot.emit import ProgramBuilder, emit_method
 from ferry.aot.place import delegate_target_device
 from ferry.device import CPU
-from ferry.errors import BackendError, CompileError, ProgramError
+from ferry.errors import CompileError, ProgramError
 from ferry.op_names import resolve_kernel
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
@@ -71,15 +73,17 @@ class InductorBackend:
         mem = load_memory(program.segments, method, pin_host=False)
         try:
             gm = graph_of(method, mem)
-            with torch.no_grad():
-                compiled = torch._inductor.compile(gm, [_example(method.values[v]) for v in method.inputs])
-        except (ProgramError, BackendError):
+        except BaseException:
             mem.close()
             raise
-        except Exception as e:
-            mem.close()
-            raise BackendError(f"Inductor could not compile the delegate: {type(e).__name__}: {e}; "
-                               "give this partition backend_id='torch'") from e
+        try:
+            with torch.no_grad():
+                compiled = torch._inductor.compile(gm, [_example(method.values[v]) for v in method.inputs])
+        except Exception as e:  # noqa: BLE001 - the same graph still runs, op by op: never a failed load
+            warnings.warn(f"Inductor could not compile this delegate ({type(e).__name__}: {str(e)[:200]}); it runs "
+                          "op by op instead (give its partition backend_id='torch' to say so at compile time)",
+                          RuntimeWarning, stacklevel=2)
+            compiled = gm
         return _Compiled(compiled, mem, method)
 
 
