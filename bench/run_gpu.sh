@@ -23,7 +23,7 @@ run() {
   fi
 }
 
-for script in copy_throughput cuda_graphs cpu_fallback device_memory models dynamic pipeline distributed; do
+for script in copy_throughput cuda_graphs cpu_fallback inductor_fallback device_memory models dynamic pipeline distributed; do
   run "bench/$script.py" "$@"
 done
 run bench/cpu_overhead.py
