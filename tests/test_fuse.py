@@ -367,3 +367,20 @@ def test_linear_as_one_gemm_on_cuda_equals_eager(full_fp32):
             with torch.no_grad():
                 want = cuda_model(x.cuda()).cpu()
             torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_linear_whose_bias_is_not_one_row_stays_linear_and_equals_eager(emu):
+    """addmm broadcasts a bias over rows only: F.linear with a (4, 8) bias over (3, 4, 16) inputs
+    must not become addmm over 12 rows (a review found it failed to run)."""
+    class RowBias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(4, 8))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.w, self.b) * 2
+
+    model = RowBias().eval()
+    program = compile_on(model, (torch.randn(3, 4, 16),))
+    assert "aten::addmm.out" not in delegate_kernels(program)
+    assert_matches_eager(program, model, lambda: (torch.randn(3, 4, 16),))

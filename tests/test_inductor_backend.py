@@ -144,3 +144,90 @@ def test_a_delegate_inductor_cannot_compile_runs_op_by_op_with_a_warning(inducto
     with pytest.warns(RuntimeWarning, match="runs op by op"):
         module.load_method()
     matches_eager(module, block)
+
+
+# ---- regressions a review found (hostile payloads, layouts)
+
+
+def _with_instructions(program, make):
+    """`program` with its delegate's method rebuilt by `make(method, add_value) -> instructions`."""
+    d = program.delegates[0]
+    inner = load_program(program.segments[d.payload])
+    m = inner.method("forward")
+    values = list(m.values)
+
+    def add(v):
+        values.append(v)
+        return len(values) - 1
+
+    instructions = make(m, add)
+    segments = list(program.segments)
+    segments[d.payload] = program_to_bytes(ferry.Program({"forward": dataclasses.replace(m, values=values,
+                                                                                          instructions=instructions)},
+                                                        [], inner.segments))
+    return dataclasses.replace(program, segments=segments)
+
+
+class Double(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "inductor"])
+def test_a_payload_that_maps_a_file_is_refused_before_anything_runs(backend, tmp_path):
+    """aten::from_file(shared=True) maps any path read-write, creating it: a program could write a
+    .pth file and so run code. No program may call it."""
+    from ferry.program.schema import ConstValue, KernelCall, TensorValue
+
+    target = tmp_path / "written_by_the_program.pth"
+    program = ferry.compile(torch.export.export(Double(), (torch.randn(16),)),
+                            ferry.OpSupportPartitioner("cpu", backend_id=backend))
+
+    def make(m, add):
+        dev = m.values[0].device
+        args = (add(ConstValue("str", str(target))), add(ConstValue("bool", True)), add(ConstValue("int", 32)),
+                add(ConstValue("dtype", "uint8")), -1, -1, -1)
+        mapped = add(TensorValue("uint8", (32,), dev, storage="runtime"))
+        return [KernelCall("aten::from_file.default", args, (mapped,)), *m.instructions]
+
+    with pytest.raises(ProgramError, match="may not call it"):
+        ferry.Module(_with_instructions(program, make)).load_method()
+    assert not target.exists()
+
+
+def test_an_inductor_payload_with_a_view_outside_its_input_is_refused_at_load():
+    """Compiled code does not check a view's bounds; the load runs the graph once through ATen, which does."""
+    from ferry.program.schema import ConstValue, KernelCall, TensorValue
+
+    program = ferry.compile(torch.export.export(Double(), (torch.randn(16),)),
+                            ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+
+    def make(m, add):
+        x, dev = m.inputs[0], m.values[m.inputs[0]].device
+        wide = add(TensorValue("float32", (16,), dev, storage="runtime"))
+        call = KernelCall("aten::as_strided.default",
+                          (x, add(ConstValue("ints", [16])), add(ConstValue("ints", [1 << 20])), -1), (wide,))
+        first = m.instructions[0]
+        return [call, dataclasses.replace(first, args=(wide, *first.args[1:]))]
+
+    with pytest.raises(ProgramError, match="out of bounds"):
+        ferry.Module(_with_instructions(program, make)).load_method()
+
+
+class TransposedIn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, x):
+        return (x.transpose(0, 1) * 2 + 1) @ self.w
+
+
+def test_an_inductor_delegate_given_a_transposed_input_equals_eager():
+    model = TransposedIn().eval()
+    part = ferry.OpSupportPartitioner("cpu", exclude=["aten.transpose"], backend_id="inductor")
+    module = ferry.Module(ferry.compile(torch.export.export(model, (torch.randn(5, 6),)), part))
+    for _ in range(3):
+        x = torch.randn(5, 6)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)

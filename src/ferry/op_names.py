@@ -20,12 +20,25 @@ def kernel_name(op: torch._ops.OpOverload) -> str:
     return f"{op.namespace}::{op._opname}.{op._overloadname}"
 
 
+# Operators that reach outside the tensors a program computes on: a file (from_file maps any
+# path read-write, creating it: a hostile program could write a .pth file and so run code),
+# the process's collectives (a call with no peer hangs), the profiler. No exported model needs
+# them; a program that names one is refused before anything runs.
+_REFUSED_OPS = frozenset({"aten::from_file", "debugprims::load_tensor"})
+_REFUSED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "symm_mem", "profiler",
+                                 "debugprims"})
+
+
 def resolve_kernel(name: str) -> torch._ops.OpOverload:
-    """'aten::add.out' -> torch.ops.aten.add.out; LookupError when no such operator is registered."""
+    """'aten::add.out' -> torch.ops.aten.add.out; LookupError when no such operator is registered,
+    or when it is one a program may not call (files, collectives: `_REFUSED_OPS`)."""
     m = _NAME_RE.match(name) if isinstance(name, str) else None
     if m is None:
         raise LookupError(f"malformed kernel name {name!r}: expected 'namespace::op.overload', e.g. 'aten::add.out'")
     ns, opname, overload = m.groups()
+    if ns in _REFUSED_NAMESPACES or f"{ns}::{opname}" in _REFUSED_OPS:
+        raise LookupError(f"{name!r} reaches outside the program's tensors (files, other processes): "
+                          "a ferry program may not call it")
     try:  # the dispatcher's own table: only registered operators have a schema
         torch._C._get_schema(f"{ns}::{opname}", "" if overload == "default" else overload)
     except RuntimeError:

@@ -395,6 +395,9 @@ def _linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
         shape, out_shape = _static(xv.shape), _static(out.shape)
         if shape is None or out_shape is None or len(shape) < 2 or wv.dim() != 2 or not xv.is_contiguous():
             continue
+        bv = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
+        if b is not None and not (isinstance(bv, torch.Tensor) and tuple(bv.shape) == (out_shape[-1],)):
+            continue  # addmm broadcasts a bias over rows only: a (rows-like, n) bias stays with linear
         if len(shape) > 2 and any(u.op == "output" for u in node.users):
             continue  # a view as the delegate's result would be copied out: linear writes the caller's tensor
         rows = (math.prod(shape[:-1]), shape[-1])

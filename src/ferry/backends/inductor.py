@@ -3,11 +3,14 @@
 Its payload is a ferry program, like the `torch` backend's, but functional: every op is its
 functional overload and nothing is planned, which is the graph a graph compiler wants. It is
 stored in ferry's own format, so the file holds no pickle and no native code: kernel names
-resolve only to operators registered with PyTorch, and every call is checked against its
-schema before anything runs. At load the method is rebuilt as a torch.fx graph, with its
-constants uploaded to the delegate's device, and compiled by Inductor for that device (Triton
-kernels on CUDA, C++ on the CPU). Inductor's on-disk cache makes a later load of the same graph
-fast. Inductor allocates its results; they are copied into the caller's planned outputs.
+resolve only to operators registered with PyTorch (none that reaches outside the tensors), and
+every call is checked against its schema before anything runs. At load the method is rebuilt as
+a torch.fx graph, with its constants uploaded to the delegate's device, run once op by op on
+inputs of its declared shapes (ATen checks the bounds of every view; compiled code would not),
+and compiled by Inductor for that device (Triton kernels on CUDA, C++ on the CPU). Inductor's
+on-disk cache makes a later load of the same graph fast. Inductor allocates its results; they
+are copied into the caller's planned outputs; an input laid out otherwise than compiled for is
+copied to that layout first.
 
 Static shapes only: a partition with a dynamic size is a compile error that says to give it
 backend "torch". A graph Inductor fails to compile still loads: it runs op by op, with a
@@ -73,12 +76,14 @@ class InductorBackend:
         mem = load_memory(program.segments, method, pin_host=False)
         try:
             gm = graph_of(method, mem)
+            examples: list = [_example(method.values[v]) for v in method.inputs]
+            _dry_run(gm, examples)
         except BaseException:
             mem.close()
             raise
         try:
             with torch.no_grad():
-                compiled = torch._inductor.compile(gm, [_example(method.values[v]) for v in method.inputs])
+                compiled = torch._inductor.compile(gm, examples)
         except Exception as e:  # noqa: BLE001 - the same graph still runs, op by op: never a failed load
             warnings.warn(f"Inductor could not compile this delegate ({type(e).__name__}: {str(e)[:200]}); it runs "
                           "op by op instead (give its partition backend_id='torch' to say so at compile time)",
@@ -87,14 +92,28 @@ class InductorBackend:
         return _Compiled(compiled, mem, method)
 
 
+def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
+    """Run the rebuilt graph once, op by op, on inputs of its declared shapes and layouts. ATen
+    checks what compiled code trusts (a view's bounds inside its storage, shapes that fit), so a
+    payload that would read outside its tensors is refused here, before Inductor sees it."""
+    try:
+        with torch.no_grad():
+            gm(*examples)
+    except Exception as e:  # noqa: BLE001 - any refusal by a kernel: the program is at fault
+        raise ProgramError(f"an inductor delegate's graph fails on inputs of its own declared shapes: "
+                           f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+
 class _Compiled:
     def __init__(self, fn, memory: Memory, method: Method):
         self.fn, self.memory, self.method = fn, memory, method
         self.devices = [method.tensor(v).device.to_torch() for v in method.inputs]
+        self.strides = [_example(method.values[v]).stride() for v in method.inputs]
 
     def execute(self, inputs, outputs) -> None:
-        # legacy mode (no device placement) passes host tensors: move them as the torch backend does
-        args = [t if t.device == d else t.to(d) for t, d in zip(inputs, self.devices)]
+        # legacy mode (no device placement) passes host tensors: move them as the torch backend does;
+        # compiled code assumes the layouts it was compiled for: an input laid out otherwise is copied
+        args = [_as_compiled(t if t.device == d else t.to(d), s) for t, d, s in zip(inputs, self.devices, self.strides)]
         with torch.no_grad():
             results = self.fn(*args)
         for out, r in zip(outputs, results):
@@ -106,11 +125,29 @@ class _Compiled:
 
 
 def _example(v) -> torch.Tensor:
+    """A tensor of input `v`'s shape, dtype, device and layout (eager's strides where the program
+    records them): what Inductor compiles for."""
     if not isinstance(v, TensorValue):
         raise ProgramError("an inductor delegate takes tensors only")
+    t = torch.empty_strided(v.shape, v.strides or _contiguous_strides(v.shape), dtype=v.torch_dtype,
+                            device=v.device.to_torch())
     if v.torch_dtype.is_floating_point or v.torch_dtype.is_complex:
-        return torch.randn(v.shape, dtype=v.torch_dtype, device=v.device.to_torch())
-    return torch.zeros(v.shape, dtype=v.torch_dtype, device=v.device.to_torch())  # indices: in range
+        return t.normal_()
+    return t.zero_()  # indices: in range
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _as_compiled(t: torch.Tensor, strides) -> torch.Tensor:
+    if t.stride() == strides:
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
