@@ -401,3 +401,15 @@ def test_two_methods_share_nothing_at_run_time(emu):
     (d,) = mod.run_method("decode", [b])
     torch.testing.assert_close(p, prefill(a), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d, decode(b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_zero_size_input_copies_nothing_and_equals_eager(emu):
+    """An empty tensor copied to a device (a review found its h2d copy refused at load: the strides
+    of an empty tensor need not look dense)."""
+    model = nn.Linear(0, 8).eval()
+    module = ferry.Module(ferry.compile(torch.export.export(model, (torch.randn(2, 5, 0),)),
+                                        ferry.OpSupportPartitioner("emu:0")))
+    for _ in range(2):
+        x = torch.randn(2, 5, 0)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x))
