@@ -24,9 +24,16 @@ def kernel_name(op: torch._ops.OpOverload) -> str:
 # path read-write, creating it: a hostile program could write a .pth file and so run code),
 # the process's collectives (a call with no peer hangs), the profiler. No exported model needs
 # them; a program that names one is refused before anything runs.
-_REFUSED_OPS = frozenset({"aten::from_file", "debugprims::load_tensor"})
+_REFUSED_OPS = frozenset({"aten::from_file", "debugprims::load_tensor", "aten::save", "aten::_print", "aten::warn",
+                          "aten::_reshape_alias"})  # _reshape_alias: a view torch does not bounds-check
 _REFUSED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "symm_mem", "profiler",
                                  "debugprims"})
+
+
+def _unchecked_layout(opname: str) -> bool:
+    """Sparse and nested tensors: their constructors trust indices and offsets they are given
+    (a sparse index of 10**9 writes the heap when made dense). No exported dense model needs one."""
+    return "sparse" in opname or "nested" in opname or opname.endswith("_unsafe")
 
 
 def resolve_kernel(name: str) -> torch._ops.OpOverload:
@@ -36,9 +43,9 @@ def resolve_kernel(name: str) -> torch._ops.OpOverload:
     if m is None:
         raise LookupError(f"malformed kernel name {name!r}: expected 'namespace::op.overload', e.g. 'aten::add.out'")
     ns, opname, overload = m.groups()
-    if ns in _REFUSED_NAMESPACES or f"{ns}::{opname}" in _REFUSED_OPS:
-        raise LookupError(f"{name!r} reaches outside the program's tensors (files, other processes): "
-                          "a ferry program may not call it")
+    if ns in _REFUSED_NAMESPACES or f"{ns}::{opname}" in _REFUSED_OPS or _unchecked_layout(opname):
+        raise LookupError(f"{name!r} reaches outside the program's tensors (files, other processes, the heap "
+                          "through unchecked indices): a ferry program may not call it")
     try:  # the dispatcher's own table: only registered operators have a schema
         torch._C._get_schema(f"{ns}::{opname}", "" if overload == "default" else overload)
     except RuntimeError:

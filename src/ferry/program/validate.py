@@ -105,6 +105,9 @@ class _MethodChecks:
         for j, mb in enumerate(m.mutable_buffers):
             self.tensor_id(mb.value, f"mutable buffer {j} value")
             self.tensor_id(mb.update, f"mutable buffer {j} update")
+            if m.tensor(mb.value).storage != "planned":  # the writeback copies into it: never the file or the caller
+                raise ProgramError(f"{self.pre} mutable buffer {j}: its value {mb.value} must be planned memory, "
+                                   f"not {m.tensor(mb.value).storage!r}")
         check_dataflow(m)
 
     # ---- ids

@@ -269,3 +269,11 @@ def check_call(op: torch._ops.OpOverload, arg_ids, outputs, values, what: str) -
     out_args = [i for i, a in enumerate(schema.arguments) if a.is_out]
     if out_args and tuple(arg_ids[i] for i in out_args) != tuple(outputs):
         raise ProgramError(f"{what}: {op} writes its out arguments, which must be the instruction's outputs")
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write and not a.is_out]
+    if written:  # in place (add_, fill_, set_, resize_): ferry programs write only through out arguments
+        raise ProgramError(f"{what}: {op} writes its argument {written[0]!r} in place; a program writes only "
+                           "through out arguments")
+    returns = schema.returns
+    listed = len(returns) == 1 and isinstance(returns[0].type, torch.ListType)  # split, unbind: any number
+    if not out_args and not listed and len(outputs) != len(returns):
+        raise ProgramError(f"{what}: {op} returns {len(returns)} value(s), but the instruction names {len(outputs)}")
