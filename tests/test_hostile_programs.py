@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ferry
+from edits import edited
 from ferry.errors import ProgramError
 from ferry.program.schema import ConstValue, KernelCall, MutableBuffer, TensorValue
 from ferry.program.validate import validate_program
@@ -30,18 +31,11 @@ def program():
     return ferry.compile(torch.export.export(Scale(), (torch.randn(16),)))
 
 
-def hostile(make, **method_changes):
+def hostile(make):
     """The program with instructions `make(values, add_value)` put first."""
     p = program()
     m = p.method("forward")
-    values = list(m.values)
-
-    def add(v):
-        values.append(v)
-        return len(values) - 1
-
-    first = make(values, add)
-    m2 = dataclasses.replace(m, values=values, instructions=[*first, *m.instructions], **method_changes)
+    m2 = edited(m, lambda values, add: [*make(values, add), *m.instructions])
     return dataclasses.replace(p, methods={"forward": m2})
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ferry
+from edits import edited
 from ferry.errors import CompileError, ProgramError
 from ferry.program import load_program, program_to_bytes
 
@@ -154,17 +155,9 @@ def _with_instructions(program, make):
     d = program.delegates[0]
     inner = load_program(program.segments[d.payload])
     m = inner.method("forward")
-    values = list(m.values)
-
-    def add(v):
-        values.append(v)
-        return len(values) - 1
-
-    instructions = make(m, add)
+    m2 = edited(m, lambda values, add: make(m, add))
     segments = list(program.segments)
-    segments[d.payload] = program_to_bytes(ferry.Program({"forward": dataclasses.replace(m, values=values,
-                                                                                          instructions=instructions)},
-                                                        [], inner.segments))
+    segments[d.payload] = program_to_bytes(ferry.Program({"forward": m2}, [], inner.segments))
     return dataclasses.replace(program, segments=segments)
 
 
