@@ -141,16 +141,7 @@ def _sync(device):
 
 def _time(fn, device, repeat, warmup=5) -> float:
     """Median ms per call, synchronised around each sample."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(samples)
+    return _time_interleaved([fn], device, repeat, rounds=1, warmup=warmup)[0]
 
 
 def _fresh_gpu(device):
@@ -270,6 +261,14 @@ def side_by_side(name, batch, device):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         call, _, module = _ferry(program, x, device, "device", False)
+    return program, eager, call, module
+
+
+def timed_side_by_side(name, batch, device, repeat=30):
+    """side_by_side, after printing eager's and ferry's median ms per call (the profiling scripts' header)."""
+    program, eager, call, module = side_by_side(name, batch, device)
+    print(f"=== {name} batch {batch}: eager {_time(eager, device, repeat):.3f} ms, "
+          f"ferry {_time(call, device, repeat):.3f} ms")
     return program, eager, call, module
 
 

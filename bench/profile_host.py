@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import _time, side_by_side  # noqa: E402
+from models import timed_side_by_side  # noqa: E402
 
 CALLS = 10
 
@@ -56,8 +56,7 @@ def python_time(fn):
 
 def one(name, batch):
     device = torch.device("cuda:0")
-    _, eager, call, module = side_by_side(name, batch, device)
-    print(f"=== {name} batch {batch}: eager {_time(eager, device, 30):.3f} ms, ferry {_time(call, device, 30):.3f} ms")
+    _, eager, call, module = timed_side_by_side(name, batch, device)
     print(" eager")
     counts(eager)
     print(" ferry")

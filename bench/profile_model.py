@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import _time, side_by_side  # noqa: E402
+from models import timed_side_by_side  # noqa: E402
 
 
 def top(fn, n=14):
@@ -32,8 +32,7 @@ def top(fn, n=14):
 def main():
     name, batch = sys.argv[1], int(sys.argv[2])
     device = torch.device("cuda:0")
-    program, eager, call, _ = side_by_side(name, batch, device)
-    print(f"eager {_time(eager, device, 20):.3f} ms, ferry {_time(call, device, 20):.3f} ms")
+    program, eager, call, _ = timed_side_by_side(name, batch, device, repeat=20)
     print("=== eager")
     top(eager)
     print("=== ferry")

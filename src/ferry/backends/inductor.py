@@ -32,6 +32,7 @@ from ferry.aot.emit import ProgramBuilder, emit_method
 from ferry.aot.place import delegate_target_device
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError
+from ferry.layout import contiguous_strides
 from ferry.op_names import resolve_kernel
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
@@ -108,7 +109,7 @@ class _Compiled:
     def __init__(self, fn, memory: Memory, method: Method):
         self.fn, self.memory, self.method = fn, memory, method
         self.devices = [method.tensor(v).device.to_torch() for v in method.inputs]
-        self.strides = [_example(method.values[v]).stride() for v in method.inputs]
+        self.strides = [_layout(method.tensor(v)) for v in method.inputs]
 
     def execute(self, inputs, outputs) -> None:
         # legacy mode (no device placement) passes host tensors: move them as the torch backend does;
@@ -129,19 +130,15 @@ def _example(v) -> torch.Tensor:
     records them): what Inductor compiles for."""
     if not isinstance(v, TensorValue):
         raise ProgramError("an inductor delegate takes tensors only")
-    t = torch.empty_strided(v.shape, v.strides or _contiguous_strides(v.shape), dtype=v.torch_dtype,
-                            device=v.device.to_torch())
+    t = torch.empty_strided(v.shape, _layout(v), dtype=v.torch_dtype, device=v.device.to_torch())
     if v.torch_dtype.is_floating_point or v.torch_dtype.is_complex:
         return t.normal_()
     return t.zero_()  # indices: in range
 
 
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, n = [], 1
-    for size in reversed(shape):
-        strides.append(n)
-        n *= max(size, 1)
-    return tuple(reversed(strides))
+def _layout(v: TensorValue) -> tuple[int, ...]:
+    """The strides an input is compiled for: eager's, where the program records them."""
+    return tuple(v.strides) or contiguous_strides(v.shape)
 
 
 def _as_compiled(t: torch.Tensor, strides) -> torch.Tensor:
