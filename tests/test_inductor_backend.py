@@ -4,6 +4,7 @@ Inductor on the CPU compiles C++ (tens of seconds on CI's two cores): the tests 
 small programs."""
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -224,3 +225,24 @@ def test_an_inductor_delegate_given_a_transposed_input_equals_eager():
         x = torch.randn(5, 6)
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class OnePiece(torch.nn.Module):
+    def forward(self, x):
+        (only,) = x.split(8, dim=-1)  # a list of one tensor: still a list
+        return only * 2 + 1
+
+
+def test_an_op_returning_a_list_of_one_tensor_is_rebuilt_as_a_list():
+    model = OnePiece()
+    program = ferry.compile(torch.export.export(model, (torch.randn(3, 8),)),
+                            ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    inner = load_program(program.segments[program.delegates[0].payload]).method("forward")
+    assert any(i.kernel.startswith("aten::split") for i in inner.instructions)
+    module = ferry.Module(program)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # compiled, not the op-by-op fallback
+        module.load_method()
+    for _ in range(2):
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(module(x), model(x))

@@ -30,6 +30,7 @@ import torch.fx
 
 from ferry.aot.emit import ProgramBuilder, emit_method
 from ferry.aot.place import delegate_target_device
+from ferry.backends.torch import payload_load_bytes
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError
 from ferry.layout import contiguous_strides
@@ -37,7 +38,7 @@ from ferry.op_names import resolve_kernel
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
 from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
-from ferry.runtime.kernels import bind_aten, check_call
+from ferry.runtime.kernels import bind_aten, check_call, returns_list
 from ferry.runtime.load import Memory, load_memory
 
 __all__ = ["InductorBackend", "graph_of"]
@@ -64,12 +65,7 @@ class InductorBackend:
         return []  # nothing is planned: Inductor allocates what it computes
 
     def load_bytes(self, payload, given_memory: bool) -> dict:
-        """Bytes `init` allocates per device: the constants it uploads."""
-        need: dict = {}
-        for v in load_program(payload).method("forward").values:
-            if isinstance(v, TensorValue) and v.storage == "constant" and not v.device.is_cpu:
-                need[v.device] = need.get(v.device, 0) + v.nbytes
-        return need
+        return payload_load_bytes(payload, given_memory)  # the constants it uploads (nothing is planned)
 
     def init(self, payload, compile_specs, pin_host: bool = True, memory=None):
         program = load_program(payload)
@@ -107,7 +103,7 @@ def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
 
 class _Compiled:
     def __init__(self, fn, memory: Memory, method: Method):
-        self.fn, self.memory, self.method = fn, memory, method
+        self.fn, self.memory = fn, memory
         self.devices = [method.tensor(v).device.to_torch() for v in method.inputs]
         self.strides = [_layout(method.tensor(v)) for v in method.inputs]
 
@@ -187,8 +183,7 @@ def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
         check_call(op, ins.args, ins.outputs, method.values, f"method {method.name!r} instruction {index}")
         pos, kw = bind_aten(op, ins.args, ref)
         node = graph.call_function(op, tuple(resolve(r) for r in pos), {k: resolve(r) for k, r in kw.items()})
-        returns = op._schema.returns
-        if len(ins.outputs) == 1 and len(returns) == 1 and not str(returns[0].type).endswith("[]"):
+        if len(ins.outputs) == 1 and not returns_list(op):  # check_call: one output per returned value
             env[ins.outputs[0]] = node
         else:
             for j, out in enumerate(ins.outputs):

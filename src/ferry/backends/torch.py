@@ -40,17 +40,7 @@ class TorchBackend:
         return list(load_program(payload).method("forward").buffers[1:])
 
     def load_bytes(self, payload, given_memory: bool) -> dict:
-        """Bytes `init` allocates per device: the weights it uploads, and its buffers unless the
-        caller plans them (`given_memory`)."""
-        m = load_program(payload).method("forward")
-        need: dict = {}
-        for v in m.values:
-            if isinstance(v, TensorValue) and v.storage == "constant" and not v.device.is_cpu:
-                need[v.device] = need.get(v.device, 0) + v.nbytes
-        if not given_memory:
-            for b in m.buffers[1:]:
-                need[b.device] = need.get(b.device, 0) + b.size
-        return need
+        return payload_load_bytes(payload, given_memory)
 
     def init(self, payload, compile_specs, pin_host: bool = True, memory=None):
         """`memory`: tensors for the buffers `memory_needs` named, planned by the caller; without
@@ -61,6 +51,20 @@ class TorchBackend:
         nested = LoadedMethod(program, localized(program.method("forward")), _no_nested_delegates,
                               asynchronous=False, memory=memory)
         return _Handle(nested)
+
+
+def payload_load_bytes(payload, given_memory: bool) -> dict:
+    """Bytes `init` allocates per device for a payload that is a ferry program: the weights it
+    uploads, and its buffers unless the caller plans them (`given_memory`)."""
+    m = load_program(payload).method("forward")
+    need: dict = {}
+    for v in m.values:
+        if isinstance(v, TensorValue) and v.storage == "constant" and not v.device.is_cpu:
+            need[v.device] = need.get(v.device, 0) + v.nbytes
+    if not given_memory:
+        for b in m.buffers[1:]:
+            need[b.device] = need.get(b.device, 0) + b.size
+    return need
 
 
 def _no_nested_delegates(index, memory=()):

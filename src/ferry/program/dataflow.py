@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ferry.errors import ProgramError
 from ferry.program.lifetimes import value_lifetimes
-from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, Method, TensorValue
+from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, Method, TensorValue, root_storage
 
 __all__ = ["check_dataflow"]
 
@@ -94,8 +94,8 @@ def _check_writes(m: Method, ins, label: str) -> None:
         v = m.values[o]
         if not isinstance(v, TensorValue):
             continue
-        if o in ins.args and _root_storage(m, o) in ("constant", "input"):
-            raise ProgramError(f"{label} ({ins.kernel}): value {o} is {_root_storage(m, o)} memory (the program "
+        if o in ins.args and (behind := root_storage(m.values, o)) in ("constant", "input"):
+            raise ProgramError(f"{label} ({ins.kernel}): value {o} is {behind} memory (the program "
                                "file's or the caller's): a kernel may not write it")
         if v.storage in _WRITTEN_IN_PLACE and o not in ins.args:
             raise ProgramError(f"{label} ({ins.kernel}): value {o} is {v.storage} memory, so it must be written "
@@ -103,17 +103,6 @@ def _check_writes(m: Method, ins, label: str) -> None:
         if v.storage in ("runtime", "view") and o in ins.args:
             raise ProgramError(f"{label} ({ins.kernel}): value {o} is a kernel's own result ({v.storage}), "
                                "not an out argument")
-
-
-def _root_storage(m: Method, vid: int) -> str:
-    """The storage of the tensor whose memory `vid` is (a view's: its base's, followed to the root)."""
-    seen = set()
-    v = m.values[vid]
-    while isinstance(v, TensorValue) and v.alias_of is not None and vid not in seen:
-        seen.add(vid)
-        vid = v.alias_of
-        v = m.values[vid]
-    return v.storage if isinstance(v, TensorValue) else "constant"
 
 
 def _planned_memory_is_sound(m: Method, pre: str) -> None:

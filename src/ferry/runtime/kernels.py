@@ -274,6 +274,11 @@ def check_call(op: torch._ops.OpOverload, arg_ids, outputs, values, what: str) -
         raise ProgramError(f"{what}: {op} writes its argument {written[0]!r} in place; a program writes only "
                            "through out arguments")
     returns = schema.returns
-    listed = len(returns) == 1 and isinstance(returns[0].type, torch.ListType)  # split, unbind: any number
-    if not out_args and not listed and len(outputs) != len(returns):
+    if not out_args and not returns_list(op) and len(outputs) != len(returns):
         raise ProgramError(f"{what}: {op} returns {len(returns)} value(s), but the instruction names {len(outputs)}")
+
+
+def returns_list(op: torch._ops.OpOverload) -> bool:
+    """`op` returns one list of tensors (split, unbind): an instruction names each member."""
+    returns = op._schema.returns
+    return len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
