@@ -26,7 +26,7 @@ I/O: `device` — inputs already on the GPU, outputs left there (ferry: both ski
 Each row: median ms per call after warm-up (TF32 off, every runner in one process, all of a
 model's runners timed in interleaved rounds so that a noisy host's slow spells hit each alike), the
 ratio to eager, the peak of GPU memory the runner allocated (weights, activations,
-workspaces: `torch.cuda.max_memory_allocated` from an empty GPU); for ferry, how much of that
+workspaces, cuBLAS's per stream included: `torch.cuda.max_memory_allocated` from an empty GPU); for ferry, how much of that
 loading allocated (weights and the planned arena; the rest is what kernels allocate per call);
 for ferry and torch.compile, the compile and load (first call) seconds. Targets (issue 12): ferry no
 slower than eager on every model (device I/O, no graphs); with graphs at batch 1, at most half
@@ -145,9 +145,15 @@ def _time(fn, device, repeat, warmup=5) -> float:
 
 
 def _fresh_gpu(device):
+    """Free what earlier runners left, cuBLAS's per-stream workspaces included (32 MiB each on an
+    H200; torch.compile's reduce-overhead frees them too): every runner's peak then counts the
+    workspaces its own calls need, whichever runner went before."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()

@@ -120,6 +120,46 @@ def test_an_inductor_delegate_on_cuda_equals_eager(block, graphs, full_fp32):
         torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5)
 
 
+class Positions(torch.nn.Module):
+    """Factory ops in the middle, as transformers makes position ids and masks: traced on the CPU,
+    they record `device=cpu`."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        h = self.lin(x + self.emb(torch.arange(x.shape[1])))
+        return h @ h.transpose(1, 2) * mask
+
+
+def _factory_devices(program) -> dict:
+    inner = load_program(program.segments[program.delegates[0].payload]).method("forward")
+    return {i.kernel: [inner.values[a].value for a in i.args if a >= 0 and getattr(inner.values[a], "kind", "") == "device"]
+            for i in inner.instructions if i.kernel.startswith(("aten::arange", "aten::ones"))}
+
+
+def test_a_factory_inside_a_delegate_makes_its_result_on_the_delegate_device():
+    ep = torch.export.export(Positions().eval(), (torch.randn(2, 5, 8),))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id="inductor"))
+    assert _factory_devices(program) == {"aten::arange.default": ["cuda:0"], "aten::ones.default": ["cuda:0"]}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["inductor", "torch"])
+def test_factories_inside_a_cuda_delegate_equal_eager(backend, full_fp32):
+    torch.manual_seed(0)
+    model = Positions().eval()
+    ep = torch.export.export(model, (torch.randn(2, 5, 8),))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id=backend)))
+    for _ in range(3):
+        x = torch.randn(2, 5, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
 def test_inspect_says_an_inductor_delegate_is_compiled_at_load_and_carries_no_native_code(inductor_program):
     from ferry.inspect import program_json, program_summary
 

@@ -222,7 +222,9 @@ class _MethodEmitter:
                 return self.const("floats", [float(a) for a in arg])
         raise CompileError(f"{what}: cannot emit argument {arg!r} of type {type(arg).__name__}")
 
-    def schema_args(self, op, node, extra_out: dict[str, int]) -> tuple[int, ...]:
+    def schema_args(self, op, node, extra_out: dict[str, int], device: Device | None = None) -> tuple[int, ...]:
+        """The instruction's argument ids in schema order. With `device` (where the node is placed),
+        a factory's `device` argument names it: the trace recorded where the model was exported."""
         schema = op._schema
         given = list(node.args)
         kwargs = dict(node.kwargs)
@@ -233,12 +235,15 @@ class _MethodEmitter:
                 ids.append(extra_out[a.name])
                 continue
             if not a.kwarg_only and pos < len(given):
-                ids.append(self.arg_value(given[pos], a.type, f"{node.name}.{a.name}"))
+                arg = given[pos]
                 pos += 1
             elif a.name in kwargs:
-                ids.append(self.arg_value(kwargs[a.name], a.type, f"{node.name}.{a.name}"))
+                arg = kwargs[a.name]
             else:
-                ids.append(DEFAULT_ARG)
+                arg = _UNGIVEN
+            if device is not None and _names_placement(op, a, arg):
+                arg = device.to_torch()
+            ids.append(DEFAULT_ARG if arg is _UNGIVEN else self.arg_value(arg, a.type, f"{node.name}.{a.name}"))
         return tuple(ids)
 
     # ---------------------------------------------------------------- nodes
@@ -318,7 +323,7 @@ class _MethodEmitter:
             self.runtime_alloc.update(outs)
             self.allocating_ops.append(kernel_name(op))
             self.kernel_choices.setdefault(kernel_name(op), choice.reason)
-            self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
+            self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}, dev), outs))
         else:
             out_op = choice.op
             out_names = [a.name for a in out_op._schema.arguments if a.is_out]
@@ -436,6 +441,18 @@ class _MethodEmitter:
         if vid in self.caller_owned:
             return "output"
         raise CompileError(f"method {self.name!r}: value {v.name or vid!r} has no storage (a ferry bug: please report it)")
+
+
+_UNGIVEN = object()  # an argument the node leaves to its schema's default
+
+
+def _names_placement(op, arg, given) -> bool:
+    """`arg` of `op` says where its result is made: a factory's `device` (given, or left to
+    default to the CPU), not the `device=None` of `_to_copy`/`*_like`, which follow their input."""
+    if arg.name != "device" or str(arg.type) not in ("Device", "Optional[Device]"):
+        return False
+    takes_tensor = any(isinstance(a.type, torch.TensorType) for a in op._schema.arguments if not a.is_out)
+    return not takes_tensor or (given is not _UNGIVEN and given is not None)
 
 
 def emit_method(name, gm, constants, builder: ProgramBuilder, opts: MethodOptions, range_constraints=None,
