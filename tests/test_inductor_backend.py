@@ -160,6 +160,24 @@ def test_factories_inside_a_cuda_delegate_equal_eager(backend, full_fp32):
             torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+def test_views_are_rebuilt_as_reshapes_that_a_device_layout_cannot_break(inductor_program):
+    """Export records a `view` legal for the CPU trace's layouts; CUDA attention lays its result
+    out otherwise, and ViT-B/16 and BERT failed to load with "view size is not compatible"."""
+    from ferry.backends.inductor import graph_of
+    from ferry.runtime.load import load_memory
+
+    inner = load_program(inductor_program.segments[inductor_program.delegates[0].payload]).method("forward")
+    views = sum(i.kernel in ("aten::view.default", "aten::_unsafe_view.default") for i in inner.instructions)
+    memory = load_memory(load_program(inductor_program.segments[inductor_program.delegates[0].payload]).segments,
+                         inner, pin_host=False)
+    try:
+        targets = [n.target for n in graph_of(inner, memory).graph.nodes if n.op == "call_function"]
+    finally:
+        memory.close()
+    assert views > 0 and torch.ops.aten.view.default not in targets
+    assert targets.count(torch.ops.aten.reshape.default) >= views
+
+
 def test_inspect_says_an_inductor_delegate_is_compiled_at_load_and_carries_no_native_code(inductor_program):
     from ferry.inspect import program_json, program_summary
 

@@ -202,30 +202,6 @@ def test_graphs_capture_replay_and_match_eager(emu_async, outputs):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-def test_a_segment_runs_before_its_capture_on_the_capture_stream_only(emu_async, monkeypatch):
-    """Lazy per-stream state (cuBLAS's 32 MiB workspace) is then made for one stream, not two."""
-    model, example, program = _block_program()
-    module = ferry.Module(program, cuda_graphs=True)
-    module.load_method()
-    streams_of_kernels: list[list[str]] = [[]]
-    queue = SimulatedApi._queue
-
-    def spy(api, stream, item):
-        if item[0] == "run" and api._capturing is None:
-            streams_of_kernels[-1].append(stream.name)
-        return queue(api, stream, item)
-
-    monkeypatch.setattr(SimulatedApi, "_queue", spy)
-    for seed in range(3):
-        (x,) = fresh_inputs(example, seed)
-        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
-        streams_of_kernels.append([])
-    first, graphs_first, replays = streams_of_kernels[:3]
-    # the block's device segments run on side streams until captured; CPU work queues nothing
-    assert first and graphs_first and "default" not in first + graphs_first
-    assert replays and set(replays) == {"default"}  # a replay runs where the caller queues
-
-
 def test_graphs_with_device_resident_io(emu_async):
     cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
     model, example, program = _block_program(exclude=(), config=cfg)

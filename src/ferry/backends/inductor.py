@@ -38,6 +38,7 @@ from ferry.op_names import resolve_kernel
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
 from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
+from ferry.runtime.bind import LAYOUT_VIEWS
 from ferry.runtime.kernels import bind_aten, check_call, returns_list
 from ferry.runtime.load import Memory, load_memory
 
@@ -182,7 +183,8 @@ def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
             raise ProgramError(f"method {method.name!r} instruction {index}: {e}") from None
         check_call(op, ins.args, ins.outputs, method.values, f"method {method.name!r} instruction {index}")
         pos, kw = bind_aten(op, ins.args, ref)
-        node = graph.call_function(op, tuple(resolve(r) for r in pos), {k: resolve(r) for k, r in kw.items()})
+        target = torch.ops.aten.reshape.default if op in LAYOUT_VIEWS else op  # bind.py's LAYOUT_VIEWS: why
+        node = graph.call_function(target, tuple(resolve(r) for r in pos), {k: resolve(r) for k, r in kw.items()})
         if len(ins.outputs) == 1 and not returns_list(op):  # check_call: one output per returned value
             env[ins.outputs[0]] = node
         else:

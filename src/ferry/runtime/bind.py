@@ -272,7 +272,7 @@ def _ref(slots, fixed, m: Method, vid: int):
 # where eager, tracing on that device, would have chosen differently. Over a value of the call,
 # `reshape` is the same view whenever one is possible and a copy otherwise: the graph is
 # functional, so no one can tell the two apart.
-_LAYOUT_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+LAYOUT_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 
 
 class _NoMeta(Exception):
@@ -511,8 +511,8 @@ class _Binder:
     def _run_functional(self, op, pos, kw, outputs):
         """A functional op (no out variant, or a view): its results become the output slots."""
         slots = self.slots
-        if op in _LAYOUT_VIEWS and any(r[0] != "c" for r in pos):
-            op = torch.ops.aten.reshape.default  # see _LAYOUT_VIEWS
+        if op in LAYOUT_VIEWS and any(r[0] != "c" for r in pos):
+            op = torch.ops.aten.reshape.default  # see LAYOUT_VIEWS
         fn = self._fast(op, pos, kw, outputs) or op
         args = _arguments(slots, pos, kw)
         first = _first_only(pos, kw)

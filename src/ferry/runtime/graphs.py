@@ -1,8 +1,12 @@
 """Graph replay of device segments (CUDA graphs; simulated graphs in tests).
 
-A captured segment runs eagerly on its first call, on the stream it will be captured on
-(lazy initialisation such as cuBLAS handles and workspaces stays out of the graph, and is made
-for that stream only), is captured on the second and replayed from then on. Every
+A captured segment runs eagerly on its first call (lazy initialisation such as cuBLAS
+handles stays out of the graph), is captured on the second and replayed from then on. The
+first run stays on the caller's stream, not the capture stream: cuBLAS makes a workspace per
+stream (32 MiB on an H200), and the one for the capture stream is then made during the capture,
+inside the graph's own pool, which keeps it alive. Made outside, it would be freed under the
+live graph by `torch._C._cuda_clearCublasWorkspaces`, which torch.compile's reduce-overhead
+mode calls (tried: replays then fail with "unspecified launch failure"). Every
 address in it is fixed — planned memory, the fixed tensors device inputs are staged into, or
 what a functional kernel allocated during the capture (from the graph's own memory pool) —
 which is what makes replay legal. After a replay, the slots of the values the segment
@@ -57,7 +61,7 @@ class GraphSegment:
             return self._replay()
         self.runs += 1
         if self.runs == 1:
-            return self.streams.on_capture_stream(self.index, self._eager)
+            return self._eager()
         return self._capture(key)
 
     def _replay(self) -> None:

@@ -71,8 +71,6 @@ class Plan:
         self.graphs: list[GraphSegment] = []
         self._graph_calls: dict[Segment, Callable[[], object]] = {}
         self._key: tuple[tuple[int, ...], ...] | None = None  # input shapes, when graphs replay
-        # steps later calls replay from a graph: the first call runs them on the capture stream
-        self._captured = {id(s): seg.device.index for seg in sched.segments() if seg.capture for s in seg.steps}
         self.work = tuple(self._compile(sched, first_call=False))
         self.first_work = tuple(self._compile(first, first_call=True))
         # a micro-batch's: its copies are left in flight while the next one is issued (no host wait
@@ -115,11 +113,6 @@ class Plan:
         return out
 
     def _step_calls(self, step: Step, first_call: bool) -> list[Callable[[], object]]:
-        if first_call and id(step) in self._captured:
-            return [self._before_capture(self._captured[id(step)], self._checked_calls(step, True))]
-        return self._checked_calls(step, first_call)
-
-    def _checked_calls(self, step: Step, first_call: bool) -> list[Callable[[], object]]:
         calls = [self._launch(step) if not first_call else _labelled(self._launch(step), self.name, step)]
         if first_call and step.check is not None:
             calls.append(step.check)
@@ -135,13 +128,6 @@ class Plan:
 
             calls.append(release)
         return calls
-
-    def _before_capture(self, index: int, calls: list[Callable[[], object]]) -> Callable[[], object]:
-        """A segment's first run goes to the stream its graph is captured on (streams.py says why)."""
-        def run():
-            self.streams.on_capture_stream(index, lambda: [call() for call in calls])
-
-        return run
 
     def _graph(self, seg: Segment) -> Callable[[], object]:
         """One graph per segment, shared by the work lists that run it."""

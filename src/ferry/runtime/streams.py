@@ -119,22 +119,6 @@ class CopyStreams:
             s = self._capture[index] = self.api.Stream(index)
         return s
 
-    def on_capture_stream(self, index: int, fn: Callable[[], object]) -> None:
-        """Run `fn` on device `index`'s capture stream, after the work the caller queued and
-        before what it queues next. A segment's run before its capture goes here: state a library
-        makes lazily per stream (cuBLAS's workspace, 32 MiB on an H200) is then made once, for
-        the stream the capture uses, not a second time for the caller's."""
-        caller, side = self.api.current_stream(index), self.capture_stream(index)
-        before, after = self.event(("to capture stream", index)), self.event(("from capture stream", index))
-        before.record(caller)
-        side.wait_event(before)
-        try:
-            with self.api.device(index), self.api.stream(side):
-                fn()
-        finally:  # a failed check mid-way: what was queued still orders before the caller's next work
-            after.record(side)
-            caller.wait_event(after)
-
     def run(self, key, kernel, src: torch.Tensor, out: torch.Tensor, devices: tuple[Device, ...]):
         """A copy between tensors bound per call (the caller's, or sized per call)."""
         issue = self._issuers.get(key)
