@@ -25,12 +25,13 @@ I/O: `device` — inputs already on the GPU, outputs left there (ferry: both ski
 
 Each row: median ms per call after warm-up (TF32 off, every runner in one process, all of a
 model's runners timed in interleaved rounds so that a noisy host's slow spells hit each alike), the
-ratio to eager, the peak of GPU memory the runner allocated (weights, activations,
-workspaces, cuBLAS's per stream included: `torch.cuda.max_memory_allocated` from an empty GPU); for ferry, how much of that
-loading allocated (weights and the planned arena; the rest is what kernels allocate per call);
-for ferry and torch.compile, the compile and load (first call) seconds. Targets (issue 12): ferry no
-slower than eager on every model (device I/O, no graphs); with graphs at batch 1, at most half
-of eager's time; peak memory no higher than eager's.
+ratio to eager, the peak of GPU memory the runner allocated (weights, activations, workspaces,
+cuBLAS's per stream included: `torch.cuda.max_memory_allocated` from an empty GPU); for ferry,
+how much of that loading allocated (weights and the planned arena; the rest is what kernels
+allocate per call); for ferry and torch.compile, the compile and load (first call) seconds; for
+ferry, the program file's size. Targets (issue 12): ferry no slower than eager on every model
+(device I/O, no graphs); with graphs at batch 1, at most half of eager's time; peak memory no
+higher than eager's. `--isolate SECONDS` measures each model and batch in a process of its own.
 
 `--device cpu` runs eager and ferry on the CPU instead (a transformer block with attention
 kept whole): the CPU target is "no slower than eager".
@@ -41,8 +42,12 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -238,6 +243,13 @@ def _ferry_program(model, x, device, io, fuse=True, backend="torch"):
     return program, time.perf_counter() - t0
 
 
+def _file_mib(program, built: dict, key: str) -> float:
+    """The size of the program file (weights, graph, plan), once per program."""
+    if key not in built:
+        built[key] = len(ferry.program.program_to_bytes(program)) / 2**20
+    return built[key]
+
+
 def _ferry(program, x, device, io, graphs):
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -338,7 +350,7 @@ def _time_interleaved(calls, device, repeat, rounds=6, warmup=5) -> list[float]:
 def _one_runner(name, batch, io, runner, model, x, want, device, built):
     """Build one runner on its own copy of the model: (row without its time, call, ferry module)."""
     base = _fresh_gpu(device)
-    module = None
+    module, file_mib = None, None
     if runner in ("eager", "compile", "compile-ro"):
         mode = {"eager": None, "compile": "default", "compile-ro": "reduce-overhead"}[runner]
         call, setup = _eager_like(model, x, device, io, mode)
@@ -351,6 +363,7 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built):
             built["inductor"], built["inductor_s"] = _ferry_program(model, x, device, io, backend="inductor")
         call, setup, module = _ferry(built["inductor"], x, device, io, runner == "ferry-inductor-graphs")
         build_s = built["inductor_s"]
+        file_mib = _file_mib(built["inductor"], built, "inductor_mib")
     elif runner == "ferry-traced":  # the traced ops, without aot/fuse.py's inference rewrites
         traced, build_s = _ferry_program(model, x, device, io, fuse=False)
         call, setup, module = _ferry(traced, x, device, io, False)
@@ -359,11 +372,13 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built):
             built["program"], built["compile_s"] = _ferry_program(model, x, device, io)
         call, setup, module = _ferry(built["program"], x, device, io, runner == "ferry-graphs")
         build_s = built["compile_s"]
+        file_mib = _file_mib(built["program"], built, "program_mib")
     for _ in range(3):
         call()
     err = _check(call(), want)
     row = {"model": name, "batch": batch, "io": io, "runner": runner, "peak_mib": _peak_mib(device, base),
-           "compile_s": build_s, "load_s": setup, "rel_err": err, "at_load_mib": _at_load_mib(module, device)}
+           "compile_s": build_s, "load_s": setup, "rel_err": err, "at_load_mib": _at_load_mib(module, device),
+           "file_mib": file_mib}
     return row, call, module
 
 
@@ -376,6 +391,9 @@ def main():
     p.add_argument("--repeat", type=int, default=60, help="timed calls per runner, in 6 interleaved rounds")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="models", help="name of the JSON file written under bench/results")
+    p.add_argument("--isolate", type=float, default=0, metavar="SECONDS",
+                   help="each model and batch in its own process, stopped after SECONDS: a CUDA fault or a "
+                        "slow first compile then costs that model's rows only")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -386,6 +404,10 @@ def main():
     for name in args.models.split(","):
         for b in args.batches.split(","):
             batch = MODELS[name][1] if b == "serving" else int(b)
+            if args.isolate:
+                rows += _in_child(name, batch, runners, args)
+                write_json(args.out, {"rows": rows, "partial": True})
+                continue
             try:
                 rows += run_model(name, batch, device, runners, args.io.split(","), args.repeat)
             except Exception as e:  # noqa: BLE001 - one model failing must not lose the others' rows
@@ -396,6 +418,24 @@ def main():
     report(rows, args.out)
 
 
+def _in_child(name, batch, runners, args) -> list[dict]:
+    """One model and batch measured by a child process of this script: its rows, or one error row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, __file__, "--models", name, "--batches", str(batch), "--runners", ",".join(runners),
+               "--io", args.io, "--repeat", str(args.repeat), "--device", args.device, "--out", "part"]
+        try:
+            code = subprocess.run(cmd, env={**os.environ, "FERRY_BENCH_OUT": tmp}, timeout=args.isolate).returncode
+            why = f"the child process exited with {code}"
+        except subprocess.TimeoutExpired:
+            why = f"not done in {args.isolate:g} s"
+        part = Path(tmp) / "part.json"
+        rows = json.loads(part.read_text())["rows"] if part.exists() else []
+    if not rows:
+        print(f"{name} batch {batch}: FAILED {why}", flush=True)
+        return [{"model": name, "batch": batch, "error": why}]
+    return rows
+
+
 def report(rows, out):
     eager = {(r["model"], r["batch"], r["io"]): r["ms"] for r in rows if r.get("runner") == "eager"}
     eager_mem = {(r["model"], r["batch"], r["io"]): r["peak_mib"] for r in rows if r.get("runner") == "eager"}
@@ -403,7 +443,7 @@ def report(rows, out):
     for r in rows:
         if "error" in r:
             lines.append([r["model"], r["batch"], r.get("io", "-"), r.get("runner", "-"), "FAILED", r["error"][:60],
-                          "", "", "", "", ""])
+                          "", "", "", "", "", ""])
             continue
         key = (r["model"], r["batch"], r["io"])
         ratio = r["ms"] / eager[key] if key in eager else float("nan")
@@ -413,10 +453,11 @@ def report(rows, out):
         lines.append([r["model"], r["batch"], r["io"], r["runner"], round(r["ms"], 3), round(ratio, 2),
                       "-" if mem is None else round(mem, 1), "-" if mem_ratio is None else round(mem_ratio, 2),
                       "-" if at_load is None else round(at_load, 1),
-                      "-" if r["compile_s"] is None else round(r["compile_s"], 1), round(r["load_s"], 2)])
+                      "-" if r["compile_s"] is None else round(r["compile_s"], 1), round(r["load_s"], 2),
+                      "-" if r.get("file_mib") is None else round(r["file_mib"], 1)])
     print(table("Real models (median ms per call; ratio to eager)",
                 ["model", "batch", "I/O", "runner", "ms", "vs eager", "peak MiB", "peak vs eager",
-                 "of it at load MiB", "compile s", "load/first call s"], lines))
+                 "of it at load MiB", "compile s", "load/first call s", "file MiB"], lines))
     path = write_json(out, {"rows": rows})
     print(f"wrote {path}")
 

@@ -11,8 +11,9 @@ import torch
 
 import ferry
 from edits import edited
-from ferry.errors import CompileError, ProgramError
+from ferry.errors import ProgramError
 from ferry.program import load_program, program_to_bytes
+from ferry.program.schema import DelegateCall
 
 
 class Block(torch.nn.Module):
@@ -83,10 +84,71 @@ def test_inductor_and_torch_delegates_mix_in_one_program_with_a_cpu_op_between(b
     matches_eager(ferry.Module(program), block)
 
 
-def test_a_dynamic_partition_is_a_compile_error_that_names_the_fix(block):
+@pytest.fixture(scope="module")
+def mixed_program(block):
+    return ferry.compile(torch.export.export(block, (torch.randn(SHAPE),)), Mixed())
+
+
+def _delegate_calls(m):
+    return [i for i in m.instructions if isinstance(i, DelegateCall)]
+
+
+def test_an_inductor_delegate_returns_its_results_and_the_method_plans_none_for_them(mixed_program, block):
+    m = mixed_program.method("forward")
+    inductor, op_by_op = ({m.tensor(o).storage for o in d.outputs} for d in _delegate_calls(m))
+    assert inductor == {"runtime"} and op_by_op <= {"planned", "output"}
+    assert "delegate 0 (inductor)" in m.runtime_allocating_ops  # what inspect lists as allocated per call
+    matches_eager(ferry.Module(mixed_program), block)
+
+
+def _with_outputs_stored(program, delegate: int, storages):
+    m = program.method("forward")
+    outs = _delegate_calls(m)[delegate].outputs
+    values = list(m.values)
+    for o, storage in zip(outs, storages):
+        values[o] = dataclasses.replace(values[o], storage=storage, plan=None)
+    return dataclasses.replace(program, methods={"forward": dataclasses.replace(m, values=values)})
+
+
+@pytest.mark.parametrize("delegate, storages, refusal", [
+    (1, ["runtime"], "writes into memory it is given"),  # the torch backend returns nothing
+    (0, ["runtime", "output"], "all of them"),
+])
+def test_a_program_that_misstates_who_makes_a_delegates_outputs_is_refused(mixed_program, delegate, storages,
+                                                                           refusal, tmp_path):
+    path = tmp_path / "hostile.ferry"
+    with pytest.raises(ProgramError, match=refusal):  # saving checks the dataflow too
+        _with_outputs_stored(mixed_program, delegate, storages).save(path)
+        ferry.Module(path).load_method()
+
+
+def test_a_delegate_returning_what_the_program_does_not_declare_is_an_error_and_the_module_recovers(
+        mixed_program, block, monkeypatch):
+    from ferry.backends import inductor
+
+    module = ferry.Module(mixed_program)
+    module.load_method()
+    execute = inductor._Compiled.execute
+    monkeypatch.setattr(inductor._Compiled, "execute", lambda self, i, o: [r[:1] for r in execute(self, i, o)])
+    with pytest.raises(ferry.BackendError, match="declares"):
+        module(torch.randn(SHAPE))
+    monkeypatch.setattr(inductor._Compiled, "execute", execute)
+    matches_eager(module, block)
+
+
+def test_a_dynamic_partition_runs_op_by_op_with_a_warning_and_a_note_inspect_shows(block):
     ep = torch.export.export(block, (torch.randn(SHAPE),), dynamic_shapes=({0: torch.export.Dim("b", max=8)},))
-    with pytest.raises(CompileError, match="backend_id='torch'"):
-        ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    with pytest.warns(UserWarning, match="delegate 0 runs op by op .*dynamic sizes"):
+        program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    assert [d.backend_id for d in program.delegates] == ["torch"]
+    from ferry.inspect import program_summary
+
+    assert "delegate 0: runs op by op (backend 'torch'), not with 'inductor'" in program_summary(program)
+    module = ferry.Module(program)
+    for batch in (1, 5):
+        x = torch.randn(batch, *SHAPE[1:])
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), block(x), rtol=1e-4, atol=1e-5)
 
 
 def test_a_payload_naming_something_that_is_not_an_operator_is_refused_at_load(inductor_program):

@@ -13,6 +13,10 @@ class ConfigError(CompileError):
     """A compile setting is invalid (a bad flag, alignment, algorithm or method name)."""
 
 
+class UnsupportedByBackend(CompileError):
+    """A backend cannot compile this partition; ferry's own `torch` backend runs it instead."""
+
+
 class ProgramError(FerryError, ValueError):
     """A program file or Program object is malformed, truncated or from a newer format."""
 

@@ -85,6 +85,8 @@ def program_summary(program: Program, instructions: bool = True, method: str | N
             out.append("  computed by their functional kernel (their results are allocated at run time):")
             for op in m.runtime_allocating_ops:
                 out.append(f"    {op}: {m.kernel_choices.get(op, 'no out variant')}")
+        out.extend(f"  {what}: {why}" for what, why in m.kernel_choices.items()
+                   if what.startswith("delegate ") and what not in m.runtime_allocating_ops)
     out.append(f"delegates: {len(program.delegates)}, segments: {len(program.segments)} "
                f"({_fmt_bytes(sum(len(memoryview(s)) for s in program.segments))})")
     for i, d in enumerate(program.delegates):
@@ -94,7 +96,7 @@ def program_summary(program: Program, instructions: bool = True, method: str | N
         out.append(f"  delegate {i} ({d.backend_id}): {len(inside.instructions)} instructions")
         if d.backend_id == "inductor":
             out.append("    compiled by Inductor when the program loads (no native code in the file); "
-                       "its results are copied into the planned outputs")
+                       "its results are Inductor's own tensors (not planned)")
             continue
         for op, why in inside.kernel_choices.items():
             out.append(f"    {op}: {why}")

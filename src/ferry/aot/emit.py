@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import operator
+import warnings
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -25,7 +26,7 @@ from ferry.aot.out_variants import is_view
 from ferry.aot.plan import PlanValue, plan_memory
 from ferry.backend_registry import get_backend
 from ferry.device import CPU, Device
-from ferry.errors import CompileError
+from ferry.errors import CompileError, UnsupportedByBackend
 from ferry.layout import is_dense
 from ferry.op_names import kernel_name
 from ferry.program.lifetimes import value_lifetimes
@@ -360,10 +361,22 @@ class _MethodEmitter:
         dev = self.device_of(node)
         users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
-        backend = get_backend(lowered.backend_id)
-        payload = backend.preprocess(lowered, self.opts, self.rc)
-        self.b.delegates.append(Delegate(lowered.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
-        index = len(self.b.delegates) - 1
+        backend, index = get_backend(lowered.backend_id), len(self.b.delegates)
+        try:
+            payload = backend.preprocess(lowered, self.opts, self.rc)
+        except UnsupportedByBackend as e:  # e.g. Inductor and dynamic sizes: ferry's own backend runs it
+            note = f"runs op by op (backend 'torch'), not with {lowered.backend_id!r}: {e}"
+            warnings.warn(f"delegate {index} {note}", UserWarning, stacklevel=2)
+            self.kernel_choices[f"delegate {index}"] = note
+            backend = get_backend("torch")
+            payload = backend.preprocess(lowered, self.opts, self.rc)
+        self.b.delegates.append(Delegate(backend.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
+        if getattr(backend, "returns_outputs", False) and self.opts.device_placement:
+            # compiled code makes its own results: planning them too would hold each twice and copy
+            self.runtime_alloc.update(outs)
+            name = f"delegate {index} ({backend.backend_id})"
+            self.allocating_ops.append(name)
+            self.kernel_choices[name] = "compiled code; its results are its own tensors"
         self.instructions.append(DelegateCall(index, args, outs, self._scratch(backend, payload, index)))
         self.env[node] = outs
 

@@ -8,12 +8,13 @@ every call is checked against its schema before anything runs. At load the metho
 a torch.fx graph, with its constants uploaded to the delegate's device, run once op by op on
 inputs of its declared shapes (ATen checks the bounds of every view; compiled code would not),
 and compiled by Inductor for that device (Triton kernels on CUDA, C++ on the CPU). Inductor's
-on-disk cache makes a later load of the same graph fast. Inductor allocates its results; they
-are copied into the caller's planned outputs; an input laid out otherwise than compiled for is
-copied to that layout first.
+on-disk cache makes a later load of the same graph fast. Inductor allocates its results, and
+they become the delegate's outputs (storage `runtime`: the method plans no memory for them and
+copies nothing; each is checked against its declared shape, dtype and device every call); an
+input laid out otherwise than compiled for is copied to that layout first.
 
-Static shapes only: a partition with a dynamic size is a compile error that says to give it
-backend "torch". A graph Inductor fails to compile still loads: it runs op by op, with a
+Static shapes only: a partition with a dynamic size runs op by op (backend "torch"), with a
+warning at compile time and a note `ferry inspect` shows. A graph Inductor fails to compile still loads: it runs op by op, with a
 warning. Ahead-of-time AOTInductor packages are not offered: loading one crashed the
 process (SIGSEGV) on the H200 machines this was tested on, and native code would need an
 explicit opt-in to load.
@@ -32,7 +33,7 @@ from ferry.aot.emit import ProgramBuilder, emit_method
 from ferry.aot.place import delegate_target_device
 from ferry.backends.torch import payload_load_bytes
 from ferry.device import CPU
-from ferry.errors import CompileError, ProgramError
+from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.layout import contiguous_strides
 from ferry.op_names import resolve_kernel
 from ferry.program import Program, load_program, program_to_bytes
@@ -47,6 +48,7 @@ __all__ = ["InductorBackend", "graph_of"]
 
 class InductorBackend:
     backend_id = "inductor"
+    returns_outputs = True  # its results are Inductor's own tensors: the method plans none for them
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         device = delegate_target_device(lowered) or CPU
@@ -56,8 +58,8 @@ class InductorBackend:
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
         dynamic = [v.name for v in method.values if isinstance(v, TensorValue) and any(v.dynamic)]
         if dynamic or any(isinstance(v, ConstValue) and v.kind in ("symint", "symints") for v in method.values):
-            raise CompileError(f"backend 'inductor' compiles static shapes; this partition has dynamic sizes "
-                               f"({', '.join(dynamic[:3]) or 'computed sizes'}): give it backend_id='torch'")
+            raise UnsupportedByBackend(f"Inductor compiles static shapes here; this partition has dynamic sizes "
+                                       f"({', '.join(dynamic[:3]) or 'computed sizes'})")
         if builder.delegates:
             raise CompileError("backend 'inductor': a partition must not contain delegates")
         return program_to_bytes(Program({"forward": method}, [], builder.segments))
@@ -103,19 +105,26 @@ def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
 
 
 class _Compiled:
+    returns_outputs = True
+
     def __init__(self, fn, memory: Memory, method: Method):
         self.fn, self.memory = fn, memory
         self.devices = [method.tensor(v).device.to_torch() for v in method.inputs]
         self.strides = [_layout(method.tensor(v)) for v in method.inputs]
 
-    def execute(self, inputs, outputs) -> None:
+    def execute(self, inputs, outputs):
+        """The results, as a list (`outputs` None), or copied into `outputs` (a program compiled
+        without device placement plans them)."""
         # legacy mode (no device placement) passes host tensors: move them as the torch backend does;
         # compiled code assumes the layouts it was compiled for: an input laid out otherwise is copied
         args = [_as_compiled(t if t.device == d else t.to(d), s) for t, d, s in zip(inputs, self.devices, self.strides)]
         with torch.no_grad():
-            results = self.fn(*args)
+            results = list(self.fn(*args))
+        if outputs is None:
+            return results
         for out, r in zip(outputs, results):
             out.copy_(r)
+        return None
 
     def close(self) -> None:
         self.fn = None

@@ -6,7 +6,8 @@ Checked after the per-field checks of validate.py, so every id is in range here:
   anything reads it — a repeated instruction list or a read of memory nobody wrote is refused;
 * values an instruction writes in place (planned, fresh outputs, scratch) are written through
   an out argument of that instruction, and a kernel's own results (storage `runtime`) are not;
-  a delegate's outputs are memory it writes into;
+  a delegate's outputs are memory it writes into, or all results it returns (whether its
+  backend returns them is checked when it is bound);
 * size arithmetic (ferry::sym_*) reads sizes, never tensors;
 * no two planned values whose lifetimes overlap share bytes, and a buffer is no larger than its
   values need (a file cannot make the runtime allocate memory it never uses).
@@ -78,11 +79,10 @@ def _written_once_before_read(m: Method, pre: str) -> None:
 
 def _check_writes(m: Method, ins, label: str) -> None:
     if isinstance(ins, DelegateCall):
-        for o in ins.outputs:
-            v = m.values[o]
-            if not (isinstance(v, TensorValue) and v.storage in ("planned", "output")):
-                raise ProgramError(f"{label}: delegate output value {o} must be memory the delegate writes into "
-                                   f"(planned or a fresh output), not {_storage(v)}")
+        kinds = {v.storage if isinstance(v, TensorValue) else None for v in (m.values[o] for o in ins.outputs)}
+        if not (kinds <= {"planned", "output"} or kinds == {"runtime"}):
+            raise ProgramError(f"{label}: a delegate's outputs are memory it writes into (planned or fresh "
+                               f"outputs) or, all of them, results it returns (runtime); not {sorted(map(str, kinds))}")
         return
     if ins.kernel.startswith("ferry::sym_"):
         for a in ins.args:
@@ -138,7 +138,4 @@ def _name(m: Method, vid: int) -> str:
     v = m.values[vid]
     return repr(v.name) if isinstance(v, TensorValue) and v.name else type(v).__name__
 
-
-def _storage(v) -> str:
-    return f"storage {v.storage!r}" if isinstance(v, TensorValue) else f"a {v.kind} constant"
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ferry.device import Device
-from ferry.errors import InputError, ProgramError
+from ferry.errors import BackendError, InputError, ProgramError
 from ferry.op_names import resolve_kernel
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.ranks import RECV, SEND
@@ -389,10 +389,31 @@ class _Binder:
         run = None
         if all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs) and hasattr(handle, "bind_static"):
             run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs])  # planned I/O, bound once
+        if outs and self.m.tensor(outs[0]).storage == "runtime":  # dataflow.py: then all of them are
+            run = self._returned_outputs(ins, handle)
         if run is None:
             def run():
                 handle.execute([slots[a] for a in args], [slots[o] for o in outs])
         return self.step(index, "delegate", f"delegate {ins.delegate}", ins, run)
+
+    def _returned_outputs(self, ins: DelegateCall, handle) -> Callable[[], None]:
+        """A delegate that makes its own results (compiled code): they are checked against what
+        the program declares, each call, and become the values of its outputs."""
+        if not getattr(handle, "returns_outputs", False):
+            raise ProgramError(f"delegate {ins.delegate}: the program expects it to return its outputs, but its "
+                               "backend writes into memory it is given")
+        slots, args, outs = self.slots, list(ins.args), list(ins.outputs)
+        want = [(v.shape, v.torch_dtype, v.device.to_torch()) for v in map(self.m.tensor, outs)]
+
+        def run():
+            results = handle.execute([slots[a] for a in args], None)
+            if len(results) != len(want) or any((tuple(r.shape), r.dtype, r.device) != w for r, w in zip(results, want)):
+                got = [(tuple(r.shape), r.dtype, r.device) for r in results]
+                raise BackendError(f"delegate {ins.delegate} returned {got}; the program declares {want}")
+            for o, r in zip(outs, results):
+                slots[o] = r
+
+        return run
 
     # ---- copies
 
