@@ -23,6 +23,8 @@ import ferry
 import ferry.examples
 from ferry.device import Device
 from ferry.inspect import program_summary
+from ferry.program.dataflow import written_over
+from ferry.program.lifetimes import value_lifetimes
 from ferry.program.schema import DEFAULT_ARG, ConstValue, KernelCall, TensorValue
 from ferry.runtime import clone_to
 from models import (
@@ -157,22 +159,25 @@ def check_plan(m, alignment=None, naive=False):
         assert v.plan.offset + v.nbytes <= buf.size
         assert v.plan.offset % _align_for(alignment, v.device) == 0, (v.name, v.plan.offset)
         start, end = life.get(vid, (0, 0))
-        planned.append((v.plan.buffer, v.plan.offset, v.plan.offset + v.nbytes, start, end, v.name))
+        planned.append((v.plan.buffer, v.plan.offset, v.plan.offset + v.nbytes, start, end, v.name, vid))
     for i, a in enumerate(planned):
         for b in planned[i + 1:]:
             if a[0] != b[0] or a[1] == a[2] or b[1] == b[2]:
                 continue
             share_bytes = a[1] < b[2] and b[1] < a[2]
             share_time = a[3] <= b[4] and b[3] <= a[4]
+            if share_bytes and share_time and not naive and written_over(m, value_lifetimes(m), a[6], b[6]):
+                continue  # a result planned over the input that dies where it is made (in place)
             assert not (share_bytes and (share_time or naive)), f"{a[5]} and {b[5]} overlap: {a} {b}"
     # compile report: the lower bound is the peak of live planned bytes, never above the plan
     assert set(m.lower_bounds) == {str(d) for d in devices}
     for d in devices:
         size = sum(b.size for b in bufs[1:] if b.device == d)
         peak = 0
-        ends = {e for *_, e, _ in planned} | {s for *_, s, _, _ in planned}
-        for t in ends:
-            live = sum(hi - lo for (bi, lo, hi, s, e, _) in planned if bufs[bi].device == d and s <= t <= e)
+        ends = {p[4] for p in planned} | {p[3] for p in planned}
+        for t in ends:  # a value and the one written over it where it dies hold the same bytes: counted once
+            live = sum(hi - lo for (bi, lo, hi) in {(bi, lo, hi) for (bi, lo, hi, s, e, *_) in planned
+                                                    if bufs[bi].device == d and s <= t <= e})
             peak = max(peak, live)
         assert m.lower_bounds[str(d)] == peak, (d, m.lower_bounds, peak)
         assert m.lower_bounds[str(d)] <= size

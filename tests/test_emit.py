@@ -81,8 +81,8 @@ def check_out_variants(program, payload=False):
     for m in program.methods.values():
         # every op allocating per call is explained; other entries are the inference rewrites' notes
         assert set(m.runtime_allocating_ops) <= set(m.kernel_choices)
-        for op in set(m.kernel_choices) - set(m.runtime_allocating_ops):
-            assert op in fusion_notes(ALL_REWRITES), op
+        for op in set(m.kernel_choices) - set(m.runtime_allocating_ops):  # and the planner's and emit's notes
+            assert op in fusion_notes(ALL_REWRITES) or op == "in place" or op.startswith("delegate "), op
         assert all(m.kernel_choices.values())
         read = set(m.outputs) | {mb.update for mb in m.mutable_buffers}
         for ins in m.instructions:

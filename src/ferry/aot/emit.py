@@ -29,7 +29,7 @@ from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
 from ferry.layout import is_dense
 from ferry.op_names import kernel_name
-from ferry.program.lifetimes import value_lifetimes
+from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import (
     DEFAULT_ARG,
     ConstValue,
@@ -41,6 +41,7 @@ from ferry.program.schema import (
     TensorValue,
     dtype_name,
 )
+from ferry.runtime.kernels import overwrites_safely
 
 _SIZE_OPS = ("add", "sub", "mul", "floordiv", "mod", "neg")
 
@@ -134,6 +135,7 @@ class _MethodEmitter:
         self.unread: set[int] = set()
         self.allocating_ops: list[str] = []
         self.kernel_choices: dict[str, str] = {}  # op -> why it runs functionally
+        self.out_ops: dict[int, torch._ops.OpOverload] = {}  # instruction index -> its out kernel
 
     # ---------------------------------------------------------------- values
 
@@ -329,6 +331,7 @@ class _MethodEmitter:
             out_op = choice.op
             out_names = [a.name for a in out_op._schema.arguments if a.is_out]
             args = self.schema_args(out_op, node, dict(zip(out_names, outs)))
+            self.out_ops[len(self.instructions)] = out_op
             self.instructions.append(KernelCall(kernel_name(out_op), args, outs))
             if isinstance(val, (tuple, list)):
                 # outputs nobody reads are not planned: their traced shape can be smaller than what a
@@ -414,12 +417,23 @@ class _MethodEmitter:
             outputs=self.outputs, buffers=[], mutable_buffers=self.mutable,
         )
         life = value_lifetimes(method)
-        plan_values = [PlanValue(vid, self.values[vid].nbytes, self.values[vid].device, first, last)
-                       for vid, (first, last) in life.items() if self._planned(vid)]
+        over = self._in_place(method, life) if self.opts.memory_planning != "naive" else {}  # naive: no sharing
+        span: dict[int, tuple[int, int]] = {}  # one interval per group of values sharing bytes
+        for vid, (first, last) in life.items():
+            if self._planned(vid):
+                g = over.get(vid, vid)
+                f, la = span.get(g, (first, last))
+                span[g] = (min(f, first), max(la, last))
+        plan_values = [PlanValue(g, self.values[g].nbytes, self.values[g].device, f, la) for g, (f, la) in span.items()]
         plan = plan_memory(plan_values, algorithm=self.opts.memory_planning, alignment=self.opts.alignment)
         values = list(self.values)
         for vid, entry in plan.entries.items():
             values[vid] = dataclasses.replace(values[vid], plan=entry)
+        for vid, g in over.items():
+            values[vid] = dataclasses.replace(values[vid], plan=plan.entries[g])
+        if over:
+            self.kernel_choices["in place"] = (f"{len(over)} result(s) written over an input that dies there "
+                                               "(what eager's relu_ and += do)")
         for vid, v in enumerate(values):
             if isinstance(v, TensorValue):
                 values[vid] = dataclasses.replace(v, storage=self._storage(vid, v))
@@ -430,6 +444,28 @@ class _MethodEmitter:
             runtime_allocating_ops=sorted(set(self.allocating_ops)),
             kernel_choices=dict(sorted(self.kernel_choices.items())),
         )
+
+    def _in_place(self, method: Method, life: dict) -> dict[int, int]:
+        """value -> the first value of its group, whose bytes it takes: an out argument written
+        over an input that dies at that kernel, where the kernel reads each element before
+        writing it (runtime/kernels.py: overwrites_safely). Chains (relu after add) share one."""
+        keep = set(method.inputs) | set(method.outputs) | self.mutable_ids
+        group: dict[int, int] = {}
+        for k, op in self.out_ops.items():
+            ins = method.instructions[k]
+            if len(ins.outputs) != 1 or not self._planned(ins.outputs[0]):
+                continue
+            o = ins.outputs[0]
+            roots = [self._root(t) for a in ins.args for t in tensor_ids(method, a)]
+            for p, a in enumerate(ins.args):
+                v = self.values[a] if a != DEFAULT_ARG else None
+                if (a == o or a in keep or not isinstance(v, TensorValue) or v.alias_of is not None
+                        or not self._planned(a) or life.get(a, (0, -1))[1] != k or roots.count(a) != 1):
+                    continue
+                if _same_layout(v, self.values[o]) and overwrites_safely(op, p):
+                    group[o] = group.get(a, a)
+                    break
+        return group
 
     def _planned(self, vid: int) -> bool:
         """Whether a memory-owning value gets a place in a planned buffer."""
@@ -454,6 +490,11 @@ class _MethodEmitter:
         if vid in self.caller_owned:
             return "output"
         raise CompileError(f"method {self.name!r}: value {v.name or vid!r} has no storage (a ferry bug: please report it)")
+
+
+def _same_layout(a: TensorValue, b: TensorValue) -> bool:
+    """Same bytes, element for element: dtype, static shape, strides and device."""
+    return (a.dtype, a.shape, a.strides, a.device) == (b.dtype, b.shape, b.strides, b.device) and not any(a.dynamic)
 
 
 _UNGIVEN = object()  # an argument the node leaves to its schema's default

@@ -16,8 +16,8 @@ Checked after the per-field checks of validate.py, so every id is in range here:
 from __future__ import annotations
 
 from ferry.errors import ProgramError
-from ferry.program.lifetimes import value_lifetimes
-from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, Method, TensorValue, root_storage
+from ferry.program.lifetimes import tensor_ids, value_lifetimes
+from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, KernelCall, Method, TensorValue, root_storage
 
 __all__ = ["check_dataflow"]
 
@@ -121,9 +121,36 @@ def _planned_memory_is_sound(m: Method, pre: str) -> None:
             for lo2, _, c in spans[i + 1:]:
                 if lo2 >= hi:
                     break
-                if _overlap(life.get(a), life.get(c)):
+                if _overlap(life.get(a), life.get(c)) and not written_over(m, life, a, c):
                     raise ProgramError(f"{pre} values {a} ({_name(m, a)}) and {c} ({_name(m, c)}) are alive at "
                                        f"the same time and share bytes of buffer {b}")
+
+
+def written_over(m: Method, life: dict, a: int, c: int) -> bool:
+    """One of `a`, `c` is written over the other where the first dies and the second is made
+    (emit.py plans a kernel's out argument over an input that dies there): the same bytes and
+    layout, read once by a kernel that may write over that argument."""
+    (x, _), (y, _) = life[a], life[c]
+    first, second = (a, c) if x < y else (c, a)
+    if life[first][1] != life[second][0] or life[second][0] < 0:
+        return False
+    v, w = m.tensor(first), m.tensor(second)
+    if (v.plan, v.dtype, v.shape, v.strides) != (w.plan, w.dtype, w.shape, w.strides):
+        return False
+    ins = m.instructions[life[second][0]]
+    if not isinstance(ins, KernelCall) or ins.outputs != (second,):
+        return False
+    reads = [(p, t) for p, arg in enumerate(ins.args) for t in tensor_ids(m, arg)]
+    at = [p for p, t in reads if (m.tensor(t).alias_of if m.tensor(t).alias_of is not None else t) == first]
+    if len(at) != 1 or ins.args[at[0]] != first:
+        return False  # read once, as itself (a view of it in another argument would overlap partly)
+    from ferry.op_names import resolve_kernel  # torch operators: imported when needed
+    from ferry.runtime.kernels import overwrites_safely
+
+    try:
+        return overwrites_safely(resolve_kernel(ins.kernel), at[0])
+    except LookupError:
+        return False
 
 
 def _overlap(x, y) -> bool:

@@ -278,6 +278,17 @@ def check_call(op: torch._ops.OpOverload, arg_ids, outputs, values, what: str) -
         raise ProgramError(f"{what}: {op} returns {len(returns)} value(s), but the instruction names {len(outputs)}")
 
 
+def overwrites_safely(op: torch._ops.OpOverload, position: int) -> bool:
+    """Whether `op` may write its out argument over the very memory (same bytes, shape and
+    strides) of its argument at `position`: any argument of a pointwise op (each element is read
+    before it is written), or the first of an ATen op with an in-place variant (which is exactly
+    that call: `relu_`, `add_`). What eager's in-place ops save, the memory plan saves too."""
+    packet = op.overloadpacket
+    if any(torch.Tag.pointwise in getattr(packet, name).tags for name in packet.overloads()):
+        return True
+    return position == 0 and op.namespace == "aten" and hasattr(torch.ops.aten, packet.__name__ + "_")
+
+
 def returns_list(op: torch._ops.OpOverload) -> bool:
     """`op` returns one list of tensors (split, unbind): an instruction names each member."""
     returns = op._schema.returns

@@ -1,0 +1,111 @@
+"""A kernel's out argument planned over an input that dies at that kernel, as eager's `relu_`
+and `+=` reuse memory: fewer planned bytes, results equal eager's, and a file that claims
+such sharing where the kernel cannot do it safely is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import ferry
+import ferry.aot.emit as emit
+from ferry.errors import ProgramError
+from ferry.program.schema import KernelCall
+from models import fresh_inputs
+
+
+class Chain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = torch.sigmoid(self.a(x) + 1.0) * 2  # add, sigmoid, mul: each over the last
+        return self.b(h) + x
+
+
+class ReadLater(torch.nn.Module):
+    def forward(self, x):
+        h = x * 3
+        return torch.sigmoid(h) * h  # h is read after sigmoid: sigmoid may not write over it
+
+
+class ViewOfItself(torch.nn.Module):
+    def forward(self, x):
+        h = x * 3
+        return h + h.t()  # h is also read through a view: writing over it would overlap partly
+
+
+def _program(model, *shape):
+    example = (torch.randn(*shape),)
+    return ferry.compile(torch.export.export(model, example)), example
+
+
+def _planned_bytes(program) -> int:
+    return sum(b.size for b in program.method("forward").buffers)
+
+
+def _shared(program) -> list[tuple[str, int, int]]:
+    """(kernel, input, output) for every kernel whose output has an input's plan entry."""
+    m = program.method("forward")
+    out = []
+    for ins in m.instructions:
+        if isinstance(ins, KernelCall) and len(ins.outputs) == 1 and m.tensor(ins.outputs[0]).plan is not None:
+            plan = m.tensor(ins.outputs[0]).plan
+            out += [(ins.kernel, a, ins.outputs[0]) for a in ins.args
+                    if a >= 0 and a != ins.outputs[0] and getattr(m.values[a], "plan", None) == plan]
+    return out
+
+
+def _matches_eager(program, model, example, tmp_path):
+    path = tmp_path / "p.ferry"
+    program.save(path)  # saving and loading check the sharing
+    module = ferry.Module(path)
+    for seed in range(3):
+        inputs = fresh_inputs(example, seed)
+        torch.testing.assert_close(module(*inputs), model(*inputs))
+
+
+def test_pointwise_ops_write_over_the_input_that_dies_there_and_plan_fewer_bytes(tmp_path, monkeypatch):
+    model = Chain().eval()
+    program, example = _program(model, 8, 16)
+    kernels = {k for k, _, _ in _shared(program)}
+    assert {"aten::add.out", "aten::mul.out"} <= kernels
+    assert "in place" in program.method("forward").kernel_choices
+    _matches_eager(program, model, example, tmp_path)
+    monkeypatch.setattr(emit, "overwrites_safely", lambda op, position: False)
+    apart, _ = _program(model, 8, 16)
+    assert not _shared(apart) and _planned_bytes(program) < _planned_bytes(apart)
+
+
+@pytest.mark.parametrize("model", [ReadLater(), ViewOfItself()], ids=["read-later", "view-of-itself"])
+def test_an_input_still_needed_is_not_written_over(model, tmp_path):
+    program, example = _program(model, 6, 6)
+    m = program.method("forward")
+    h = next(ins.outputs[0] for ins in m.instructions if ins.kernel == "aten::mul.out")
+    assert all(a != h for _, a, _ in _shared(program))
+    _matches_eager(program, model, example, tmp_path)
+
+
+class Square(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        return torch.mm(x * 3, self.w) + 1  # mm's output has its input's layout, but mm reads it all
+
+
+def test_a_file_sharing_bytes_with_a_kernel_that_cannot_write_over_its_input_is_refused(tmp_path):
+    program, _ = _program(Square().eval(), 6, 6)
+    m = program.method("forward")
+    ins = next(ins for ins in m.instructions if ins.kernel == "aten::mm.out")
+    source, out = ins.args[0], ins.outputs[0]  # x * 3: planned, same layout, dead after mm
+    assert (m.tensor(source).shape, m.tensor(source).strides) == (m.tensor(out).shape, m.tensor(out).strides)
+    values = list(m.values)
+    values[out] = dataclasses.replace(values[out], plan=m.tensor(source).plan)
+    hostile = dataclasses.replace(program, methods={"forward": dataclasses.replace(m, values=values)})
+    with pytest.raises(ProgramError, match="share bytes"):
+        hostile.save(tmp_path / "hostile.ferry")
