@@ -29,6 +29,7 @@ from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
 from ferry.layout import is_dense
 from ferry.op_names import kernel_name
+from ferry.program.dataflow import layout, whole_root
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import (
     DEFAULT_ARG,
@@ -447,8 +448,9 @@ class _MethodEmitter:
 
     def _in_place(self, method: Method, life: dict) -> dict[int, int]:
         """value -> the first value of its group, whose bytes it takes: an out argument written
-        over an input that dies at that kernel, where the kernel reads each element before
-        writing it (runtime/kernels.py: overwrites_safely). Chains (relu after add) share one."""
+        over an input that dies at that kernel (read as itself or through a `view` of all of it),
+        where the kernel reads each element before writing it (runtime/kernels.py:
+        overwrites_safely). Chains (relu after add) share one. program/dataflow.py checks the same."""
         keep = set(method.inputs) | set(method.outputs) | self.mutable_ids
         group: dict[int, int] = {}
         for k, op in self.out_ops.items():
@@ -458,12 +460,13 @@ class _MethodEmitter:
             o = ins.outputs[0]
             roots = [self._root(t) for a in ins.args for t in tensor_ids(method, a)]
             for p, a in enumerate(ins.args):
-                v = self.values[a] if a != DEFAULT_ARG else None
-                if (a == o or a in keep or not isinstance(v, TensorValue) or v.alias_of is not None
-                        or not self._planned(a) or life.get(a, (0, -1))[1] != k or roots.count(a) != 1):
+                r = whole_root(method, a) if a not in (DEFAULT_ARG, o) else None  # a itself, or a view of all of r
+                if (r is None or r in keep or not self._planned(r) or life.get(r, (0, -1))[1] != k
+                        or roots.count(r) != 1 or any(self.values[r].dynamic)):
                     continue
-                if _same_layout(v, self.values[o]) and overwrites_safely(op, p):
-                    group[o] = group.get(a, a)
+                if (layout(method, a) == layout(method, o) and self.values[r].device == self.values[o].device
+                        and overwrites_safely(op, p)):
+                    group[o] = group.get(r, r)
                     break
         return group
 
@@ -490,11 +493,6 @@ class _MethodEmitter:
         if vid in self.caller_owned:
             return "output"
         raise CompileError(f"method {self.name!r}: value {v.name or vid!r} has no storage (a ferry bug: please report it)")
-
-
-def _same_layout(a: TensorValue, b: TensorValue) -> bool:
-    """Same bytes, element for element: dtype, static shape, strides and device."""
-    return (a.dtype, a.shape, a.strides, a.device) == (b.dtype, b.shape, b.strides, b.device) and not any(a.dynamic)
 
 
 _UNGIVEN = object()  # an argument the node leaves to its schema's default

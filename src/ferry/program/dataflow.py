@@ -16,6 +16,7 @@ Checked after the per-field checks of validate.py, so every id is in range here:
 from __future__ import annotations
 
 from ferry.errors import ProgramError
+from ferry.layout import contiguous_strides
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, KernelCall, Method, TensorValue, root_storage
 
@@ -128,22 +129,20 @@ def _planned_memory_is_sound(m: Method, pre: str) -> None:
 
 def written_over(m: Method, life: dict, a: int, c: int) -> bool:
     """One of `a`, `c` is written over the other where the first dies and the second is made
-    (emit.py plans a kernel's out argument over an input that dies there): the same bytes and
-    layout, read once by a kernel that may write over that argument."""
+    (emit.py plans a kernel's out argument over an input that dies there): the same bytes, read
+    once by a kernel that may write over that argument, as itself or through a `view` of all of
+    it laid out as the result is."""
     (x, _), (y, _) = life[a], life[c]
     first, second = (a, c) if x < y else (c, a)
-    if life[first][1] != life[second][0] or life[second][0] < 0:
-        return False
-    v, w = m.tensor(first), m.tensor(second)
-    if (v.plan, v.dtype, v.shape, v.strides) != (w.plan, w.dtype, w.shape, w.strides):
+    if life[first][1] != life[second][0] or life[second][0] < 0 or m.tensor(first).plan != m.tensor(second).plan:
         return False
     ins = m.instructions[life[second][0]]
     if not isinstance(ins, KernelCall) or ins.outputs != (second,):
         return False
     reads = [(p, t) for p, arg in enumerate(ins.args) for t in tensor_ids(m, arg)]
     at = [p for p, t in reads if (m.tensor(t).alias_of if m.tensor(t).alias_of is not None else t) == first]
-    if len(at) != 1 or ins.args[at[0]] != first:
-        return False  # read once, as itself (a view of it in another argument would overlap partly)
+    if len(at) != 1 or whole_root(m, ins.args[at[0]]) != first or layout(m, ins.args[at[0]]) != layout(m, second):
+        return False  # read once (a view of it in another argument would overlap partly)
     from ferry.op_names import resolve_kernel  # torch operators: imported when needed
     from ferry.runtime.kernels import overwrites_safely
 
@@ -151,6 +150,30 @@ def written_over(m: Method, life: dict, a: int, c: int) -> bool:
         return overwrites_safely(resolve_kernel(ins.kernel), at[0])
     except LookupError:
         return False
+
+
+WHOLE_VIEWS = frozenset({"aten::view.default", "aten::_unsafe_view.default"})
+
+
+def whole_root(m: Method, vid: int) -> int | None:
+    """The value whose bytes `vid` is, element for element in order: itself when it owns its
+    memory; its base when it is a `view` of all of a contiguous base, laid out contiguously."""
+    v = m.values[vid]
+    if not isinstance(v, TensorValue) or v.alias_of is None:
+        return vid if isinstance(v, TensorValue) else None
+    base = m.values[v.alias_of]
+    made = next((i for i in m.instructions if isinstance(i, KernelCall) and vid in i.outputs), None)
+    if (made is None or made.kernel not in WHOLE_VIEWS or made.args[0] != v.alias_of
+            or not isinstance(base, TensorValue) or base.nbytes != v.nbytes
+            or layout(m, v.alias_of)[2] != contiguous_strides(base.shape) or layout(m, vid)[2] != contiguous_strides(v.shape)):
+        return None
+    return v.alias_of
+
+
+def layout(m: Method, vid: int) -> tuple:
+    """(dtype, shape, strides) of a tensor value, strides spelled out."""
+    v = m.tensor(vid)
+    return v.dtype, v.shape, tuple(v.strides) if v.strides else contiguous_strides(v.shape)
 
 
 def _overlap(x, y) -> bool:
