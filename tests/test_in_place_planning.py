@@ -127,3 +127,69 @@ def test_in_a_delegate_a_result_is_written_over_a_view_of_all_of_a_dying_gemm_re
     for seed in range(3):
         inputs = fresh_inputs(example, seed)
         torch.testing.assert_close(module(*inputs), model(*inputs), atol=1e-5, rtol=1e-4)
+
+
+class Normal(torch.nn.Module):
+    def forward(self, x):
+        return torch.normal(x * 100, 0.01) + 0  # `normal_` exists, but is another call than normal.Tensor_float_out
+
+
+def test_an_op_whose_in_place_overload_is_another_call_is_not_written_in_place():
+    program, _ = _program(Normal(), 64)
+    assert not [k for k, _, _ in _shared(program) if "normal" in k]
+    x = torch.randn(64)
+    assert (ferry.Module(program)(x) - 100 * x).abs().max() < 1  # std 0.01: far below 1 unless the mean was lost
+
+
+class AddMM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return torch.addmm(x * 3, x * 2, self.w) + 1  # addmm writes over its `self` (x * 3), as addmm_ does
+
+
+def _hostile_addmm(make):
+    """AddMM's program with the addmm instruction replaced by `make(m, h, out, add)`'s list."""
+    from edits import edited
+
+    program, _ = _program(AddMM().eval(), 8, 8)
+    m = program.method("forward")
+    k = next(k for k, ins in enumerate(m.instructions) if ins.kernel == "aten::addmm.out")
+    h, out = m.instructions[k].args[0], m.instructions[k].outputs[0]
+    assert _shared(program) and any(a == h and o == out for _, a, o in _shared(program))
+
+    def instructions(values, add):
+        return [*m.instructions[:k], *make(m, h, out, add), *m.instructions[k + 1:]]
+
+    return dataclasses.replace(program, methods={"forward": edited(m, instructions)})
+
+
+def _view(m, base, add, strides=()):
+    return add(dataclasses.replace(m.tensor(base), storage="view", alias_of=base, plan=None, strides=strides))
+
+
+@pytest.mark.parametrize("attack, refusal", [
+    ("a view of a view", "does not own memory"),
+    ("a view declared as a kernel's own result", "is a view of value"),
+    ("the out argument read as another argument", "writes it through an out argument"),
+])
+def test_a_file_cannot_hide_a_read_of_what_a_kernel_writes_over(attack, refusal, tmp_path):
+    from ferry.program.schema import ConstValue, KernelCall
+
+    def make(m, h, out, add):
+        args = list(next(i for i in m.instructions if i.kernel == "aten::addmm.out").args)
+        if attack == "a view of a view":
+            v1 = _view(m, h, add)
+            v2 = add(dataclasses.replace(m.tensor(h), storage="view", alias_of=v1, plan=None, strides=(1, 8)))
+            return [KernelCall("aten::view.default", (h, add(ConstValue("ints", [8, 8]))), (v1,)),
+                    KernelCall("aten::t.default", (v1,), (v2,)),
+                    KernelCall("aten::addmm.out", (h, v2, *args[2:]), (out,))]
+        if attack == "a view declared as a kernel's own result":
+            t = add(dataclasses.replace(m.tensor(h), storage="runtime", plan=None, strides=(1, 8)))
+            return [KernelCall("aten::t.default", (h,), (t,)), KernelCall("aten::addmm.out", (h, t, *args[2:]), (out,))]
+        return [KernelCall("aten::addmm.out", (h, args[1], out, *args[3:]), (out,))]
+
+    with pytest.raises(ProgramError, match=refusal):
+        _hostile_addmm(make).save(tmp_path / "hostile.ferry")

@@ -136,6 +136,34 @@ def test_a_delegate_returning_what_the_program_does_not_declare_is_an_error_and_
     matches_eager(module, block)
 
 
+class ReturnsViews(torch.nn.Module):
+    """An inductor delegate whose results are views of its input and of its weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = torch.sin(x)  # on the CPU, outside the delegate: planned
+        return h.reshape(-1), self.w.reshape(-1), torch.sin(h.reshape(-1) * 2) + x
+
+
+def test_results_that_are_views_of_the_delegates_inputs_or_weights_are_the_callers_own(tmp_path):
+    model = ReturnsViews().eval()
+    part = ferry.OpSupportPartitioner("cpu", exclude=["aten.sin"], backend_id="inductor")
+    path = tmp_path / "views.ferry"
+    ferry.compile(torch.export.export(model, (torch.randn(16),)), part).save(path)
+    module = ferry.Module(path)  # its weights map the file read-only: a write into them would crash
+    x1, x2 = torch.randn(16), torch.randn(16)
+    first, weight, _ = module(x1)
+    second = module(x2)
+    torch.testing.assert_close(first, torch.sin(x1))  # not overwritten by the next call's plan
+    weight.zero_()  # the caller's tensor, not the program's weight
+    for got, want in zip(module(x2), model(x2)):
+        torch.testing.assert_close(got, want.detach())
+    assert second[0].data_ptr() != first.data_ptr()
+
+
 def test_a_dynamic_partition_runs_op_by_op_with_a_warning_and_a_note_inspect_shows(block):
     ep = torch.export.export(block, (torch.randn(SHAPE),), dynamic_shapes=({0: torch.export.Dim("b", max=8)},))
     with pytest.warns(UserWarning, match="delegate 0 runs op by op .*dynamic sizes"):
@@ -318,7 +346,7 @@ def test_an_inductor_payload_with_a_view_outside_its_input_is_refused_at_load():
 
     def make(m, add):
         x, dev = m.inputs[0], m.values[m.inputs[0]].device
-        wide = add(TensorValue("float32", (16,), dev, storage="runtime"))
+        wide = add(TensorValue("float32", (16,), dev, storage="view", alias_of=x))
         call = KernelCall("aten::as_strided.default",
                           (x, add(ConstValue("ints", [16])), add(ConstValue("ints", [1 << 20])), -1), (wide,))
         first = m.instructions[0]

@@ -489,7 +489,7 @@ def _value(meta, i):
         (lambda m: _value(m, 1).update(shape=[1] * 65), "65 dimensions"),
         (lambda m: _value(m, 1).update(dynamic=[True]), "dynamic has 1 flags for a shape of 2"),
         (lambda m: _value(m, 4).update(alias_of=4), "value 4 is an alias of itself"),
-        (lambda m: (_value(m, 4).update(alias_of=5), _value(m, 5).update(alias_of=4)), "has a cycle"),
+        (lambda m: (_value(m, 4).update(alias_of=5), _value(m, 5).update(alias_of=4)), "does not own memory"),
         (lambda m: _value(m, 4).update(alias_of=3), "alias of value 3, which is not a tensor"),
         (lambda m: _value(m, 3).update(kind="complex"), "unknown constant kind 'complex'"),
         (lambda m: _value(m, 3).update(kind="tensors", value=[0, 3]), r"value 3 \(tensors\)\[1\]: value 3 is not a tensor"),

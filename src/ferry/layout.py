@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["contiguous_strides", "dense_strides_like", "is_dense"]
+__all__ = ["contiguous_strides", "dense_strides_like", "is_dense", "same_strides"]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -40,3 +40,8 @@ def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
             return False
         want *= shape[i]
     return True
+
+
+def same_strides(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> bool:
+    """`a` and `b` lay `shape` out alike (a dim of size 1 may have any stride)."""
+    return len(a) == len(b) == len(shape) and all(n == 1 or x == y for n, x, y in zip(shape, a, b))

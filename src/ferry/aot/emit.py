@@ -29,7 +29,7 @@ from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
 from ferry.layout import is_dense
 from ferry.op_names import kernel_name
-from ferry.program.dataflow import layout, whole_root
+from ferry.program.dataflow import layout, whole_root, whole_views
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import (
     DEFAULT_ARG,
@@ -453,6 +453,7 @@ class _MethodEmitter:
         overwrites_safely). Chains (relu after add) share one. program/dataflow.py checks the same."""
         keep = set(method.inputs) | set(method.outputs) | self.mutable_ids
         group: dict[int, int] = {}
+        views = whole_views(method)
         for k, op in self.out_ops.items():
             ins = method.instructions[k]
             if len(ins.outputs) != 1 or not self._planned(ins.outputs[0]):
@@ -460,7 +461,7 @@ class _MethodEmitter:
             o = ins.outputs[0]
             roots = [self._root(t) for a in ins.args for t in tensor_ids(method, a)]
             for p, a in enumerate(ins.args):
-                r = whole_root(method, a) if a not in (DEFAULT_ARG, o) else None  # a itself, or a view of all of r
+                r = whole_root(method, a, views) if a not in (DEFAULT_ARG, o) else None  # a itself, or a view of all of r
                 if (r is None or r in keep or not self._planned(r) or life.get(r, (0, -1))[1] != k
                         or roots.count(r) != 1 or any(self.values[r].dynamic)):
                     continue

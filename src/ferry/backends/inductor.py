@@ -126,6 +126,10 @@ class _Compiled:
             out.copy_(r)
         return None
 
+    def storages(self) -> set[int]:
+        """The addresses of its constants' memory: a result that is a view of one is copied."""
+        return {t.untyped_storage().data_ptr() for t in self.memory.slots if isinstance(t, torch.Tensor)}
+
     def close(self) -> None:
         self.fn = None
         self.memory.close()

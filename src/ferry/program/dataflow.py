@@ -91,6 +91,7 @@ def _check_writes(m: Method, ins, label: str) -> None:
             if not (isinstance(v, ConstValue) and v.kind in ("int", "symint")):
                 raise ProgramError(f"{label} ({ins.kernel}): size arithmetic on value {a}, which is not a size")
         return
+    _check_aliasing(m, ins, label)
     for o in ins.outputs:
         v = m.values[o]
         if not isinstance(v, TensorValue):
@@ -106,8 +107,46 @@ def _check_writes(m: Method, ins, label: str) -> None:
                                "not an out argument")
 
 
+def _check_aliasing(m: Method, ins: KernelCall, label: str) -> None:
+    """A view op's results are declared views of its input (so lifetimes and planning see them),
+    and no kernel reads, in another argument, the memory it writes through an out argument."""
+    op = _operator(ins.kernel)
+    if op is None:
+        return  # not a registered operator: refused when the method is bound
+    from ferry.aot.out_variants import is_view  # torch operators: imported when needed
+
+    if is_view(op) and ins.args and ins.args[0] != DEFAULT_ARG:
+        base = _owner(m, ins.args[0])
+        for o in ins.outputs:
+            v = m.values[o]
+            if isinstance(v, TensorValue) and (v.storage != "view" or v.alias_of != base):
+                raise ProgramError(f"{label} ({ins.kernel}): value {o} is a view of value {base}, but the program "
+                                   f"says {v.storage!r}" + (f" of value {v.alias_of}" if v.alias_of is not None else ""))
+    schema = op._schema.arguments
+    written = {_owner(m, a) for a, s in zip(ins.args, schema) if s.is_out and a != DEFAULT_ARG}
+    read = {_owner(m, t) for a, s in zip(ins.args, schema) if not s.is_out for t in tensor_ids(m, a)}
+    if written & read:
+        raise ProgramError(f"{label} ({ins.kernel}): it reads value {min(written & read)} in an argument and "
+                           "writes it through an out argument")
+
+
+def _owner(m: Method, vid: int) -> int:
+    """The value that owns `vid`'s memory (validate.py: a view names it)."""
+    v = m.values[vid]
+    return v.alias_of if isinstance(v, TensorValue) and v.alias_of is not None else vid
+
+
+def _operator(kernel: str):
+    from ferry.op_names import resolve_kernel  # torch operators: imported when needed
+
+    try:
+        return resolve_kernel(kernel)
+    except LookupError:
+        return None
+
+
 def _planned_memory_is_sound(m: Method, pre: str) -> None:
-    life = value_lifetimes(m)
+    life, views = value_lifetimes(m), whole_views(m)
     by_buffer: dict[int, list[tuple[int, int, int]]] = {}
     for vid, v in enumerate(m.values):
         if isinstance(v, TensorValue) and v.plan is not None and v.nbytes:
@@ -122,49 +161,51 @@ def _planned_memory_is_sound(m: Method, pre: str) -> None:
             for lo2, _, c in spans[i + 1:]:
                 if lo2 >= hi:
                     break
-                if _overlap(life.get(a), life.get(c)) and not written_over(m, life, a, c):
+                if _overlap(life.get(a), life.get(c)) and not written_over(m, life, a, c, views):
                     raise ProgramError(f"{pre} values {a} ({_name(m, a)}) and {c} ({_name(m, c)}) are alive at "
                                        f"the same time and share bytes of buffer {b}")
 
 
-def written_over(m: Method, life: dict, a: int, c: int) -> bool:
+def written_over(m: Method, life: dict, a: int, c: int, views: dict | None = None) -> bool:
     """One of `a`, `c` is written over the other where the first dies and the second is made
     (emit.py plans a kernel's out argument over an input that dies there): the same bytes, read
     once by a kernel that may write over that argument, as itself or through a `view` of all of
-    it laid out as the result is."""
+    it laid out as the result is; static shapes only. `views`: `whole_views(m)`, made once."""
     (x, _), (y, _) = life[a], life[c]
     first, second = (a, c) if x < y else (c, a)
-    if life[first][1] != life[second][0] or life[second][0] < 0 or m.tensor(first).plan != m.tensor(second).plan:
+    v, w = m.tensor(first), m.tensor(second)
+    if life[first][1] != life[second][0] or life[second][0] < 0 or v.plan != w.plan or any(v.dynamic) or any(w.dynamic):
         return False
     ins = m.instructions[life[second][0]]
     if not isinstance(ins, KernelCall) or ins.outputs != (second,):
         return False
     reads = [(p, t) for p, arg in enumerate(ins.args) for t in tensor_ids(m, arg)]
-    at = [p for p, t in reads if (m.tensor(t).alias_of if m.tensor(t).alias_of is not None else t) == first]
-    if len(at) != 1 or whole_root(m, ins.args[at[0]]) != first or layout(m, ins.args[at[0]]) != layout(m, second):
+    at = [p for p, t in reads if _owner(m, t) == first]
+    views = whole_views(m) if views is None else views
+    if len(at) != 1 or whole_root(m, ins.args[at[0]], views) != first or layout(m, ins.args[at[0]]) != layout(m, second):
         return False  # read once (a view of it in another argument would overlap partly)
-    from ferry.op_names import resolve_kernel  # torch operators: imported when needed
-    from ferry.runtime.kernels import overwrites_safely
+    from ferry.runtime.kernels import overwrites_safely  # torch operators: imported when needed
 
-    try:
-        return overwrites_safely(resolve_kernel(ins.kernel), at[0])
-    except LookupError:
-        return False
+    op = _operator(ins.kernel)
+    return op is not None and overwrites_safely(op, at[0])
 
 
 WHOLE_VIEWS = frozenset({"aten::view.default", "aten::_unsafe_view.default"})
 
 
-def whole_root(m: Method, vid: int) -> int | None:
+def whole_views(m: Method) -> dict[int, KernelCall]:
+    """The instruction that makes each result of a `view`/`_unsafe_view`."""
+    return {o: i for i in m.instructions if isinstance(i, KernelCall) and i.kernel in WHOLE_VIEWS for o in i.outputs}
+
+
+def whole_root(m: Method, vid: int, views: dict[int, KernelCall]) -> int | None:
     """The value whose bytes `vid` is, element for element in order: itself when it owns its
     memory; its base when it is a `view` of all of a contiguous base, laid out contiguously."""
     v = m.values[vid]
     if not isinstance(v, TensorValue) or v.alias_of is None:
         return vid if isinstance(v, TensorValue) else None
-    base = m.values[v.alias_of]
-    made = next((i for i in m.instructions if isinstance(i, KernelCall) and vid in i.outputs), None)
-    if (made is None or made.kernel not in WHOLE_VIEWS or made.args[0] != v.alias_of
-            or not isinstance(base, TensorValue) or base.nbytes != v.nbytes
+    base, made = m.values[v.alias_of], views.get(vid)
+    if (made is None or made.args[0] != v.alias_of or not isinstance(base, TensorValue) or base.nbytes != v.nbytes
             or layout(m, v.alias_of)[2] != contiguous_strides(base.shape) or layout(m, vid)[2] != contiguous_strides(v.shape)):
         return None
     return v.alias_of

@@ -190,19 +190,14 @@ class _MethodChecks:
                 self.int_id(x, what)
 
     def aliases_end(self) -> None:
-        done: set[int] = set()
-        for i in range(self.n):
-            chain: list[int] = []
-            j = i
-            while j not in done:
-                if j in chain:
-                    raise ProgramError(f"{self.pre} value {i}: alias_of chain {' -> '.join(map(str, chain))} has a cycle")
-                chain.append(j)
-                t = self.m.values[j]
-                if not isinstance(t, TensorValue) or t.alias_of is None:
-                    break
-                j = t.alias_of
-            done.update(chain)
+        """A view names the value that owns its memory, never another view: lifetimes, planning
+        and the in-place check follow one step (emit writes them so)."""
+        for i, v in enumerate(self.m.values):
+            if isinstance(v, TensorValue) and v.alias_of is not None:
+                base = self.m.values[v.alias_of]
+                if not isinstance(base, TensorValue) or base.alias_of is not None or v.alias_of == i:
+                    raise ProgramError(f"{self.pre} value {i} is a view of value {v.alias_of}, which does not own "
+                                       "memory: a view names the value whose memory it is")
 
     def instructions(self) -> None:
         for k, ins in enumerate(self.m.instructions):

@@ -22,6 +22,7 @@ import torch
 
 from ferry.device import Device
 from ferry.errors import BackendError, InputError, ProgramError
+from ferry.layout import contiguous_strides, same_strides
 from ferry.op_names import resolve_kernel
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.ranks import RECV, SEND
@@ -397,20 +398,32 @@ class _Binder:
         return self.step(index, "delegate", f"delegate {ins.delegate}", ins, run)
 
     def _returned_outputs(self, ins: DelegateCall, handle) -> Callable[[], None]:
-        """A delegate that makes its own results (compiled code): they are checked against what
-        the program declares, each call, and become the values of its outputs."""
+        """A delegate that makes its own results (compiled code): each is checked against what the
+        program declares, every call, and becomes the value of its output. A result laid out
+        otherwise is copied to the declared layout; one sharing memory with the delegate's
+        inputs or constants is copied too (compiled code may return a view of either, and the
+        plan may reuse an input's bytes, or the caller write into what it is given)."""
         if not getattr(handle, "returns_outputs", False):
             raise ProgramError(f"delegate {ins.delegate}: the program expects it to return its outputs, but its "
                                "backend writes into memory it is given")
         slots, args, outs = self.slots, list(ins.args), list(ins.outputs)
-        want = [(v.shape, v.torch_dtype, v.device.to_torch()) for v in map(self.m.tensor, outs)]
+        declared = [self.m.tensor(o) for o in outs]
+        want = [(v.shape, v.torch_dtype, v.device.to_torch()) for v in declared]
+        strides = [tuple(v.strides) if v.strides else contiguous_strides(v.shape) for v in declared]
+        kept: set[int] = getattr(handle, "storages", set)()  # the delegate's constants
 
         def run():
-            results = handle.execute([slots[a] for a in args], None)
-            if len(results) != len(want) or any((tuple(r.shape), r.dtype, r.device) != w for r, w in zip(results, want)):
-                got = [(tuple(r.shape), r.dtype, r.device) for r in results]
+            inputs = [slots[a] for a in args]
+            results = handle.execute(inputs, None)
+            if len(results) != len(want) or any(not isinstance(r, torch.Tensor) or (tuple(r.shape), r.dtype, r.device) != w
+                                                for r, w in zip(results, want)):
+                got = [(tuple(r.shape), r.dtype, r.device) if isinstance(r, torch.Tensor) else type(r).__name__
+                       for r in results]
                 raise BackendError(f"delegate {ins.delegate} returned {got}; the program declares {want}")
-            for o, r in zip(outs, results):
+            shared = kept | {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+            for o, r, st in zip(outs, results, strides):
+                if r.untyped_storage().data_ptr() in shared or not same_strides(r.shape, r.stride(), st):
+                    r = torch.empty_strided(r.shape, st, dtype=r.dtype, device=r.device).copy_(r)
                 slots[o] = r
 
         return run
