@@ -109,7 +109,7 @@ def test_an_in_place_write_to_the_callers_input_is_refused():
     m = p.method("forward")
     values = list(m.values)
     values[1] = TensorValue("float32", (16,), storage="input", name="x")
-    bad = KernelCall("aten::mul.out", (1, 0, 1), (1,))  # out= the caller's tensor
+    bad = KernelCall("aten::mul.out", (0, 0, 1), (1,))  # out= the caller's tensor
     m2 = dataclasses.replace(m, values=values, instructions=[bad, *m.instructions])
     with pytest.raises(ProgramError, match="input memory"):
         validate_program(dataclasses.replace(p, methods={"forward": m2}))
