@@ -394,7 +394,10 @@ def main():
     p.add_argument("--isolate", type=float, default=0, metavar="SECONDS",
                    help="each model and batch in its own process, stopped after SECONDS: a CUDA fault or a "
                         "slow first compile then costs that model's rows only")
+    p.add_argument("--smoke", action="store_true", help="the attention block at batch 1, few calls")
     args = p.parse_args()
+    if args.smoke:
+        args.models, args.batches, args.repeat = "block", "1", 6
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device(args.device)

@@ -23,9 +23,11 @@ run() {
   fi
 }
 
-for script in copy_throughput cuda_graphs cpu_fallback inductor_fallback device_memory models dynamic pipeline distributed; do
+for script in copy_throughput cuda_graphs cpu_fallback inductor_fallback device_memory dynamic pipeline distributed; do
   run "bench/$script.py" "$@"
 done
+# every model and batch in a process of its own: a CUDA fault or a cold compile costs its rows only
+run bench/models.py --isolate 300 --runners eager,compile,compile-ro,ferry,ferry-graphs,ferry-inductor,ferry-inductor-graphs "$@"
 run bench/cpu_overhead.py
 
 echo
