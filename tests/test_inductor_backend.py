@@ -136,6 +136,23 @@ def test_a_delegate_returning_what_the_program_does_not_declare_is_an_error_and_
     matches_eager(module, block)
 
 
+def test_a_result_laid_out_otherwise_than_declared_is_copied_to_the_declared_layout(inductor_program, block,
+                                                                                       monkeypatch):
+    """Compiled code on another device may lay a result out its own way; what reads it next
+    (a copy to another device, a view, the caller) gets the declared layout."""
+    from ferry.backends import inductor
+
+    execute = inductor._Compiled.execute
+    monkeypatch.setattr(inductor._Compiled, "execute", lambda self, i, o: [
+        r.transpose(0, 1).contiguous().transpose(0, 1) for r in execute(self, i, o)])  # same values, permuted
+    module = ferry.Module(inductor_program)
+    x = torch.randn(SHAPE)
+    got = module(x)
+    assert got.is_contiguous()  # the block's output is declared contiguous
+    with torch.no_grad():
+        torch.testing.assert_close(got, block(x), rtol=1e-4, atol=1e-5)
+
+
 class ReturnsViews(torch.nn.Module):
     """An inductor delegate whose results are views of its input and of its weight."""
 
