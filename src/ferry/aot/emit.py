@@ -41,6 +41,7 @@ from ferry.program.schema import (
     MutableBuffer,
     TensorValue,
     dtype_name,
+    memory_owner,
 )
 from ferry.runtime.kernels import overwrites_safely
 
@@ -309,7 +310,7 @@ class _MethodEmitter:
                 "ferry runs ATen ops, et_copy ops and delegates"
             )
         if is_view(op):
-            base = self._root(self.arg_value(node.args[0], None, node.name))
+            base = memory_owner(self.values, self.arg_value(node.args[0], None, node.name))
             many = isinstance(val, (tuple, list))
             outs = tuple(self.tensor_value(node, v, self.device_of(node), alias_of=base) for v in (val if many else [val]))
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
@@ -353,10 +354,6 @@ class _MethodEmitter:
         else:
             raise CompileError(f"method {self.name!r}: size {node.name!r} is computed by {op!r}, which ferry cannot run")
         self.env[node] = out
-
-    def _root(self, vid: int) -> int:
-        v = self.values[vid]
-        return v.alias_of if isinstance(v, TensorValue) and v.alias_of is not None else vid
 
     def _emit_delegate(self, node) -> None:
         lowered = cast(LoweredBackendModule, self.env[node.args[0]])  # a get_attr of the module (place.py checks)
@@ -459,7 +456,7 @@ class _MethodEmitter:
             if len(ins.outputs) != 1 or not self._planned(ins.outputs[0]):
                 continue
             o = ins.outputs[0]
-            roots = [self._root(t) for a in ins.args for t in tensor_ids(method, a)]
+            roots = [memory_owner(self.values, t) for a in ins.args for t in tensor_ids(method, a)]
             for p, a in enumerate(ins.args):
                 r = whole_root(method, a, views) if a not in (DEFAULT_ARG, o) else None  # a itself, or a view of all of r
                 if (r is None or r in keep or not self._planned(r) or life.get(r, (0, -1))[1] != k

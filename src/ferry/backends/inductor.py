@@ -9,13 +9,14 @@ a torch.fx graph, with its constants uploaded to the delegate's device, run once
 inputs of its declared shapes (ATen checks the bounds of every view; compiled code would not),
 and compiled by Inductor for that device (Triton kernels on CUDA, C++ on the CPU). Inductor's
 on-disk cache makes a later load of the same graph fast. Inductor allocates its results, and
-they become the delegate's outputs (storage `runtime`: the method plans no memory for them and
-copies nothing; each is checked against its declared shape, dtype and device every call); an
-input laid out otherwise than compiled for is copied to that layout first.
+they become the delegate's outputs (storage `runtime`: the method plans no memory for them;
+each is checked against its declared shape, dtype and device every call, and copied only when it
+shares memory with the delegate's inputs or constants or is laid out otherwise than declared:
+runtime/bind.py). An input laid out otherwise than compiled for is copied to that layout first.
 
 Static shapes only: a partition with a dynamic size runs op by op (backend "torch"), with a
-warning at compile time and a note `ferry inspect` shows. A graph Inductor fails to compile still loads: it runs op by op, with a
-warning. Ahead-of-time AOTInductor packages are not offered: loading one crashed the
+warning at compile time and a note `ferry inspect` shows. A graph Inductor fails to compile
+still loads: it runs op by op, with a warning. Ahead-of-time AOTInductor packages are not offered: loading one crashed the
 process (SIGSEGV) on the H200 machines this was tested on, and native code would need an
 explicit opt-in to load.
 """
@@ -34,7 +35,6 @@ from ferry.aot.place import delegate_target_device
 from ferry.backends.torch import payload_load_bytes
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
-from ferry.layout import contiguous_strides
 from ferry.op_names import resolve_kernel
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
@@ -110,7 +110,7 @@ class _Compiled:
     def __init__(self, fn, memory: Memory, method: Method):
         self.fn, self.memory = fn, memory
         self.devices = [method.tensor(v).device.to_torch() for v in method.inputs]
-        self.strides = [_layout(method.tensor(v)) for v in method.inputs]
+        self.strides = [method.tensor(v).layout_strides for v in method.inputs]
 
     def execute(self, inputs, outputs):
         """The results, as a list (`outputs` None), or copied into `outputs` (a program compiled
@@ -140,15 +140,10 @@ def _example(v) -> torch.Tensor:
     records them): what Inductor compiles for."""
     if not isinstance(v, TensorValue):
         raise ProgramError("an inductor delegate takes tensors only")
-    t = torch.empty_strided(v.shape, _layout(v), dtype=v.torch_dtype, device=v.device.to_torch())
+    t = torch.empty_strided(v.shape, v.layout_strides, dtype=v.torch_dtype, device=v.device.to_torch())
     if v.torch_dtype.is_floating_point or v.torch_dtype.is_complex:
         return t.normal_()
     return t.zero_()  # indices: in range
-
-
-def _layout(v: TensorValue) -> tuple[int, ...]:
-    """The strides an input is compiled for: eager's, where the program records them."""
-    return tuple(v.strides) or contiguous_strides(v.shape)
 
 
 def _as_compiled(t: torch.Tensor, strides) -> torch.Tensor:

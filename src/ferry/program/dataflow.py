@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from ferry.errors import ProgramError
 from ferry.layout import contiguous_strides
+from ferry.program import schema as S
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
-from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, KernelCall, Method, TensorValue, root_storage
+from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, KernelCall, Method, TensorValue
 
 __all__ = ["check_dataflow"]
 
@@ -96,7 +97,7 @@ def _check_writes(m: Method, ins, label: str) -> None:
         v = m.values[o]
         if not isinstance(v, TensorValue):
             continue
-        if o in ins.args and (behind := root_storage(m.values, o)) in ("constant", "input"):
+        if o in ins.args and (behind := S.root_storage(m.values, o)) in ("constant", "input"):
             raise ProgramError(f"{label} ({ins.kernel}): value {o} is {behind} memory (the program "
                                "file's or the caller's): a kernel may not write it")
         if v.storage in _WRITTEN_IN_PLACE and o not in ins.args:
@@ -116,24 +117,18 @@ def _check_aliasing(m: Method, ins: KernelCall, label: str) -> None:
     from ferry.aot.out_variants import is_view  # torch operators: imported when needed
 
     if is_view(op) and ins.args and ins.args[0] != DEFAULT_ARG:
-        base = _owner(m, ins.args[0])
+        base = S.memory_owner(m.values, ins.args[0])
         for o in ins.outputs:
             v = m.values[o]
             if isinstance(v, TensorValue) and (v.storage != "view" or v.alias_of != base):
                 raise ProgramError(f"{label} ({ins.kernel}): value {o} is a view of value {base}, but the program "
                                    f"says {v.storage!r}" + (f" of value {v.alias_of}" if v.alias_of is not None else ""))
     schema = op._schema.arguments
-    written = {_owner(m, a) for a, s in zip(ins.args, schema) if s.is_out and a != DEFAULT_ARG}
-    read = {_owner(m, t) for a, s in zip(ins.args, schema) if not s.is_out for t in tensor_ids(m, a)}
+    written = {S.memory_owner(m.values, a) for a, s in zip(ins.args, schema) if s.is_out and a != DEFAULT_ARG}
+    read = {S.memory_owner(m.values, t) for a, s in zip(ins.args, schema) if not s.is_out for t in tensor_ids(m, a)}
     if written & read:
         raise ProgramError(f"{label} ({ins.kernel}): it reads value {min(written & read)} in an argument and "
                            "writes it through an out argument")
-
-
-def _owner(m: Method, vid: int) -> int:
-    """The value that owns `vid`'s memory (validate.py: a view names it)."""
-    v = m.values[vid]
-    return v.alias_of if isinstance(v, TensorValue) and v.alias_of is not None else vid
 
 
 def _operator(kernel: str):
@@ -180,7 +175,7 @@ def written_over(m: Method, life: dict, a: int, c: int, views: dict | None = Non
     if not isinstance(ins, KernelCall) or ins.outputs != (second,):
         return False
     reads = [(p, t) for p, arg in enumerate(ins.args) for t in tensor_ids(m, arg)]
-    at = [p for p, t in reads if _owner(m, t) == first]
+    at = [p for p, t in reads if S.memory_owner(m.values, t) == first]
     views = whole_views(m) if views is None else views
     if len(at) != 1 or whole_root(m, ins.args[at[0]], views) != first or layout(m, ins.args[at[0]]) != layout(m, second):
         return False  # read once (a view of it in another argument would overlap partly)
@@ -214,7 +209,7 @@ def whole_root(m: Method, vid: int, views: dict[int, KernelCall]) -> int | None:
 def layout(m: Method, vid: int) -> tuple:
     """(dtype, shape, strides) of a tensor value, strides spelled out."""
     v = m.tensor(vid)
-    return v.dtype, v.shape, tuple(v.strides) if v.strides else contiguous_strides(v.shape)
+    return v.dtype, v.shape, v.layout_strides
 
 
 def _overlap(x, y) -> bool:

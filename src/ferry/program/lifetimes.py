@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import cast
 
-from ferry.program.schema import DEFAULT_ARG, ConstValue, Method, TensorValue
+from ferry.program.schema import DEFAULT_ARG, ConstValue, Method, TensorValue, memory_owner
 
 
 def tensor_ids(method: Method, vid: int) -> list[int]:
@@ -50,13 +50,9 @@ def value_lifetimes(method: Method) -> dict[int, tuple[int, int]]:
     start: dict[int, int] = {}
     end: dict[int, int] = {}
 
-    def root(vid: int) -> int:
-        v = method.tensor(vid)
-        return v.alias_of if v.alias_of is not None else vid
-
     def touch(vid: int, i: int) -> None:
         for t in tensor_ids(method, vid):
-            r = root(t)
+            r = memory_owner(method.values, t)
             end[r] = max(end.get(r, i), i)
 
     for i, ins in enumerate(method.instructions):

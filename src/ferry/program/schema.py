@@ -17,6 +17,7 @@ import torch
 from ferry.alignment import default_alignment
 from ferry.device import CPU, Device
 from ferry.errors import ProgramError
+from ferry.layout import contiguous_strides
 
 # ---------------------------------------------------------------- dtypes
 
@@ -116,6 +117,17 @@ class TensorValue:
     @property
     def nbytes(self) -> int:
         return self.numel * element_size(self.dtype)
+
+    @property
+    def layout_strides(self) -> tuple[int, ...]:
+        """`strides`, spelled out when the value is contiguous (recorded as ())."""
+        return tuple(self.strides) or contiguous_strides(self.shape)
+
+
+def memory_owner(values: list[Value], vid: int) -> int:
+    """The value that owns `vid`'s memory: a view's base (validate.py: a view names it), else itself."""
+    v = values[vid]
+    return v.alias_of if isinstance(v, TensorValue) and v.alias_of is not None else vid
 
 
 def root_storage(values: list[Value], vid: int) -> str:

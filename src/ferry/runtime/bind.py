@@ -22,7 +22,7 @@ import torch
 
 from ferry.device import Device
 from ferry.errors import BackendError, InputError, ProgramError
-from ferry.layout import contiguous_strides, same_strides
+from ferry.layout import same_strides
 from ferry.op_names import resolve_kernel
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.ranks import RECV, SEND
@@ -388,10 +388,10 @@ class _Binder:
         handle = self.delegate(ins.delegate, [slots[s] for s in ins.scratch])
         args, outs = list(ins.args), list(ins.outputs)
         run = None
-        if all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs) and hasattr(handle, "bind_static"):
-            run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs])  # planned I/O, bound once
         if outs and self.m.tensor(outs[0]).storage == "runtime":  # dataflow.py: then all of them are
             run = self._returned_outputs(ins, handle)
+        elif all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs) and hasattr(handle, "bind_static"):
+            run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs])  # planned I/O, bound once
         if run is None:
             def run():
                 handle.execute([slots[a] for a in args], [slots[o] for o in outs])
@@ -409,7 +409,7 @@ class _Binder:
         slots, args, outs = self.slots, list(ins.args), list(ins.outputs)
         declared = [self.m.tensor(o) for o in outs]
         want = [(v.shape, v.torch_dtype, v.device.to_torch()) for v in declared]
-        strides = [tuple(v.strides) if v.strides else contiguous_strides(v.shape) for v in declared]
+        strides = [v.layout_strides for v in declared]
         kept: set[int] = getattr(handle, "storages", set)()  # the delegate's constants
 
         def run():
