@@ -132,9 +132,7 @@ def memory_owner(values: list[Value], vid: int) -> int:
 
 def root_storage(values: list[Value], vid: int) -> str:
     """The storage behind a value: a view's is its base's."""
-    v = values[vid]
-    while isinstance(v, TensorValue) and v.storage == "view" and v.alias_of is not None:
-        v = values[v.alias_of]
+    v = values[memory_owner(values, vid)]
     return v.storage if isinstance(v, TensorValue) else "constant"
 
 
