@@ -72,23 +72,28 @@ def _no_nested_delegates(index, memory=()):
 
 
 class _Handle:
+    # execute() given None for an output makes it itself, as late as the delegate's plan allows
+    makes_missing_outputs = True
+
     def __init__(self, method):
         self.method = method
         self._host_io = None
         devs = [v.device for v in method.method.values if hasattr(v, "device") and not v.device.is_cpu]
         self.device = devs[0] if devs else CPU
 
-    def execute(self, inputs, outputs) -> None:
+    def execute(self, inputs, outputs) -> list:
+        """Run into `outputs` (None: made here and returned); returns the outputs."""
         if self._host_io is None:
             self._host_io = self._needs_host_io(inputs)
         if not self._host_io:
-            self.method.execute(inputs, bind_outputs=outputs)
-            return
+            return self.method.execute(inputs, bind_outputs=outputs)
         # legacy mode (no device placement): this delegate moves its own inputs and outputs
         dev = self.device.to_torch()
         results = self.method.execute([t.to(dev) for t in inputs])
         for out, r in zip(outputs, results):
-            out.copy_(r)
+            if out is not None:
+                out.copy_(r)
+        return [r if out is None else out for out, r in zip(outputs, results)]
 
     def bind_static(self, inputs, outputs):
         """The caller passes the same planned tensors (and sizes) every call: bind them once and

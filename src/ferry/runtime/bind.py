@@ -58,6 +58,8 @@ class Step:
     check:         run after the first call: the kernel kept its planned output shapes
     reads:         values of this call (not fixed at load) it reads or writes into
     writes:        values of this call it produces (a functional kernel's results, views of them)
+    makes:         fresh outputs (made for the caller each call) the step allocates itself: a
+                   delegate that makes them as late as its own plan allows
 
     A graph may capture a run of steps when every value of the call they read is produced
     earlier in that run: every address they touch is then fixed at load or by the capture.
@@ -74,6 +76,7 @@ class Step:
     reads: frozenset[int] = frozenset()
     writes: frozenset[int] = frozenset()
     release: tuple[int, ...] = ()  # values of the call no later step reads: dropped right after
+    makes: frozenset[int] = frozenset()  # outputs made for the caller that this step allocates itself
 
     @property
     def label(self) -> str:
@@ -392,10 +395,31 @@ class _Binder:
             run = self._returned_outputs(ins, handle)
         elif all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs) and hasattr(handle, "bind_static"):
             run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs])  # planned I/O, bound once
+        made = [i for i, o in enumerate(outs) if self.m.tensor(o).storage == "output" and not self.fixed[o]]
+        if run is None and made and getattr(handle, "makes_missing_outputs", False):
+            run = self._made_outputs(handle, args, outs, made)
+            step = self.step(index, "delegate", f"delegate {ins.delegate}", ins, run)
+            # never in a graph: a replay would hand every call the memory of the captured one
+            return dataclasses.replace(step, makes=frozenset(outs[i] for i in made), capturable=False)
         if run is None:
             def run():
                 handle.execute([slots[a] for a in args], [slots[o] for o in outs])
         return self.step(index, "delegate", f"delegate {ins.delegate}", ins, run)
+
+    def _made_outputs(self, handle, args: list[int], outs: list[int], made: list[int]) -> Callable[[], None]:
+        """A delegate whose outputs are the caller's fresh tensors makes them itself: as late as its
+        own plan allows, as eager allocates a result when its kernel runs (a language model's
+        logits are then not held through the whole call). One already bound (a micro-batch's rows
+        of the joined result) is written into as before."""
+        slots = self.slots
+
+        def run():
+            results = handle.execute([slots[a] for a in args], [slots[o] for o in outs])
+            for i in made:
+                if slots[outs[i]] is None:
+                    slots[outs[i]] = results[i]
+
+        return run
 
     def _returned_outputs(self, ins: DelegateCall, handle) -> Callable[[], None]:
         """A delegate that makes its own results (compiled code): each is checked against what the

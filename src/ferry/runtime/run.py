@@ -81,6 +81,7 @@ class Plan:
         self.work_in_flight = tuple(self._compile(parts.without_final_wait(), first_call=False))
         self.notes = sched.notes
         self.checked = False
+        self._allocate_unwritten = self._allocate(bound.io.fresh_outputs)  # an output no step writes (empty)
         # a functional kernel's result is fresh each call, so the caller may keep it; not one a
         # graph replays into (the same memory every call)
         replayed = frozenset().union(*(w.writes for w in sched.segments() if w.capture))
@@ -114,6 +115,9 @@ class Plan:
 
     def _step_calls(self, step: Step, first_call: bool) -> list[Callable[[], object]]:
         calls = [self._launch(step) if not first_call else _labelled(self._launch(step), self.name, step)]
+        fresh = [(vid, v) for vid, v in self.io.fresh_outputs if vid in step.reads | step.writes and vid not in step.makes]
+        if fresh:  # made when first written, as eager allocates a result: not held through the whole call
+            calls.insert(0, self._allocate(fresh))
         if first_call and step.check is not None:
             calls.append(step.check)
         if step.release:
@@ -167,6 +171,7 @@ class Plan:
                 self._key = tuple((pad_to, *t.shape[1:]) if pad_to else tuple(t.shape) for t in inputs)
             for call in self._work(part, finish):
                 call()
+            self._allocate_unwritten()
             self.checked = True
             if finish:
                 self.finish()
@@ -223,7 +228,7 @@ class Plan:
         waits (a copy in flight may still be writing what it views)."""
         waited = False
         for t, r in zip(targets, results):
-            if r is t:
+            if t is None or r is t:
                 continue
             if self.streams is not None and not device_of(r).is_cpu:
                 self._device_copy(t, r)
@@ -237,14 +242,24 @@ class Plan:
         self.streams.api.on_device(device_of(dst).index, lambda: dst.copy_(src))()
 
     def _fresh_outputs(self, bind_outputs) -> None:
+        """Bind the outputs the caller gives (a delegate's, a micro-batch's rows); the other fresh
+        outputs are made by `_allocate` before the first step that writes them."""
         slots = self.bound.slots
         if bind_outputs is not None:
             for vid, t in zip(self.outputs, bind_outputs):
-                if not self.bound.fixed[vid] and slots[vid] is None:
+                if t is not None and not self.bound.fixed[vid] and slots[vid] is None:
                     slots[vid] = t
-        for vid, v in self.io.fresh_outputs:  # at the call's shape when the plan is bound per shape
-            if slots[vid] is None:
-                slots[vid] = empty_on(v.device, v.shape, v.torch_dtype, v.strides)
+
+    def _allocate(self, fresh) -> Callable[[], None]:
+        """Make fresh outputs (at the call's shape when the plan is bound per shape) not yet bound."""
+        slots = self.bound.slots
+
+        def allocate():
+            for vid, v in fresh:
+                if slots[vid] is None:
+                    slots[vid] = empty_on(v.device, v.shape, v.torch_dtype, v.strides)
+
+        return allocate
 
     def run_bound(self, copy_back: list[tuple[torch.Tensor, int]]) -> None:
         """Run with the tensors bound into the plan; `copy_back`: (caller tensor, value id) of
@@ -275,7 +290,7 @@ def _labelled(call: Callable[[], object], method: str, step: Step) -> Callable[[
 
 def _copy_into(targets, results) -> None:
     for t, r in zip(targets, results):
-        if r is not t:
+        if t is not None and r is not t:
             if t.shape != r.shape:
                 t.resize_(r.shape)
             t.copy_(r)

@@ -1,0 +1,87 @@
+"""Outputs made for the caller each call are allocated when first written, as eager allocates a
+result when its kernel runs: not at the start of the call, where a large one (a language
+model's logits) would be held through everything before it. Inside a delegate too: the
+delegate makes its fresh outputs itself, as late as its own plan allows."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ferry
+from ferry.runtime import run as run_module
+from models import fresh_inputs
+
+
+class Head(nn.Module):
+    """A body whose steps all run before the (large) output is produced by the last op."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.GELU())
+        self.head = nn.Linear(16, 256)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _events(monkeypatch) -> list[tuple[str, str]]:
+    """('alloc', shape) for each fresh output made, ('step', kernel) after each step ran."""
+    events: list[tuple[str, str]] = []
+    real_empty, real_calls = run_module.empty_on, run_module.Plan._step_calls
+
+    def empty_on(device, shape, dtype, strides=()):
+        events.append(("alloc", str(tuple(shape))))
+        return real_empty(device, shape, dtype, strides)
+
+    def step_calls(self, step, first_call):
+        return [*real_calls(self, step, first_call), lambda: events.append(("step", step.name))]
+
+    monkeypatch.setattr(run_module, "empty_on", empty_on)
+    monkeypatch.setattr(run_module.Plan, "_step_calls", step_calls)
+    return events
+
+
+def _calls_of(events, tail: list[str]) -> list[list[tuple[str, str]]]:
+    """The events split into calls, each checked to be: the body's steps, the output's
+    allocation, the one step that writes it, then `tail` (the delegate step ending, outside)."""
+    first = events.index(("alloc", "(4, 256)"))
+    per_call = first + 2 + len(tail)
+    calls = [events[k:k + per_call] for k in range(0, len(events), per_call)]
+    for call in calls:
+        assert [e[0] for e in call] == ["step"] * first + ["alloc", "step"] + ["step"] * len(tail), call
+        assert [e[1] for e in call[first + 2:]] == tail and call[first + 1][1].startswith("aten::")
+    return calls
+
+
+def _run_three_calls(program, model, example) -> None:
+    """Three calls on fresh inputs; each output, kept by the caller, still equals eager's after
+    the later calls (it is the caller's own tensor, not memory the next call writes)."""
+    module = ferry.Module(program)
+    kept = []
+    for seed in range(3):
+        inputs = fresh_inputs(example, seed)
+        kept.append((module(*inputs), model(*inputs)))
+    for got, want in kept:
+        torch.testing.assert_close(got.cpu(), want)
+
+
+def test_an_output_is_allocated_by_the_step_that_writes_it(monkeypatch):
+    torch.manual_seed(0)
+    model, example = Head().eval(), (torch.randn(4, 16),)
+    program = ferry.compile(torch.export.export(model, example), config=ferry.CompileConfig(alloc_graph_output=False))
+    events = _events(monkeypatch)
+    _run_three_calls(program, model, example)
+    calls = _calls_of(events, tail=[])
+    assert len(calls) == 3 and sum(e[0] == "step" for e in calls[0]) >= 5
+
+
+def test_a_delegate_makes_the_callers_output_when_it_writes_it(monkeypatch, emu):
+    torch.manual_seed(0)
+    model, example = Head().eval(), (torch.randn(4, 16),)
+    skip = ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=False, skip_d2h_for_method_outputs=True)
+    program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0"),
+                            ferry.CompileConfig(propagate_device=skip))
+    events = _events(monkeypatch)
+    _run_three_calls(program, model, example)
+    assert len(_calls_of(events, tail=["delegate 0"])) == 3
