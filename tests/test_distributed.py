@@ -474,3 +474,20 @@ def test_closing_keeps_what_a_failed_abort_left_and_frees_memory_first_otherwise
     broken.close()
     assert order == ["groups clean=False"] and fd._ABANDONED[before][0] is broken.module
     fd._ABANDONED.pop()
+
+
+def test_an_output_received_from_another_rank_is_made_for_the_caller(tmp_path, emu):
+    """The last stage runs on rank 1's CPU: rank 0 receives the result straight into the output
+    it hands the caller, which is allocated before the receive writes it and is the caller's
+    own each call (found by review: the receive did not declare what it writes)."""
+    ep = torch.export.export(Stages().eval(), (torch.randn(4, 16),))
+    program = ferry.compile(ep, ferry.DeviceMapPartitioner({"a": "emu:0", "b": "rank1:cpu"}),
+                            ferry.CompileConfig(alloc_graph_output=False))
+    (out,) = program.method("forward").outputs
+    assert program.method("forward").values[out].storage == "output"
+    calls = _calls(3, seed=2)
+    zero, one = run_ranks(tmp_path, program, calls)
+    assert "error" not in zero and "error" not in one, (zero, one)
+    model = Stages().eval()
+    for (x,), got in zip(calls, zero["outputs"]):
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)

@@ -5,6 +5,8 @@ delegate makes its fresh outputs itself, as late as its own plan allows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -85,3 +87,61 @@ def test_a_delegate_makes_the_callers_output_when_it_writes_it(monkeypatch, emu)
     events = _events(monkeypatch)
     _run_three_calls(program, model, example)
     assert len(_calls_of(events, tail=["delegate 0"])) == 3
+
+
+class ViewOut(nn.Module):
+    """A delegate whose outputs are views: of its own result (`t`, `expand`), and of its input
+    (which the plan copied into the device's memory), next to a `repeat` (a new tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.t(), y.expand(2, *y.shape), x[:, :4], y.repeat(2, 1)
+
+
+def test_a_delegate_returning_views_hands_the_caller_its_own_tensors(emu):
+    """Only an output the delegate's plan makes fresh is made by the delegate; a view of its
+    result or of its input is written into a tensor made for the caller (found by review: it
+    was handed over uncopied, and the next call overwrote what the caller kept)."""
+    torch.manual_seed(0)
+    model, example = ViewOut().eval(), (torch.randn(4, 16),)
+    skip = ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=False, skip_d2h_for_method_outputs=True)
+    program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0"),
+                            ferry.CompileConfig(propagate_device=skip, alloc_graph_output=False))
+    module = ferry.Module(program)
+    kept = []
+    for seed in range(3):
+        inputs = fresh_inputs(example, seed)
+        kept.append((module(*inputs), model(*inputs)))
+    for got, want in kept:
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w)
+    ptrs = [g.data_ptr() for got, _ in kept for g in got]
+    assert len(set(ptrs)) == len(ptrs)  # every output of every call is memory of its own
+
+
+def test_only_the_delegates_fresh_outputs_on_the_declared_device_are_made_by_it(emu):
+    """A delegate makes an output only as the outer program declares it: on its device (the
+    legacy mode, unplaced, declares host outputs of a device delegate) and only one its own
+    plan makes fresh (not a view, not a functional kernel's result a graph may replay)."""
+    torch.manual_seed(0)
+    example = (torch.randn(4, 16),)
+    skip = ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=False, skip_d2h_for_method_outputs=True)
+    for model, fresh in ((Head().eval(), [[True]]), (ViewOut().eval(), [[False, False, False], [False]])):
+        program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0"),
+                                ferry.CompileConfig(propagate_device=skip, alloc_graph_output=False))
+        method, module = program.method("forward"), ferry.Module(program)
+        calls = [ins for ins in method.instructions if not hasattr(ins, "kernel")]
+        assert len(calls) == len(fresh)
+        for ins, want in zip(calls, fresh):
+            handle = module._init_delegate(ins.delegate, [])
+            declared = [method.values[v] for v in ins.outputs]
+            assert all(v.storage == "output" and str(v.device) == "emu:0" for v in declared)
+            assert [handle.makes_output(i, v) for i, v in enumerate(declared)] == want
+            on_host = [dataclasses.replace(v, device=ferry.Device.parse("cpu")) for v in declared]
+            assert not any(handle.makes_output(i, v) for i, v in enumerate(on_host))
+            handle.close()

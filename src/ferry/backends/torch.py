@@ -72,9 +72,6 @@ def _no_nested_delegates(index, memory=()):
 
 
 class _Handle:
-    # execute() given None for an output makes it itself, as late as the delegate's plan allows
-    makes_missing_outputs = True
-
     def __init__(self, method):
         self.method = method
         self._host_io = None
@@ -94,6 +91,18 @@ class _Handle:
             if out is not None:
                 out.copy_(r)
         return [r if out is None else out for out, r in zip(outputs, results)]
+
+    def makes_output(self, position: int, declared: TensorValue) -> bool:
+        """Whether `execute` given None for output `position` makes a tensor the caller may keep,
+        as the outer program declares it: one this delegate's plan allocates fresh each call,
+        on that device, of that dtype and layout (not a view of an input or of its constants,
+        and not one the legacy mode hands back on the delegate's device)."""
+        m = self.method.method
+        vid = m.outputs[position]
+        v = m.values[vid]
+        return (isinstance(v, TensorValue) and v.storage == "output" and v.device == declared.device
+                and v.dtype == declared.dtype and v.layout_strides == declared.layout_strides
+                and self._host_io is not True)
 
     def bind_static(self, inputs, outputs):
         """The caller passes the same planned tensors (and sizes) every call: bind them once and

@@ -352,6 +352,11 @@ class _Binder:
     def dynamic(self, v: TensorValue) -> bool:
         return any(v.dynamic) and self.shapes is None
 
+    def _fresh(self, vid: int) -> bool:
+        """A tensor made for the caller each call (an output it keeps)."""
+        v = self.m.values[vid]
+        return isinstance(v, TensorValue) and v.storage == "output" and not self.fixed[vid]
+
     def ref(self, vid: int):
         return _ref(self.slots, self.fixed, self.m, vid)
 
@@ -377,7 +382,8 @@ class _Binder:
         reads = frozenset(a for a in args if not self.fixed[a])  # per call: must come from the same segment
         writes = frozenset(o for o in ins.outputs if not self.fixed[o] and o not in ins.args)
         ids = [a for a in args if self.fixed[a]] + [o for o in ins.outputs if self.fixed[o]]
-        capturable = kind != "size" and all(
+        # a fresh output is made for each call: a replay would hand every call the captured memory
+        capturable = kind != "size" and not any(self._fresh(v) for v in reads | writes) and all(
             self.page_locked(self.slots[i]) for i in ids
             if isinstance(m.values[i], TensorValue) and m.tensor(i).device.is_cpu and m.tensor(i).nbytes)
         return Step(index, kind, name, tuple(sorted(d for d in devs if not d.is_cpu)),
@@ -395,12 +401,12 @@ class _Binder:
             run = self._returned_outputs(ins, handle)
         elif all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs) and hasattr(handle, "bind_static"):
             run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs])  # planned I/O, bound once
-        made = [i for i, o in enumerate(outs) if self.m.tensor(o).storage == "output" and not self.fixed[o]]
-        if run is None and made and getattr(handle, "makes_missing_outputs", False):
+        made = [i for i, o in enumerate(outs) if self._fresh(o) and hasattr(handle, "makes_output")
+                and handle.makes_output(i, self.m.tensor(o))]
+        if run is None and made:
             run = self._made_outputs(handle, args, outs, made)
             step = self.step(index, "delegate", f"delegate {ins.delegate}", ins, run)
-            # never in a graph: a replay would hand every call the memory of the captured one
-            return dataclasses.replace(step, makes=frozenset(outs[i] for i in made), capturable=False)
+            return dataclasses.replace(step, makes=frozenset(outs[i] for i in made))
         if run is None:
             def run():
                 handle.execute([slots[a] for a in args], [slots[o] for o in outs])
@@ -505,7 +511,7 @@ class _Binder:
             call = transport.bind_send(get, const(peer), const(tag), const(cuda), sync)
         else:
             call = transport.bind_recv(get, const(peer), const(tag), const(cuda), const(deferred[0]), sync)
-        reads = frozenset({vid} if ins.kernel == SEND and not self.fixed[vid] else ())
+        reads = frozenset({vid} if not self.fixed[vid] else ())  # a receive writes into it
         device = m.tensor(vid).device
         if const(cuda) is not None and device.type == "cuda" and self.streams is not None:
             # NCCL on GPU memory: a device step in stream order (never captured in a graph)
