@@ -1,6 +1,8 @@
 """Delegates get eager's inference shortcuts (aot/fuse.py): nn.MultiheadAttention as one fused
 op, batch norms folded into convolutions; each checked against eager with fresh inputs."""
 
+import copy
+
 import pytest
 import torch
 
@@ -93,7 +95,8 @@ def test_batch_norm_after_a_convolution_is_folded_and_equals_eager(bias, emu):
                                 torch.nn.Conv2d(8, 8, 3, groups=2), _bn(8)).eval()
     program = compile_on(model, (torch.randn(2, 3, 12, 12),))
     kernels = delegate_kernels(program)
-    assert BN not in kernels and kernels.count("aten::conv2d.default") == 2, kernels
+    assert BN not in kernels and kernels.count("aten::conv2d.default") == 1, kernels
+    assert kernels.count("ferry::conv_relu.default") == 1, kernels  # the first convolution with its ReLU
     assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 12, 12),))
     notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
     assert notes[BN].startswith("2 folded")
@@ -384,3 +387,128 @@ def test_a_linear_whose_bias_is_not_one_row_stays_linear_and_equals_eager(emu):
     program = compile_on(model, (torch.randn(3, 4, 16),))
     assert "aten::addmm.out" not in delegate_kernels(program)
     assert_matches_eager(program, model, lambda: (torch.randn(3, 4, 16),))
+
+
+# ---- a convolution with its bias, residual add and ReLU as one kernel
+
+CONV_RELU, CONV_ADD_RELU = "ferry::conv_relu.default", "ferry::conv_add_relu.default"
+
+
+class Residual(torch.nn.Module):
+    """ResNet's basic block: conv-bn-relu, conv-bn, add the input, relu."""
+
+    def __init__(self, channels=8, inplace=True):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.c2 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.b1, self.b2, self.relu = _bn(channels), _bn(channels), torch.nn.ReLU(inplace=inplace)
+
+    def forward(self, x):
+        out = self.relu(self.b1(self.c1(x)))
+        out = self.b2(self.c2(out))
+        out += x
+        return self.relu(out)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_a_residual_block_runs_as_two_fused_convolutions_and_equals_eager(inplace, emu):
+    torch.manual_seed(0)
+    model = Residual(inplace=inplace).eval()
+    program = compile_on(model, (torch.randn(2, 8, 10, 10),))
+    assert delegate_kernels(program) == [CONV_RELU, CONV_ADD_RELU]
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 8, 10, 10),))
+    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    assert notes["aten::relu.default"].startswith("2 fused")
+    unfused = delegate_kernels(compile_on(model, (torch.randn(2, 8, 10, 10),), fuse=False))
+    assert CONV_RELU not in unfused and CONV_ADD_RELU not in unfused
+
+
+class NotFusable(torch.nn.Module):
+    """Convolutions whose ReLU may not be fused: one read again, a 1-D one, a transposed one, and
+    an add that broadcasts."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.c1d = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.Conv1d(4, 4, 3, padding=1)
+        self.ct = torch.nn.ConvTranspose2d(4, 4, 3, padding=1)
+        self.shift = torch.nn.Parameter(torch.randn(4, 1, 1))
+
+    def forward(self, x):
+        y = self.c(x)
+        a = torch.relu(y) + y  # the convolution's result is read twice
+        b = torch.relu(self.c(x) + self.shift)  # broadcast over the result: not the fused add
+        c = torch.relu(self.c1d(x.flatten(2)[..., :10]))
+        d = torch.relu(self.ct(x))
+        return a, b, c, d
+
+
+def test_a_convolution_read_twice_1d_transposed_or_broadcast_is_not_fused(emu):
+    torch.manual_seed(0)
+    model = NotFusable().eval()
+    program = compile_on(model, (torch.randn(2, 4, 6, 6),))
+    kernels = delegate_kernels(program)
+    assert CONV_RELU not in kernels and CONV_ADD_RELU not in kernels, kernels
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 4, 6, 6),))
+
+
+@pytest.mark.parametrize("groups, stride, dilation", [(1, 1, 1), (2, 2, 1), (4, 1, 2)])
+def test_the_fused_kernels_equal_convolution_add_and_relu(groups, stride, dilation):
+    torch.manual_seed(groups)
+    x, w, b = torch.randn(2, 4, 9, 9), torch.randn(8, 4 // groups, 3, 3), torch.randn(8)
+    conv = torch.nn.functional.conv2d(x, w, b, stride, 1, dilation, groups)
+    z = torch.randn_like(conv)
+    args = ([stride] * 2, [1, 1], [dilation] * 2, groups)
+    torch.testing.assert_close(torch.ops.ferry.conv_relu(x, w, b, *args), torch.relu(conv))
+    torch.testing.assert_close(torch.ops.ferry.conv_add_relu(x, w, z, b, *args), torch.relu(conv + z))
+    torch.testing.assert_close(torch.ops.ferry.conv_relu(x, w, None, *args),
+                               torch.relu(torch.nn.functional.conv2d(x, w, None, stride, 1, dilation, groups)))
+    with torch._subclasses.FakeTensorMode():  # shapes for planning, without running anything
+        fake = torch.ops.ferry.conv_add_relu(torch.empty(2, 4, 9, 9), torch.empty(w.shape), torch.empty(conv.shape),
+                                             torch.empty(8), *args)
+    assert tuple(fake.shape) == tuple(conv.shape)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fused_convolutions_on_cuda_run_cudnn_and_equal_eager(full_fp32):
+    """One cuDNN call per fused convolution (seen by the profiler), results equal to eager's."""
+    torch.manual_seed(0)
+    model = Residual(16).eval()
+    program = compile_on(model, (torch.randn(2, 16, 14, 14),), device="cuda:0")
+    assert delegate_kernels(program) == [CONV_RELU, CONV_ADD_RELU]
+    module = ferry.Module(program)
+    cuda_model = Residual(16).eval()
+    cuda_model.load_state_dict(model.state_dict())
+    cuda_model.cuda()
+    for _ in range(3):
+        x = torch.randn(2, 16, 14, 14)
+        with torch.no_grad():
+            want = cuda_model(x.cuda()).cpu()
+        torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        module(torch.randn(2, 16, 14, 14))
+    names = {e.name for e in prof.events()}
+    assert "aten::cudnn_convolution_relu" in names and "aten::cudnn_convolution_add_relu" in names, sorted(names)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_depthwise_convolution_on_cuda_fuses_only_where_eager_runs_cudnn(full_fp32):
+    """A depthwise convolution, which eager may run with its own kernel rather than cuDNN: the
+    fused op runs cuDNN's fused call exactly when eager would run cuDNN, and equals eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, padding=1, groups=16), _bn(16), torch.nn.ReLU()).eval()
+    program = compile_on(model, (torch.randn(2, 16, 14, 14),), device="cuda:0")
+    assert delegate_kernels(program) == [CONV_RELU]
+    module = ferry.Module(program)
+    cuda_model = copy.deepcopy(model).cuda()
+    x = torch.randn(2, 16, 14, 14)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-5)
+    conv = cuda_model[0]
+    backend = torch._C._select_conv_backend(x.cuda(), conv.weight, conv.bias, [1, 1], [1, 1], [1, 1], False, [0, 0], 16,
+                                            None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        module(x)
+    fused = "aten::cudnn_convolution_relu" in {e.name for e in prof.events()}
+    assert fused == (backend == torch._C._ConvBackend.Cudnn), backend

@@ -1,6 +1,7 @@
 """ferry: device placement, explicit copies and per-device memory planning for torch.export programs."""
 
 from ferry import ops  # noqa: F401  (registers the et_copy ops)
+from ferry import fused_kernels  # noqa: F401  (registers ferry::conv_relu and ferry::conv_add_relu)
 from ferry.device import Device
 from ferry.errors import (
     AllocationError, BackendError, CompileError, ConfigError, DeviceError, FerryError, InputError, InternalError,

@@ -36,6 +36,7 @@ import torch
 import torch.fx
 
 from ferry.aot import meta as M
+from ferry.fused_kernels import CONV_ADD_RELU, CONV_RELU
 
 __all__ = ["Rewrite", "fuse_for_inference", "fusion_notes"]
 
@@ -61,13 +62,14 @@ def _static(shape) -> tuple[int, ...] | None:
 
 
 class Rewrite(NamedTuple):
-    kind: str  # "fold", "attention", "mask dropped", "mask causal" or "gemm"
+    kind: str  # "fold", "conv relu", "attention", "mask dropped", "mask causal" or "gemm"
     where: str  # the node or module call it applied to
 
 
 def fuse_for_inference(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done."""
-    done = _fold_batch_norms(gm) + _fuse_attention(gm) + _simplify_attention_masks(gm) + _linear_as_gemm(gm)
+    done = (_fold_batch_norms(gm) + _fuse_conv_relu(gm) + _fuse_attention(gm) + _simplify_attention_masks(gm)
+            + _linear_as_gemm(gm))
     if done:
         for node in reversed(list(gm.graph.nodes)):  # what only a dropped mask read, then unread constants
             if not node.users and (node.op == "get_attr" or (node.op == "call_function" and not node.is_impure())):
@@ -159,6 +161,87 @@ def _constant(gm, name: str, value: torch.Tensor, like: torch.fx.Node) -> torch.
     if isinstance(val, torch.Tensor):
         node.meta["val"] = val.new_empty(value.shape)
     return node
+
+
+# ---------------------------------------------------------------- convolution, bias, add, ReLU as one kernel
+
+_RELUS = (aten.relu.default, aten.relu_.default)
+_ADDS = (aten.add.Tensor, aten.add_.Tensor)
+
+
+def _fuse_conv_relu(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    """`relu(conv(x))` -> `ferry::conv_relu`, `relu(conv(x) + z)` -> `ferry::conv_add_relu`
+    (fused_kernels.py: one cuDNN call on CUDA). Only a 2-D convolution of static shape that
+    nothing else reads, and a `z` of its result's exact shape and dtype (no broadcast)."""
+    done = []
+    for relu in list(gm.graph.nodes):
+        if relu.op != "call_function" or relu.target not in _RELUS:
+            continue
+        src, z = relu.args[0], None
+        if _single_use(src) and src.target in _ADDS and not src.kwargs and len(src.args) == 2:
+            a, b = src.args
+            conv, z = (a, b) if _fusable_conv(a) and _same_tensor_type(a, b) else (b, a)
+            if not (_fusable_conv(conv) and _same_tensor_type(conv, z)):
+                continue
+        elif _fusable_conv(src):
+            conv = src
+        else:
+            continue
+        x, w, bias, stride, padding, dilation, groups = _conv_args(conv)
+        with gm.graph.inserting_before(relu):
+            fused = (_call(gm, relu, CONV_RELU, (x, w, bias, stride, padding, dilation, groups), relu.meta["val"])
+                     if z is None else
+                     _call(gm, relu, CONV_ADD_RELU, (x, w, z, bias, stride, padding, dilation, groups), relu.meta["val"]))
+        relu.replace_all_uses_with(fused)
+        for dead in (relu, src, conv) if z is not None else (relu, conv):
+            gm.graph.erase_node(dead)
+        done.append(Rewrite("conv relu", f"{conv.name} + {'add + ' if z is not None else ''}{relu.name}"))
+    return done
+
+
+def _single_use(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and len(node.users) == 1
+
+
+def _fusable_conv(node) -> bool:
+    """A 2-D, not transposed convolution of static shape whose one reader is the next op."""
+    if not _single_use(node) or node.target not in (aten.conv2d.default, aten.convolution.default):
+        return False
+    if node.target is aten.convolution.default and (_conv_arg(node, "transposed") or any(_conv_arg(node, "output_padding"))):
+        return False
+    val, x = node.meta.get("val"), node.args[0]
+    xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    return (isinstance(val, torch.Tensor) and isinstance(xv, torch.Tensor) and val.dim() == 4
+            and val.is_floating_point() and _static(val.shape) is not None and _static(xv.shape) is not None)
+
+
+def _same_tensor_type(conv, z) -> bool:
+    cv = conv.meta.get("val")
+    zv = z.meta.get("val") if isinstance(z, torch.fx.Node) else None
+    return (isinstance(zv, torch.Tensor) and tuple(zv.shape) == tuple(cv.shape) and zv.dtype == cv.dtype
+            and zv.stride() == cv.stride())
+
+
+def _conv_args(conv) -> tuple:
+    """(input, weight, bias, stride, padding, dilation, groups) of a conv2d or convolution node,
+    defaults filled in (folding may have given the bias as a keyword)."""
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    return tuple(_pair(_conv_arg(conv, n)) if n in ("stride", "padding", "dilation") else _conv_arg(conv, n)
+                 for n in names)
+
+
+def _conv_arg(conv, name: str):
+    for i, arg in enumerate(conv.target._schema.arguments):
+        if arg.name == name:
+            if i < len(conv.args):
+                return conv.args[i]
+            return conv.kwargs.get(name, arg.default_value)
+    raise KeyError(name)  # pragma: no cover - both schemas have every name asked for
+
+
+def _pair(v) -> list:
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return v * 2 if len(v) == 1 else v
 
 
 # ---------------------------------------------------------------- multi-head attention
@@ -275,8 +358,12 @@ def _same_result(gm, members, region) -> bool:
 def fusion_notes(done: list[Rewrite]) -> dict[str, str]:
     """What `fuse_for_inference` did, as kernel choices of the method (shown by ferry inspect)."""
     count = {kind: sum(r.kind == kind for r in done)
-             for kind in ("fold", "attention", "mask dropped", "mask causal", "gemm")}
+             for kind in ("fold", "conv relu", "attention", "mask dropped", "mask causal", "gemm")}
     notes = {}
+    if count["conv relu"]:
+        notes["aten::relu.default"] = (
+            f"{count['conv relu']} fused with the convolution (and residual add) before it: one cuDNN call on CUDA "
+            "(ferry::conv_relu, ferry::conv_add_relu)")
     if count["gemm"]:
         notes["aten::linear.default"] = (
             f"{count['gemm']} run as eager's one GEMM over a 2-D view (addmm.out / mm.out into planned memory)")
