@@ -52,7 +52,7 @@ def _cudnn_takes(x, weight, bias, stride, padding, dilation, groups) -> bool:
     if x.dim() != 4:
         return False
     backend = torch._C._select_conv_backend(x, weight, bias, stride, padding, dilation, False, [0, 0], groups, None)
-    return backend == torch._C._ConvBackend.Cudnn
+    return backend == torch._C._ConvBackend.Cudnn  # type: ignore[attr-defined]
 
 
 def _conv_relu_cuda(x, weight, bias, stride, padding, dilation, groups):
