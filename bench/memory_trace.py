@@ -122,7 +122,7 @@ def one(name: str, batch: int, device) -> dict:
           f"({ferry_peak / eager_peak:.3f}x; first calls {ferry_first:.1f}), ferry at load {at_load:.1f}")
     for who, tr in (("eager", et), ("ferry", ft)):
         print(table(f"{name} batch {batch}: {who}'s highest steps (MiB)", ["step", "before", "peak", "after"],
-                    [[lbl[:70], round(b, 1), round(p, 1), round(a, 1)] for lbl, b, p, a in tr.top()]))
+                    [[lbl[:70], round(b, 1), round(p, 1), round(a, 1)] for lbl, b, p, a in tr.top(10)]))
     return {"model": name, "batch": batch, "eager_peak_mib": eager_peak, "ferry_peak_mib": ferry_peak,
             "ferry_first_calls_peak_mib": ferry_first, "ferry_at_load_mib": at_load,
             "eager_top": et.top(10), "ferry_top": ft.top(10)}

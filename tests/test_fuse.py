@@ -512,3 +512,89 @@ def test_a_depthwise_convolution_on_cuda_fuses_only_where_eager_runs_cudnn(full_
         module(x)
     fused = "aten::cudnn_convolution_relu" in {e.name for e in prof.events()}
     assert fused == (backend == torch._C._ConvBackend.Cudnn), backend
+
+
+# ---- a convolution whose kernel tiles its input as one GEMM over the patches
+
+PATCH_NOTE = "aten::conv2d.default as patches"
+
+
+class LayerNorm2d(torch.nn.LayerNorm):
+    """ConvNeXt's: normalises channels through a permute, so its result is channels-last."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class Patchify(torch.nn.Module):
+    """ConvNeXt's stem and downsampling, then ViT's patch embedding (no bias) and its tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.norm = torch.nn.Conv2d(3, 8, 4, 4), LayerNorm2d(8)
+        self.down = torch.nn.Conv2d(8, 16, 2, 2)
+        self.embed = torch.nn.Conv2d(16, 32, 2, 2, bias=False)
+
+    def forward(self, x):
+        y = self.down(self.norm(self.stem(x)))
+        z = self.embed(y)
+        return z.reshape(z.shape[0], 32, -1).permute(0, 2, 1), y
+
+
+def test_convolutions_whose_kernel_tiles_the_input_run_as_gemms_and_equal_eager(emu):
+    torch.manual_seed(0)
+    model = Patchify().eval()
+    program = compile_on(model, (torch.randn(2, 3, 32, 32),))
+    kernels = delegate_kernels(program)
+    assert "aten::conv2d.default" not in kernels, kernels
+    assert kernels.count("aten::addmm.out") + kernels.count("aten::mm.out") == 3, kernels
+    # one packing copy per convolution, and one more for the stem, whose eager result is contiguous;
+    # the downsampling's and the embedding's are channels-last (the permute after the norm), a view
+    assert kernels.count("aten::clone.default") == 4, kernels
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 32, 32),))
+    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    assert notes[PATCH_NOTE].startswith("3 convolution(s)")
+
+
+class Overlapping(torch.nn.Module):
+    """Convolutions that stay convolutions: kernels that do not tile the input, and a pointwise one."""
+
+    def __init__(self):
+        super().__init__()
+        self.strided = torch.nn.Conv2d(4, 4, 2, 1)  # stride smaller than the kernel
+        self.padded = torch.nn.Conv2d(4, 4, 2, 2, padding=1)
+        self.dilated = torch.nn.Conv2d(4, 4, 2, 2, dilation=2)
+        self.grouped = torch.nn.Conv2d(4, 4, 2, 2, groups=2)
+        self.ragged = torch.nn.Conv2d(4, 4, 3, 3)  # 8 rows are not whole tiles of 3
+        self.pointwise = torch.nn.Conv2d(4, 4, 1)  # tiles, but cuDNN runs it as a GEMM already
+
+    def forward(self, x):
+        return self.strided(x), self.padded(x), self.dilated(x), self.grouped(x), self.ragged(x), self.pointwise(x)
+
+
+def test_a_convolution_that_does_not_tile_its_input_or_is_pointwise_stays_a_convolution(emu):
+    torch.manual_seed(0)
+    model = Overlapping().eval()
+    program = compile_on(model, (torch.randn(2, 4, 8, 8),))
+    kernels = delegate_kernels(program)
+    assert kernels.count("aten::conv2d.default") == 6 and "aten::addmm.out" not in kernels, kernels
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 4, 8, 8),))
+    unfused = delegate_kernels(compile_on(Patchify().eval(), (torch.randn(2, 3, 32, 32),), fuse=False))
+    assert unfused.count("aten::conv2d.default") == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_patch_convolutions_as_gemms_on_cuda_equal_eager(full_fp32):
+    torch.manual_seed(0)
+    model = Patchify().eval()
+    program = compile_on(model, (torch.randn(2, 3, 64, 64),), device="cuda:0")
+    assert "aten::conv2d.default" not in delegate_kernels(program)
+    module = ferry.Module(program)
+    cuda_model = copy.deepcopy(model).cuda()
+    for _ in range(3):
+        x = torch.randn(2, 3, 64, 64)
+        with torch.no_grad():
+            want = cuda_model(x.cuda())
+        for got, w in zip(module(x), want):
+            torch.testing.assert_close(got, w.cpu(), rtol=1e-4, atol=1e-5)
