@@ -598,3 +598,22 @@ def test_patch_convolutions_as_gemms_on_cuda_equal_eager(full_fp32):
             want = cuda_model(x.cuda())
         for got, w in zip(module(x), want):
             torch.testing.assert_close(got, w.cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_the_fused_kernels_refuse_a_residual_or_bias_that_does_not_fit():
+    """A program file names the fused ops with arguments of its choosing: a residual of another
+    shape is refused (cuDNN would read past it), as is what a convolution refuses."""
+    x, w, b = torch.randn(1, 4, 6, 6), torch.randn(4, 4, 3, 3), torch.randn(4)
+    args = ([1, 1], [1, 1], [1, 1], 1)
+    with pytest.raises(ValueError, match="z has shape"):
+        torch.ops.ferry.conv_add_relu(x, w, torch.randn(1, 4, 3, 3), b, *args)
+    with pytest.raises(ValueError, match="z has shape"):
+        torch.ops.ferry.conv_add_relu(x, w, torch.randn(4, 1, 1), b, *args)  # broadcasting is not the fused add
+    from ferry.fused_kernels import _check_args
+    with pytest.raises(ValueError, match="do not fit"):
+        _check_args(x, w, torch.randn(3), *args)
+    with pytest.raises(ValueError, match="do not fit"):
+        _check_args(x, torch.randn(4, 2, 3, 3), b, *args)
+    with pytest.raises(ValueError, match="do not fit"):
+        _check_args(x, w, b, [1, 1], [1, 1], [1, 1], 3)
+    _check_args(x, w, b, *args)  # what fits passes

@@ -42,15 +42,45 @@ def _conv_relu(x, weight, bias, stride, padding, dilation, groups):
 
 
 def _conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups):
-    return _conv(x, weight, bias, stride, padding, dilation, groups).add_(z).relu_()
+    out = _conv(x, weight, bias, stride, padding, dilation, groups)
+    _check_z(out.shape, z)
+    return out.add_(z).relu_()
+
+
+def _check_z(shape, z) -> None:
+    """`z` has the result's exact shape (a program file may claim anything: cuDNN is never
+    handed a `z` smaller than what it reads)."""
+    if tuple(z.shape) != tuple(shape):
+        raise ValueError(f"conv_add_relu: z has shape {tuple(z.shape)}, the convolution's result {tuple(shape)}")
+
+
+def _result_shape(x, weight, stride, padding, dilation) -> tuple[int, ...]:
+    spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1
+               for size, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
+    return (x.shape[0], weight.shape[0], *spatial)
+
+
+def _check_args(x, weight, bias, stride, padding, dilation, groups) -> None:
+    o = weight.shape[0] if weight.dim() == 4 else -1
+    bad = (weight.dim() != 4 or groups < 1 or o % groups or x.shape[1] != weight.shape[1] * groups
+           or any(len(a) != 2 for a in (stride, padding, dilation)) or min(stride) < 1 or min(dilation) < 1
+           or min(padding) < 0 or (bias is not None and tuple(bias.shape) != (o,))
+           or x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype)
+           or min(_result_shape(x, weight, stride, padding, dilation)) < 1)
+    if bad:
+        raise ValueError(f"convolution arguments do not fit: input {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)}, stride {list(stride)}, "
+                         f"padding {list(padding)}, dilation {list(dilation)}, groups {groups}")
 
 
 def _cudnn_takes(x, weight, bias, stride, padding, dilation, groups) -> bool:
     """cuDNN is what eager's convolution would run here (not the depthwise or the slow
     fallback kernels eager picks for some shapes and dtypes), so the fused call is the same
-    convolution with its epilogue. The fused path has no 1-D or 3-D form."""
+    convolution with its epilogue. The fused path has no 1-D or 3-D form. Arguments a
+    convolution refuses are refused here, before cuDNN sees them (what aten.convolution checks)."""
     if x.dim() != 4:
         return False
+    _check_args(x, weight, bias, stride, padding, dilation, groups)
     backend = torch._C._select_conv_backend(x, weight, bias, stride, padding, dilation, False, [0, 0], groups, None)
     return backend == torch._C._ConvBackend.Cudnn  # type: ignore[attr-defined]
 
@@ -63,6 +93,7 @@ def _conv_relu_cuda(x, weight, bias, stride, padding, dilation, groups):
 
 def _conv_add_relu_cuda(x, weight, z, bias, stride, padding, dilation, groups):
     if z.dtype == x.dtype and _cudnn_takes(x, weight, bias, stride, padding, dilation, groups):
+        _check_z(_result_shape(x, weight, stride, padding, dilation), z)
         return aten.cudnn_convolution_add_relu.default(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
     return _conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups)
 
