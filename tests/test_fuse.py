@@ -516,7 +516,7 @@ def test_a_depthwise_convolution_on_cuda_fuses_only_where_eager_runs_cudnn(full_
 
 # ---- a convolution whose kernel tiles its input as one GEMM over the patches
 
-PATCH_NOTE = "aten::conv2d.default as patches"
+PATCH_NOTE = "convolutions as patch GEMMs"
 
 
 class LayerNorm2d(torch.nn.LayerNorm):
@@ -617,3 +617,70 @@ def test_the_fused_kernels_refuse_a_residual_or_bias_that_does_not_fit():
     with pytest.raises(ValueError, match="do not fit"):
         _check_args(x, w, b, [1, 1], [1, 1], [1, 1], 3)
     _check_args(x, w, b, *args)  # what fits passes
+
+
+def test_a_convolution_added_to_itself_then_relu_compiles_and_equals_eager(emu):
+    """relu(y + y): the add is the convolution's one reader but reads it twice, so it is no
+    residual add (a review found it crashed compilation)."""
+
+    class Doubled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.c(x)
+            return torch.relu(y + y)
+
+    torch.manual_seed(0)
+    model = Doubled().eval()
+    program = compile_on(model, (torch.randn(2, 4, 8, 8),))
+    assert CONV_ADD_RELU not in delegate_kernels(program)
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 4, 8, 8),))
+
+
+def test_a_weight_shared_by_two_patch_convolutions_is_laid_out_once(emu):
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = torch.nn.Conv2d(4, 4, 2, 2)
+
+        def forward(self, x):
+            return self.c(self.c(x))  # one delegate, one weight, two convolutions
+
+    torch.manual_seed(0)
+    model = Twice().eval()
+    program = compile_on(model, (torch.randn(1, 4, 16, 16),))
+    assert len(program.delegates) == 1 and delegate_kernels(program).count("aten::addmm.out") == 2
+    assert_matches_eager(program, model, lambda: (torch.randn(1, 4, 16, 16),))
+    delegate = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward")
+    constants = [v for v in delegate.values if getattr(v, "storage", None) == "constant"]
+    assert len(constants) == 2, [(v.name, v.shape) for v in constants]  # the laid-out weight and the bias
+
+
+def test_programs_may_not_name_the_unchecked_cudnn_fusions():
+    """aten's fused cuDNN convolutions check neither shapes nor devices (cuDNN would read past
+    a small residual): a program reaches them only through ferry's checked ops."""
+    from ferry.op_names import resolve_kernel
+
+    for name in ("aten::cudnn_convolution_relu.default", "aten::cudnn_convolution_add_relu.default",
+                 "aten::miopen_convolution_relu.default", "aten::miopen_convolution_add_relu.default"):
+        with pytest.raises(LookupError, match="may not call"):
+            resolve_kernel(name)
+    assert resolve_kernel("ferry::conv_add_relu.default") is torch.ops.ferry.conv_add_relu.default
+
+
+def test_the_fused_kernels_refuse_another_device_and_leave_cudnn_under_deterministic_algorithms():
+    from ferry.fused_kernels import _check_args, _check_z, _cudnn_takes
+
+    x, w, b = torch.randn(1, 4, 6, 6), torch.randn(4, 4, 3, 3), torch.randn(4)
+    args = ([1, 1], [1, 1], [1, 1], 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        _check_args(x, w.to("meta"), b, *args)
+    with pytest.raises(ValueError, match="on meta"):
+        _check_z((1, 4, 6, 6), torch.empty(1, 4, 6, 6, device="meta"), x.device)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not _cudnn_takes(x, w, b, *args)  # eager's deterministic convolution, then add and ReLU
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -43,15 +43,16 @@ def _conv_relu(x, weight, bias, stride, padding, dilation, groups):
 
 def _conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups):
     out = _conv(x, weight, bias, stride, padding, dilation, groups)
-    _check_z(out.shape, z)
+    _check_z(out.shape, z, out.device)
     return out.add_(z).relu_()
 
 
-def _check_z(shape, z) -> None:
-    """`z` has the result's exact shape (a program file may claim anything: cuDNN is never
-    handed a `z` smaller than what it reads)."""
-    if tuple(z.shape) != tuple(shape):
-        raise ValueError(f"conv_add_relu: z has shape {tuple(z.shape)}, the convolution's result {tuple(shape)}")
+def _check_z(shape, z, device) -> None:
+    """`z` has the result's exact shape and device (a program file may claim anything: cuDNN is
+    never handed a `z` smaller than what it reads, or on another GPU)."""
+    if tuple(z.shape) != tuple(shape) or z.device != device:
+        raise ValueError(f"conv_add_relu: z has shape {tuple(z.shape)} on {z.device}, the convolution's result "
+                         f"{tuple(shape)} on {device}")
 
 
 def _result_shape(x, weight, stride, padding, dilation) -> tuple[int, ...]:
@@ -66,6 +67,7 @@ def _check_args(x, weight, bias, stride, padding, dilation, groups) -> None:
            or any(len(a) != 2 for a in (stride, padding, dilation)) or min(stride) < 1 or min(dilation) < 1
            or min(padding) < 0 or (bias is not None and tuple(bias.shape) != (o,))
            or x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype)
+           or weight.device != x.device or (bias is not None and bias.device != x.device)
            or min(_result_shape(x, weight, stride, padding, dilation)) < 1)
     if bad:
         raise ValueError(f"convolution arguments do not fit: input {tuple(x.shape)}, weight {tuple(weight.shape)}, "
@@ -78,8 +80,8 @@ def _cudnn_takes(x, weight, bias, stride, padding, dilation, groups) -> bool:
     fallback kernels eager picks for some shapes and dtypes), so the fused call is the same
     convolution with its epilogue. The fused path has no 1-D or 3-D form. Arguments a
     convolution refuses are refused here, before cuDNN sees them (what aten.convolution checks)."""
-    if x.dim() != 4:
-        return False
+    if x.dim() != 4 or torch.backends.cudnn.deterministic or torch.are_deterministic_algorithms_enabled():
+        return False  # cuDNN's fused call has no deterministic mode: eager's convolution then add and ReLU
     _check_args(x, weight, bias, stride, padding, dilation, groups)
     backend = torch._C._select_conv_backend(x, weight, bias, stride, padding, dilation, False, [0, 0], groups, None)
     return backend == torch._C._ConvBackend.Cudnn  # type: ignore[attr-defined]
@@ -93,7 +95,7 @@ def _conv_relu_cuda(x, weight, bias, stride, padding, dilation, groups):
 
 def _conv_add_relu_cuda(x, weight, z, bias, stride, padding, dilation, groups):
     if z.dtype == x.dtype and _cudnn_takes(x, weight, bias, stride, padding, dilation, groups):
-        _check_z(_result_shape(x, weight, stride, padding, dilation), z)
+        _check_z(_result_shape(x, weight, stride, padding, dilation), z, x.device)
         return aten.cudnn_convolution_add_relu.default(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
     return _conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups)
 

@@ -181,8 +181,8 @@ def _fuse_conv_relu(gm: torch.fx.GraphModule) -> list[Rewrite]:
         if _single_use(src) and src.target in _ADDS and not src.kwargs and len(src.args) == 2:
             a, b = src.args
             conv, z = (a, b) if _fusable_conv(a) and _same_tensor_type(a, b) else (b, a)
-            if not (_fusable_conv(conv) and _same_tensor_type(conv, z)):
-                continue
+            if a is b or not (_fusable_conv(conv) and _same_tensor_type(conv, z)):
+                continue  # (relu(y + y): the add is y's one reader, but y is read twice)
         elif _fusable_conv(src):
             conv = src
         else:
@@ -255,7 +255,7 @@ def _patches_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
     result is contiguous). Measured on an H200 (batch 1-8): cuDNN took 1.3-1.8x the GEMM's
     time on ViT-B/16's embedding and ConvNeXt-T's last downsampling (level on the smaller
     ones), and inside that downsampling allocated 9 MiB per call, which set ferry's peak."""
-    done = []
+    done, laid_out = [], {}  # one re-laid copy of a weight however many convolutions read it
     for conv in list(gm.graph.nodes):
         plan = _patch_plan(gm, conv)
         if plan is None:
@@ -267,7 +267,12 @@ def _patches_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
         rows, k = n * (h // kh) * (w // kw), c * kh * kw
         laid = weight.permute(0, 2, 3, 1) if order == (3, 5, 1) else weight  # (o, kh, kw, c) or (o, c, kh, kw)
         with gm.graph.inserting_before(conv):
-            wnode = _constant(gm, f"{conv.name}_patch_weight", laid.reshape(o, k).contiguous(), conv.args[1])
+            key = (conv.args[1], order)
+            if key not in laid_out:
+                with gm.graph.inserting_after(conv.args[1]):
+                    laid_out[key] = _constant(gm, f"{conv.name}_patch_weight", laid.reshape(o, k).contiguous(),
+                                              conv.args[1])
+            wnode = laid_out[key]
             split = xv.view(n, c, h // kh, kh, w // kw, kw)
             tiles = _call(gm, conv, aten.view.default, (x, list(split.shape)), split)
             dims = [0, 2, 4, *order]
@@ -437,10 +442,10 @@ def fusion_notes(done: list[Rewrite]) -> dict[str, str]:
     notes = {}
     if count["conv relu"]:
         notes["aten::relu.default"] = (
-            f"{count['conv relu']} fused with the convolution (and residual add) before it: one cuDNN call on CUDA "
-            "(ferry::conv_relu, ferry::conv_add_relu)")
+            f"{count['conv relu']} fused with the convolution (and residual add) before it (ferry::conv_relu, "
+            "ferry::conv_add_relu): on CUDA one cuDNN call where eager would run cuDNN")
     if count["patches"]:
-        notes["aten::conv2d.default as patches"] = (
+        notes["convolutions as patch GEMMs"] = (
             f"{count['patches']} convolution(s) whose kernel tiles the input run as one GEMM over the patches "
             "(the input packed into rows once, addmm with the weight laid out at compile time)")
     if count["gemm"]:
