@@ -684,3 +684,51 @@ def test_the_fused_kernels_refuse_another_device_and_leave_cudnn_under_determini
         assert not _cudnn_takes(x, w, b, *args)  # eager's deterministic convolution, then add and ReLU
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+# ---- copies that change nothing
+
+class DropoutBlock(torch.nn.Module):
+    """Dropouts (clones once export makes the graph functional), a `.contiguous()` of a
+    transpose (a real copy) and a returned clone (which must own its memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        y = x + self.drop(self.fc(self.drop(x)))
+        t = y.transpose(1, 2).contiguous()
+        return t * 2, y.clone()
+
+
+def test_copies_that_keep_the_layout_are_dropped_and_the_result_equals_eager(emu):
+    torch.manual_seed(0)
+    model = DropoutBlock().eval()
+    program = compile_on(model, (torch.randn(2, 3, 8),))
+    kernels = delegate_kernels(program)
+    assert kernels.count("aten::clone.default") == 2, kernels  # the transpose's copy and the returned clone
+    assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 8),))
+    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    assert notes["clones dropped"].startswith("2 copies")
+    assert delegate_kernels(compile_on(model, (torch.randn(2, 3, 8),), fuse=False)).count("aten::clone.default") == 4
+
+
+def test_gpt2_runs_without_its_dropout_copies_and_equals_eager(emu):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(config).eval()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).last_hidden_state
+
+    wrapped = Hidden().eval()
+    program = compile_on(wrapped, (torch.randint(0, 100, (2, 16)),))
+    assert "aten::clone.default" not in delegate_kernels(program)
+    assert_matches_eager(program, wrapped, lambda: (torch.randint(0, 100, (2, 16)),))
