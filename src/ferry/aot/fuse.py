@@ -190,20 +190,20 @@ def _constant(gm, name: str, value: torch.Tensor, like: torch.fx.Node) -> torch.
 
 # ---------------------------------------------------------------- convolution, bias, add, ReLU as one kernel
 
-_RELUS = (aten.relu.default, aten.relu_.default)
-_ADDS = (aten.add.Tensor, aten.add_.Tensor)
 
 
 def _fuse_conv_relu(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """`relu(conv(x))` -> `ferry::conv_relu`, `relu(conv(x) + z)` -> `ferry::conv_add_relu`
-    (fused_kernels.py: one cuDNN call on CUDA). Only a 2-D convolution of static shape that
-    nothing else reads, and a `z` of its result's exact shape and dtype (no broadcast)."""
+    (fused_kernels.py: one cuDNN call on CUDA where eager would run cuDNN). Only a 2-D
+    convolution of static shape that nothing else reads, and a `z` of its result's exact shape,
+    dtype and layout (no broadcast). The graph is functional here (lowering made it so): an
+    in-place `relu_` or `+=` of the module is a `relu` or `add` by now."""
     done = []
     for relu in list(gm.graph.nodes):
-        if relu.op != "call_function" or relu.target not in _RELUS:
+        if relu.op != "call_function" or relu.target is not aten.relu.default:
             continue
         src, z = relu.args[0], None
-        if _single_use(src) and src.target in _ADDS and not src.kwargs and len(src.args) == 2:
+        if _single_use(src) and src.target is aten.add.Tensor and not src.kwargs and len(src.args) == 2:
             a, b = src.args
             conv, z = (a, b) if _fusable_conv(a) and _same_tensor_type(a, b) else (b, a)
             if a is b or not (_fusable_conv(conv) and _same_tensor_type(conv, z)):
@@ -467,8 +467,8 @@ def fusion_notes(done: list[Rewrite]) -> dict[str, str]:
                           "gemm")}
     notes = {}
     if count["copy dropped"]:
-        notes["clones dropped"] = (f"{count['copy dropped']} copies that keep the layout (dropout at inference) "
-                                        "dropped: the value itself is read")
+        notes["clones dropped"] = (
+            f"{count['copy dropped']} copies that keep the layout (dropout at inference) dropped: the value itself is read")
     if count["conv relu"]:
         notes["aten::relu.default"] = (
             f"{count['conv relu']} fused with the convolution (and residual add) before it (ferry::conv_relu, "
