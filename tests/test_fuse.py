@@ -670,7 +670,7 @@ def test_programs_may_not_name_the_unchecked_cudnn_fusions():
     assert resolve_kernel("ferry::conv_add_relu.default") is torch.ops.ferry.conv_add_relu.default
 
 
-def test_the_fused_kernels_refuse_another_device_and_leave_cudnn_under_deterministic_algorithms():
+def test_the_fused_kernels_refuse_another_device_and_leave_cudnn_under_deterministic_algorithms(monkeypatch):
     from ferry.fused_kernels import _check_args, _check_z, _cudnn_takes
 
     x, w, b = torch.randn(1, 4, 6, 6), torch.randn(4, 4, 3, 3), torch.randn(4)
@@ -679,11 +679,16 @@ def test_the_fused_kernels_refuse_another_device_and_leave_cudnn_under_determini
         _check_args(x, w.to("meta"), b, *args)
     with pytest.raises(ValueError, match="on meta"):
         _check_z((1, 4, 6, 6), torch.empty(1, 4, 6, 6, device="meta"), x.device)
+    # as on a GPU where eager would run cuDNN: only the determinism settings decide
+    monkeypatch.setattr(torch._C, "_select_conv_backend", lambda *a: torch._C._ConvBackend.Cudnn)
+    assert _cudnn_takes(x, w, b, *args)
     torch.use_deterministic_algorithms(True)
     try:
         assert not _cudnn_takes(x, w, b, *args)  # eager's deterministic convolution, then add and ReLU
     finally:
         torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    assert not _cudnn_takes(x, w, b, *args)
 
 
 # ---- copies that change nothing
