@@ -36,6 +36,7 @@ from ferry.program.schema import (
     TensorValue,
     root_storage,
 )
+from ferry.runtime.gemm_choice import biased_gemm
 from ferry.runtime.kernels import CopyKernel, _to_meta, bind_aten, check_call, fast_aten, fast_functional
 from ferry.runtime.load import Memory
 
@@ -553,17 +554,18 @@ class _Binder:
             return None
         tensors = [o for o in ins.outputs if isinstance(m.values[o], TensorValue)]
         dynamic = [o for o in tensors if m.tensor(o).storage in ("planned", "output") and self.dynamic(m.tensor(o))]
+        gemm = self._chosen_gemm(op, pos, kw) if writes_out and not dynamic else None
         if writes_out and dynamic:
             call = self._dynamic_out(op, pos, kw, dynamic)
         elif writes_out and all(r[0] == "c" for r in list(pos) + list(kw.values())):
             args, kwargs = [r[1] for r in pos], {k: r[1] for k, r in kw.items()}
-            call = functools.partial(fast_aten(op, args, kwargs) or op, *args, **kwargs)
+            call = functools.partial(gemm or fast_aten(op, args, kwargs) or op, *args, **kwargs)
         elif writes_out and _first_only(pos, kw) is not None:  # one value of the call, first
-            fn, slots = self._fast_out(op, pos, kw) or op, self.slots
+            fn, slots = gemm or self._fast_out(op, pos, kw) or op, self.slots
             vid, rest, k = _first_only(pos, kw)  # type: ignore[misc]
             call = lambda: fn(slots[vid], *rest, **k)  # noqa: E731
         elif writes_out:
-            args, fn = _arguments(self.slots, pos, kw), self._fast_out(op, pos, kw) or op
+            args, fn = _arguments(self.slots, pos, kw), gemm or self._fast_out(op, pos, kw) or op
 
             def call():
                 a, k = args()
@@ -598,6 +600,20 @@ class _Binder:
                     slots[o] = r
 
         return call
+
+    def _chosen_gemm(self, op, pos, kw):
+        """`mm` and then the bias added, for an `addmm.out` this GPU runs faster that way
+        (measured once per shape: runtime/gemm_choice.py); None keeps the kernel named."""
+        if op is not torch.ops.aten.addmm.out or len(pos) != 3 or "out" not in kw:
+            return None
+        scalars = [kw.get(k, ("c", 1)) for k in ("beta", "alpha")]
+        if any(r[0] != "c" for r in scalars):
+            return None
+        try:
+            bias, mat1, mat2, out = (r[1] if r[0] == "c" else self._meta(r) for r in (*pos, kw["out"]))
+        except _NoMeta:
+            return None
+        return biased_gemm(bias, mat1, mat2, out, scalars[0][1], scalars[1][1])
 
     def _fast_out(self, op, pos, kw):
         """fast_aten for an .out kernel whose arguments include values of the call."""

@@ -1,0 +1,168 @@
+"""A biased fp32 GEMM runs as `mm` and then the bias where the GPU measures that faster than
+`addmm` (runtime/gemm_choice.py). On the CPU the timing is faked; the choice, its limits, its
+cache and the bound steps that use it are real, and results are checked against eager."""
+
+import pytest
+import torch
+
+import ferry
+from ferry.runtime import gemm_choice
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No decisions carried over from other tests."""
+    monkeypatch.setattr(gemm_choice, "_decided", {})
+
+
+@pytest.fixture
+def timed(monkeypatch, fresh):
+    """Any device counts as a GPU; `timed.times` are the (addmm µs, split µs) the 'measurement'
+    returns, and `timed.calls` counts the measurements."""
+    class Timer:
+        times, calls = (100.0, 40.0), 0
+
+        def __call__(self, fused, split):
+            fused(), split()  # both are run, as the real timing does
+            Timer.calls += 1
+            return Timer.times
+
+    monkeypatch.setattr(gemm_choice, "_gpu_of", gemm_choice._real_device)
+    monkeypatch.setattr(gemm_choice, "_time_both", Timer())
+    return Timer
+
+
+def operands(rows=6, inner=5, cols=7, dtype=torch.float32, meta=("mat1", "out")):
+    made = {"bias": torch.randn(cols, dtype=dtype), "mat1": torch.randn(rows, inner, dtype=dtype),
+            "mat2": torch.randn(cols, inner, dtype=dtype).t(), "out": torch.empty(rows, cols, dtype=dtype)}
+    return [t.to("meta") if name in meta else t for name, t in made.items()]
+
+
+def test_split_is_chosen_only_where_measured_faster_by_a_margin(timed):
+    assert gemm_choice.biased_gemm(*operands()) is gemm_choice.mm_then_add  # 40 against 100 µs
+    timed.times = (100.0, 95.0)  # under 10% faster: eager's addmm stays
+    assert gemm_choice.biased_gemm(*operands(rows=9)) is None
+    timed.times = (6.5, 5.0)  # 23% faster but 1.5 µs: less than the second launch costs
+    assert gemm_choice.biased_gemm(*operands(rows=10)) is None
+    made = {(d.rows, d.split) for d in gemm_choice.decisions()}
+    assert made == {(6, True), (9, False), (10, False)}
+
+
+def test_each_shape_and_layout_is_measured_once(timed):
+    for _ in range(3):
+        gemm_choice.biased_gemm(*operands())
+    assert timed.calls == 1
+    bias, mat1, mat2, out = operands()
+    gemm_choice.biased_gemm(bias, mat1, mat2.contiguous(), out)  # another layout of the weight
+    gemm_choice.biased_gemm(*operands(inner=3))
+    assert timed.calls == 3
+
+
+@pytest.mark.parametrize("case", ["bf16", "beta", "alpha", "2-D bias", "mixed dtypes", "no real tensor"])
+def test_what_is_never_split(case, timed):
+    """Half precision would round the product before the bias; scaled products are not a plain
+    mm + bias; without a real tensor there is nothing to say which GPU it runs on."""
+    bias, mat1, mat2, out = operands(dtype=torch.bfloat16 if case == "bf16" else torch.float32,
+                                     meta=("bias", "mat1", "mat2", "out") if case == "no real tensor" else ("out",))
+    beta = 0.5 if case == "beta" else 1
+    alpha = 2 if case == "alpha" else 1
+    if case == "2-D bias":
+        bias = bias.expand(out.shape)
+    if case == "mixed dtypes":
+        mat1 = mat1.double()
+    assert gemm_choice.biased_gemm(bias, mat1, mat2, out, beta, alpha) is None
+    assert timed.calls == 0
+
+
+def test_without_a_gpu_nothing_is_measured(fresh, monkeypatch):
+    monkeypatch.setattr(gemm_choice, "_time_both", lambda *a: pytest.fail("timed on the CPU"))
+    assert gemm_choice.biased_gemm(*operands()) is None
+    assert gemm_choice.decisions() == []
+
+
+def test_a_failed_measurement_keeps_addmm(timed, monkeypatch):
+    def no_memory(fused, split):
+        raise torch.cuda.OutOfMemoryError("no scratch")
+    monkeypatch.setattr(gemm_choice, "_time_both", no_memory)
+    assert gemm_choice.biased_gemm(*operands()) is None
+
+
+def test_mm_then_add_equals_addmm():
+    bias, mat1, mat2, out = operands(rows=33, inner=17, cols=12, meta=())
+    want = torch.addmm(bias, mat1, mat2)
+    assert gemm_choice.mm_then_add(bias, mat1, mat2, out=out) is out
+    torch.testing.assert_close(out, want)
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 48), torch.nn.Linear(48, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("io", ["host", "device output"])
+def test_bound_steps_run_the_split_and_equal_eager(io, timed, emu, monkeypatch):
+    """Both GEMMs of a delegate run as mm + bias (the first reads the call's input, the second
+    planned memory), with results equal to eager's on fresh inputs, call after call."""
+    ran = []
+    real = gemm_choice.mm_then_add
+
+    def counted(*args, **kwargs):
+        ran.append(args[1].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(gemm_choice, "mm_then_add", counted)
+    model = Mlp().eval()
+    skip = io == "device output"  # the result is then made for the caller each call, not planned
+    program = ferry.compile(torch.export.export(model, (torch.randn(3, 5, 16),)), ferry.OpSupportPartitioner("emu:0"),
+                            ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(False, skip)))
+    module = ferry.Module(program)
+    module.load_method()  # measures each GEMM once (the fake timer runs the split too)
+    assert timed.calls == 2
+    ran.clear()
+    for _ in range(3):
+        x = torch.randn(3, 5, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-6)
+    assert len(ran) == 6 and {tuple(s) for s in ran} == {(15, 16), (15, 48)}
+    assert {(d.rows, d.inner, d.cols) for d in gemm_choice.decisions()} == {(15, 16, 48), (15, 48, 16)}
+
+
+class Wide(torch.nn.Module):
+    """BERT's feed-forward at 128 rows: the shape where cublasLt's split-K choice was slow."""
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(768, 3072), torch.nn.Linear(3072, 768)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_on_cuda_each_gemm_is_measured_and_results_equal_eager(graphs, fresh, full_fp32):
+    model = Wide().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(1, 128, 768),)),
+                            ferry.OpSupportPartitioner("cuda:0"))
+    module = ferry.Module(program, cuda_graphs=graphs)
+    cuda_model = model.cuda()
+    for _ in range(3):
+        x = torch.randn(1, 128, 768)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
+    made = {(d.rows, d.inner, d.cols): d for d in gemm_choice.decisions()}
+    assert set(made) == {(128, 768, 3072), (128, 3072, 768)}
+    assert all(d.addmm_us > 0 and d.split_us > 0 and d.device == "cuda:0" for d in made.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_cuda_nothing_is_timed_while_a_graph_is_captured(fresh):
+    bias, mat1, mat2, out = (t.cuda() for t in operands(meta=()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert gemm_choice.biased_gemm(bias, mat1, mat2, out) is None
+    assert gemm_choice.decisions() == []
