@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -58,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, write_json  # noqa: E402
 
 import ferry  # noqa: E402
+from ferry.runtime import gemm_choice  # noqa: E402
 
 # ---------------------------------------------------------------- the models
 
@@ -149,15 +151,16 @@ def _time(fn, device, repeat, warmup=5) -> float:
     return _time_interleaved([fn], device, repeat, rounds=1, warmup=warmup)[0]
 
 
-def _fresh_gpu(device):
+def _fresh_gpu(device, workspaces=True):
     """Free what earlier runners left, cuBLAS's per-stream workspaces included (32 MiB each on an
     H200; torch.compile's reduce-overhead frees them too): every runner's peak then counts the
-    workspaces its own calls need, whichever runner went before."""
+    workspaces its own calls need, whichever runner went before. Not the workspaces once a runner
+    that captured a CUDA graph is alive (`workspaces=False`): its GEMMs replay into them."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear is not None:
+        if clear is not None and workspaces:
             clear()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -220,7 +223,7 @@ def _eager_graphed(model, x, device, io):
     with torch.no_grad(), torch.cuda.graph(graph):
         out = m(xd)
 
-    def call():
+    def call(_model=m):  # the graph replays into the model's weights: they must outlive it
         if io == "host":
             xd.copy_(x)
             graph.replay()
@@ -312,14 +315,17 @@ def run_model(name, batch, device, runners, ios, repeat):
         built, live = {}, []
         for runner in runners:
             try:
-                row, call, module = _one_runner(name, batch, io, runner, copy.deepcopy(model), x, want, device, built)
+                graphs = any(r["runner"] in _CAPTURING for r, _, _ in live)
+                row, call, module = _one_runner(name, batch, io, runner, copy.deepcopy(model), x, want, device, built,
+                                                workspaces=not graphs)
                 live.append((row, call, module))
             except Exception as e:  # noqa: BLE001 - one runner failing must not lose the others' rows
                 print(f"{name} batch {batch} {io} {runner}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 rows.append({"model": name, "batch": batch, "io": io, "runner": runner,
                              "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        for (row, _, _), ms in zip(live, _time_interleaved([c for _, c, _ in live], device, repeat)):
+        for (row, call, _), ms in zip(live, _time_interleaved([c for _, c, _ in live], device, repeat)):
             row["ms"] = ms
+            row["rel_err_after"] = _check(call(), want)  # still right after the timed calls of every runner
             rows.append(row)
         for _, _, module in live:
             if module is not None:
@@ -347,9 +353,12 @@ def _time_interleaved(calls, device, repeat, rounds=6, warmup=5) -> list[float]:
     return [statistics.median(s) for s in samples]
 
 
-def _one_runner(name, batch, io, runner, model, x, want, device, built):
+_CAPTURING = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-graphs")
+
+
+def _one_runner(name, batch, io, runner, model, x, want, device, built, workspaces=True):
     """Build one runner on its own copy of the model: (row without its time, call, ferry module)."""
-    base = _fresh_gpu(device)
+    base = _fresh_gpu(device, workspaces)
     module, file_mib = None, None
     if runner in ("eager", "compile", "compile-ro"):
         mode = {"eager": None, "compile": "default", "compile-ro": "reduce-overhead"}[runner]
@@ -379,6 +388,8 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built):
     row = {"model": name, "batch": batch, "io": io, "runner": runner, "peak_mib": _peak_mib(device, base),
            "compile_s": build_s, "load_s": setup, "rel_err": err, "at_load_mib": _at_load_mib(module, device),
            "file_mib": file_mib}
+    if module is not None:  # what the biased GEMMs run as on this GPU (runtime/gemm_choice.py)
+        row["gemms"] = [dataclasses.asdict(d) | {"split": d.split} for d in gemm_choice.decisions()]
     return row, call, module
 
 

@@ -74,6 +74,14 @@ def test_what_is_never_split(case, timed):
     assert timed.calls == 0
 
 
+def test_measuring_never_writes_the_real_output(timed):
+    """A planned output is bound as a real tensor: the measurement writes a stand-in instead."""
+    bias, mat1, mat2, out = operands(meta=())
+    out.fill_(7.0)
+    gemm_choice.biased_gemm(bias, mat1, mat2, out)
+    assert timed.calls == 1 and bool((out == 7.0).all())
+
+
 def test_without_a_gpu_nothing_is_measured(fresh, monkeypatch):
     monkeypatch.setattr(gemm_choice, "_time_both", lambda *a: pytest.fail("timed on the CPU"))
     assert gemm_choice.biased_gemm(*operands()) is None

@@ -7,9 +7,10 @@ against 26; ViT-B/16's 197 rows, 91 against 38); at other shapes the fused epilo
 (ViT-B/16 batch 4's 788 rows by 768 into 2304: 70 against 83), and in bf16 it always was. No rule
 of shapes holds across GPUs, so this is measured on the GPU the program loads on: once per
 process for each distinct shape, layout and dtype, both ways, timed with CUDA events on scratch
-tensors (the planned memory is never touched). The split is kept only where it saves at least 10%
-and 2 µs of GPU time (it costs one more launch). Only fp32 and fp64 are split: in half precision
-the product would be rounded before the bias is added, where the epilogue adds it in fp32.
+tensors (planned memory is never written) while the GPU runs them back to back. The split is
+kept only where it saves at least 10% and 2 µs of GPU time (it costs one more launch). Only fp32
+and fp64 are split: in half precision the product would be rounded before the bias is added,
+where the epilogue adds it in fp32.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = ["GemmDecision", "biased_gemm", "decisions", "mm_then_add"]
 _SPLIT_DTYPES = (torch.float32, torch.float64)
 _KEEP_IF_ABOVE = 0.9  # the split's time over addmm's: above this, eager's addmm stays
 _MIN_SAVING_US = 2.0  # about what the second launch costs the host
+_QUEUE_CYCLES = 500_000  # GPU clock cycles (0.3-0.5 ms): longer than queueing one timed run takes
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ def _decide(device: torch.device, operands) -> GemmDecision | None:
     try:
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with on_device, torch.no_grad():
-            bias, mat1, mat2, out = (_scratch(t, device) for t in operands)
+            bias, mat1, mat2 = (_scratch(t, device) for t in operands[:3])
+            out = _scratch(operands[3], device, written=True)
             fused = lambda: torch.addmm(bias, mat1, mat2, out=out)  # noqa: E731
             split = lambda: mm_then_add(bias, mat1, mat2, out=out)  # noqa: E731
             addmm_us, split_us = _time_both(fused, split)
@@ -108,21 +111,25 @@ def _decide(device: torch.device, operands) -> GemmDecision | None:
                         addmm_us, split_us)
 
 
-def _scratch(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A real operand as it is (a constant: read only); a stand-in of its layout for a meta one."""
-    if t.device.type != "meta":
+def _scratch(t: torch.Tensor, device: torch.device, written: bool = False) -> torch.Tensor:
+    """A real operand that is only read, as it is (a weight); a stand-in of the same layout for
+    a meta one, or for the one written (planned memory stays untouched)."""
+    if t.device.type != "meta" and not written:
         return t
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).normal_()
 
 
-def _time_both(first: Callable, second: Callable, reps: int = 8, rounds: int = 3) -> tuple[float, float]:
-    """The best of `rounds` (µs per call over `reps` calls) of each, the two taken in turn."""
+def _time_both(first: Callable, second: Callable, reps: int = 10, rounds: int = 3) -> tuple[float, float]:
+    """The GPU time of each (µs per call, the best of `rounds` runs of `reps` calls), the two
+    taken in turn. Each run is queued behind a kernel that keeps the GPU busy, so the events
+    time the kernels back to back, not how fast Python launches them."""
     best = [math.inf, math.inf]
-    for fn in (first, second, first, second):  # warm-up: kernels loaded, cuBLAS's workspace made
+    for fn in (first, second) * 3:  # warm-up: kernels loaded, cuBLAS's workspace made
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
         for i, fn in enumerate((first, second)):
+            torch.cuda._sleep(_QUEUE_CYCLES)
             start.record()
             for _ in range(reps):
                 fn()
