@@ -389,7 +389,7 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built, workspac
            "compile_s": build_s, "load_s": setup, "rel_err": err, "at_load_mib": _at_load_mib(module, device),
            "file_mib": file_mib}
     if module is not None:  # what the biased GEMMs run as on this GPU (runtime/gemm_choice.py)
-        row["gemms"] = [dataclasses.asdict(d) | {"split": d.split} for d in gemm_choice.decisions()]
+        row["gemms"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in gemm_choice.decisions()]
     return row, call, module
 
 
