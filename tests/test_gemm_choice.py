@@ -1,8 +1,6 @@
-"""GEMM-shaped fp32 work runs as cuBLAS's plain GEMM where the GPU measures that faster than
-eager's kernel (runtime/gemm_choice.py): a biased `addmm` as `mm` and then the bias, a 1x1
-convolution of one image as one GEMM over its pixels. On the CPU the timing is faked; the
-choice, its limits, its cache and the code that uses it are real, and results are checked
-against eager."""
+"""A biased fp32 GEMM runs as `mm` and then the bias where the GPU measures that faster than
+`addmm` (runtime/gemm_choice.py). On the CPU the timing is faked; the choice, its limits, its
+cache and the bound steps that use it are real, and results are checked against eager."""
 
 import pytest
 import torch
@@ -22,11 +20,10 @@ def timed(monkeypatch, fresh):
     """Any device counts as a GPU; `timed.times` are the (eager µs, GEMM µs) the 'measurement'
     returns, and `timed.calls` counts the measurements."""
     class Timer:
-        times, calls, run = (100.0, 40.0), 0, True
+        times, calls = (100.0, 40.0), 0
 
         def __call__(self, eager, gemm):
-            if Timer.run:  # both are run, as the real timing does
-                eager(), gemm()
+            eager(), gemm()  # both are run, as the real timing does
             Timer.calls += 1
             return Timer.times
 
@@ -83,6 +80,19 @@ def test_measuring_never_writes_the_real_output(timed):
     out.fill_(7.0)
     gemm_choice.biased_gemm(bias, mat1, mat2, out)
     assert timed.calls == 1 and bool((out == 7.0).all())
+
+
+def test_a_decision_made_before_a_capture_holds_during_it(timed, monkeypatch):
+    """A shape measured outside a capture keeps its kernel inside one; a shape first met under a
+    capture is not timed there (no host waits), and not remembered as addmm's."""
+    assert gemm_choice.biased_gemm(*operands()) is gemm_choice.mm_then_add
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert gemm_choice.biased_gemm(*operands()) is gemm_choice.mm_then_add
+    assert gemm_choice.biased_gemm(*operands(rows=3)) is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert gemm_choice.biased_gemm(*operands(rows=3)) is gemm_choice.mm_then_add
+    assert timed.calls == 2
 
 
 def test_without_a_gpu_nothing_is_measured(fresh, monkeypatch):
@@ -164,7 +174,7 @@ def test_on_cuda_each_gemm_is_measured_and_results_equal_eager(graphs, fresh, fu
         x = torch.randn(1, 128, 768)
         with torch.no_grad():
             torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
-    made = {(d.rows, d.inner, d.cols): d for d in gemm_choice.decisions() if d.kind == "addmm"}
+    made = {(d.rows, d.inner, d.cols): d for d in gemm_choice.decisions()}
     assert set(made) == {(128, 768, 3072), (128, 3072, 768)}
     assert all(d.eager_us > 0 and d.gemm_us > 0 and d.device == "cuda:0" for d in made.values())
 
@@ -178,118 +188,3 @@ def test_on_cuda_nothing_is_timed_while_a_graph_is_captured(fresh):
         assert gemm_choice.biased_gemm(bias, mat1, mat2, out) is None
     assert gemm_choice.decisions() == []
 
-
-# ---------------------------------------------------------------- 1x1 convolutions of one image
-
-
-def conv_args(channels=(6, 10), size=(5, 7), batch=1, bias=True, residual=True, dtype=torch.float32):
-    ci, co = channels
-    x = torch.randn(batch, ci, *size, dtype=dtype)
-    w = torch.randn(co, ci, 1, 1, dtype=dtype)
-    b = torch.randn(co, dtype=dtype) if bias else None
-    z = torch.randn(batch, co, *size, dtype=dtype) if residual else None
-    return x, w, b, z
-
-
-def eager_conv(x, w, b, z, stride=(1, 1), padding=(0, 0), groups=1):
-    y = torch.nn.functional.conv2d(x, w, b, stride, padding, 1, groups)
-    return torch.relu(y if z is None else y + z)
-
-
-@pytest.mark.parametrize("bias,residual", [(True, True), (True, False), (False, True), (False, False)])
-def test_conv1x1_as_mm_equals_eager(bias, residual):
-    x, w, b, z = conv_args(bias=bias, residual=residual)
-    got = gemm_choice.conv1x1_as_mm(x, w, b, z)
-    assert got.shape == (1, 10, 5, 7) and got.is_contiguous()
-    torch.testing.assert_close(got, eager_conv(x, w, b, z), rtol=1e-5, atol=1e-5)
-
-
-def test_pointwise_conv_takes_the_gemm_where_measured_faster(timed):
-    x, w, b, z = conv_args()
-    eager = lambda: eager_conv(x, w, b, z)  # noqa: E731
-    chosen = gemm_choice.pointwise_conv(x, w, b, z, [1, 1], [0, 0], 1, eager)
-    assert chosen is not eager
-    torch.testing.assert_close(chosen(), eager(), rtol=1e-5, atol=1e-5)
-    timed.times = (10.0, 9.5)  # not 10% faster: cuDNN stays
-    x2, w2, b2, _ = conv_args(channels=(6, 12))
-    eager2 = lambda: eager_conv(x2, w2, b2, None)  # noqa: E731
-    assert gemm_choice.pointwise_conv(x2, w2, b2, None, [1, 1], [0, 0], 1, eager2) is eager2
-    assert {(d.kind, d.rows, d.inner, d.cols, d.use_gemm) for d in gemm_choice.decisions()} == {
-        ("conv1x1", 10, 6, 35, True), ("conv1x1", 12, 6, 35, False)}
-
-
-@pytest.mark.parametrize("case", ["batch 2", "3x3", "stride 2", "padding", "groups", "bf16", "channels last",
-                                  "tf32 GEMM for a full-precision convolution"])
-def test_what_stays_with_cudnn(case, timed):
-    x, w, b, z = conv_args(batch=2 if case == "batch 2" else 1, dtype=torch.bfloat16 if case == "bf16" else torch.float32)
-    stride, padding, groups = [1, 1], [0, 0], 1
-    if case == "3x3":
-        w = torch.randn(10, 6, 3, 3)
-    if case == "stride 2":
-        stride = [2, 2]
-    if case == "padding":
-        padding = [1, 1]
-    if case == "groups":
-        groups = 2
-    if case == "channels last":
-        x = x.to(memory_format=torch.channels_last)
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    if case.startswith("tf32"):
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, False
-    eager = lambda: None  # noqa: E731
-    try:
-        assert gemm_choice.pointwise_conv(x, w, b, z, stride, padding, groups, eager) is eager
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-    assert timed.calls == 0
-
-
-def test_a_decision_made_before_a_capture_holds_during_it(timed, monkeypatch):
-    """The first call (eager) measures; the capture on the next must record the same kernels. A
-    shape first met under a capture is not timed, and not remembered as cuDNN's."""
-    x, w, b, z = conv_args()
-    eager = lambda: eager_conv(x, w, b, z)  # noqa: E731
-    first = gemm_choice.pointwise_conv(x, w, b, z, [1, 1], [0, 0], 1, eager)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert gemm_choice.pointwise_conv(x, w, b, z, [1, 1], [0, 0], 1, eager) is not eager
-    assert first is not eager
-    x2, w2, _, _ = conv_args(channels=(3, 4))
-    eager2 = lambda: None  # noqa: E731
-    assert gemm_choice.pointwise_conv(x2, w2, None, None, [1, 1], [0, 0], 1, eager2) is eager2
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert gemm_choice.pointwise_conv(x2, w2, None, None, [1, 1], [0, 0], 1, eager2) is not eager2
-    assert timed.calls == 2
-
-
-@pytest.mark.parametrize("residual", [False, True])
-def test_fused_conv_ops_run_the_gemm_where_chosen(residual, timed, monkeypatch):
-    """ferry's fused convolution ops take the GEMM where cuDNN would run and the GEMM was
-    measured faster (the CUDA kernels, called here with CPU tensors and cuDNN faked as chosen)."""
-    from ferry import fused_kernels
-
-    timed.run = False  # the cuDNN call is not runnable on the CPU
-    monkeypatch.setattr(fused_kernels, "_cudnn_takes", lambda *a: True)
-    x, w, b, z = conv_args(residual=residual)
-    args = ([1, 1], [0, 0], [1, 1], 1)
-    got = (fused_kernels._conv_add_relu_cuda(x, w, z, b, *args) if residual
-           else fused_kernels._conv_relu_cuda(x, w, b, *args))
-    torch.testing.assert_close(got, eager_conv(x, w, b, z), rtol=1e-5, atol=1e-5)
-    assert timed.calls == 1
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("residual", [False, True])
-def test_on_cuda_fused_1x1_convolutions_equal_eager_whichever_kernel_runs(residual, fresh, full_fp32):
-    from ferry import fused_kernels
-
-    for channels, size in (((1024, 256), (14, 14)), ((64, 256), (56, 56)), ((2048, 512), (7, 7))):
-        x, w, b, z = (t.cuda() if t is not None else None for t in conv_args(channels, size, residual=residual))
-        args = ([1, 1], [0, 0], [1, 1], 1)
-        for _ in range(2):  # measured on the first, the decision on the second
-            got = (fused_kernels.CONV_ADD_RELU(x, w, z, b, *args) if residual
-                   else fused_kernels.CONV_RELU(x, w, b, *args))
-            torch.testing.assert_close(got, eager_conv(x, w, b, z), rtol=1e-4, atol=1e-4)
-    made = [d for d in gemm_choice.decisions() if d.kind == "conv1x1"]
-    assert len(made) == 3 and all(d.eager_us > 0 and d.gemm_us > 0 for d in made)

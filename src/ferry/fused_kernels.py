@@ -8,8 +8,6 @@ batch 1 went from 1.32 to 1.24 ms, and one tensor per convolution instead of two
 ResNet-18 at batch 32 from 1.04x eager's to 0.93x, MobileNetV3's from 1.00x to 0.75x. Elsewhere
 (the CPU, a shape eager runs with another kernel, deterministic algorithms) it is the convolution,
 then the add and the ReLU in place on its result: the work eager does, without a second tensor.
-A 1x1 convolution of one image runs as one cuBLAS GEMM over its pixels instead, where the GPU
-measures that faster than cuDNN (runtime/gemm_choice.py).
 
 Schemas (namespace `ferry`):
 
@@ -24,8 +22,6 @@ Schemas (namespace `ferry`):
 from __future__ import annotations
 
 import torch
-
-from ferry.runtime import gemm_choice
 
 __all__ = ["CONV_ADD_RELU", "CONV_RELU"]
 
@@ -94,16 +90,14 @@ def _cudnn_takes(x, weight, bias, stride, padding, dilation, groups) -> bool:
 
 def _conv_relu_cuda(x, weight, bias, stride, padding, dilation, groups):
     if _cudnn_takes(x, weight, bias, stride, padding, dilation, groups):
-        return gemm_choice.pointwise_conv(x, weight, bias, None, stride, padding, groups, lambda: (
-            aten.cudnn_convolution_relu.default(x, weight, bias, stride, padding, dilation, groups)))()
+        return aten.cudnn_convolution_relu.default(x, weight, bias, stride, padding, dilation, groups)
     return _conv_relu(x, weight, bias, stride, padding, dilation, groups)
 
 
 def _conv_add_relu_cuda(x, weight, z, bias, stride, padding, dilation, groups):
     if z.dtype == x.dtype and _cudnn_takes(x, weight, bias, stride, padding, dilation, groups):
         _check_z(_result_shape(x, weight, stride, padding, dilation), z, x.device)
-        return gemm_choice.pointwise_conv(x, weight, bias, z, stride, padding, groups, lambda: (
-            aten.cudnn_convolution_add_relu.default(x, weight, z, 1.0, bias, stride, padding, dilation, groups)))()
+        return aten.cudnn_convolution_add_relu.default(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
     return _conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups)
 
 
