@@ -69,7 +69,11 @@ def _tv(name):
         import torchvision
 
         torch.manual_seed(0)
-        return getattr(torchvision.models, name)(weights=None).eval(), (torch.randn(batch, 3, 224, 224),)
+        model = getattr(torchvision.models, name)(weights=None).eval()
+        head = getattr(getattr(model, "heads", None), "head", None)
+        if head is not None:  # torchvision starts ViT's head at zero: every logit 0, rel_err trivially 0
+            torch.nn.init.normal_(head.weight, std=0.02)
+        return model, (torch.randn(batch, 3, 224, 224),)
 
     return build
 
@@ -388,7 +392,7 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built, workspac
     row = {"model": name, "batch": batch, "io": io, "runner": runner, "peak_mib": _peak_mib(device, base),
            "compile_s": build_s, "load_s": setup, "rel_err": err, "at_load_mib": _at_load_mib(module, device),
            "file_mib": file_mib}
-    if module is not None:  # what the biased GEMMs run as on this GPU (runtime/gemm_choice.py)
+    if module is not None and runner in ("ferry", "ferry-graphs"):  # what its biased GEMMs run as (gemm_choice.py)
         row["gemms"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in gemm_choice.decisions()]
     return row, call, module
 

@@ -2,6 +2,10 @@
 `addmm` (runtime/gemm_choice.py). On the CPU the timing is faked; the choice, its limits, its
 cache and the bound steps that use it are real, and results are checked against eager."""
 
+import contextlib
+import math
+import threading
+
 import pytest
 import torch
 
@@ -28,6 +32,7 @@ def timed(monkeypatch, fresh):
             return Timer.times
 
     monkeypatch.setattr(gemm_choice, "_gpu_of", gemm_choice._real_device)
+    monkeypatch.setattr(gemm_choice, "_on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(gemm_choice, "_time_both", Timer())
     return Timer
 
@@ -58,12 +63,17 @@ def test_each_shape_and_layout_is_measured_once(timed):
     assert timed.calls == 3
 
 
-@pytest.mark.parametrize("case", ["bf16", "beta", "alpha", "2-D bias", "mixed dtypes", "no real tensor"])
-def test_what_is_never_split(case, timed):
+@pytest.mark.parametrize("case", ["bf16", "beta", "alpha", "2-D bias", "mixed dtypes", "no real tensor", "large",
+                                  "deterministic"])
+def test_what_is_never_split(case, timed, monkeypatch):
     """Half precision would round the product before the bias; scaled products are not a plain
-    mm + bias; without a real tensor there is nothing to say which GPU it runs on."""
+    mm + bias; without a real tensor there is nothing to say which GPU it runs on; a large GEMM
+    is not worth its timing; deterministic algorithms get eager's kernel, whatever the timing."""
+    if case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     bias, mat1, mat2, out = operands(dtype=torch.bfloat16 if case == "bf16" else torch.float32,
-                                     meta=("bias", "mat1", "mat2", "out") if case == "no real tensor" else ("out",))
+                                     meta=("bias", "mat1", "mat2", "out") if case == "no real tensor" else ("out",),
+                                     **({"rows": 4096, "inner": 512, "cols": 1024} if case == "large" else {}))
     beta = 0.5 if case == "beta" else 1
     alpha = 2 if case == "alpha" else 1
     if case == "2-D bias":
@@ -90,9 +100,40 @@ def test_a_decision_made_before_a_capture_holds_during_it(timed, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert gemm_choice.biased_gemm(*operands()) is gemm_choice.mm_then_add
     assert gemm_choice.biased_gemm(*operands(rows=3)) is None
+    assert len(gemm_choice._decided) == 1  # the shape met under the capture is not remembered
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert gemm_choice.biased_gemm(*operands(rows=3)) is gemm_choice.mm_then_add
     assert timed.calls == 2
+
+
+def test_only_a_loading_method_times(timed):
+    """A plan bound during a call (a new shape, micro-batches) uses what load measured and times
+    nothing: no host wait or allocation inside a call."""
+    assert gemm_choice.biased_gemm(*operands(), measure=False) is None
+    assert timed.calls == 0 and gemm_choice._decided == {}
+    gemm_choice.biased_gemm(*operands())
+    assert gemm_choice.biased_gemm(*operands(), measure=False) is gemm_choice.mm_then_add
+    assert timed.calls == 1
+
+
+def test_settings_that_change_cublas_kernels_are_measured_apart(timed):
+    gemm_choice.biased_gemm(*operands())
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = not before
+    try:
+        gemm_choice.biased_gemm(*operands())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert timed.calls == 2
+
+
+def test_concurrent_loads_measure_each_shape_once(timed):
+    threads = [threading.Thread(target=gemm_choice.biased_gemm, args=operands()) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert timed.calls == 1 and len(gemm_choice.decisions()) == 1
 
 
 def test_without_a_gpu_nothing_is_measured(fresh, monkeypatch):
@@ -101,11 +142,17 @@ def test_without_a_gpu_nothing_is_measured(fresh, monkeypatch):
     assert gemm_choice.decisions() == []
 
 
-def test_a_failed_measurement_keeps_addmm(timed, monkeypatch):
+def test_no_memory_to_measure_keeps_addmm_and_other_errors_surface(timed, monkeypatch):
     def no_memory(eager, gemm):
         raise torch.cuda.OutOfMemoryError("no scratch")
     monkeypatch.setattr(gemm_choice, "_time_both", no_memory)
     assert gemm_choice.biased_gemm(*operands()) is None
+
+    def broken(eager, gemm):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(gemm_choice, "_time_both", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # an earlier kernel's fault: not hidden
+        gemm_choice.biased_gemm(*operands(rows=3))
 
 
 def test_mm_then_add_equals_addmm():
@@ -164,7 +211,13 @@ class Wide(torch.nn.Module):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("graphs", [False, True])
-def test_on_cuda_each_gemm_is_measured_and_results_equal_eager(graphs, fresh, full_fp32):
+@pytest.mark.parametrize("kernel", ["measured", "split forced"])
+def test_on_cuda_each_gemm_is_measured_and_results_equal_eager(graphs, kernel, fresh, full_fp32, monkeypatch):
+    """Whichever kernel the timing picks, and with the split forced (a GPU where it never wins
+    would otherwise check only addmm)."""
+    if kernel == "split forced":
+        monkeypatch.setattr(gemm_choice, "_KEEP_IF_ABOVE", math.inf)
+        monkeypatch.setattr(gemm_choice, "_MIN_SAVING_US", -math.inf)
     model = Wide().eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(1, 128, 768),)),
                             ferry.OpSupportPartitioner("cuda:0"))
@@ -177,6 +230,7 @@ def test_on_cuda_each_gemm_is_measured_and_results_equal_eager(graphs, fresh, fu
     made = {(d.rows, d.inner, d.cols): d for d in gemm_choice.decisions()}
     assert set(made) == {(128, 768, 3072), (128, 3072, 768)}
     assert all(d.eager_us > 0 and d.gemm_us > 0 and d.device == "cuda:0" for d in made.values())
+    assert kernel == "measured" or all(d.use_gemm for d in made.values())
 
 
 @pytest.mark.cuda
@@ -188,3 +242,25 @@ def test_on_cuda_nothing_is_timed_while_a_graph_is_captured(fresh):
         assert gemm_choice.biased_gemm(bias, mat1, mat2, out) is None
     assert gemm_choice.decisions() == []
 
+
+
+def test_a_method_with_dynamic_rows_times_nothing_during_its_calls(timed, emu):
+    """Each new shape of a dynamic method gets a plan bound during its call: it must not time."""
+    class AddMM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            return torch.addmm(self.b, x, self.w)
+
+    model = AddMM().eval()
+    ep = torch.export.export(model, (torch.randn(4, 16),), dynamic_shapes=({0: torch.export.Dim("rows", max=64)},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0")))
+    module.load_method()
+    at_load = timed.calls
+    for rows in (4, 9, 33, 9, 33):
+        x = torch.randn(rows, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)
+    assert timed.calls == at_load

@@ -120,7 +120,7 @@ class Bound:
 
 def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_locked=None,
                 io: dict[int, torch.Tensor] | None = None, per_call: frozenset[int] = frozenset(),
-                shapes: dict[int, object] | None = None, transport=None) -> Bound:
+                shapes: dict[int, object] | None = None, transport=None, measure: bool = False) -> Bound:
     """Bind every instruction. `delegate(i)` gives delegate i's handle; `streams` (a CopyStreams)
     issues copies on an asynchronous device; `io` fixes more slots (a delegate's planned I/O);
     `per_call`: planned inputs and outputs the caller's tensors stand in for on each call
@@ -128,7 +128,9 @@ def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_
     the sizes and the (shape, strides) of every dynamic value at one shape of the call, as
     `record_shapes` took them from a call at that shape: the method is then bound as a static
     one (views of its planned memory at those shapes, sizes as constants). `transport` runs the
-    copies between ranks of a program split over processes (runtime/transport.py)."""
+    copies between ranks of a program split over processes (runtime/transport.py). `measure`:
+    the method is loading, so kernels chosen by timing (runtime/gemm_choice.py) may be timed now;
+    a plan bound during a call uses only what was timed before."""
     slots, fixed = list(memory.slots), list(memory.fixed)
     for vid, t in (io or {}).items():
         slots[vid], fixed[vid] = t, True
@@ -136,7 +138,8 @@ def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_
         slots[vid], fixed[vid] = None, False
     fresh_shapes = _fix_shapes(method, slots, fixed, shapes) if shapes is not None else {}
     _fix_lists(method, slots, fixed)
-    b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()), shapes, transport)
+    b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()), shapes, transport,
+                measure)
     steps = [b.instruction(i, ins) for i, ins in enumerate(method.instructions)]
     steps += b.writebacks()
     return Bound(tuple(_with_releases(method, steps, fixed)), slots, tuple(fixed),
@@ -345,8 +348,8 @@ def _resolve(ref, slots):
 
 class _Binder:
     def __init__(self, method: Method, slots: list, fixed: list, delegate, streams, page_locked,
-                 shapes: dict | None = None, transport=None):
-        self.m, self.slots, self.fixed, self.transport = method, slots, fixed, transport
+                 shapes: dict | None = None, transport=None, measure: bool = False):
+        self.m, self.slots, self.fixed, self.transport, self.measure = method, slots, fixed, transport, measure
         self.delegate, self.streams, self.page_locked = delegate, streams, page_locked
         self.shapes = shapes  # bound at one call's shapes: every dynamic value's size is known
 
@@ -603,7 +606,7 @@ class _Binder:
 
     def _chosen_gemm(self, op, pos, kw):
         """`mm` and then the bias added, for an `addmm.out` this GPU runs faster that way
-        (measured once per shape: runtime/gemm_choice.py); None keeps the kernel named."""
+        (timed once per shape, at load: runtime/gemm_choice.py); None keeps the kernel named."""
         if op is not torch.ops.aten.addmm.out or len(pos) != 3 or "out" not in kw:
             return None
         scalars = [kw.get(k, ("c", 1)) for k in ("beta", "alpha")]
@@ -613,7 +616,7 @@ class _Binder:
             bias, mat1, mat2, out = (r[1] if r[0] == "c" else self._meta(r) for r in (*pos, kw["out"]))
         except _NoMeta:
             return None
-        return biased_gemm(bias, mat1, mat2, out, scalars[0][1], scalars[1][1])
+        return biased_gemm(bias, mat1, mat2, out, scalars[0][1], scalars[1][1], measure=self.measure)
 
     def _fast_out(self, op, pos, kw):
         """fast_aten for an .out kernel whose arguments include values of the call."""

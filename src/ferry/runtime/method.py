@@ -66,7 +66,7 @@ class LoadedMethod:
         self._host_io: frozenset[int] = frozenset()
         self._sizes: OrderedDict[tuple, dict] = OrderedDict()
         try:
-            self.plan = self._plan(None, cuda_graphs and not self._dynamic, record=self._dynamic)
+            self.plan = self._plan(None, cuda_graphs and not self._dynamic, record=self._dynamic, measure=True)
         except BaseException:
             self.memory.close()
             raise
@@ -77,11 +77,11 @@ class LoadedMethod:
                                for vid in method.outputs]
 
     def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset(), shapes: dict | None = None,
-              record: tuple[int, ...] = ()) -> Plan:
+              record: tuple[int, ...] = (), measure: bool = False) -> Plan:
         api = self.streams.api if self.streams is not None else None
         bound = bind_method(self.method, self.memory, delegate=self._delegate, streams=self.streams,
                             page_locked=api.page_locked if api is not None else None, io=io, per_call=per_call,
-                            shapes=shapes, transport=self.transport)
+                            shapes=shapes, transport=self.transport, measure=measure)
         kind = api.device_type if api is not None else None
         return Plan(self.name, bound, schedule(bound.steps, kind, graphs), schedule(bound.steps, kind), self.streams,
                     list(self.method.outputs), record, schedule(bound.steps, kind, graphs, pending=True),
