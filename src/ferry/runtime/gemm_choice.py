@@ -23,7 +23,7 @@ __all__ = ["GemmDecision", "biased_gemm", "decisions", "mm_then_add"]
 _GEMM_DTYPES = (torch.float32, torch.float64)
 _KEEP_IF_ABOVE = 0.9  # the split's time over addmm's: above this, eager's addmm stays
 _MIN_SAVING_US = 2.0  # about what the second launch costs the host
-_MAX_MACS = 1 << 30  # larger GEMMs are not timed (about 1 s of load at 4096^3): the epilogue wins there
+_MAX_MACS = 1 << 33  # not timed above (4096^3 took 1 s of load); BERT batch 8, ViT batch 4 (2.4e9) are under it
 _QUEUE_CYCLES = 500_000  # GPU cycles (about 0.25 ms on an H200): longer than queueing one timed run takes
 
 
