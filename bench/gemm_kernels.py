@@ -1,13 +1,18 @@
-"""fp32 GEMMs with a bias on CUDA: eager's `addmm` (cublasLt's bias epilogue) against `mm` then the
-bias added, at the shapes of BERT, ViT-B/16 and GPT-2; µs per GEMM, replayed from a CUDA graph
-(the GPU's time alone). The measurements behind runtime/gemm_choice.py.
+"""fp32 GEMMs with a bias and attention on CUDA, eager's fused kernels against the composed forms
+ferry may choose, at the shapes of BERT, ViT-B/16 and GPT-2; µs each, replayed from a CUDA graph
+(the GPU's time alone). The measurements behind runtime/gemm_choice.py and
+runtime/attention_choice.py.
 
     python bench/gemm_kernels.py
 
 Columns: addmm (eager's kernel); mm+add (ferry's split); addmm_2d (a 2-D expanded bias, which
 takes ATen's non-Lt path); mm (the product alone); mm_wcontig (the product with the weight laid
 out (in, out) instead of transposed). Last, ViT's attention block: the fused
-`_native_multi_head_attention` against its GEMMs and `scaled_dot_product_attention` run apart.
+`_native_multi_head_attention` against its GEMMs and `scaled_dot_product_attention` run apart,
+and against ferry's composed form with every part composed (attention_choice's). Then
+`scaled_dot_product_attention` (fp32: the memory-efficient kernel) against q @ kᵀ, softmax, @ v
+(`attention_choice.composed_attention`; causal ones with the mask applied to the scores, as
+eager's math would: ferry keeps the fused kernel for those).
 """
 
 from __future__ import annotations
@@ -90,10 +95,54 @@ def attention(batch, embed=768, heads=12, seq=197) -> dict:
         gemm(bo, a, wo.t(), o)
         return o.view(batch, seq, embed)
 
+    composed = _all_composed(x, [w, b, wo, bo], heads)
     with torch.no_grad():
         err = float((apart(False) - native()).abs().max())
+        err_composed = float((composed(x, x, x, embed, heads, w, b, wo, bo)[0] - native()).abs().max())
         return {"batch": batch, "native": graph_us(native, reps=10), "apart_addmm": graph_us(lambda: apart(True), reps=10),
-                "apart_mm_add": graph_us(lambda: apart(False), reps=10), "err": err}
+                "apart_mm_add": graph_us(lambda: apart(False), reps=10),
+                "ferry_composed": graph_us(lambda: composed(x, x, x, embed, heads, w, b, wo, bo), reps=10),
+                "err": err, "err_composed": err_composed}
+
+
+def _all_composed(x, weights, heads):
+    """attention_choice's multi-head form with every part composed (the timing forced to favour them)."""
+    from ferry.runtime import attention_choice, kernel_timing
+
+    saved = kernel_timing.KEEP_IF_ABOVE, kernel_timing.MIN_SAVING_US
+    kernel_timing.KEEP_IF_ABOVE, kernel_timing.MIN_SAVING_US = float("inf"), -float("inf")
+    try:
+        fn = attention_choice.chosen(torch.ops.aten._native_multi_head_attention.default,
+                                     [x, x, x, x.shape[2], heads, *weights], {"need_weights": False}, True)
+    finally:
+        kernel_timing.KEEP_IF_ABOVE, kernel_timing.MIN_SAVING_US = saved
+    assert fn is not None and fn.parts == (True, True, True)
+    return fn
+
+
+ATTENTION = {  # (batch, heads, tokens, head_dim, causal)
+    "vit1": (1, 12, 197, 64, False), "vit4": (4, 12, 197, 64, False), "bert1": (1, 12, 128, 64, False),
+    "bert8": (8, 12, 128, 64, False), "gpt1": (1, 8, 64, 64, True), "gpt8": (8, 8, 64, 64, True),
+}
+
+
+def sdpa(group, b, h, t, d, causal) -> dict:
+    from ferry.runtime.attention_choice import composed_attention
+
+    q, k, v = (torch.randn(b, h, t, d, device="cuda") for _ in range(3))
+    mask = torch.ones(t, t, device="cuda", dtype=torch.bool).triu_(1) if causal else None
+
+    def composed():
+        if mask is None:
+            return composed_attention(q, k, v)
+        scores = torch.matmul(q, k.transpose(-2, -1)).mul_(d ** -0.5).masked_fill_(mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, -1), v)
+
+    fused = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+    return {"group": group, "shape": [b, h, t, d], "causal": causal, "fused": graph_us(fused),
+            "composed": graph_us(composed), "err_fused": float((fused() - ref).abs().max()),
+            "err_composed": float((composed() - ref).abs().max())}
 
 
 def main():
@@ -104,9 +153,13 @@ def main():
     print(table("Biased GEMMs, µs each (CUDA graph replay)", ["shapes", "dtype", "rows x inner x cols", *cols],
                 [[r["group"], r["dtype"], "x".join(map(str, r["mkn"])), *(r[c] for c in cols)] for r in rows]))
     attn = [attention(b) for b in (1, 4)]
-    print(table("ViT-B/16 attention, µs each", ["batch", "native MHA", "apart, addmm", "apart, mm+add"],
-                [[a["batch"], a["native"], a["apart_addmm"], a["apart_mm_add"]] for a in attn]))
-    print(f"wrote {write_json('gemm_kernels', {'rows': rows, 'attention': attn})}")
+    print(table("ViT-B/16 multi-head attention, µs each", ["batch", "native MHA", "apart, addmm", "apart, mm+add",
+                                                           "ferry composed"],
+                [[a["batch"], a["native"], a["apart_addmm"], a["apart_mm_add"], a["ferry_composed"]] for a in attn]))
+    kernels = [sdpa(g, *shape) for g, shape in ATTENTION.items()]
+    print(table("fp32 attention, µs each", ["shapes", "batch x heads x tokens x dim", "causal", "fused", "composed"],
+                [[r["group"], "x".join(map(str, r["shape"])), r["causal"], r["fused"], r["composed"]] for r in kernels]))
+    print(f"wrote {write_json('gemm_kernels', {'rows': rows, 'attention': attn, 'sdpa': kernels})}")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, write_json  # noqa: E402
 
 import ferry  # noqa: E402
-from ferry.runtime import gemm_choice  # noqa: E402
+from ferry.runtime import attention_choice, gemm_choice  # noqa: E402
 
 # ---------------------------------------------------------------- the models
 
@@ -186,6 +186,14 @@ def _peak_mib(device, base) -> float | None:
     if device.type != "cuda":
         return None
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _reserved_mib(device, base) -> float | None:
+    """The peak of what the caching allocator held from the GPU (freed blocks it keeps
+    included): nearer what the process takes of the GPU than the allocated peak."""
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_reserved() - base) / 2**20
 
 
 # ---------------------------------------------------------------- runners
@@ -363,6 +371,7 @@ _CAPTURING = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-grap
 def _one_runner(name, batch, io, runner, model, x, want, device, built, workspaces=True):
     """Build one runner on its own copy of the model: (row without its time, call, ferry module)."""
     base = _fresh_gpu(device, workspaces)
+    reserved = torch.cuda.memory_reserved() if device.type == "cuda" else 0
     module, file_mib = None, None
     if runner in ("eager", "compile", "compile-ro"):
         mode = {"eager": None, "compile": "default", "compile-ro": "reduce-overhead"}[runner]
@@ -390,10 +399,13 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built, workspac
         call()
     err = _check(call(), want)
     row = {"model": name, "batch": batch, "io": io, "runner": runner, "peak_mib": _peak_mib(device, base),
+           "peak_reserved_mib": _reserved_mib(device, reserved),
            "compile_s": build_s, "load_s": setup, "rel_err": err, "at_load_mib": _at_load_mib(module, device),
            "file_mib": file_mib}
-    if module is not None and runner in ("ferry", "ferry-graphs"):  # what its biased GEMMs run as (gemm_choice.py)
+    if module is not None and runner in ("ferry", "ferry-graphs"):  # what its GEMMs and attention run as
         row["gemms"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in gemm_choice.decisions()]
+        row["attention"] = [dataclasses.asdict(d) | {"use_composed": d.use_composed}
+                            for d in attention_choice.decisions()]
     return row, call, module
 
 
@@ -461,7 +473,7 @@ def report(rows, out):
     for r in rows:
         if "error" in r:
             lines.append([r["model"], r["batch"], r.get("io", "-"), r.get("runner", "-"), "FAILED", r["error"][:60],
-                          "", "", "", "", "", ""])
+                          "", "", "", "", "", "", ""])
             continue
         key = (r["model"], r["batch"], r["io"])
         ratio = r["ms"] / eager[key] if key in eager else float("nan")
@@ -470,12 +482,13 @@ def report(rows, out):
         mem_ratio = mem / eager_mem[key] if mem is not None and eager_mem.get(key) else None
         lines.append([r["model"], r["batch"], r["io"], r["runner"], round(r["ms"], 3), round(ratio, 2),
                       "-" if mem is None else round(mem, 1), "-" if mem_ratio is None else round(mem_ratio, 2),
+                      "-" if r.get("peak_reserved_mib") is None else round(r["peak_reserved_mib"], 1),
                       "-" if at_load is None else round(at_load, 1),
                       "-" if r["compile_s"] is None else round(r["compile_s"], 1), round(r["load_s"], 2),
                       "-" if r.get("file_mib") is None else round(r["file_mib"], 1)])
     print(table("Real models (median ms per call; ratio to eager)",
                 ["model", "batch", "I/O", "runner", "ms", "vs eager", "peak MiB", "peak vs eager",
-                 "of it at load MiB", "compile s", "load/first call s", "file MiB"], lines))
+                 "reserved peak MiB", "of it at load MiB", "compile s", "load/first call s", "file MiB"], lines))
     path = write_json(out, {"rows": rows})
     print(f"wrote {path}")
 

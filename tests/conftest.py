@@ -4,14 +4,20 @@
 work runs synchronously with the host. `emu_async`: the same, but its device work runs as a
 GPU's does — queued on simulated streams and run only when the host waits — so a missing
 host wait gives a wrong answer (runtime/simulated.py).
+
+`fresh`: no kernel choices (runtime/kernel_timing.py) carried over from other tests. `timed`: any
+device counts as a GPU and the timing of a kernel choice is faked: `timed.times` are the
+(eager µs, alternative µs) it returns, `timed.calls` counts the measurements.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from ferry.runtime import emulated_device
+from ferry.runtime import attention_choice, emulated_device, gemm_choice, kernel_timing
 
 
 @pytest.fixture
@@ -40,3 +46,26 @@ def full_fp32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    for module in (gemm_choice, attention_choice):
+        monkeypatch.setattr(module, "_choices", kernel_timing.Choices())
+
+
+@pytest.fixture
+def timed(monkeypatch, fresh):
+    class Timer:
+        times, calls = (100.0, 40.0), 0
+
+        def __call__(self, eager, other):
+            eager(), other()  # both are run, as the real timing does
+            Timer.calls += 1
+            return Timer.times
+
+    monkeypatch.setattr(kernel_timing, "gpu_of", kernel_timing.real_device)
+    monkeypatch.setattr(kernel_timing, "on", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(kernel_timing, "time_both", Timer())
+    monkeypatch.setattr(kernel_timing, "time_replayed", Timer())
+    return Timer

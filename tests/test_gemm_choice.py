@@ -2,7 +2,6 @@
 `addmm` (runtime/gemm_choice.py). On the CPU the timing is faked; the choice, its limits, its
 cache and the bound steps that use it are real, and results are checked against eager."""
 
-import contextlib
 import math
 import threading
 
@@ -10,31 +9,7 @@ import pytest
 import torch
 
 import ferry
-from ferry.runtime import gemm_choice
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """No decisions carried over from other tests."""
-    monkeypatch.setattr(gemm_choice, "_decided", {})
-
-
-@pytest.fixture
-def timed(monkeypatch, fresh):
-    """Any device counts as a GPU; `timed.times` are the (eager µs, GEMM µs) the 'measurement'
-    returns, and `timed.calls` counts the measurements."""
-    class Timer:
-        times, calls = (100.0, 40.0), 0
-
-        def __call__(self, eager, gemm):
-            eager(), gemm()  # both are run, as the real timing does
-            Timer.calls += 1
-            return Timer.times
-
-    monkeypatch.setattr(gemm_choice, "_gpu_of", gemm_choice._real_device)
-    monkeypatch.setattr(gemm_choice, "_on", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(gemm_choice, "_time_both", Timer())
-    return Timer
+from ferry.runtime import gemm_choice, kernel_timing
 
 
 def operands(rows=6, inner=5, cols=7, dtype=torch.float32, meta=("mat1", "out")):
@@ -108,7 +83,7 @@ def test_a_decision_made_before_a_capture_holds_during_it(timed, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert gemm_choice.biased_gemm(*operands()) is gemm_choice.mm_then_add
     assert gemm_choice.biased_gemm(*operands(rows=3)) is None
-    assert len(gemm_choice._decided) == 1  # the shape met under the capture is not remembered
+    assert len(gemm_choice._choices.decided) == 1  # the shape met under the capture is not remembered
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert gemm_choice.biased_gemm(*operands(rows=3)) is gemm_choice.mm_then_add
     assert timed.calls == 2
@@ -118,7 +93,7 @@ def test_only_a_loading_method_times(timed):
     """A plan bound during a call (a new shape, micro-batches) uses what load measured and times
     nothing: no host wait or allocation inside a call."""
     assert gemm_choice.biased_gemm(*operands(), measure=False) is None
-    assert timed.calls == 0 and gemm_choice._decided == {}
+    assert timed.calls == 0 and gemm_choice.decisions() == []
     gemm_choice.biased_gemm(*operands())
     assert gemm_choice.biased_gemm(*operands(), measure=False) is gemm_choice.mm_then_add
     assert timed.calls == 1
@@ -145,7 +120,7 @@ def test_concurrent_loads_measure_each_shape_once(timed):
 
 
 def test_without_a_gpu_nothing_is_measured(fresh, monkeypatch):
-    monkeypatch.setattr(gemm_choice, "_time_both", lambda *a: pytest.fail("timed on the CPU"))
+    monkeypatch.setattr(kernel_timing, "time_both", lambda *a: pytest.fail("timed on the CPU"))
     assert gemm_choice.biased_gemm(*operands()) is None
     assert gemm_choice.decisions() == []
 
@@ -153,12 +128,12 @@ def test_without_a_gpu_nothing_is_measured(fresh, monkeypatch):
 def test_no_memory_to_measure_keeps_addmm_and_other_errors_surface(timed, monkeypatch):
     def no_memory(eager, gemm):
         raise torch.cuda.OutOfMemoryError("no scratch")
-    monkeypatch.setattr(gemm_choice, "_time_both", no_memory)
+    monkeypatch.setattr(kernel_timing, "time_both", no_memory)
     assert gemm_choice.biased_gemm(*operands()) is None
 
     def broken(eager, gemm):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setattr(gemm_choice, "_time_both", broken)
+    monkeypatch.setattr(kernel_timing, "time_both", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):  # an earlier kernel's fault: not hidden
         gemm_choice.biased_gemm(*operands(rows=3))
 
@@ -224,8 +199,8 @@ def test_on_cuda_each_gemm_is_measured_and_results_equal_eager(graphs, kernel, f
     """Whichever kernel the timing picks, and with the split forced (a GPU where it never wins
     would otherwise check only addmm)."""
     if kernel == "split forced":
-        monkeypatch.setattr(gemm_choice, "_KEEP_IF_ABOVE", math.inf)
-        monkeypatch.setattr(gemm_choice, "_MIN_SAVING_US", -math.inf)
+        monkeypatch.setattr(kernel_timing, "KEEP_IF_ABOVE", math.inf)
+        monkeypatch.setattr(kernel_timing, "MIN_SAVING_US", -math.inf)
     model = Wide().eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(1, 128, 768),)),
                             ferry.OpSupportPartitioner("cuda:0"))

@@ -36,7 +36,9 @@ from ferry.program.schema import (
     TensorValue,
     root_storage,
 )
+from ferry.runtime import attention_choice
 from ferry.runtime.gemm_choice import biased_gemm
+from ferry.runtime.kernel_timing import captured_plan, in_captured_plan
 from ferry.runtime.kernels import CopyKernel, _to_meta, bind_aten, check_call, fast_aten, fast_functional
 from ferry.runtime.load import Memory
 
@@ -120,7 +122,8 @@ class Bound:
 
 def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_locked=None,
                 io: dict[int, torch.Tensor] | None = None, per_call: frozenset[int] = frozenset(),
-                shapes: dict[int, object] | None = None, transport=None, measure: bool = False) -> Bound:
+                shapes: dict[int, object] | None = None, transport=None, measure: bool = False,
+                captured: bool = False) -> Bound:
     """Bind every instruction. `delegate(i)` gives delegate i's handle; `streams` (a CopyStreams)
     issues copies on an asynchronous device; `io` fixes more slots (a delegate's planned I/O);
     `per_call`: planned inputs and outputs the caller's tensors stand in for on each call
@@ -130,7 +133,14 @@ def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_
     one (views of its planned memory at those shapes, sizes as constants). `transport` runs the
     copies between ranks of a program split over processes (runtime/transport.py). `measure`:
     the method is loading, so kernels chosen by timing (runtime/gemm_choice.py) may be timed now;
-    a plan bound during a call uses only what was timed before."""
+    a plan bound during a call uses only what was timed before. `captured`: the plan runs as CUDA
+    graphs, so kernels that are faster on the GPU but launch more (runtime/attention_choice.py)
+    may be chosen; the delegates bound meanwhile inherit it."""
+    with captured_plan(captured):
+        return _bind_method(method, memory, delegate, streams, page_locked, io, per_call, shapes, transport, measure)
+
+
+def _bind_method(method, memory, delegate, streams, page_locked, io, per_call, shapes, transport, measure) -> Bound:
     slots, fixed = list(memory.slots), list(memory.fixed)
     for vid, t in (io or {}).items():
         slots[vid], fixed[vid] = t, True
@@ -139,7 +149,7 @@ def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_
     fresh_shapes = _fix_shapes(method, slots, fixed, shapes) if shapes is not None else {}
     _fix_lists(method, slots, fixed)
     b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()), shapes, transport,
-                measure)
+                measure, in_captured_plan())
     steps = [b.instruction(i, ins) for i, ins in enumerate(method.instructions)]
     steps += b.writebacks()
     return Bound(tuple(_with_releases(method, steps, fixed)), slots, tuple(fixed),
@@ -348,8 +358,9 @@ def _resolve(ref, slots):
 
 class _Binder:
     def __init__(self, method: Method, slots: list, fixed: list, delegate, streams, page_locked,
-                 shapes: dict | None = None, transport=None, measure: bool = False):
+                 shapes: dict | None = None, transport=None, measure: bool = False, captured: bool = False):
         self.m, self.slots, self.fixed, self.transport, self.measure = method, slots, fixed, transport, measure
+        self.captured = captured
         self.delegate, self.streams, self.page_locked = delegate, streams, page_locked
         self.shapes = shapes  # bound at one call's shapes: every dynamic value's size is known
 
@@ -582,7 +593,7 @@ class _Binder:
         slots = self.slots
         if op in LAYOUT_VIEWS and any(r[0] != "c" for r in pos):
             op = torch.ops.aten.reshape.default  # see LAYOUT_VIEWS
-        fn = self._fast(op, pos, kw, outputs) or op
+        fn = self._chosen_attention(op, pos, kw) or self._fast(op, pos, kw, outputs) or op
         args = _arguments(slots, pos, kw)
         first = _first_only(pos, kw)
         if len(outputs) == 1 and first is not None:  # the common case: one value of the call, first
@@ -617,6 +628,19 @@ class _Binder:
         except _NoMeta:
             return None
         return biased_gemm(bias, mat1, mat2, out, scalars[0][1], scalars[1][1], measure=self.measure)
+
+    def _chosen_attention(self, op, pos, kw):
+        """GEMMs and a softmax for an attention this GPU runs faster that way, in a plan captured
+        as CUDA graphs (timed once per shape, at load: runtime/attention_choice.py); else None."""
+        if not self.captured or op not in attention_choice.OPS:
+            return None
+        try:
+            args = [r[1] if r[0] == "c" else self._meta(r) for r in pos]
+            kwargs = {k: r[1] if r[0] == "c" else self._meta(r) for k, r in kw.items()}
+        except _NoMeta:
+            return None
+        one_input = len(pos) >= 3 and pos[0][0] == "v" and pos[0] == pos[1] == pos[2]
+        return attention_choice.chosen(op, args, kwargs, one_input, measure=self.measure)
 
     def _fast_out(self, op, pos, kw):
         """fast_aten for an .out kernel whose arguments include values of the call."""

@@ -81,7 +81,8 @@ class LoadedMethod:
         api = self.streams.api if self.streams is not None else None
         bound = bind_method(self.method, self.memory, delegate=self._delegate, streams=self.streams,
                             page_locked=api.page_locked if api is not None else None, io=io, per_call=per_call,
-                            shapes=shapes, transport=self.transport, measure=measure)
+                            shapes=shapes, transport=self.transport, measure=measure,
+                            captured=graphs)
         kind = api.device_type if api is not None else None
         return Plan(self.name, bound, schedule(bound.steps, kind, graphs), schedule(bound.steps, kind), self.streams,
                     list(self.method.outputs), record, schedule(bound.steps, kind, graphs, pending=True),

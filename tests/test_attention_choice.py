@@ -1,0 +1,216 @@
+"""Attention runs as GEMMs and a softmax where the GPU measures that faster than eager's fused
+kernel, in plans captured as CUDA graphs only (runtime/attention_choice.py). On the CPU the
+timing is faked (conftest's `timed`); the composed forms, the choice, its limits and the bound
+steps that use it are real, and results are checked against eager."""
+
+import math
+
+import pytest
+import torch
+
+import ferry
+from ferry.runtime import attention_choice, gemm_choice, kernel_timing
+
+MHA = torch.ops.aten._native_multi_head_attention.default
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def qkv(b=2, h=3, t=5, s=None, d=4, dtype=torch.float32):
+    s = t if s is None else s
+    return torch.randn(b, h, t, d, dtype=dtype), torch.randn(b, h, s, d, dtype=dtype), torch.randn(b, h, s, d, dtype=dtype)
+
+
+def mha_args(b=2, t=5, e=12, heads=3, dtype=torch.float32):
+    x = torch.randn(b, t, e, dtype=dtype)
+    weights = [torch.randn(3 * e, e, dtype=dtype) * e ** -0.5, torch.randn(3 * e, dtype=dtype),
+               torch.randn(e, e, dtype=dtype) * e ** -0.5, torch.randn(e, dtype=dtype)]
+    return [x, x, x, e, heads, *weights]
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_composed_attention_equals_eager(scale, dtype):
+    q, k, v = qkv(t=7, s=9, dtype=dtype)
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)  # strided as the heads of one projection are
+    torch.testing.assert_close(attention_choice.composed_attention(q, k, v, scale=scale), SDPA(q, k, v, scale=scale))
+
+
+def test_composed_multi_head_attention_equals_eager(timed):
+    """Every part composed (the fake timing favours each): in-projection as mm + bias, attention as
+    GEMMs and a softmax, out-projection as mm + bias."""
+    args = mha_args()
+    fn = attention_choice.chosen(MHA, args, {"need_weights": False}, self_attention=True)
+    assert fn is not None and fn.parts == (True, True, True)
+    want = MHA(*args, need_weights=False)[0]
+    got, weights = fn(*args, need_weights=False)
+    torch.testing.assert_close(got, want)
+    assert weights.numel() == 0 and got.is_contiguous()
+
+
+def test_attention_is_composed_only_where_measured_faster_by_a_margin(timed):
+    assert attention_choice.chosen(SDPA, list(qkv()), {}, False) is attention_choice.composed_attention
+    timed.times = (100.0, 95.0)  # under 10% faster: the fused kernel stays
+    assert attention_choice.chosen(SDPA, list(qkv(t=6)), {}, False) is None
+    timed.times = (6.5, 5.0)  # 23% faster but 1.5 µs: less than the launches cost
+    assert attention_choice.chosen(SDPA, list(qkv(t=8)), {}, False) is None
+    made = {(d.queries, d.use_composed) for d in attention_choice.decisions()}
+    assert made == {(5, True), (6, False), (8, False)}
+    assert timed.calls == 3
+
+
+def test_each_attention_is_measured_once_and_only_while_loading(timed):
+    assert attention_choice.chosen(SDPA, list(qkv()), {}, False, measure=False) is None  # bound during a call
+    assert timed.calls == 0
+    for _ in range(3):
+        attention_choice.chosen(SDPA, list(qkv()), {}, False)
+    assert timed.calls == 1
+    assert attention_choice.chosen(SDPA, list(qkv()), {}, False, measure=False) is attention_choice.composed_attention
+    attention_choice.chosen(SDPA, list(qkv()), {"scale": 0.5}, False)  # another scale is another kernel's call
+    assert timed.calls == 2
+
+
+@pytest.mark.parametrize("case", ["mask", "dropout", "causal", "gqa", "bf16", "3-D", "large", "deterministic",
+                                  "no real tensor"])
+def test_what_attention_is_never_composed(case, timed, monkeypatch):
+    """A mask, dropout or causal mask is the fused kernel's (rows all masked differ between the
+    two); half precision would round the scores before the softmax; large scores would be a large
+    tensor; deterministic algorithms get eager's kernel."""
+    if case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    q, k, v = qkv(dtype=torch.bfloat16 if case == "bf16" else torch.float32,
+                  **({"b": 64, "t": 1024} if case == "large" else {}))
+    kwargs = {"mask": {"attn_mask": torch.ones(5, 5, dtype=torch.bool)}, "dropout": {"dropout_p": 0.1},
+              "causal": {"is_causal": True}, "gqa": {"enable_gqa": True}}.get(case, {})
+    if case == "3-D":
+        q, k, v = q[0], k[0], v[0]
+    if case == "no real tensor":
+        q, k, v = (t.to("meta") for t in (q, k, v))
+    assert attention_choice.chosen(SDPA, [q, k, v], kwargs, False) is None
+    assert timed.calls == 0
+
+
+@pytest.mark.parametrize("case", ["cross-attention", "need weights", "mask", "fp16", "no bias"])
+def test_what_multi_head_attention_is_never_composed(case, timed):
+    args = mha_args(dtype=torch.float16 if case == "fp16" else torch.float32)
+    kwargs = {"need_weights": case == "need weights"}
+    if case == "mask":
+        kwargs["mask"] = torch.zeros(5, 5, dtype=torch.bool)
+    if case == "no bias":
+        args[6] = None
+    assert attention_choice.chosen(MHA, args, kwargs, self_attention=case != "cross-attention") is None
+    assert attention_choice.decisions() == []
+
+
+class SelfAttention(torch.nn.Module):
+    """nn.MultiheadAttention as ViT uses it: ferry's compiler runs it as the fused op."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.ln, self.attn = torch.nn.LayerNorm(dim), torch.nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.fc = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        y = self.ln(x)
+        return x + self.fc(self.attn(y, y, y, need_weights=False)[0])
+
+
+class Sdpa(torch.nn.Module):
+    """Attention over heads as transformers' encoders write it: no mask, not causal."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).chunk(3, -1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+def _counting(monkeypatch):
+    """Counts the composed attention's calls (the multi-head form calls it too)."""
+    ran = []
+    real = attention_choice.composed_attention
+
+    def counted(*args, **kwargs):
+        ran.append(args[0].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(attention_choice, "composed_attention", counted)
+    return ran
+
+
+@pytest.mark.parametrize("model_type", [SelfAttention, Sdpa])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_bound_steps_compose_attention_only_in_captured_plans(model_type, graphs, timed, emu_async, monkeypatch):
+    """With graphs, the attention runs composed (the fake timing favours it), call after call,
+    equal to eager on fresh inputs; without graphs nothing is timed and the fused kernel runs."""
+    ran = _counting(monkeypatch)
+    model = model_type().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(2, 6, 32),)), ferry.OpSupportPartitioner("emu:0"))
+    module = ferry.Module(program, cuda_graphs=graphs)
+    module.load_method()
+    measured = attention_choice.decisions()
+    assert bool(measured) == graphs
+    if graphs:
+        # the multi-head form is timed whole, after its attention alone
+        want = {"multi-head attention", "attention"} if model_type is SelfAttention else {"attention"}
+        assert {d.op for d in measured} == want and all(d.use_composed for d in measured)
+    ran.clear()
+    for _ in range(4):
+        x = torch.randn(2, 6, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)
+    assert len(ran) == (4 if graphs else 0)
+
+
+def test_a_multi_head_decision_is_keyed_by_its_parts(timed, monkeypatch):
+    """The multi-head form is timed with the parts chosen for it: projections measured the other
+    way (another process, another GPU) make another decision, not a stale one."""
+    args, kwargs = mha_args(), {"need_weights": False}
+    assert attention_choice.chosen(MHA, args, kwargs, True).parts == (True, True, True)
+    assert timed.calls == 4  # two GEMMs, the attention, then the whole
+    assert attention_choice.chosen(MHA, args, kwargs, True) is not None and timed.calls == 4
+    monkeypatch.setattr(gemm_choice, "_choices", kernel_timing.Choices())
+    timed.times = (40.0, 100.0)  # now the fused kernels are the faster
+    assert attention_choice.chosen(MHA, args, kwargs, True) is None
+    assert timed.calls == 7  # the GEMMs again, and the whole with eager's projections; the attention is known
+
+
+def _compiled(model, shape):
+    return ferry.compile(torch.export.export(model, (torch.randn(*shape),)), ferry.OpSupportPartitioner("cuda:0"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("model_type", [SelfAttention, Sdpa])
+@pytest.mark.parametrize("kernel", ["measured", "composed forced"])
+def test_on_cuda_attention_is_measured_and_results_equal_eager(model_type, kernel, fresh, full_fp32, monkeypatch):
+    """ViT-B/16's attention shape (197 tokens, 12 heads of 64) with graphs, whichever kernels the
+    timing picks and with the composed forms forced (a GPU where they never win would otherwise
+    check only eager's)."""
+    if kernel == "composed forced":
+        monkeypatch.setattr(kernel_timing, "KEEP_IF_ABOVE", math.inf)
+        monkeypatch.setattr(kernel_timing, "MIN_SAVING_US", -math.inf)
+    model = model_type(768, 12).eval()
+    module = ferry.Module(_compiled(model, (1, 197, 768)), cuda_graphs=True)
+    cuda_model = model.cuda()
+    for _ in range(3):
+        x = torch.randn(1, 197, 768)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
+    made = attention_choice.decisions()
+    assert made and all(d.device == "cuda:0" and d.eager_us > 0 and d.composed_us > 0 for d in made)
+    assert kernel == "measured" or all(d.use_composed for d in made)
+    assert len(module._methods["forward"].graphs) >= 1 and not any(g.failed for g in module._methods["forward"].graphs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_cuda_without_graphs_nothing_is_composed(fresh, full_fp32):
+    model = SelfAttention(768, 12).eval()
+    module = ferry.Module(_compiled(model, (1, 197, 768)))
+    x = torch.randn(1, 197, 768)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), model.cuda()(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
+    assert attention_choice.decisions() == []

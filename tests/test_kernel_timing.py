@@ -1,0 +1,60 @@
+"""The timing behind the kernel choices (runtime/kernel_timing.py), on a fake GPU whose events
+read a fake host clock: a run the host launches slower than the GPU's queued wait lasts is timed
+again behind a longer wait, so a form of many small launches is not timed at the host's pace."""
+
+import time
+
+import pytest
+import torch
+
+from ferry.runtime import kernel_timing
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Events stamp a fake clock that each launched 'kernel' advances by its host time;
+    `_sleep` records the cycles asked for; a cycle lasts 1 ns."""
+    clock, sleeps = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = 0.0
+
+        def record(self):
+            self.t = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleeps.append)
+    monkeypatch.setattr(kernel_timing, "_sleep_rate", lambda: 1e-3)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def kernel(us):
+        def run():
+            clock[0] += us * 1e-6
+        return run
+    return kernel, sleeps
+
+
+def test_a_run_launched_slower_than_the_wait_is_timed_behind_a_longer_one(fake_gpu):
+    kernel, sleeps = fake_gpu
+    quick, slow = kernel(1.0), kernel(100.0)  # 10 calls of the slow one: 1 ms, more than 0.7 of 0.5 ms
+    assert kernel_timing.time_both(quick, slow) == pytest.approx((1.0, 100.0))
+    first = kernel_timing._QUEUE_CYCLES
+    assert sleeps == [first, first, 4 * first] + [4 * first] * 4  # the longer wait kept for the later rounds
+
+
+def test_a_host_slower_than_the_longest_wait_is_timed_at_its_pace(fake_gpu):
+    kernel, sleeps = fake_gpu
+    kernel_timing.time_both(kernel(1.0), kernel(10_000.0))  # 100 ms of launches
+    assert max(sleeps) == kernel_timing._MAX_QUEUE_CYCLES
+
+
+def test_faster_needs_a_tenth_and_two_microseconds():
+    assert kernel_timing.faster(100.0, 89.0) and not kernel_timing.faster(100.0, 91.0)
+    assert not kernel_timing.faster(10.0, 8.5) and kernel_timing.faster(20.0, 17.5)
