@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, write_json  # noqa: E402
 
 import ferry  # noqa: E402
-from ferry.runtime import attention_choice, gemm_choice  # noqa: E402
+from ferry.runtime import attention_choice, conv_choice, gemm_choice  # noqa: E402
 
 # ---------------------------------------------------------------- the models
 
@@ -406,6 +406,7 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built, workspac
         row["gemms"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in gemm_choice.decisions()]
         row["attention"] = [dataclasses.asdict(d) | {"use_composed": d.use_composed}
                             for d in attention_choice.decisions()]
+        row["conv1x1"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in conv_choice.decisions()]
     return row, call, module
 
 

@@ -17,7 +17,7 @@ import contextlib
 import pytest
 import torch
 
-from ferry.runtime import attention_choice, emulated_device, gemm_choice, kernel_timing
+from ferry.runtime import attention_choice, conv_choice, emulated_device, gemm_choice, kernel_timing
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def full_fp32():
 
 @pytest.fixture
 def fresh(monkeypatch):
-    for module in (gemm_choice, attention_choice):
+    for module in (gemm_choice, attention_choice, conv_choice):
         monkeypatch.setattr(module, "_choices", kernel_timing.Choices())
 
 

@@ -36,7 +36,7 @@ from ferry.program.schema import (
     TensorValue,
     root_storage,
 )
-from ferry.runtime import attention_choice
+from ferry.runtime import attention_choice, conv_choice
 from ferry.runtime.gemm_choice import biased_gemm
 from ferry.runtime.kernel_timing import captured_plan, in_captured_plan
 from ferry.runtime.kernels import CopyKernel, _to_meta, bind_aten, check_call, fast_aten, fast_functional
@@ -593,7 +593,7 @@ class _Binder:
         slots = self.slots
         if op in LAYOUT_VIEWS and any(r[0] != "c" for r in pos):
             op = torch.ops.aten.reshape.default  # see LAYOUT_VIEWS
-        fn = self._chosen_attention(op, pos, kw) or self._fast(op, pos, kw, outputs) or op
+        fn = self._chosen_composed(op, pos, kw) or self._fast(op, pos, kw, outputs) or op
         args = _arguments(slots, pos, kw)
         first = _first_only(pos, kw)
         if len(outputs) == 1 and first is not None:  # the common case: one value of the call, first
@@ -629,16 +629,20 @@ class _Binder:
             return None
         return biased_gemm(bias, mat1, mat2, out, scalars[0][1], scalars[1][1], measure=self.measure)
 
-    def _chosen_attention(self, op, pos, kw):
-        """GEMMs and a softmax for an attention this GPU runs faster that way, in a plan captured
-        as CUDA graphs (timed once per shape, at load: runtime/attention_choice.py); else None."""
-        if not self.captured or op not in attention_choice.OPS:
+    def _chosen_composed(self, op, pos, kw):
+        """In a plan captured as CUDA graphs, a composed form of more, smaller kernels where this
+        GPU runs it faster (timed once per shape, at load): attention as GEMMs and a softmax
+        (runtime/attention_choice.py), a 1x1 convolution of one image as a GEMM
+        (runtime/conv_choice.py); else None."""
+        if not self.captured or (op not in attention_choice.OPS and op not in conv_choice.OPS):
             return None
         try:
             args = [r[1] if r[0] == "c" else self._meta(r) for r in pos]
             kwargs = {k: r[1] if r[0] == "c" else self._meta(r) for k, r in kw.items()}
         except _NoMeta:
             return None
+        if op in conv_choice.OPS:
+            return None if kwargs else conv_choice.chosen(op, args, measure=self.measure)
         one_input = len(pos) >= 3 and pos[0][0] == "v" and pos[0] == pos[1] == pos[2]
         return attention_choice.chosen(op, args, kwargs, one_input, measure=self.measure)
 

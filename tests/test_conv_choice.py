@@ -1,0 +1,156 @@
+"""A 1x1 convolution of one image runs as one GEMM where the GPU measures that faster than cuDNN,
+in plans captured as CUDA graphs only (runtime/conv_choice.py). On the CPU the timing is faked
+(conftest's `timed`) and cuDNN is said to take the convolution; the GEMM form, the choice, its
+limits and the bound steps that use it are real, and results are checked against eager."""
+
+import math
+
+import pytest
+import torch
+
+import ferry
+from ferry import fused_kernels
+from ferry.runtime import conv_choice, kernel_timing
+
+CONV_RELU, CONV_ADD_RELU = fused_kernels.CONV_RELU, fused_kernels.CONV_ADD_RELU
+
+
+@pytest.fixture
+def cudnn(monkeypatch):
+    """cuDNN 'takes' every convolution: the choice is then made as on a GPU."""
+    monkeypatch.setattr(fused_kernels, "_cudnn_takes", lambda *args: True)
+
+
+def conv_args(ci=8, co=6, h=5, w=4, batch=1, kernel=1, residual=False, dtype=torch.float32):
+    x = torch.randn(batch, ci, h, w, dtype=dtype)
+    weight, bias = torch.randn(co, ci, kernel, kernel, dtype=dtype), torch.randn(co, dtype=dtype)
+    rest = [[1, 1], [0, 0], [1, 1], 1]
+    if residual:
+        return [x, weight, torch.randn(batch, co, h, w, dtype=dtype), bias, *rest]
+    return [x, weight, bias, *rest]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_gemm_form_equals_eager(dtype, residual):
+    args = conv_args(residual=residual, dtype=dtype)
+    x, weight = args[:2]
+    bias, z = (args[3], args[2]) if residual else (args[2], None)
+    want = torch.nn.functional.conv2d(x, weight, bias)
+    want = torch.relu(want + z if residual else want)
+    torch.testing.assert_close(conv_choice.conv1x1_as_mm(x, weight, bias, z), want)
+    torch.testing.assert_close(conv_choice.conv1x1_as_mm(x, weight, None), torch.relu(torch.nn.functional.conv2d(x, weight)))
+
+
+def test_the_gemm_is_chosen_only_where_measured_faster_by_a_margin(timed, cudnn):
+    assert conv_choice.chosen(CONV_RELU, conv_args()) is not None
+    assert conv_choice.chosen(CONV_ADD_RELU, conv_args(residual=True)) is not None  # another decision
+    timed.times = (100.0, 95.0)
+    assert conv_choice.chosen(CONV_RELU, conv_args(h=7)) is None
+    timed.times = (6.5, 5.0)
+    assert conv_choice.chosen(CONV_RELU, conv_args(h=9)) is None
+    made = {(d.pixels, d.residual, d.use_gemm) for d in conv_choice.decisions()}
+    assert made == {(20, False, True), (20, True, True), (28, False, False), (36, False, False)}
+    assert timed.calls == 4
+    for _ in range(2):
+        conv_choice.chosen(CONV_RELU, conv_args())
+    assert timed.calls == 4
+
+
+def test_only_a_loading_method_times(timed, cudnn):
+    assert conv_choice.chosen(CONV_RELU, conv_args(), measure=False) is None
+    assert timed.calls == 0
+    conv_choice.chosen(CONV_RELU, conv_args())
+    assert conv_choice.chosen(CONV_RELU, conv_args(), measure=False) is not None and timed.calls == 1
+
+
+@pytest.mark.parametrize("case", ["batch 2", "3x3", "stride 2", "padding", "groups", "bf16", "channels last",
+                                  "tf32 GEMM only", "deterministic", "not cuDNN's", "no real tensor"])
+def test_what_is_never_a_gemm(case, timed, monkeypatch):
+    """Only what the one GEMM computes exactly: one image, a 1x1 kernel of stride 1 without padding
+    or groups, contiguous, in full precision; never less precise than eager's convolution, and
+    never in place of a convolution eager does not give cuDNN."""
+    monkeypatch.setattr(fused_kernels, "_cudnn_takes", lambda *args: case != "not cuDNN's")
+    args = conv_args(batch=2 if case == "batch 2" else 1, kernel=3 if case == "3x3" else 1,
+                     dtype=torch.bfloat16 if case == "bf16" else torch.float32)
+    if case == "stride 2":
+        args[3] = [2, 2]
+    if case == "padding":
+        args[4] = [1, 1]
+    if case == "groups":
+        args[1], args[6] = args[1][:, :4].contiguous(), 2
+    if case == "channels last":
+        args[0] = args[0].to(memory_format=torch.channels_last)
+    if case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    if case == "no real tensor":
+        args[:3] = [t.to("meta") for t in args[:3]]
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if case == "tf32 GEMM only":
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, False
+    try:
+        assert conv_choice.chosen(CONV_RELU, args) is None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    assert conv_choice.decisions() == []
+
+
+class Bottleneck(torch.nn.Module):
+    """ResNet's bottleneck at one image: 1x1 convolutions with batch norms and a residual."""
+
+    def __init__(self, wide=32, narrow=8):
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(wide, narrow, 1, bias=False), torch.nn.BatchNorm2d(narrow)
+        self.c2, self.b2 = torch.nn.Conv2d(narrow, wide, 1, bias=False), torch.nn.BatchNorm2d(wide)
+        for bn in (self.b1, self.b2):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        y = torch.relu(self.b1(self.c1(x)))
+        return torch.relu(self.b2(self.c2(y)) + x)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_bound_steps_run_the_gemm_only_in_captured_plans(graphs, timed, cudnn, emu_async, monkeypatch):
+    ran = []
+    real = conv_choice.conv1x1_as_mm
+
+    def counted(x, weight, bias, z=None):
+        ran.append(z is not None)
+        return real(x, weight, bias, z)
+    monkeypatch.setattr(conv_choice, "conv1x1_as_mm", counted)
+    model = Bottleneck().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(1, 32, 6, 5),)), ferry.OpSupportPartitioner("emu:0"))
+    module = ferry.Module(program, cuda_graphs=graphs)
+    module.load_method()
+    assert {(d.residual, d.use_gemm) for d in conv_choice.decisions()} == ({(False, True), (True, True)} if graphs
+                                                                           else set())
+    ran.clear()
+    for _ in range(3):
+        x = torch.randn(1, 32, 6, 5)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+    assert sorted(ran) == ([False] * 3 + [True] * 3 if graphs else [])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kernel", ["measured", "gemm forced"])
+def test_on_cuda_the_convolutions_are_measured_and_equal_eager(kernel, fresh, full_fp32, monkeypatch):
+    """ResNet-50's layer-4 bottleneck shape (2048 and 512 channels at 7x7), with graphs."""
+    if kernel == "gemm forced":
+        monkeypatch.setattr(kernel_timing, "KEEP_IF_ABOVE", math.inf)
+        monkeypatch.setattr(kernel_timing, "MIN_SAVING_US", -math.inf)
+    model = Bottleneck(2048, 512).eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(1, 2048, 7, 7),)),
+                            ferry.OpSupportPartitioner("cuda:0"))
+    module = ferry.Module(program, cuda_graphs=True)
+    cuda_model = model.cuda()
+    for _ in range(3):
+        x = torch.randn(1, 2048, 7, 7)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
+    made = conv_choice.decisions()
+    assert len(made) == 2 and all(d.device == "cuda:0" and d.eager_us > 0 and d.gemm_us > 0 for d in made)
+    assert kernel == "measured" or all(d.use_gemm for d in made)
