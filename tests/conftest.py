@@ -67,5 +67,4 @@ def timed(monkeypatch, fresh):
     monkeypatch.setattr(kernel_timing, "gpu_of", kernel_timing.real_device)
     monkeypatch.setattr(kernel_timing, "on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kernel_timing, "time_both", Timer())
-    monkeypatch.setattr(kernel_timing, "time_replayed", Timer())
     return Timer

@@ -8,8 +8,12 @@ at ViT's batch 4 the fused kernel is the faster (`bench/gemm_kernels.py`). The f
 `nn.MultiheadAttention` (`_native_multi_head_attention`) also runs its two projections as
 `addmm`, whose kernels cuBLAS picks slowly at some shapes (runtime/gemm_choice.py). No rule of
 shapes holds across GPUs, so each distinct attention is timed both ways when a method loads, on
-the GPU it loads on, as a CUDA graph replays it, and the composed form is kept where it saves at
-least 10% and 2 µs (runtime/kernel_timing.py).
+the GPU it loads on, and the composed form is kept where it saves at least 10% and 2 µs
+(runtime/kernel_timing.py). The timing runs the kernels back to back on a stream, where each
+launch leaves a gap that a graph's replay does not: it favours the fused kernel, the safe side
+(nn.MultiheadAttention at ViT-B/16's batch 1, composed against fused: 84.7 against 90.7 µs on a
+stream, 74.1 against 89.1 replayed from a graph, `bench/gemm_kernels.py`). Timing by replay was tried: each capture on a new stream made cuBLAS keep one more
+32 MiB workspace (ResNet-50's peak with graphs rose from 141 to 583 MiB).
 
 Only in plans captured as CUDA graphs: the composed forms launch three kernels for one
 (attention) and up to eight for four (multi-head attention), and without graphs a small call
@@ -117,7 +121,7 @@ def _decide_attention(device, tensors, scale) -> AttentionDecision | None:
     with timing.on(device), torch.no_grad():
         try:
             q, k, v = (timing.scratch(t, device) for t in tensors)
-            times = timing.time_replayed(lambda: SDPA(q, k, v, scale=scale), lambda: composed_attention(q, k, v, scale=scale))
+            times = timing.time_both(lambda: SDPA(q, k, v, scale=scale), lambda: composed_attention(q, k, v, scale=scale))
         except torch.cuda.OutOfMemoryError:  # eager's kernel stays; any other error is the caller's to see
             return None
     (b, h, t, d), s = q.shape, k.shape[2]
@@ -192,7 +196,7 @@ def _decide_multi_head(device, x, weights, heads, composed) -> AttentionDecision
         try:
             q = timing.scratch(x, device)
             w = [timing.scratch(t, device) for t in weights]
-            times = timing.time_replayed(lambda: MHA(q, q, q, e, heads, *w, need_weights=False),
+            times = timing.time_both(lambda: MHA(q, q, q, e, heads, *w, need_weights=False),
                                      lambda: composed(q, q, q, e, heads, *w, need_weights=False))
         except torch.cuda.OutOfMemoryError:
             return None

@@ -6,8 +6,8 @@ the image's (in, pixels) one. cuDNN runs it as an implicit GEMM whose tiles leav
 H200 idle when the image is small and the channels many (ResNet-50 at batch 1, layer 4's 2048 to
 512 channels at 7x7: 49.9 µs, against 15.9 for the GEMM, the bias, the residual and the ReLU);
 at large images cuDNN is the faster. Each distinct convolution of ferry's fused ops
-(fused_kernels.py) is timed both ways when a method loads, as a CUDA graph replays them, and the
-GEMM kept where it saves at least 10% and 2 µs (runtime/kernel_timing.py).
+(fused_kernels.py) is timed both ways when a method loads, and the GEMM kept where it saves at
+least 10% and 2 µs (runtime/kernel_timing.py).
 
 Only in captured plans: the GEMM form launches up to four kernels for cuDNN's one, and without
 graphs that made ResNet-50 at batch 1 slower (bench/results/conv1x1_gemm_experiment.json). Only
@@ -122,7 +122,7 @@ def _decide(device, op, args, residual) -> ConvDecision | None:
             bias, z = (real[3], real[2]) if residual else (real[2], None)
             if not fused_kernels._cudnn_takes(x, weight, bias, *real[-4:]):
                 return None  # eager's convolution is not cuDNN's here: the op runs that, and stays
-            times = timing.time_replayed(lambda: op(*real), lambda: conv1x1_as_mm(x, weight, bias, z))
+            times = timing.time_both(lambda: op(*real), lambda: conv1x1_as_mm(x, weight, bias, z))
         except torch.cuda.OutOfMemoryError:
             return None
     return ConvDecision(str(device), str(x.dtype).removeprefix("torch."), weight.shape[0], weight.shape[1],

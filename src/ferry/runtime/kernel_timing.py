@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["Choices", "captured_plan", "capturing", "faster", "gpu_of", "in_captured_plan", "on", "real_device",
-           "scratch", "time_both", "time_replayed"]
+           "scratch", "time_both"]
 
 KEEP_IF_ABOVE = 0.9  # the alternative's time over eager's: above this, eager's kernel stays
 MIN_SAVING_US = 2.0  # about what a second launch costs the host
@@ -129,37 +129,6 @@ def time_both(first: Callable, second: Callable, reps: int = 10, rounds: int = 3
                 cycles *= 4  # the GPU ran out of queued work before the host finished launching
             best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
     return best[0], best[1]
-
-
-def time_replayed(first: Callable, second: Callable, reps: int = 10, rounds: int = 3) -> tuple[float, float]:
-    """The GPU time of each as a plan captured as CUDA graphs runs it (µs per call, the best of
-    `rounds` replays of one graph of `reps` calls): for forms chosen only in such plans, whose
-    many small kernels a stream runs with gaps between them that a graph's replay does not have."""
-    graphs = [_graph_of(fn, reps) for fn in (first, second)]
-    best = [math.inf, math.inf]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(rounds):
-        for i, graph in enumerate(graphs):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
-    return best[0], best[1]
-
-
-def _graph_of(fn: Callable, reps: int):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: kernels loaded, this stream's cuBLAS workspace made
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads' CUDA work is theirs
-        for _ in range(reps):
-            fn()
-    return graph
 
 
 _rates: dict[int, float] = {}
