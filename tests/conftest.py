@@ -64,7 +64,7 @@ def timed(monkeypatch, fresh):
             Timer.calls += 1
             return Timer.times
 
-    monkeypatch.setattr(kernel_timing, "gpu_of", kernel_timing.real_device)
+    monkeypatch.setattr(kernel_timing, "gpu_of", kernel_timing.device_of)
     monkeypatch.setattr(kernel_timing, "on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kernel_timing, "time_both", Timer())
     return Timer

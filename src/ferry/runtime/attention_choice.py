@@ -12,8 +12,9 @@ the GPU it loads on, and the composed form is kept where it saves at least 10% a
 (runtime/kernel_timing.py). The timing runs the kernels back to back on a stream, where each
 launch leaves a gap that a graph's replay does not: it favours the fused kernel, the safe side
 (nn.MultiheadAttention at ViT-B/16's batch 1, composed against fused: 84.7 against 90.7 µs on a
-stream, 74.1 against 89.1 replayed from a graph, `bench/gemm_kernels.py`). Timing by replay was tried: each capture on a new stream made cuBLAS keep one more
-32 MiB workspace (ResNet-50's peak with graphs rose from 141 to 583 MiB).
+stream, 74.1 against 89.1 replayed from a graph, `bench/gemm_kernels.py`). Timing by replay was
+tried: each capture on a new stream made cuBLAS keep one more 32 MiB workspace (ResNet-50's peak
+with graphs rose from 141 to 583 MiB).
 
 Only in plans captured as CUDA graphs: the composed forms launch three kernels for one
 (attention) and up to eight for four (multi-head attention), and without graphs a small call
@@ -80,21 +81,22 @@ def composed_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, 
     return torch.matmul(torch.softmax(scores, -1), v)
 
 
-def chosen(op, args: list, kwargs: dict, self_attention: bool, measure: bool = True) -> Callable | None:
+def chosen(op, args: list, kwargs: dict, self_attention: bool, measure: bool = True,
+           device: torch.device | None = None) -> Callable | None:
     """The composed form of `op` where this GPU runs it faster than eager's fused kernel for
     arguments like these (real tensors, or meta tensors of the same shape, strides and dtype);
-    otherwise None. `self_attention`: query, key and value are one value (multi-head attention)."""
+    otherwise None. `self_attention`: query, key and value are one value (multi-head attention).
+    `device`: the GPU it runs on, where every tensor argument may be a meta one."""
     if torch.are_deterministic_algorithms_enabled():
         return None
     if op is SDPA:
-        return _attention(args, kwargs, measure)
+        return _attention(args, kwargs, measure, device)
     if op is MHA and self_attention:
-        return _multi_head(args, kwargs, measure)
+        return _multi_head(args, kwargs, measure, device)
     return None
 
 
 def _attention(args, kwargs, measure, device: torch.device | None = None) -> Callable | None:
-    """`device`: the GPU of meta q, k and v (the heads of a multi-head attention's projection)."""
     params = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:])) | kwargs
     q, k, v = (args + [None] * 3)[:3]
     tensors = (q, k, v)
@@ -107,7 +109,7 @@ def _attention(args, kwargs, measure, device: torch.device | None = None) -> Cal
     (b, h, t, d), s = q.shape, k.shape[2]
     if k.shape[:2] != (b, h) or k.shape[3] != d or b * h * t * s > _MAX_SCORES:
         return None
-    device = device or timing.gpu_of(tensors)
+    device = timing.gpu_of(tensors, device)
     if device is None:
         return None
     scale = params.get("scale")
@@ -132,7 +134,7 @@ _MHA_PARAMS = ("query", "key", "value", "embed_dim", "num_head", "qkv_weight", "
                "mask", "need_weights", "average_attn_weights", "mask_type")
 
 
-def _multi_head(args, kwargs, measure) -> Callable | None:
+def _multi_head(args, kwargs, measure, device=None) -> Callable | None:
     p = dict(zip(_MHA_PARAMS, args)) | kwargs
     x, e, heads = p.get("query"), p.get("embed_dim"), p.get("num_head")
     weights = [p.get(n) for n in ("qkv_weight", "qkv_bias", "proj_weight", "proj_bias")]
@@ -146,7 +148,7 @@ def _multi_head(args, kwargs, measure) -> Callable | None:
         return None
     if x.dtype not in _DTYPES or any(w.dtype != x.dtype for w in weights) or b * heads * t * t > _MAX_SCORES:
         return None
-    device = timing.gpu_of((x, *weights))
+    device = timing.gpu_of((x, *weights), device)
     if device is None:
         return None
     composed = _composed_multi_head(x, weights, heads, measure, device)
@@ -172,7 +174,7 @@ def _composed_multi_head(x, weights, heads, measure, device):
         n, length, width = query.shape
         qkv = project_in(qkv_bias, query.reshape(n * length, width), qkv_weight.t())
         y = attend(*_heads(qkv, n, length, num_head)).transpose(1, 2).reshape(n * length, width)
-        return project_out(proj_bias, y, proj_weight.t()).view(n, length, width), query.new_empty((0,))
+        return project_out(proj_bias, y, proj_weight.t()).view(n, length, width), None  # no weights, as eager's
 
     multi_head.parts = (split_in, attend is not SDPA, split_out)  # type: ignore[attr-defined]
     return multi_head

@@ -320,6 +320,14 @@ def _first_only(pos, kw):
     return pos[0][1], tuple(r[1] for r in pos[1:]), {k: r[1] for k, r in kw.items()}
 
 
+def _one_value(refs) -> bool:
+    """The references are to one value: one id of the call, or one fixed tensor."""
+    kinds = {r[0] for r in refs}
+    if kinds == {"v"}:
+        return len({r[1] for r in refs}) == 1
+    return kinds == {"c"} and all(r[1] is refs[0][1] for r in refs) and isinstance(refs[0][1], torch.Tensor)
+
+
 def _arguments(slots, pos, kw):
     """A function giving (args, kwargs) of this call: what is fixed is bound once, the values of
     the call are read from the slots."""
@@ -593,7 +601,7 @@ class _Binder:
         slots = self.slots
         if op in LAYOUT_VIEWS and any(r[0] != "c" for r in pos):
             op = torch.ops.aten.reshape.default  # see LAYOUT_VIEWS
-        fn = self._chosen_composed(op, pos, kw) or self._fast(op, pos, kw, outputs) or op
+        fn = self._chosen_composed(op, pos, kw, outputs) or self._fast(op, pos, kw, outputs) or op
         args = _arguments(slots, pos, kw)
         first = _first_only(pos, kw)
         if len(outputs) == 1 and first is not None:  # the common case: one value of the call, first
@@ -629,7 +637,7 @@ class _Binder:
             return None
         return biased_gemm(bias, mat1, mat2, out, scalars[0][1], scalars[1][1], measure=self.measure)
 
-    def _chosen_composed(self, op, pos, kw):
+    def _chosen_composed(self, op, pos, kw, outputs):
         """In a plan captured as CUDA graphs, a composed form of more, smaller kernels where this
         GPU runs it faster (timed once per shape, at load): attention as GEMMs and a softmax
         (runtime/attention_choice.py), a 1x1 convolution of one image as a GEMM
@@ -641,10 +649,12 @@ class _Binder:
             kwargs = {k: r[1] if r[0] == "c" else self._meta(r) for k, r in kw.items()}
         except _NoMeta:
             return None
+        out = self.m.values[outputs[0]] if outputs else None
+        device = out.device.to_torch() if isinstance(out, TensorValue) else None
         if op in conv_choice.OPS:
-            return None if kwargs else conv_choice.chosen(op, args, measure=self.measure)
-        one_input = len(pos) >= 3 and pos[0][0] == "v" and pos[0] == pos[1] == pos[2]
-        return attention_choice.chosen(op, args, kwargs, one_input, measure=self.measure)
+            return None if kwargs else conv_choice.chosen(op, args, measure=self.measure, device=device)
+        one_input = len(pos) >= 3 and _one_value(pos[:3])
+        return attention_choice.chosen(op, args, kwargs, one_input, measure=self.measure, device=device)
 
     def _fast_out(self, op, pos, kw):
         """fast_aten for an .out kernel whose arguments include values of the call."""

@@ -80,10 +80,10 @@ def _add_relu_form(x, weight, z, bias, stride, padding, dilation, groups):
     return conv1x1_as_mm(x, weight, bias, z)
 
 
-def chosen(op, args: list, measure: bool = True) -> Callable | None:
+def chosen(op, args: list, measure: bool = True, device: torch.device | None = None) -> Callable | None:
     """The GEMM form of a fused convolution op (its own signature) where this GPU runs it faster
     than cuDNN for arguments like these (real tensors, or meta tensors of the same shape, strides
-    and dtype); otherwise None."""
+    and dtype); otherwise None. `device`: the GPU it runs on, where every tensor may be a meta one."""
     residual = op is fused_kernels.CONV_ADD_RELU
     if op not in OPS or len(args) != (8 if residual else 7):
         return None
@@ -91,7 +91,7 @@ def chosen(op, args: list, measure: bool = True) -> Callable | None:
     bias, stride, padding, dilation, groups = args[3:] if residual else args[2:]
     if not _one_image_1x1(x, weight, bias, z, stride, padding, groups):
         return None
-    device = timing.gpu_of([t for t in (x, weight, bias, z) if t is not None])
+    device = timing.gpu_of([t for t in (x, weight, bias, z) if t is not None], device)
     if device is None or torch.are_deterministic_algorithms_enabled():
         return None
     key = (str(device), x.dtype, *gemm_choice.blas_settings(), torch.backends.cudnn.allow_tf32, tuple(x.shape),

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Choices", "captured_plan", "capturing", "faster", "gpu_of", "in_captured_plan", "on", "real_device",
-           "scratch", "time_both"]
+__all__ = ["Choices", "captured_plan", "capturing", "device_of", "faster", "gpu_of", "in_captured_plan", "on",
+           "real_device", "scratch", "time_both"]
 
 KEEP_IF_ABOVE = 0.9  # the alternative's time over eager's: above this, eager's kernel stays
 MIN_SAVING_US = 2.0  # about what a second launch costs the host
@@ -72,10 +72,15 @@ class Choices:
             return [d for d in self.decided.values() if d is not None]
 
 
-def gpu_of(operands) -> torch.device | None:
-    """The CUDA device the operands are on, or None."""
-    device = real_device(operands)
+def gpu_of(operands, device: torch.device | None = None) -> torch.device | None:
+    """The CUDA device the operands are on (`device` where the caller knows it: every operand
+    may be a meta tensor), or None."""
+    device = device_of(operands, device)
     return device if device is not None and device.type == "cuda" else None
+
+
+def device_of(operands, device: torch.device | None = None) -> torch.device | None:
+    return device or real_device(operands)
 
 
 def real_device(operands) -> torch.device | None:
