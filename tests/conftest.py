@@ -7,7 +7,8 @@ host wait gives a wrong answer (runtime/simulated.py).
 
 `fresh`: no kernel choices (runtime/kernel_timing.py) carried over from other tests. `timed`: any
 device counts as a GPU and the timing of a kernel choice is faked: `timed.times` are the
-(eager µs, alternative µs) it returns, `timed.calls` counts the measurements.
+(eager µs, alternative µs) it returns, `timed.calls` counts the measurements. `count_calls(module,
+name)`: `module.name` wrapped for one test; returns the list of each call's positional arguments.
 """
 
 from __future__ import annotations
@@ -68,3 +69,16 @@ def timed(monkeypatch, fresh):
     monkeypatch.setattr(kernel_timing, "on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kernel_timing, "time_both", Timer())
     return Timer
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    def patch(module, name: str) -> list:
+        calls, real = [], getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls.append(args)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+        return calls
+    return patch

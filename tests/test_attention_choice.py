@@ -128,24 +128,12 @@ class Sdpa(torch.nn.Module):
         return x + self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
-def _counting(monkeypatch):
-    """Counts the composed attention's calls (the multi-head form calls it too)."""
-    ran = []
-    real = attention_choice.composed_attention
-
-    def counted(*args, **kwargs):
-        ran.append(args[0].shape)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(attention_choice, "composed_attention", counted)
-    return ran
-
-
 @pytest.mark.parametrize("model_type", [SelfAttention, Sdpa])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_bound_steps_compose_attention_only_in_captured_plans(model_type, graphs, timed, emu_async, monkeypatch):
+def test_bound_steps_compose_attention_only_in_captured_plans(model_type, graphs, timed, emu_async, count_calls):
     """With graphs, the attention runs composed (the fake timing favours it), call after call,
     equal to eager on fresh inputs; without graphs nothing is timed and the fused kernel runs."""
-    ran = _counting(monkeypatch)
+    ran = count_calls(attention_choice, "composed_attention")  # the multi-head form calls it too
     model = model_type().eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(2, 6, 32),)), ferry.OpSupportPartitioner("emu:0"))
     module = ferry.Module(program, cuda_graphs=graphs)

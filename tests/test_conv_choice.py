@@ -49,7 +49,7 @@ def test_the_gemm_is_chosen_only_where_measured_faster_by_a_margin(timed, cudnn)
     assert conv_choice.chosen(CONV_RELU, conv_args(h=7)) is None
     timed.times = (6.5, 5.0)
     assert conv_choice.chosen(CONV_RELU, conv_args(h=9)) is None
-    made = {(d.pixels, d.residual, d.use_gemm) for d in conv_choice.decisions()}
+    made = {(d.cols, d.kind == "conv1x1 + residual", d.use_gemm) for d in conv_choice.decisions()}
     assert made == {(20, False, True), (20, True, True), (28, False, False), (36, False, False)}
     assert timed.calls == 4
     for _ in range(2):
@@ -112,26 +112,21 @@ class Bottleneck(torch.nn.Module):
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_bound_steps_run_the_gemm_only_in_captured_plans(graphs, timed, cudnn, emu_async, monkeypatch):
-    ran = []
-    real = conv_choice.conv1x1_as_mm
-
-    def counted(x, weight, bias, z=None):
-        ran.append(z is not None)
-        return real(x, weight, bias, z)
-    monkeypatch.setattr(conv_choice, "conv1x1_as_mm", counted)
+def test_bound_steps_run_the_gemm_only_in_captured_plans(graphs, timed, cudnn, emu_async, count_calls):
+    calls = count_calls(conv_choice, "conv1x1_as_mm")
     model = Bottleneck().eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(1, 32, 6, 5),)), ferry.OpSupportPartitioner("emu:0"))
     module = ferry.Module(program, cuda_graphs=graphs)
     module.load_method()
-    assert {(d.residual, d.use_gemm) for d in conv_choice.decisions()} == ({(False, True), (True, True)} if graphs
-                                                                           else set())
-    ran.clear()
+    assert {(d.kind, d.use_gemm) for d in conv_choice.decisions()} == (
+        {("conv1x1", True), ("conv1x1 + residual", True)} if graphs else set())
+    calls.clear()
     for _ in range(3):
         x = torch.randn(1, 32, 6, 5)
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
-    assert sorted(ran) == ([False] * 3 + [True] * 3 if graphs else [])
+    assert sorted(len(args) == 4 and args[3] is not None for args in calls) == (  # with a residual or not
+        [False] * 3 + [True] * 3 if graphs else [])
 
 
 @pytest.mark.cuda

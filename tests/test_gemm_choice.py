@@ -155,16 +155,10 @@ class Mlp(torch.nn.Module):
 
 
 @pytest.mark.parametrize("io", ["host", "device output"])
-def test_bound_steps_run_the_split_and_equal_eager(io, timed, emu, monkeypatch):
+def test_bound_steps_run_the_split_and_equal_eager(io, timed, emu, count_calls):
     """Both GEMMs of a delegate run as mm + bias (the first reads the call's input, the second
     planned memory), with results equal to eager's on fresh inputs, call after call."""
-    ran = []
-    real = gemm_choice.mm_then_add
-
-    def counted(*args, **kwargs):
-        ran.append(args[1].shape)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(gemm_choice, "mm_then_add", counted)
+    ran = count_calls(gemm_choice, "mm_then_add")
     model = Mlp().eval()
     skip = io == "device output"  # the result is then made for the caller each call, not planned
     program = ferry.compile(torch.export.export(model, (torch.randn(3, 5, 16),)), ferry.OpSupportPartitioner("emu:0"),
@@ -177,7 +171,7 @@ def test_bound_steps_run_the_split_and_equal_eager(io, timed, emu, monkeypatch):
         x = torch.randn(3, 5, 16)
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-6)
-    assert len(ran) == 6 and {tuple(s) for s in ran} == {(15, 16), (15, 48)}
+    assert len(ran) == 6 and {tuple(args[1].shape) for args in ran} == {(15, 16), (15, 48)}
     assert {(d.rows, d.inner, d.cols) for d in gemm_choice.decisions()} == {(15, 16, 48), (15, 48, 16)}
 
 

@@ -19,43 +19,24 @@ made at all (fused_kernels.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from ferry import fused_kernels
 from ferry.runtime import gemm_choice
 from ferry.runtime import kernel_timing as timing
+from ferry.runtime.gemm_choice import GemmDecision
 
-__all__ = ["ConvDecision", "OPS", "chosen", "conv1x1_as_mm", "decisions"]
+__all__ = ["OPS", "chosen", "conv1x1_as_mm", "decisions"]
 
 OPS = frozenset({fused_kernels.CONV_RELU, fused_kernels.CONV_ADD_RELU})
 _DTYPES = (torch.float32, torch.float64)
 
 
-@dataclass(frozen=True)
-class ConvDecision:
-    """A 1x1 convolution of `channels_in` to `channels_out` over `pixels`: eager_us for cuDNN's
-    fused call, gemm_us for the GEMM and the elementwise work after it."""
-
-    device: str
-    dtype: str
-    channels_out: int
-    channels_in: int
-    pixels: int
-    residual: bool
-    eager_us: float
-    gemm_us: float
-
-    @property
-    def use_gemm(self) -> bool:
-        return timing.faster(self.eager_us, self.gemm_us)
-
-
 _choices = timing.Choices()
 
 
-def decisions() -> list[ConvDecision]:
+def decisions() -> list[GemmDecision]:
     """What this process measured: one entry per distinct 1x1 convolution a captured plan runs."""
     return _choices.values()
 
@@ -114,7 +95,7 @@ def _one_image_1x1(x, weight, bias, z, stride, padding, groups) -> bool:
             and all(t.is_contiguous() for t in tensors) and not gemm_tf32_only)
 
 
-def _decide(device, op, args, residual) -> ConvDecision | None:
+def _decide(device, op, args, residual) -> GemmDecision | None:
     with timing.on(device), torch.no_grad():
         try:
             real = [timing.scratch(a, device) if isinstance(a, torch.Tensor) else a for a in args]
@@ -125,5 +106,5 @@ def _decide(device, op, args, residual) -> ConvDecision | None:
             times = timing.time_both(lambda: op(*real), lambda: conv1x1_as_mm(x, weight, bias, z))
         except torch.cuda.OutOfMemoryError:
             return None
-    return ConvDecision(str(device), str(x.dtype).removeprefix("torch."), weight.shape[0], weight.shape[1],
-                        x.shape[2] * x.shape[3], residual, *times)
+    return GemmDecision(str(device), str(x.dtype).removeprefix("torch."), weight.shape[0], weight.shape[1],
+                        x.shape[2] * x.shape[3], *times, kind="conv1x1 + residual" if residual else "conv1x1")

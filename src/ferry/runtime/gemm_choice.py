@@ -26,8 +26,10 @@ _MAX_MACS = 1 << 33  # not timed above (4096^3 took 1 s of load); BERT batch 8, 
 
 @dataclass(frozen=True)
 class GemmDecision:
-    """A GEMM of rows x inner by inner x cols with a bias: eager_us for cublasLt's `addmm`,
-    gemm_us for cuBLAS's `mm` and then the bias."""
+    """A GEMM of rows x inner by inner x cols: eager_us for eager's kernel, gemm_us for cuBLAS's
+    plain GEMM and the elementwise work after it. `kind`: "addmm" (a bias: cublasLt's `addmm`
+    against `mm` then the bias), or "conv1x1" / "conv1x1 + residual" (cuDNN's fused 1x1
+    convolution of rows channels out, inner in, over cols pixels: runtime/conv_choice.py)."""
 
     device: str
     dtype: str
@@ -36,6 +38,7 @@ class GemmDecision:
     cols: int
     eager_us: float
     gemm_us: float
+    kind: str = "addmm"
 
     @property
     def use_gemm(self) -> bool:
