@@ -134,6 +134,7 @@ def test_run_prints_latency_and_copies(compiled):
     assert "output 0: float32[2, 16, 64]" in out
     assert "copies of method 'forward'" in out
     assert "totals: h2d 2 copies / 16,384 B, d2h 2 copies / 16,384 B, d2d 0 copies / 0 B" in out
+    assert "kernels chosen at load" not in out  # no GPU: nothing timed
 
 
 def test_run_with_inputs_from_npz(compiled, tmp_path):
@@ -344,3 +345,14 @@ def test_compile_traced_ops_keeps_the_batch_norms_the_default_folds(tmp_path):
             unregister_allocator("emu")
     bn = "aten::_native_batch_norm_legit_no_training.default"
     assert kernels[True].count(bn) == 2 and bn not in kernels[False]
+
+
+def test_run_prints_the_kernel_choices_made_at_load(compiled, timed):
+    """With a GPU (faked here: conftest's `timed` favours the split), `ferry run` says which
+    kernels load chose instead of eager's: the block's four biased GEMMs, each timed once."""
+    rc, out, err = call(["run", compiled[0], "--repeat", "2"])
+    assert rc == 0, err
+    line = re.search(r"kernels chosen at load, biased GEMMs: (\d+) of (\d+) timed at load run as mm then the bias "
+                     r"\(largest saving: \d+x\d+x\d+ float32, 100\.0 -> 40\.0 µs\)", out)
+    assert line and line.group(1) == line.group(2) and int(line.group(2)) >= 2, out
+    assert "attention (captured plans)" not in out  # no graphs: nothing composed is timed

@@ -58,3 +58,22 @@ def test_a_host_slower_than_the_longest_wait_is_timed_at_its_pace(fake_gpu):
 def test_faster_needs_a_tenth_and_two_microseconds():
     assert kernel_timing.faster(100.0, 89.0) and not kernel_timing.faster(100.0, 91.0)
     assert not kernel_timing.faster(10.0, 8.5) and kernel_timing.faster(20.0, 17.5)
+
+
+def test_the_summary_says_what_load_chose_of_each_kind(timed, monkeypatch):
+    from ferry import fused_kernels
+    from ferry.runtime import attention_choice, conv_choice, kernel_choices
+
+    assert kernel_choices.summary() == []
+    monkeypatch.setattr(fused_kernels, "_cudnn_takes", lambda *args: True)
+    q = torch.randn(1, 2, 5, 4)
+    attention_choice.chosen(attention_choice.SDPA, [q, q, q], {}, False)
+    conv = [torch.randn(1, 8, 3, 3), torch.randn(6, 8, 1, 1), torch.randn(6), [1, 1], [0, 0], [1, 1], 1]
+    conv_choice.chosen(fused_kernels.CONV_RELU, conv)
+    timed.times = (10.0, 9.5)
+    conv_choice.chosen(fused_kernels.CONV_RELU, [torch.randn(1, 8, 4, 4), *conv[1:]])
+    assert kernel_choices.summary() == [
+        "attention (captured plans): 1 of 1 timed at load run as GEMMs and a softmax (largest saving: "
+        "attention 1x2x5x4 float32, 100.0 -> 40.0 µs)",
+        "1x1 convolutions of one image (captured plans): 1 of 2 timed at load run as one GEMM (largest saving: "
+        "6x8x9 float32, 100.0 -> 40.0 µs)"]

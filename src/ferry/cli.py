@@ -332,6 +332,7 @@ def _open(program, args):
 
 def _timed_runs(module, program, args) -> int:
     from ferry.program.report import copy_report
+    from ferry.runtime import kernel_choices
 
     meta = module.method_meta(args.method)
     inputs = _random_inputs(meta, args.microbatches or 1) if args.inputs == "random" else _npz_inputs(args.inputs, meta)
@@ -349,6 +350,8 @@ def _timed_runs(module, program, args) -> int:
     p90 = times[min(len(times) - 1, int(0.9 * len(times)))]
     print(f"method {args.method!r}: {len(times)} runs after {args.warmup} warm-up, "
           f"median {statistics.median(times):.3f} ms, p90 {p90:.3f} ms")
+    for line in kernel_choices.summary():
+        print(f"  kernels chosen at load, {line}")
     for i, o in enumerate(outs):
         print(f"  output {i}: {str(o.dtype).removeprefix('torch.')}{list(o.shape)}")
     print(_printable(str(copy_report(program, args.method))))

@@ -1,0 +1,42 @@
+"""What the kernel choices timed at load decided in this process, as lines for people: which
+kernels run instead of eager's, and the largest saving of each kind (`ferry run` prints them).
+The decisions themselves: gemm_choice.decisions(), attention_choice.decisions(),
+conv_choice.decisions()."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ferry.runtime import attention_choice, conv_choice, gemm_choice
+
+
+def summary() -> list[str]:
+    """One line per kind of choice that timed anything; none where nothing was timed (no GPU)."""
+    lines = [
+        _line("biased GEMMs", "run as mm then the bias", gemm_choice.decisions(), lambda d: d.use_gemm,
+              _gemm_shape, lambda d: d.gemm_us),
+        _line("attention (captured plans)", "run as GEMMs and a softmax", attention_choice.decisions(),
+              lambda d: d.use_composed, _attention_shape, lambda d: d.composed_us),
+        _line("1x1 convolutions of one image (captured plans)", "run as one GEMM", conv_choice.decisions(),
+              lambda d: d.use_gemm, _gemm_shape, lambda d: d.gemm_us),
+    ]
+    return [line for line in lines if line]
+
+
+def _line(label: str, instead: str, made: list, taken: Callable, shape: Callable, other_us: Callable) -> str:
+    if not made:
+        return ""
+    chosen = [d for d in made if taken(d)]
+    line = f"{label}: {len(chosen)} of {len(made)} timed at load {instead}"
+    if chosen:
+        best = max(chosen, key=lambda d: d.eager_us - other_us(d))
+        line += f" (largest saving: {shape(best)} {best.dtype}, {best.eager_us:.1f} -> {other_us(best):.1f} µs)"
+    return line
+
+
+def _gemm_shape(d) -> str:
+    return f"{d.rows}x{d.inner}x{d.cols}"
+
+
+def _attention_shape(d) -> str:
+    return f"{d.op} {d.batch}x{d.heads}x{d.queries}x{d.head_dim}"
