@@ -70,11 +70,11 @@ def test_each_attention_is_measured_once_and_only_while_loading(timed):
 
 
 @pytest.mark.parametrize("case", ["mask", "dropout", "causal", "gqa", "bf16", "3-D", "large", "deterministic",
-                                  "no real tensor"])
+                                  "no real tensor", "tf32"])
 def test_what_attention_is_never_composed(case, timed, monkeypatch):
     """A mask, dropout or causal mask is the fused kernel's (rows all masked differ between the
-    two); half precision would round the scores before the softmax; large scores would be a large
-    tensor; deterministic algorithms get eager's kernel."""
+    two); half precision would round the scores before the softmax, and so would TF32 GEMMs in
+    fp32; large scores would be a large tensor; deterministic algorithms get eager's kernel."""
     if case == "deterministic":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     q, k, v = qkv(dtype=torch.bfloat16 if case == "bf16" else torch.float32,
@@ -85,8 +85,15 @@ def test_what_attention_is_never_composed(case, timed, monkeypatch):
         q, k, v = q[0], k[0], v[0]
     if case == "no real tensor":
         q, k, v = (t.to("meta") for t in (q, k, v))
-    assert attention_choice.chosen(SDPA, [q, k, v], kwargs, False) is None
-    assert timed.calls == 0
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = case == "tf32"
+    try:
+        assert attention_choice.chosen(SDPA, [q, k, v], kwargs, False) is None
+        if case == "tf32":  # fp64 has no TF32 path: still composed
+            assert attention_choice.chosen(SDPA, [t.double() for t in (q, k, v)], kwargs, False) is not None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert timed.calls == (1 if case == "tf32" else 0)
 
 
 @pytest.mark.parametrize("case", ["cross-attention", "need weights", "mask", "fp16", "no bias"])
@@ -211,3 +218,23 @@ def test_self_attention_is_one_value_of_the_call_or_one_fixed_tensor():
     assert _one_value([("v", 3)] * 3) and not _one_value([("v", 3), ("v", 3), ("v", 4)])
     assert _one_value([("c", t)] * 3) and not _one_value([("c", t), ("c", u), ("c", t)])
     assert not _one_value([("c", t), ("v", 3), ("v", 3)]) and not _one_value([("c", 1)] * 3)
+
+
+def test_nothing_is_timed_or_remembered_under_a_capture(timed, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert attention_choice.chosen(SDPA, list(qkv()), {}, False) is None
+    assert attention_choice.chosen(MHA, mha_args(), {"need_weights": False}, True) is None
+    assert timed.calls == 0 and attention_choice.decisions() == []
+
+
+def test_a_captured_plan_is_inherited_by_what_it_binds_meanwhile():
+    """A delegate's own plan is bound inside its caller's bind, as not captured: it runs in the
+    caller's graphs, so it is treated as captured."""
+    assert not kernel_timing.in_captured_plan()
+    with kernel_timing.captured_plan(True):
+        with kernel_timing.captured_plan(False):
+            assert kernel_timing.in_captured_plan()
+    with kernel_timing.captured_plan(False):
+        assert not kernel_timing.in_captured_plan()
+    assert not kernel_timing.in_captured_plan()

@@ -64,8 +64,8 @@ def test_only_a_loading_method_times(timed, cudnn):
     assert conv_choice.chosen(CONV_RELU, conv_args(), measure=False) is not None and timed.calls == 1
 
 
-@pytest.mark.parametrize("case", ["batch 2", "3x3", "stride 2", "padding", "groups", "bf16", "channels last",
-                                  "tf32 GEMM only", "deterministic", "not cuDNN's", "no real tensor"])
+@pytest.mark.parametrize("case", ["batch 2", "3x3", "stride 2", "padding", "dilation", "groups", "bf16",
+                                  "channels last", "tf32 GEMM only", "deterministic", "not cuDNN's", "no real tensor"])
 def test_what_is_never_a_gemm(case, timed, monkeypatch):
     """Only what the one GEMM computes exactly: one image, a 1x1 kernel of stride 1 without padding
     or groups, contiguous, in full precision; never less precise than eager's convolution, and
@@ -77,6 +77,8 @@ def test_what_is_never_a_gemm(case, timed, monkeypatch):
         args[3] = [2, 2]
     if case == "padding":
         args[4] = [1, 1]
+    if case == "dilation":
+        args[5] = [0, 0]  # not a convolution eager accepts: the GEMM must not answer it
     if case == "groups":
         args[1], args[6] = args[1][:, :4].contiguous(), 2
     if case == "channels last":
@@ -149,3 +151,16 @@ def test_on_cuda_the_convolutions_are_measured_and_equal_eager(kernel, fresh, fu
     made = conv_choice.decisions()
     assert len(made) == 2 and all(d.device == "cuda:0" and d.eager_us > 0 and d.gemm_us > 0 for d in made)
     assert kernel == "measured" or all(d.use_gemm for d in made)
+
+
+def test_the_gemm_form_takes_a_layout_other_than_the_planned_one(timed, cudnn):
+    """Chosen for a contiguous plan, called with an input laid out otherwise (a kernel on the
+    GPU may lay its result out differently from the trace): the same result as eager's."""
+    meta = conv_args(residual=True)
+    meta[0], meta[2] = meta[0].to("meta"), meta[2].to("meta")
+    fn = conv_choice.chosen(CONV_ADD_RELU, meta)
+    assert fn is not None
+    args = conv_args(residual=True)
+    args[0] = args[0].transpose(2, 3).contiguous().transpose(2, 3)
+    args[2] = args[2].transpose(2, 3).contiguous().transpose(2, 3)
+    torch.testing.assert_close(fn(*args), fused_kernels._conv_add_relu(*args))

@@ -2,8 +2,6 @@
 read a fake host clock: a run the host launches slower than the GPU's queued wait lasts is timed
 again behind a longer wait, so a form of many small launches is not timed at the host's pace."""
 
-import time
-
 import pytest
 import torch
 
@@ -12,9 +10,10 @@ from ferry.runtime import kernel_timing
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Events stamp a fake clock that each launched 'kernel' advances by its host time;
-    `_sleep` records the cycles asked for; a cycle lasts 1 ns."""
-    clock, sleeps = [0.0], []
+    """A GPU whose `_sleep` of n cycles lasts n ns from its launch, on a fake clock that each
+    launched 'kernel' advances by its host time; events stamp that clock, and an event is done
+    once the wait queued before it has ended."""
+    clock, sleeps, waiting_until = [0.0], [], [0.0]
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -23,16 +22,21 @@ def fake_gpu(monkeypatch):
         def record(self):
             self.t = clock[0]
 
+        def query(self):
+            return clock[0] >= waiting_until[0]
+
         def synchronize(self):
             pass
 
         def elapsed_time(self, other):
             return (other.t - self.t) * 1e3  # ms
 
+    def sleep(cycles):
+        sleeps.append(cycles)
+        waiting_until[0] = clock[0] + cycles * 1e-9
+
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "_sleep", sleeps.append)
-    monkeypatch.setattr(kernel_timing, "_sleep_rate", lambda: 1e-3)
-    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "_sleep", sleep)
 
     def kernel(us):
         def run():
@@ -43,7 +47,7 @@ def fake_gpu(monkeypatch):
 
 def test_a_run_launched_slower_than_the_wait_is_timed_behind_a_longer_one(fake_gpu):
     kernel, sleeps = fake_gpu
-    quick, slow = kernel(1.0), kernel(100.0)  # 10 calls of the slow one: 1 ms, more than 0.7 of 0.5 ms
+    quick, slow = kernel(1.0), kernel(100.0)  # 10 calls of the slow one take 1 ms to queue: longer than 0.5 ms
     assert kernel_timing.time_both(quick, slow) == pytest.approx((1.0, 100.0))
     first = kernel_timing._QUEUE_CYCLES
     assert sleeps == [first, first, 4 * first] + [4 * first] * 4  # the longer wait kept for the later rounds
@@ -51,7 +55,7 @@ def test_a_run_launched_slower_than_the_wait_is_timed_behind_a_longer_one(fake_g
 
 def test_a_host_slower_than_the_longest_wait_is_timed_at_its_pace(fake_gpu):
     kernel, sleeps = fake_gpu
-    kernel_timing.time_both(kernel(1.0), kernel(10_000.0))  # 100 ms of launches
+    kernel_timing.time_both(kernel(1.0), kernel(20_000.0))  # 200 ms of launches
     assert max(sleeps) == kernel_timing._MAX_QUEUE_CYCLES
 
 
@@ -73,7 +77,7 @@ def test_the_summary_says_what_load_chose_of_each_kind(timed, monkeypatch):
     timed.times = (10.0, 9.5)
     conv_choice.chosen(fused_kernels.CONV_RELU, [torch.randn(1, 8, 4, 4), *conv[1:]])
     assert kernel_choices.summary() == [
-        "attention (captured plans): 1 of 1 timed at load run as GEMMs and a softmax (largest saving: "
+        "attention (captured plans): 1 of 1 timed at load are faster as GEMMs and a softmax (largest saving: "
         "attention 1x2x5x4 float32, 100.0 -> 40.0 µs)",
-        "1x1 convolutions of one image (captured plans): 1 of 2 timed at load run as one GEMM (largest saving: "
+        "1x1 convolutions of one image (captured plans): 1 of 2 timed at load are faster as one GEMM (largest saving: "
         "6x8x9 float32, 100.0 -> 40.0 µs)"]

@@ -19,7 +19,8 @@ with graphs rose from 141 to 583 MiB).
 Only in plans captured as CUDA graphs: the composed forms launch three kernels for one
 (attention) and up to eight for four (multi-head attention), and without graphs a small call
 waits on the host's launches, not on the GPU. Only fp32 and fp64 (in half precision the scores
-would be rounded before the softmax), without a mask, dropout or a causal mask; multi-head
+would be rounded before the softmax; with TF32 GEMMs allowed, fp64 only: eager's fp32 kernel is
+more precise than one TF32 pass), without a mask, dropout or a causal mask; multi-head
 attention only as self-attention, without its weights. Under deterministic algorithms eager's
 kernels run.
 """
@@ -75,8 +76,9 @@ def decisions() -> list[AttentionDecision]:
 
 
 def composed_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """`scaled_dot_product_attention` without a mask, dropout or grouped heads, as eager's
-    unfused math writes it: one batched GEMM for the scores, a softmax, one for the result."""
+    """`scaled_dot_product_attention` without a mask, dropout or grouped heads: one batched GEMM
+    for the scores, scaled after it (eager's math scales q and k before: equal to rounding), a
+    softmax, one batched GEMM for the result."""
     scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale if scale is not None else q.shape[-1] ** -0.5)
     return torch.matmul(torch.softmax(scores, -1), v)
 
@@ -106,6 +108,8 @@ def _attention(args, kwargs, measure, device: torch.device | None = None) -> Cal
         return None
     if q.dtype not in _DTYPES or len({t.dtype for t in tensors}) != 1 or k.shape != v.shape:
         return None
+    if q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return None  # one-pass TF32 GEMMs: less precise than eager's fp32 kernel (3 x TF32 on sm80+)
     (b, h, t, d), s = q.shape, k.shape[2]
     if k.shape[:2] != (b, h) or k.shape[3] != d or b * h * t * s > _MAX_SCORES:
         return None
@@ -164,8 +168,8 @@ def _composed_multi_head(x, weights, heads, measure, device):
     (b, t, e), (w_in, b_in, w_out, b_out) = x.shape, weights
     rows = torch.empty((b * t, e), dtype=x.dtype, device="meta")
     qkv = torch.empty((b * t, 3 * e), dtype=x.dtype, device="meta")
-    split_in = gemm_choice.biased_gemm(b_in, rows, w_in.t(), qkv, measure=measure) is not None
-    split_out = gemm_choice.biased_gemm(b_out, rows, w_out.t(), rows, measure=measure) is not None
+    split_in = gemm_choice.biased_gemm(b_in, rows, w_in.t(), qkv, measure=measure, device=device) is not None
+    split_out = gemm_choice.biased_gemm(b_out, rows, w_out.t(), rows, measure=measure, device=device) is not None
     q, k, v = _heads(qkv, b, t, heads)
     attend = _attention([q, k, v], {}, measure, device) or SDPA
     project_in, project_out = _gemm(split_in), _gemm(split_out)

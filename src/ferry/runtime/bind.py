@@ -134,8 +134,10 @@ def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_
     copies between ranks of a program split over processes (runtime/transport.py). `measure`:
     the method is loading, so kernels chosen by timing (runtime/gemm_choice.py) may be timed now;
     a plan bound during a call uses only what was timed before. `captured`: the plan runs as CUDA
-    graphs, so kernels that are faster on the GPU but launch more (runtime/attention_choice.py)
-    may be chosen; the delegates bound meanwhile inherit it."""
+    graphs, so kernels that are faster on the GPU but launch more (runtime/attention_choice.py,
+    conv_choice.py) may be chosen; the delegates bound meanwhile inherit it (False: as the plan
+    being bound around this one, if any). A step whose segment is not captured after all (a
+    capture that failed, a host sync beside it) runs the chosen form eagerly: right, not faster."""
     with captured_plan(captured):
         return _bind_method(method, memory, delegate, streams, page_locked, io, per_call, shapes, transport, measure)
 

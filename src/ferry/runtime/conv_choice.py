@@ -45,11 +45,11 @@ def conv1x1_as_mm(x, weight, bias, z=None):
     """relu(conv1x1(x, weight, bias) + z) for one contiguous NCHW image (z may be None): one GEMM
     over its pixels, then the bias, the residual and the ReLU in place on its result."""
     co, ci, h, w = weight.shape[0], x.shape[1], x.shape[2], x.shape[3]
-    y = torch.mm(weight.view(co, ci), x.view(ci, h * w))
+    y = torch.mm(weight.reshape(co, ci), x.reshape(ci, h * w))  # views where the layout allows, as planned
     if bias is not None:
         y.add_(bias.view(co, 1))
     if z is not None:
-        y.add_(z.view(co, h * w))
+        y.add_(z.reshape(co, h * w))
     return y.relu_().view(1, co, h, w)
 
 
@@ -70,7 +70,7 @@ def chosen(op, args: list, measure: bool = True, device: torch.device | None = N
         return None
     x, weight, z = args[0], args[1], args[2] if residual else None
     bias, stride, padding, dilation, groups = args[3:] if residual else args[2:]
-    if not _one_image_1x1(x, weight, bias, z, stride, padding, groups):
+    if not _one_image_1x1(x, weight, bias, z, stride, padding, dilation, groups):
         return None
     device = timing.gpu_of([t for t in (x, weight, bias, z) if t is not None], device)
     if device is None or torch.are_deterministic_algorithms_enabled():
@@ -83,16 +83,17 @@ def chosen(op, args: list, measure: bool = True, device: torch.device | None = N
     return _add_relu_form if residual else _relu_form
 
 
-def _one_image_1x1(x, weight, bias, z, stride, padding, groups) -> bool:
+def _one_image_1x1(x, weight, bias, z, stride, padding, dilation, groups) -> bool:
     tensors = [t for t in (x, weight, bias, z) if t is not None]
     if not all(isinstance(t, torch.Tensor) for t in tensors) or x.dim() != 4 or weight.dim() != 4:
         return False
-    gemm_tf32_only = torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-    return (x.shape[0] == 1 and tuple(weight.shape[2:]) == (1, 1) and groups == 1 and list(stride) == [1, 1]
-            and list(padding) == [0, 0] and x.dtype in _DTYPES and len({t.dtype for t in tensors}) == 1
-            and weight.shape[1] == x.shape[1] and (bias is None or tuple(bias.shape) == (weight.shape[0],))
-            and (z is None or tuple(z.shape) == (1, weight.shape[0], *x.shape[2:]))
-            and all(t.is_contiguous() for t in tensors) and not gemm_tf32_only)
+    one_gemm = (x.shape[0] == 1 and tuple(weight.shape[2:]) == (1, 1) and groups == 1 and list(stride) == [1, 1]
+                and list(padding) == [0, 0] and list(dilation) == [1, 1])
+    shapes_fit = (weight.shape[1] == x.shape[1] and (bias is None or tuple(bias.shape) == (weight.shape[0],))
+                  and (z is None or tuple(z.shape) == (1, weight.shape[0], *x.shape[2:])))
+    full_precision = x.dtype in _DTYPES and len({t.dtype for t in tensors}) == 1 and not (
+        torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32)  # GEMMs no less precise
+    return one_gemm and shapes_fit and full_precision and all(t.is_contiguous() for t in tensors)
 
 
 def _decide(device, op, args, residual) -> GemmDecision | None:

@@ -49,7 +49,8 @@ _choices = timing.Choices()
 
 
 def decisions() -> list[GemmDecision]:
-    """What this process measured: one entry per distinct biased GEMM a loaded program runs."""
+    """What this process measured: one entry per distinct biased GEMM a loaded program runs, or
+    that a composed multi-head attention would (runtime/attention_choice.py)."""
     return _choices.values()
 
 
@@ -59,10 +60,12 @@ def mm_then_add(bias, mat1, mat2, *, beta=1, alpha=1, out):
     return out.add_(bias)
 
 
-def biased_gemm(bias, mat1, mat2, out, beta=1, alpha=1, measure: bool = True) -> Callable | None:
+def biased_gemm(bias, mat1, mat2, out, beta=1, alpha=1, measure: bool = True,
+                device: torch.device | None = None) -> Callable | None:
     """`mm_then_add` where this GPU runs it faster than `addmm.out` for operands like these
     (real tensors or meta tensors of the same shape, strides and dtype); otherwise None.
-    `measure=False` (a plan bound during a call): only what was measured already is used."""
+    `measure=False` (a plan bound during a call): only what was measured already is used.
+    `device`: the GPU, where every operand may be a meta tensor."""
     operands = (bias, mat1, mat2, out)
     if beta != 1 or alpha != 1 or not all(isinstance(t, torch.Tensor) for t in operands):
         return None
@@ -71,7 +74,7 @@ def biased_gemm(bias, mat1, mat2, out, beta=1, alpha=1, measure: bool = True) ->
     rows, inner = mat1.shape
     if bias.dtype not in _GEMM_DTYPES or rows * inner * out.shape[1] > _MAX_MACS:
         return None
-    device = timing.gpu_of(operands)
+    device = timing.gpu_of(operands, device)
     if device is None or torch.are_deterministic_algorithms_enabled():
         return None
     key = (str(device), bias.dtype, *blas_settings(), *((tuple(t.shape), t.stride()) for t in operands))

@@ -21,6 +21,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from ferry.runtime import kernel_timing
+
 
 class _Graph(Protocol):
     """A captured graph: torch.cuda.CUDAGraph, or a SimGraph in tests."""
@@ -81,8 +83,9 @@ class GraphSegment:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with self.api.device(self.index), self.api.capture(graph, self.streams.capture_stream(self.index)):
-                    self._eager()
+                with kernel_timing.LOCK, self.api.device(self.index), \
+                        self.api.capture(graph, self.streams.capture_stream(self.index)):
+                    self._eager()  # under the lock: a kernel choice timed meanwhile would break the capture
             for w in caught:
                 if "Graph is empty" in str(w.message):  # its work went to another stream or device
                     raise RuntimeError("the captured graph is empty")

@@ -1,11 +1,13 @@
 """Timing two ways of running one op on the GPU a method loads on, and remembering the faster.
 
-Shared by the kernel choices made at load (runtime/gemm_choice.py, runtime/attention_choice.py).
+Shared by the kernel choices made at load (runtime/gemm_choice.py, attention_choice.py,
+conv_choice.py).
 Each choice is timed once per key (shapes, strides, dtype and the settings that change the kernels
 underneath), only while a method loads (`measure`), never while a CUDA graph is being captured
 (no host waits there), and on scratch tensors filled with a constant: planned memory is never
 written and the caller's random streams stay as they were. One lock for all: concurrent loads
-would otherwise time each other's kernels.
+would otherwise time each other's kernels, and graph captures hold it too (runtime/graphs.py): a
+host wait or an allocation of the timing while another thread captures would break its capture.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import contextlib
 import contextvars
 import math
 import threading
-import time
 from collections.abc import Callable
 
 import torch
@@ -26,8 +27,7 @@ KEEP_IF_ABOVE = 0.9  # the alternative's time over eager's: above this, eager's 
 MIN_SAVING_US = 2.0  # about what a second launch costs the host
 _QUEUE_CYCLES = 500_000  # GPU cycles (about 0.25 ms on an H200) the GPU waits while a timed run is queued
 _MAX_QUEUE_CYCLES = _QUEUE_CYCLES * 4**4  # about 64 ms: a host slower than that times at its pace
-_QUEUED_SHARE = 0.7  # the run must be queued within this share of the wait
-LOCK = threading.RLock()  # re-entrant: a choice may ask for the choices of its parts
+LOCK = threading.RLock()  # re-entrant: a graph capture holds it, and a plan bound inside may ask for decisions
 _captured = contextvars.ContextVar("ferry_captured_plan", default=False)
 
 
@@ -109,45 +109,28 @@ def scratch(t: torch.Tensor, device: torch.device, written: bool = False) -> tor
 
 def time_both(first: Callable, second: Callable, reps: int = 10, rounds: int = 3) -> tuple[float, float]:
     """The GPU time of each (µs per call, the best of `rounds` runs of `reps` calls), the two
-    taken in turn. Each run is queued behind a kernel that keeps the GPU busy for longer than the
-    host takes to launch the run (checked each time, the wait made longer where it was not), so
-    the events time the kernels back to back, not how fast Python launches them: a composed
-    form of many small launches would otherwise be timed at the host's pace."""
+    taken in turn. Each run is queued behind a kernel that keeps the GPU busy, so the events time
+    the kernels back to back, not how fast Python launches them. Where the GPU had finished that
+    wait before the host had queued the whole run (its start event already done), the run is
+    timed again behind a longer wait: a composed form of many small launches would otherwise be
+    timed at the host's pace."""
     best = [math.inf, math.inf]
     for fn in (first, second) * 3:  # warm-up: kernels loaded, cuBLAS's workspace made
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles, us_per_cycle = _QUEUE_CYCLES, _sleep_rate()
+    cycles = _QUEUE_CYCLES
     for _ in range(rounds):
         for i, fn in enumerate((first, second)):
             while True:
                 torch.cuda._sleep(cycles)
-                t0 = time.perf_counter()
                 start.record()
                 for _ in range(reps):
                     fn()
                 end.record()
-                launched_us = (time.perf_counter() - t0) * 1e6
+                queued_in_time = not start.query()  # the GPU still in its wait: nothing ran yet
                 end.synchronize()
-                if launched_us < _QUEUED_SHARE * cycles * us_per_cycle or cycles >= _MAX_QUEUE_CYCLES:
+                if queued_in_time or cycles >= _MAX_QUEUE_CYCLES:
                     break
-                cycles *= 4  # the GPU ran out of queued work before the host finished launching
+                cycles *= 4
             best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
     return best[0], best[1]
-
-
-_rates: dict[int, float] = {}
-
-
-def _sleep_rate() -> float:
-    """µs per cycle of `torch.cuda._sleep` on the current GPU, measured once."""
-    index = torch.cuda.current_device()
-    if index not in _rates:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_QUEUE_CYCLES)  # the first launch loads the kernel
-        start.record()
-        torch.cuda._sleep(_QUEUE_CYCLES)
-        end.record()
-        end.synchronize()
-        _rates[index] = start.elapsed_time(end) * 1e3 / _QUEUE_CYCLES
-    return _rates[index]
