@@ -58,7 +58,7 @@ class Choices:
     """Decisions by key, made once: `get` times where the key is new, a method is loading and no
     graph is being captured; otherwise it returns what was measured before (or None)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.decided: dict[tuple, object] = {}
 
     def get(self, key: tuple, device: torch.device, measure: bool, decide: Callable[[], object]):
