@@ -634,7 +634,7 @@ class _Binder:
         if any(r[0] != "c" for r in scalars):
             return None
         try:
-            bias, mat1, mat2, out = (r[1] if r[0] == "c" else self._meta(r) for r in (*pos, kw["out"]))
+            bias, mat1, mat2, out = (self._given(r) for r in (*pos, kw["out"]))
         except _NoMeta:
             return None
         return biased_gemm(bias, mat1, mat2, out, scalars[0][1], scalars[1][1], measure=self.measure)
@@ -647,8 +647,7 @@ class _Binder:
         if not self.captured or (op not in attention_choice.OPS and op not in conv_choice.OPS):
             return None
         try:
-            args = [r[1] if r[0] == "c" else self._meta(r) for r in pos]
-            kwargs = {k: r[1] if r[0] == "c" else self._meta(r) for k, r in kw.items()}
+            args, kwargs = [self._given(r) for r in pos], {k: self._given(r) for k, r in kw.items()}
         except _NoMeta:
             return None
         out = self.m.values[outputs[0]] if outputs else None
@@ -657,6 +656,10 @@ class _Binder:
             return None if kwargs else conv_choice.chosen(op, args, measure=self.measure, device=device)
         one_input = len(pos) >= 3 and _one_value(pos[:3])
         return attention_choice.chosen(op, args, kwargs, one_input, measure=self.measure, device=device)
+
+    def _given(self, ref):
+        """What is fixed as it is (a weight on its GPU), a meta tensor like it for a value of the call."""
+        return ref[1] if ref[0] == "c" else self._meta(ref)
 
     def _fast_out(self, op, pos, kw):
         """fast_aten for an .out kernel whose arguments include values of the call."""
