@@ -406,7 +406,7 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built, workspac
         row["gemms"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in gemm_choice.decisions()]
         row["attention"] = [dataclasses.asdict(d) | {"use_composed": d.use_composed}
                             for d in attention_choice.decisions()]
-        row["conv1x1"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in conv_choice.decisions()]
+        row["conv"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in conv_choice.decisions()]
     return row, call, module
 
 

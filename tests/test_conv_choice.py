@@ -1,4 +1,4 @@
-"""A 1x1 convolution of one image runs as one GEMM where the GPU measures that faster than cuDNN,
+"""A convolution of one image runs as one GEMM over its patches where the GPU measures that faster than cuDNN,
 in plans captured as CUDA graphs only (runtime/conv_choice.py). On the CPU the timing is faked
 (conftest's `timed`) and cuDNN is said to take the convolution; the GEMM form, the choice, its
 limits and the bound steps that use it are real, and results are checked against eager."""
@@ -21,25 +21,62 @@ def cudnn(monkeypatch):
     monkeypatch.setattr(fused_kernels, "_cudnn_takes", lambda *args: True)
 
 
-def conv_args(ci=8, co=6, h=5, w=4, batch=1, kernel=1, residual=False, dtype=torch.float32):
+def conv_args(ci=8, co=6, h=5, w=4, batch=1, kernel=1, residual=False, dtype=torch.float32,
+              stride=(1, 1), padding=(0, 0), dilation=(1, 1)):
     x = torch.randn(batch, ci, h, w, dtype=dtype)
-    weight, bias = torch.randn(co, ci, kernel, kernel, dtype=dtype), torch.randn(co, dtype=dtype)
-    rest = [[1, 1], [0, 0], [1, 1], 1]
+    weight, bias = torch.randn(co, ci, *kernel_size(kernel), dtype=dtype), torch.randn(co, dtype=dtype)
+    rest = [list(stride), list(padding), list(dilation), 1]
     if residual:
-        return [x, weight, torch.randn(batch, co, h, w, dtype=dtype), bias, *rest]
+        out = fused_kernels._result_shape(x, weight, stride, padding, dilation)
+        return [x, weight, torch.randn(out, dtype=dtype), bias, *rest]
     return [x, weight, bias, *rest]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("residual", [False, True])
-def test_the_gemm_form_equals_eager(dtype, residual):
-    args = conv_args(residual=residual, dtype=dtype)
+def kernel_size(kernel):
+    return (kernel, kernel) if isinstance(kernel, int) else kernel
+
+
+def eager(args, residual):
     x, weight = args[:2]
     bias, z = (args[3], args[2]) if residual else (args[2], None)
-    want = torch.nn.functional.conv2d(x, weight, bias)
-    want = torch.relu(want + z if residual else want)
-    torch.testing.assert_close(conv_choice.conv1x1_as_mm(x, weight, bias, z), want)
-    torch.testing.assert_close(conv_choice.conv1x1_as_mm(x, weight, None), torch.relu(torch.nn.functional.conv2d(x, weight)))
+    want = torch.nn.functional.conv2d(x, weight, bias, *args[-4:])
+    return torch.relu(want + z if residual else want)
+
+
+CONVS = {  # (kernel, stride, padding, dilation) over an 11x9 image
+    "1x1": (1, (1, 1), (0, 0), (1, 1)), "1x1 stride 2": (1, (2, 2), (0, 0), (1, 1)),
+    "3x3 padded": (3, (1, 1), (1, 1), (1, 1)), "3x3 stride 2": (3, (2, 2), (1, 1), (1, 1)),
+    "7x7 stride 2": (7, (2, 2), (3, 3), (1, 1)), "3x3 dilated": (3, (1, 1), (2, 2), (2, 2)),
+    "3x1 uneven": ((3, 1), (2, 1), (1, 0), (1, 1)), "5x5 no padding": (5, (1, 1), (0, 0), (1, 1)),
+}
+
+
+@pytest.mark.parametrize("conv", CONVS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_gemm_form_equals_eager(conv, dtype, residual):
+    kernel, stride, padding, dilation = CONVS[conv]
+    args = conv_args(h=11, w=9, kernel=kernel, residual=residual, dtype=dtype, stride=stride, padding=padding,
+                     dilation=dilation)
+    form = conv_choice._add_relu_form if residual else conv_choice._relu_form
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {}  # sums of up to 392 terms, in another order
+    torch.testing.assert_close(form(*args), eager(args, residual), **tol)
+    without_bias = list(args)
+    without_bias[3 if residual else 2] = None
+    torch.testing.assert_close(form(*without_bias), eager(without_bias, residual), **tol)
+
+
+@pytest.mark.parametrize("conv", CONVS)
+def test_every_convolution_of_one_image_is_timed(conv, timed, cudnn):
+    kernel, stride, padding, dilation = CONVS[conv]
+    args = conv_args(h=11, w=9, kernel=kernel, stride=stride, padding=padding, dilation=dilation)
+    fn = conv_choice.chosen(CONV_RELU, args)
+    assert fn is not None and timed.calls == 1
+    torch.testing.assert_close(fn(*args), eager(args, False), rtol=1e-5, atol=1e-4)
+    (made,) = conv_choice.decisions()
+    kh, kw = kernel_size(kernel)
+    out = fused_kernels._result_shape(args[0], args[1], stride, padding, dilation)
+    assert (made.kind, made.rows, made.inner, made.cols) == (f"conv{kh}x{kw}", 6, 8 * kh * kw, out[2] * out[3])
 
 
 def test_the_gemm_is_chosen_only_where_measured_faster_by_a_margin(timed, cudnn):
@@ -64,21 +101,24 @@ def test_only_a_loading_method_times(timed, cudnn):
     assert conv_choice.chosen(CONV_RELU, conv_args(), measure=False) is not None and timed.calls == 1
 
 
-@pytest.mark.parametrize("case", ["batch 2", "3x3", "stride 2", "padding", "dilation", "groups", "bf16",
-                                  "channels last", "tf32 GEMM only", "deterministic", "not cuDNN's", "no real tensor"])
+@pytest.mark.parametrize("case", ["batch 2", "stride 0", "negative padding", "dilation 0", "kernel too large",
+                                  "groups", "bf16", "channels last", "tf32 GEMM only", "deterministic", "not cuDNN's",
+                                  "no real tensor", "too many patches"])
 def test_what_is_never_a_gemm(case, timed, monkeypatch):
-    """Only what the one GEMM computes exactly: one image, a 1x1 kernel of stride 1 without padding
-    or groups, contiguous, in full precision; never less precise than eager's convolution, and
-    never in place of a convolution eager does not give cuDNN."""
+    """Only what the one GEMM computes exactly: one image, without groups, contiguous, in full
+    precision; never less precise than eager's convolution, never in place of a convolution eager
+    does not give cuDNN, and never for arguments eager refuses (the GEMM must not answer those)."""
     monkeypatch.setattr(fused_kernels, "_cudnn_takes", lambda *args: case != "not cuDNN's")
-    args = conv_args(batch=2 if case == "batch 2" else 1, kernel=3 if case == "3x3" else 1,
+    args = conv_args(batch=2 if case == "batch 2" else 1, kernel=7 if case == "kernel too large" else 3,
                      dtype=torch.bfloat16 if case == "bf16" else torch.float32)
-    if case == "stride 2":
-        args[3] = [2, 2]
-    if case == "padding":
-        args[4] = [1, 1]
-    if case == "dilation":
-        args[5] = [0, 0]  # not a convolution eager accepts: the GEMM must not answer it
+    if case == "stride 0":
+        args[3] = [0, 1]
+    if case == "negative padding":
+        args[4] = [-1, 0]
+    if case == "dilation 0":
+        args[5] = [0, 0]
+    if case == "too many patches":
+        monkeypatch.setattr(conv_choice, "_MAX_PATCHES", 8 * 9 * 3 * 2 - 1)  # 8 channels x 3x3 x 3x2 pixels
     if case == "groups":
         args[1], args[6] = args[1][:, :4].contiguous(), 2
     if case == "channels last":
@@ -98,44 +138,45 @@ def test_what_is_never_a_gemm(case, timed, monkeypatch):
 
 
 class Bottleneck(torch.nn.Module):
-    """ResNet's bottleneck at one image: 1x1 convolutions with batch norms and a residual."""
+    """ResNet's bottleneck at one image: 1x1, 3x3 and 1x1 convolutions with batch norms, and a residual."""
 
     def __init__(self, wide=32, narrow=8):
         super().__init__()
         self.c1, self.b1 = torch.nn.Conv2d(wide, narrow, 1, bias=False), torch.nn.BatchNorm2d(narrow)
-        self.c2, self.b2 = torch.nn.Conv2d(narrow, wide, 1, bias=False), torch.nn.BatchNorm2d(wide)
-        for bn in (self.b1, self.b2):
+        self.c2, self.b2 = torch.nn.Conv2d(narrow, narrow, 3, padding=1, bias=False), torch.nn.BatchNorm2d(narrow)
+        self.c3, self.b3 = torch.nn.Conv2d(narrow, wide, 1, bias=False), torch.nn.BatchNorm2d(wide)
+        for bn in (self.b1, self.b2, self.b3):
             bn.running_mean.normal_()
             bn.running_var.uniform_(0.5, 2.0)
 
     def forward(self, x):
-        y = torch.relu(self.b1(self.c1(x)))
-        return torch.relu(self.b2(self.c2(y)) + x)
+        y = torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+        return torch.relu(self.b3(self.c3(y)) + x)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_bound_steps_run_the_gemm_only_in_captured_plans(graphs, timed, cudnn, emu_async, count_calls):
-    calls = count_calls(conv_choice, "conv1x1_as_mm")
+    calls = count_calls(conv_choice, "conv_as_gemm")
     model = Bottleneck().eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(1, 32, 6, 5),)), ferry.OpSupportPartitioner("emu:0"))
     module = ferry.Module(program, cuda_graphs=graphs)
     module.load_method()
     assert {(d.kind, d.use_gemm) for d in conv_choice.decisions()} == (
-        {("conv1x1", True), ("conv1x1 + residual", True)} if graphs else set())
+        {("conv1x1", True), ("conv3x3", True), ("conv1x1 + residual", True)} if graphs else set())
     calls.clear()
     for _ in range(3):
         x = torch.randn(1, 32, 6, 5)
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
-    assert sorted(len(args) == 4 and args[3] is not None for args in calls) == (  # with a residual or not
-        [False] * 3 + [True] * 3 if graphs else [])
+    assert sorted(args[3] is not None for args in calls) == (  # with a residual or not
+        [False] * 6 + [True] * 3 if graphs else [])
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("kernel", ["measured", "gemm forced"])
 def test_on_cuda_the_convolutions_are_measured_and_equal_eager(kernel, fresh, full_fp32, monkeypatch):
-    """ResNet-50's layer-4 bottleneck shape (2048 and 512 channels at 7x7), with graphs."""
+    """ResNet-50's layer-4 bottleneck (2048 and 512 channels at 7x7), with graphs."""
     if kernel == "gemm forced":
         monkeypatch.setattr(kernel_timing, "KEEP_IF_ABOVE", math.inf)
         monkeypatch.setattr(kernel_timing, "MIN_SAVING_US", -math.inf)
@@ -149,7 +190,7 @@ def test_on_cuda_the_convolutions_are_measured_and_equal_eager(kernel, fresh, fu
         with torch.no_grad():
             torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
     made = conv_choice.decisions()
-    assert len(made) == 2 and all(d.device == "cuda:0" and d.eager_us > 0 and d.gemm_us > 0 for d in made)
+    assert len(made) == 3 and all(d.device == "cuda:0" and d.eager_us > 0 and d.gemm_us > 0 for d in made)
     assert kernel == "measured" or all(d.use_gemm for d in made)
 
 

@@ -1,6 +1,10 @@
 """The timing behind the kernel choices (runtime/kernel_timing.py), on a fake GPU whose events
 read a fake host clock: a run the host launches slower than the GPU's queued wait lasts is timed
-again behind a longer wait, so a form of many small launches is not timed at the host's pace."""
+again behind a longer wait, so a form of many small launches is not timed at the host's pace; in
+a plan captured as CUDA graphs, each form is captured on the plan's capture stream and replayed,
+after the stream's cuBLAS workspace was made in a graph kept alive."""
+
+import contextlib
 
 import pytest
 import torch
@@ -40,9 +44,70 @@ def fake_gpu(monkeypatch):
 
     def kernel(us):
         def run():
-            clock[0] += us * 1e-6
+            if capturing:
+                capturing[-1].recorded.append(us)
+            else:
+                clock[0] += us * 1e-6
         return run
+
+    capturing, graphs = [], []
+
+    class Graph:
+        """Records the fake kernels launched while it captures; a replay runs them on the clock."""
+
+        def __init__(self):
+            self.recorded, self.pool_arg, self.stream = [], None, None
+            graphs.append(self)
+
+        def capture_begin(self, pool=None):
+            self.pool_arg, self.stream = pool, current[0]
+            capturing.append(self)
+
+        def capture_end(self):
+            capturing.pop()
+
+        def replay(self):
+            clock[0] += sum(self.recorded) * 1e-6
+
+        def pool(self):
+            return ("pool of", self.pool_arg or id(self))
+
+    current = ["default"]
+
+    class Stream:
+        device = "cpu"
+
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        saved, current[0] = current[0], stream
+        try:
+            yield
+        finally:
+            current[0] = saved
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(kernel_timing, "_workspace_graphs", {})
+    kernel.graphs, kernel.Stream, kernel.capturing = graphs, Stream, capturing
     return kernel, sleeps
+
+
+class CudaStreams:
+    """A plan's CopyStreams as kernel_timing sees them: a CUDA API and one capture stream per GPU."""
+
+    def __init__(self, stream):
+        self.api = type("Api", (), {"device_type": "cuda"})()
+        self.stream, self.asked = stream, []
+
+    def capture_stream(self, index):
+        self.asked.append(index)
+        return self.stream
 
 
 def test_a_run_launched_slower_than_the_wait_is_timed_behind_a_longer_one(fake_gpu):
@@ -57,6 +122,43 @@ def test_a_host_slower_than_the_longest_wait_is_timed_at_its_pace(fake_gpu):
     kernel, sleeps = fake_gpu
     kernel_timing.time_both(kernel(1.0), kernel(20_000.0))  # 200 ms of launches
     assert max(sleeps) == kernel_timing._MAX_QUEUE_CYCLES
+
+
+def test_in_a_captured_plan_each_form_is_replayed_from_a_graph_on_its_capture_stream(fake_gpu):
+    kernel, sleeps = fake_gpu
+    stream = kernel.Stream()
+    streams = CudaStreams(stream)
+    with kernel_timing.captured_plan(True, streams):
+        assert kernel_timing.time_both(kernel(3.0), kernel(2.0), reps=4) == pytest.approx((3.0, 2.0))
+        kernel_timing.time_both(kernel(3.0), kernel(2.0))
+    assert sleeps == [] and streams.asked == [0, 0]  # no queued waits: replays run back to back
+    workspace_1, first, second, workspace_2, *_ = kernel.graphs
+    assert first.stream is stream and second.stream is stream and first.recorded == [3.0] * 4
+    assert workspace_1.stream is stream and workspace_1.pool_arg is None  # made before the forms are captured
+    assert workspace_2.pool_arg == workspace_1.pool()  # made again in the same pool, which stays alive
+    assert kernel_timing._workspace_graphs == {stream: workspace_2}
+
+
+def test_a_form_that_cannot_be_captured_is_timed_on_the_stream(fake_gpu):
+    kernel, sleeps = fake_gpu
+
+    def host_sync():
+        if kernel.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        kernel(5.0)()
+
+    with kernel_timing.captured_plan(True, CudaStreams(kernel.Stream())):
+        assert kernel_timing.time_both(kernel(1.0), host_sync) == pytest.approx((1.0, 5.0))
+    assert sleeps  # timed behind queued waits
+
+
+def test_a_plan_on_another_device_type_is_timed_on_the_stream(fake_gpu):
+    kernel, sleeps = fake_gpu
+    emulated = CudaStreams(kernel.Stream())
+    emulated.api.device_type = "emu"
+    with kernel_timing.captured_plan(True, emulated):
+        kernel_timing.time_both(kernel(1.0), kernel(2.0))
+    assert sleeps and kernel.graphs == [] and emulated.asked == []
 
 
 def test_faster_needs_a_tenth_and_two_microseconds():
@@ -79,5 +181,6 @@ def test_the_summary_says_what_load_chose_of_each_kind(timed, monkeypatch):
     assert kernel_choices.summary() == [
         "attention (captured plans): 1 of 1 timed at load are faster as GEMMs and a softmax (largest saving: "
         "attention 1x2x5x4 float32, 100.0 -> 40.0 µs)",
-        "1x1 convolutions of one image (captured plans): 1 of 2 timed at load are faster as one GEMM (largest saving: "
+        "convolutions of one image (captured plans): 1 of 2 timed at load are faster as one GEMM over its patches "
+        "(largest saving: "
         "6x8x9 float32, 100.0 -> 40.0 µs)"]

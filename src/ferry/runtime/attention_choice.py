@@ -9,12 +9,10 @@ at ViT's batch 4 the fused kernel is the faster (`bench/gemm_kernels.py`). The f
 `addmm`, whose kernels cuBLAS picks slowly at some shapes (runtime/gemm_choice.py). No rule of
 shapes holds across GPUs, so each distinct attention is timed both ways when a method loads, on
 the GPU it loads on, and the composed form is kept where it saves at least 10% and 2 µs
-(runtime/kernel_timing.py). The timing runs the kernels back to back on a stream, where each
-launch leaves a gap that a graph's replay does not: it favours the fused kernel, the safe side
-(nn.MultiheadAttention at ViT-B/16's batch 1, composed against fused: 84.7 against 90.7 µs on a
-stream, 74.1 against 89.1 replayed from a graph, `bench/gemm_kernels.py`). Timing by replay was
-tried: each capture on a new stream made cuBLAS keep one more 32 MiB workspace (ResNet-50's peak
-with graphs rose from 141 to 583 MiB).
+(runtime/kernel_timing.py), by replaying graphs of each form on the plan's capture stream: a
+stream leaves a gap after each launch that a replay does not (nn.MultiheadAttention at ViT-B/16's
+batch 1, composed against fused: 84.7 against 90.7 µs on a stream, 74.1 against 89.1 replayed,
+`bench/gemm_kernels.py`).
 
 Only in plans captured as CUDA graphs: the composed forms launch three kernels for one
 (attention) and up to eight for four (multi-head attention), and without graphs a small call

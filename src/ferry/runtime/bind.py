@@ -138,7 +138,7 @@ def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_
     conv_choice.py) may be chosen; the delegates bound meanwhile inherit it (False: as the plan
     being bound around this one, if any). A step whose segment is not captured after all (a
     capture that failed, a host sync beside it) runs the chosen form eagerly: right, not faster."""
-    with captured_plan(captured):
+    with captured_plan(captured, streams):
         return _bind_method(method, memory, delegate, streams, page_locked, io, per_call, shapes, transport, measure)
 
 
@@ -642,7 +642,7 @@ class _Binder:
     def _chosen_composed(self, op, pos, kw, outputs):
         """In a plan captured as CUDA graphs, a composed form of more, smaller kernels where this
         GPU runs it faster (timed once per shape, at load): attention as GEMMs and a softmax
-        (runtime/attention_choice.py), a 1x1 convolution of one image as a GEMM
+        (runtime/attention_choice.py), a convolution of one image as one GEMM over its patches
         (runtime/conv_choice.py); else None."""
         if not self.captured or (op not in attention_choice.OPS and op not in conv_choice.OPS):
             return None

@@ -28,8 +28,9 @@ _MAX_MACS = 1 << 33  # not timed above (4096^3 took 1 s of load); BERT batch 8, 
 class GemmDecision:
     """A GEMM of rows x inner by inner x cols: eager_us for eager's kernel, gemm_us for cuBLAS's
     plain GEMM and the elementwise work after it. `kind`: "addmm" (a bias: cublasLt's `addmm`
-    against `mm` then the bias), or "conv1x1" / "conv1x1 + residual" (cuDNN's fused 1x1
-    convolution of rows channels out, inner in, over cols pixels: runtime/conv_choice.py)."""
+    against `mm` then the bias), or "conv3x3", "conv1x1 + residual", ... (cuDNN's fused
+    convolution of one image, rows channels out, inner inputs of each (channels x kernel), over
+    cols pixels: runtime/conv_choice.py)."""
 
     device: str
     dtype: str

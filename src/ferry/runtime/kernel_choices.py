@@ -19,7 +19,7 @@ def summary() -> list[str]:
               _gemm_shape, lambda d: d.gemm_us),
         _line("attention (captured plans)", "as GEMMs and a softmax", attention_choice.decisions(),
               lambda d: d.use_composed, _attention_shape, lambda d: d.composed_us),
-        _line("1x1 convolutions of one image (captured plans)", "as one GEMM", conv_choice.decisions(),
+        _line("convolutions of one image (captured plans)", "as one GEMM over its patches", conv_choice.decisions(),
               lambda d: d.use_gemm, _gemm_shape, lambda d: d.gemm_us),
     ]
     return [line for line in lines if line]

@@ -4,7 +4,8 @@ Shared by the kernel choices made at load (runtime/gemm_choice.py, attention_cho
 conv_choice.py).
 Each choice is timed once per key (shapes, strides, dtype and the settings that change the kernels
 underneath), only while a method loads (`measure`), never while a CUDA graph is being captured
-(no host waits there), and on scratch tensors filled with a constant: planned memory is never
+(no host waits there), in a plan captured as graphs by replaying graphs of each form (as it will
+run), and on scratch tensors filled with a constant: planned memory is never
 written and the caller's random streams stay as they were. One lock for all: concurrent loads
 would otherwise time each other's kernels, and graph captures hold it too (runtime/graphs.py): a
 host wait or an allocation of the timing while another thread captures would break its capture.
@@ -28,17 +29,20 @@ MIN_SAVING_US = 2.0  # about what a second launch costs the host
 _QUEUE_CYCLES = 500_000  # GPU cycles (about 0.25 ms on an H200) the GPU waits while a timed run is queued
 _MAX_QUEUE_CYCLES = _QUEUE_CYCLES * 4**4  # about 64 ms: a host slower than that times at its pace
 LOCK = threading.RLock()  # re-entrant: a graph capture holds it, and a plan bound inside may ask for decisions
-_captured = contextvars.ContextVar("ferry_captured_plan", default=False)
+# the CopyStreams of the plan being bound as CUDA graphs (True where it has none), else None
+_captured: contextvars.ContextVar[object] = contextvars.ContextVar("ferry_captured_plan", default=None)
+_workspace_graphs: dict = {}  # capture stream -> the graph that made its cuBLAS workspace (see _keep_workspace)
 
 
 @contextlib.contextmanager
-def captured_plan(captured: bool):
-    """While a plan that runs as CUDA graphs is bound (`captured`), and the delegates it loads
-    meanwhile: they run inside its graphs, though bound as plans of their own."""
-    if not captured:
+def captured_plan(captured: bool, streams=None):
+    """While a plan that runs as CUDA graphs is bound (`captured`; `streams`: its CopyStreams,
+    whose capture streams its graphs are captured on), and the delegates it loads meanwhile: they
+    run inside its graphs, though bound as plans of their own, so the outermost plan's streams hold."""
+    if not captured or _captured.get() is not None:
         yield
         return
-    token = _captured.set(True)
+    token = _captured.set(streams if streams is not None else True)
     try:
         yield
     finally:
@@ -46,7 +50,15 @@ def captured_plan(captured: bool):
 
 
 def in_captured_plan() -> bool:
-    return _captured.get()
+    return _captured.get() is not None
+
+
+def _replay_stream():
+    """The stream the plan being bound captures the current CUDA device's graphs on, or None."""
+    streams = _captured.get()
+    if getattr(getattr(streams, "api", None), "device_type", None) != "cuda":
+        return None
+    return streams.capture_stream(torch.cuda.current_device())
 
 
 def faster(eager_us: float, other_us: float) -> bool:
@@ -109,14 +121,83 @@ def scratch(t: torch.Tensor, device: torch.device, written: bool = False) -> tor
 
 def time_both(first: Callable, second: Callable, reps: int = 10, rounds: int = 3) -> tuple[float, float]:
     """The GPU time of each (µs per call, the best of `rounds` runs of `reps` calls), the two
-    taken in turn. Each run is queued behind a kernel that keeps the GPU busy, so the events time
-    the kernels back to back, not how fast Python launches them. Where the GPU had finished that
+    taken in turn. In a plan captured as CUDA graphs, as its graphs run them: captured on its
+    capture stream and replayed (a stream leaves a gap between launches that a replay does not:
+    nn.MultiheadAttention composed at ViT-B/16's batch 1, 84.7 µs on a stream, 74.1 replayed).
+    Otherwise on the current stream (`_on_stream`)."""
+    for fn in (first, second) * 3:  # warm-up: kernels loaded, cuBLAS's workspace made
+        fn()
+    stream = _replay_stream()
+    if stream is not None:
+        try:
+            return _replayed((first, second), stream, reps, rounds)
+        except RuntimeError:  # a form that cannot be captured: its eager launches are timed
+            torch.cuda.synchronize()
+    return _on_stream(first, second, reps, rounds)
+
+
+def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
+    _keep_workspace(stream)
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs = []
+    try:
+        with torch.cuda.stream(stream):
+            for fn in fns:
+                graph = torch.cuda.CUDAGraph()  # a pool of its own: freed with it, below
+                graph.capture_begin()
+                try:
+                    for _ in range(reps):
+                        fn()
+                finally:
+                    graph.capture_end()
+                graphs.append(graph)
+                graph.replay()  # the first replay uploads the graph
+            best = [math.inf] * len(graphs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(rounds):
+                for i, graph in enumerate(graphs):
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs.clear()
+    return best[0], best[1]
+
+
+def _keep_workspace(stream) -> None:
+    """Make the cuBLAS workspace of `stream` (one per stream, 32 MiB on an H200) inside a graph
+    kept for the life of the process. A graph bakes that workspace's address in; made inside a
+    timing graph, it would live in that graph's pool, which is freed after the timing, and
+    `torch._C._cuda_clearCublasWorkspaces` (torch.compile's reduce-overhead mode calls it) would
+    then hand its memory to anyone while the plan's own graphs still use it. In a kept pool, freed
+    memory is reused only by the workspace made again there. Captured again before every timing
+    (a few µs): the workspace may have been cleared since. The plan's captures find it made."""
+    kept = _workspace_graphs.get(stream)
+    a = torch.ones(16, 16, device=stream.device)
+    bias = torch.ones(16, device=stream.device)
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=kept.pool() if kept is not None else None)
+        try:
+            torch.mm(a, a)
+            torch.addmm(bias, a, a)  # cublasLt's path, where its workspace is separate
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    _workspace_graphs[stream] = graph  # the pool lives on in it
+
+
+def _on_stream(first: Callable, second: Callable, reps: int, rounds: int) -> tuple[float, float]:
+    """Each run is queued behind a kernel that keeps the GPU busy, so the events time the
+    kernels back to back, not how fast Python launches them. Where the GPU had finished that
     wait before the host had queued the whole run (its start event already done), the run is
     timed again behind a longer wait: a composed form of many small launches would otherwise be
     timed at the host's pace."""
     best = [math.inf, math.inf]
-    for fn in (first, second) * 3:  # warm-up: kernels loaded, cuBLAS's workspace made
-        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = _QUEUE_CYCLES
     for _ in range(rounds):
