@@ -50,7 +50,7 @@ def fake_gpu(monkeypatch):
                 clock[0] += us * 1e-6
         return run
 
-    capturing, graphs = [], []
+    capturing, graphs, emptied = [], [], []
 
     class Graph:
         """Records the fake kernels launched while it captures; a replay runs them on the clock."""
@@ -93,8 +93,9 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     monkeypatch.setattr(kernel_timing, "_workspace_graphs", {})
-    kernel.graphs, kernel.Stream, kernel.capturing = graphs, Stream, capturing
+    kernel.graphs, kernel.Stream, kernel.capturing, kernel.emptied = graphs, Stream, capturing, emptied
     return kernel, sleeps
 
 
@@ -134,9 +135,11 @@ def test_in_a_captured_plan_each_form_is_replayed_from_a_graph_on_its_capture_st
     assert sleeps == [] and streams.asked == [0, 0]  # no queued waits: replays run back to back
     workspace_1, first, second, workspace_2, *_ = kernel.graphs
     assert first.stream is stream and second.stream is stream and first.recorded == [3.0] * 4
+    assert first.pool_arg is None and second.pool_arg == first.pool()  # one pool for the two forms
     assert workspace_1.stream is stream and workspace_1.pool_arg is None  # made before the forms are captured
     assert workspace_2.pool_arg == workspace_1.pool()  # made again in the same pool, which stays alive
     assert kernel_timing._workspace_graphs == {stream: workspace_2}
+    assert kernel.emptied == [True, True]  # the timing graphs' pools handed back after each timing
 
 
 def test_a_form_that_cannot_be_captured_is_timed_on_the_stream(fake_gpu):
