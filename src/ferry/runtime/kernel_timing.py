@@ -139,7 +139,7 @@ def time_both(first: Callable, second: Callable, reps: int = 10, rounds: int = 3
 def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
     _keep_workspace(stream)
     stream.wait_stream(torch.cuda.current_stream())
-    graphs = []
+    graphs: list[torch.cuda.CUDAGraph] = []
     try:
         with torch.cuda.stream(stream):
             for fn in fns:
