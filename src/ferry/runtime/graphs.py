@@ -4,7 +4,8 @@ A captured segment runs eagerly on its first call (lazy initialisation such as c
 handles stays out of the graph), is captured on the second and replayed from then on. The
 first run stays on the caller's stream, not the capture stream: cuBLAS makes a workspace per
 stream (32 MiB on an H200), and the one for the capture stream is then made during the capture,
-inside the graph's own pool, which keeps it alive. Made outside, it would be freed under the
+inside the graph's own pool, which keeps it alive (or before it, where loading timed kernels in
+graphs on that stream, in a pool kept for the process: runtime/kernel_timing.py). Made outside, it would be freed under the
 live graph by `torch._C._cuda_clearCublasWorkspaces`, which torch.compile's reduce-overhead
 mode calls (tried: replays then fail with "unspecified launch failure"). Every
 address in it is fixed — planned memory, the fixed tensors device inputs are staged into, or
