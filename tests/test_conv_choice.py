@@ -101,7 +101,26 @@ def test_only_a_loading_method_times(timed, cudnn):
     assert conv_choice.chosen(CONV_RELU, conv_args(), measure=False) is not None and timed.calls == 1
 
 
-@pytest.mark.parametrize("case", ["batch 2", "stride 0", "negative padding", "dilation 0", "kernel too large",
+def test_a_1x1_convolution_needs_no_patches_and_is_never_too_large(timed, cudnn, monkeypatch):
+    monkeypatch.setattr(conv_choice, "_MAX_PATCHES", 1)
+    args = conv_args()
+    fn = conv_choice.chosen(CONV_RELU, args)
+    assert fn is not None
+    torch.testing.assert_close(fn(*args), eager(args, False))
+    strided = conv_args(stride=(2, 2))  # strided: its patches are a tensor, over the limit here
+    assert conv_choice.chosen(CONV_RELU, strided) is None
+
+
+def test_each_stride_padding_and_dilation_is_timed_apart(timed, cudnn):
+    for stride, padding, dilation in [((1, 1), (1, 1), (1, 1)), ((2, 2), (1, 1), (1, 1)), ((1, 1), (2, 2), (1, 1)),
+                                      ((1, 1), (2, 2), (2, 2)), ((1, 1), (1, 1), (1, 1))]:
+        args = conv_args(h=11, w=9, kernel=3, stride=stride, padding=padding, dilation=dilation)
+        fn = conv_choice.chosen(CONV_RELU, args)
+        torch.testing.assert_close(fn(*args), eager(args, False), rtol=1e-5, atol=1e-4)
+    assert timed.calls == 4  # the last is the first again
+
+
+@pytest.mark.parametrize("case", ["batch 2", "stride 0", "negative padding", "dilation 0", "kernel too large", "empty kernel",
                                   "groups", "bf16", "channels last", "tf32 GEMM only", "deterministic", "not cuDNN's",
                                   "no real tensor", "too many patches"])
 def test_what_is_never_a_gemm(case, timed, monkeypatch):
@@ -117,6 +136,8 @@ def test_what_is_never_a_gemm(case, timed, monkeypatch):
         args[4] = [-1, 0]
     if case == "dilation 0":
         args[5] = [0, 0]
+    if case == "empty kernel":
+        args[1] = args[1][:, :, :0]  # eager refuses a kernel of size 0
     if case == "too many patches":
         monkeypatch.setattr(conv_choice, "_MAX_PATCHES", 8 * 9 * 3 * 2 - 1)  # 8 channels x 3x3 x 3x2 pixels
     if case == "groups":

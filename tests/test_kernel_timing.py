@@ -5,6 +5,8 @@ a plan captured as CUDA graphs, each form is captured on the plan's capture stre
 after the stream's cuBLAS workspace was made in a graph kept alive."""
 
 import contextlib
+import math
+import weakref
 
 import pytest
 import torch
@@ -50,27 +52,41 @@ def fake_gpu(monkeypatch):
                 clock[0] += us * 1e-6
         return run
 
-    capturing, graphs, emptied = [], [], []
+    capturing, graphs, alive, emptied = [], [], weakref.WeakSet(), []
+
+    class Capture:
+        """What a fake graph captured (kept after the graph is gone): its stream, pool and kernels."""
+
+        def __init__(self):
+            self.recorded, self.pool_arg, self.stream, self.mode = [], None, None, None
+
+        def pool(self):
+            return ("pool of", self.pool_arg or id(self))
 
     class Graph:
         """Records the fake kernels launched while it captures; a replay runs them on the clock."""
 
         def __init__(self):
-            self.recorded, self.pool_arg, self.stream = [], None, None
-            graphs.append(self)
+            self.capture = Capture()
+            graphs.append(self.capture)
+            alive.add(self)
 
-        def capture_begin(self, pool=None):
-            self.pool_arg, self.stream = pool, current[0]
-            capturing.append(self)
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            self.capture.pool_arg, self.capture.stream, self.capture.mode = pool, current[0], capture_error_mode
+            capturing.append(self.capture)
 
         def capture_end(self):
             capturing.pop()
 
         def replay(self):
-            clock[0] += sum(self.recorded) * 1e-6
+            clock[0] += sum(self.capture.recorded) * 1e-6
 
         def pool(self):
-            return ("pool of", self.pool_arg or id(self))
+            return self.capture.pool()
+
+    def empty_cache():  # how many timing graphs (not the kept workspace graphs) are still alive
+        kept = set(kernel_timing._workspace_graphs.values())
+        emptied.append(sum(1 for g in list(alive) if g not in kept))
 
     current = ["default"]
 
@@ -93,7 +109,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     monkeypatch.setattr(kernel_timing, "_workspace_graphs", {})
     kernel.graphs, kernel.Stream, kernel.capturing, kernel.emptied = graphs, Stream, capturing, emptied
     return kernel, sleeps
@@ -138,8 +154,9 @@ def test_in_a_captured_plan_each_form_is_replayed_from_a_graph_on_its_capture_st
     assert first.pool_arg is None and second.pool_arg == first.pool()  # one pool for the two forms
     assert workspace_1.stream is stream and workspace_1.pool_arg is None  # made before the forms are captured
     assert workspace_2.pool_arg == workspace_1.pool()  # made again in the same pool, which stays alive
-    assert kernel_timing._workspace_graphs == {stream: workspace_2}
-    assert kernel.emptied == [True, True]  # the timing graphs' pools handed back after each timing
+    assert [g.capture for g in kernel_timing._workspace_graphs.values()] == [workspace_2]
+    assert kernel.emptied == [0, 0]  # after each timing, its graphs gone: their pool is handed back
+    assert {g.mode for g in kernel.graphs} == {"thread_local"}  # another thread's host wait breaks nothing
 
 
 def test_a_form_that_cannot_be_captured_is_timed_on_the_stream(fake_gpu):
@@ -151,8 +168,43 @@ def test_a_form_that_cannot_be_captured_is_timed_on_the_stream(fake_gpu):
         kernel(5.0)()
 
     with kernel_timing.captured_plan(True, CudaStreams(kernel.Stream())):
-        assert kernel_timing.time_both(kernel(1.0), host_sync) == pytest.approx((1.0, 5.0))
-    assert sleeps  # timed behind queued waits
+        eager_us, other_us = kernel_timing.time_both(kernel(1.0), host_sync)
+    assert eager_us == pytest.approx(1.0) and other_us == math.inf  # never chosen: the plan's capture would fail
+    assert sleeps  # eager's form timed behind queued waits
+    assert kernel.capturing == []
+
+
+def test_running_out_of_memory_in_a_timing_graph_is_the_callers_to_see(fake_gpu):
+    kernel, _ = fake_gpu
+
+    def needs_too_much():
+        if kernel.capturing:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with kernel_timing.captured_plan(True, CudaStreams(kernel.Stream())):
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            kernel_timing.time_both(kernel(1.0), needs_too_much)
+
+
+def test_a_decision_timed_by_replay_is_not_reused_where_the_plan_times_on_a_stream(monkeypatch):
+    """A replay times a form of many launches faster than a stream does: the two are kept apart."""
+    monkeypatch.setattr(kernel_timing, "capturing", lambda device: False)
+    choices, made = kernel_timing.Choices(), []
+
+    def decide():
+        made.append(kernel_timing._replays())
+        return len(made)
+
+    cpu = torch.device("cpu")
+    assert choices.get(("shape",), cpu, True, decide) == 1
+    with kernel_timing.captured_plan(True, CudaStreams(None)):
+        assert choices.get(("shape",), cpu, True, decide) == 2
+        assert choices.get(("shape",), cpu, False, decide) == 2
+        with kernel_timing.captured_plan(True):  # a delegate bound inside: the outer plan's streams
+            assert choices.get(("shape",), cpu, True, decide) == 2
+    with kernel_timing.captured_plan(True):  # graphs, but no streams of their own: timed on a stream
+        assert choices.get(("shape",), cpu, True, decide) == 1
+    assert made == [False, True]
 
 
 def test_a_plan_on_another_device_type_is_timed_on_the_stream(fake_gpu):

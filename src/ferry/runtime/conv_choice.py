@@ -20,7 +20,7 @@ Only in captured plans: the GEMM form launches up to five kernels for cuDNN's on
 graphs that made ResNet-50 at batch 1 slower (bench/results/conv1x1_gemm_experiment.json). Only
 fp32 and fp64 where cuDNN would run it, without groups, and not where GEMMs may use TF32 while
 cuDNN may not (the result would be less precise than eager's). The patches are a tensor the
-call allocates (at most 64 MiB; from the graph's pool). Under deterministic algorithms cuDNN's
+call allocates (at most 2^24 elements, 64 MiB in fp32; from the graph's pool). Under deterministic algorithms cuDNN's
 call is not made at all (fused_kernels.py).
 """
 
@@ -40,7 +40,7 @@ __all__ = ["OPS", "chosen", "conv_as_gemm", "decisions"]
 
 OPS = frozenset({fused_kernels.CONV_RELU, fused_kernels.CONV_ADD_RELU})
 _DTYPES = (torch.float32, torch.float64)
-_MAX_PATCHES = 1 << 24  # elements of the patches' matrix (64 MiB in fp32)
+_MAX_PATCHES = 1 << 24  # elements of the patches' matrix (64 MiB in fp32, 128 in fp64); a 1x1 one has none
 
 
 _choices = timing.Choices()
@@ -112,9 +112,9 @@ def _one_image(x, weight, bias, z, stride, padding, dilation, groups) -> bool:
             or min(params[1]) < 0:
         return False
     out = fused_kernels._result_shape(x, weight, stride, padding, dilation)
-    shapes_fit = (weight.shape[1] == x.shape[1] and min(out) >= 1 and (bias is None or tuple(bias.shape) == out[1:2])
-                  and (z is None or tuple(z.shape) == out))
-    small = math.prod(weight.shape[1:]) * out[2] * out[3] <= _MAX_PATCHES
+    shapes_fit = (weight.shape[1] == x.shape[1] and min(weight.shape) >= 1 and min(out) >= 1
+                  and (bias is None or tuple(bias.shape) == out[1:2]) and (z is None or tuple(z.shape) == out))
+    small = _pointwise(weight, stride, padding) or math.prod(weight.shape[1:]) * out[2] * out[3] <= _MAX_PATCHES
     full_precision = x.dtype in _DTYPES and len({t.dtype for t in tensors}) == 1 and not (
         torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32)  # GEMMs no less precise
     return shapes_fit and small and full_precision and all(t.is_contiguous() for t in tensors)

@@ -53,12 +53,16 @@ def in_captured_plan() -> bool:
     return _captured.get() is not None
 
 
+def _replays() -> bool:
+    """The plan being bound captures CUDA graphs on streams of its own: choices are timed by replay."""
+    return getattr(getattr(_captured.get(), "api", None), "device_type", None) == "cuda"
+
+
 def _replay_stream():
     """The stream the plan being bound captures the current CUDA device's graphs on, or None."""
-    streams = _captured.get()
-    if getattr(getattr(streams, "api", None), "device_type", None) != "cuda":
+    if not _replays():
         return None
-    return streams.capture_stream(torch.cuda.current_device())
+    return _captured.get().capture_stream(torch.cuda.current_device())  # type: ignore[attr-defined]
 
 
 def faster(eager_us: float, other_us: float) -> bool:
@@ -74,6 +78,7 @@ class Choices:
         self.decided: dict[tuple, object] = {}
 
     def get(self, key: tuple, device: torch.device, measure: bool, decide: Callable[[], object]):
+        key = (*key, _replays())  # a replay times a form of many launches faster than a stream does
         with LOCK:
             if key not in self.decided and measure and not capturing(device):
                 self.decided[key] = decide()
@@ -128,50 +133,63 @@ def time_both(first: Callable, second: Callable, reps: int = 10, rounds: int = 3
     for fn in (first, second) * 3:  # warm-up: kernels loaded, cuBLAS's workspace made
         fn()
     stream = _replay_stream()
-    if stream is not None:
-        try:
-            return _replayed((first, second), stream, reps, rounds)
-        except RuntimeError:  # a form that cannot be captured: its eager launches are timed
-            torch.cuda.synchronize()
-    return _on_stream(first, second, reps, rounds)
+    if stream is None:
+        eager_us, other_us = _on_stream((first, second), reps, rounds)
+        return eager_us, other_us
+    try:
+        return _replayed((first, second), stream, reps, rounds)
+    except torch.cuda.OutOfMemoryError:
+        raise  # the caller's to handle: eager's kernel stays
+    except RuntimeError:  # a form that cannot be captured: the plan's capture would fail with it
+        torch.cuda.synchronize()
+        return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays
 
 
 def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
     _keep_workspace(stream)
     stream.wait_stream(torch.cuda.current_stream())
-    graphs: list[torch.cuda.CUDAGraph] = []
     try:
-        with torch.cuda.stream(stream):
-            for fn in fns:
-                graph = torch.cuda.CUDAGraph()
-                # one pool for the two, freed with them below: their results are discarded and
-                # they replay one after the other, so the second may reuse the first's memory
-                # (two pools took two sets of segments: ResNet-50's reserved peak at load +40 MiB)
-                graph.capture_begin(pool=graphs[0].pool() if graphs else None)
-                try:
-                    for _ in range(reps):
-                        fn()
-                finally:
-                    graph.capture_end()
-                graphs.append(graph)
-                graph.replay()  # the first replay uploads the graph
-            best = [math.inf] * len(graphs)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(rounds):
-                for i, graph in enumerate(graphs):
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
+        return _replay_times(fns, stream, reps, rounds)  # its graphs are gone when it returns
     finally:
         torch.cuda.current_stream().wait_stream(stream)
-        graphs.clear()
-        # their pools' memory is cached for no one else (a released graph pool is reused by no
+        # their pool's memory is cached for no one else (a released graph pool is reused by no
         # later capture): handed back, as torch.cuda.graph does before each capture. Without it
         # ResNet-50's reserved peak with graphs rose from 188 to 496 MiB.
         torch.cuda.empty_cache()
+
+
+def _replay_times(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
+    with torch.cuda.stream(stream):
+        # one pool for the forms: their results are discarded and they replay one after the
+        # other, so each may reuse the others' memory (a pool each took a set of segments each:
+        # ResNet-50's reserved peak at load +40 MiB)
+        graphs = [_capture(fns[0], reps)]
+        graphs += [_capture(fn, reps, graphs[0].pool()) for fn in fns[1:]]
+        for graph in graphs:
+            graph.replay()  # the first replay uploads the graph
+        best = [math.inf] * len(graphs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(rounds):
+            for i, graph in enumerate(graphs):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
     return best[0], best[1]
+
+
+def _capture(fn: Callable, reps: int, pool=None):
+    """`reps` calls of `fn` captured on the current stream. Thread-local: a module already loaded
+    may run in another thread meanwhile, and its host waits must neither fail nor break this."""
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        for _ in range(reps):
+            fn()
+    finally:
+        graph.capture_end()
+    return graph
 
 
 def _keep_workspace(stream) -> None:
@@ -181,34 +199,34 @@ def _keep_workspace(stream) -> None:
     `torch._C._cuda_clearCublasWorkspaces` (torch.compile's reduce-overhead mode calls it) would
     then hand its memory to anyone while the plan's own graphs still use it. In a kept pool, freed
     memory is reused only by the workspace made again there. Captured again before every timing
-    (a few µs): the workspace may have been cleared since. The plan's captures find it made."""
+    (a few µs): the workspace may have been cleared since. The plan's captures find it made. One
+    pool per capture stream: torch's streams come from a pool of 32 per device."""
     kept = _workspace_graphs.get(stream)
     a = torch.ones(16, 16, device=stream.device)
     bias = torch.ones(16, device=stream.device)
-    graph = torch.cuda.CUDAGraph()
+
+    def gemms():
+        torch.mm(a, a)
+        torch.addmm(bias, a, a)  # cublasLt's path, where its workspace is separate
+
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=kept.pool() if kept is not None else None)
-        try:
-            torch.mm(a, a)
-            torch.addmm(bias, a, a)  # cublasLt's path, where its workspace is separate
-        finally:
-            graph.capture_end()
+        graph = _capture(gemms, 1, kept.pool() if kept is not None else None)
     torch.cuda.current_stream().wait_stream(stream)
     _workspace_graphs[stream] = graph  # the pool lives on in it
 
 
-def _on_stream(first: Callable, second: Callable, reps: int, rounds: int) -> tuple[float, float]:
+def _on_stream(fns, reps: int, rounds: int) -> tuple[float, ...]:
     """Each run is queued behind a kernel that keeps the GPU busy, so the events time the
     kernels back to back, not how fast Python launches them. Where the GPU had finished that
     wait before the host had queued the whole run (its start event already done), the run is
     timed again behind a longer wait: a composed form of many small launches would otherwise be
     timed at the host's pace."""
-    best = [math.inf, math.inf]
+    best = [math.inf] * len(fns)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = _QUEUE_CYCLES
     for _ in range(rounds):
-        for i, fn in enumerate((first, second)):
+        for i, fn in enumerate(fns):
             while True:
                 torch.cuda._sleep(cycles)
                 start.record()
@@ -221,4 +239,4 @@ def _on_stream(first: Callable, second: Callable, reps: int, rounds: int) -> tup
                     break
                 cycles *= 4
             best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
-    return best[0], best[1]
+    return tuple(best)
