@@ -7,10 +7,10 @@ for a 1x1 kernel of stride 1 the image itself is that matrix. cuDNN's fp32 kerne
 an H200 idle when the image is small and the channels many; at batch 1 with TF32 off
 (bench/results/conv_gemm.json, µs replayed from a graph):
 
-    ResNet's 3x3, 512 channels at 7x7       cuDNN 108.2   im2col + GEMM 27.6
-    3x3, 256 channels at 14x14              cuDNN  55.8   im2col + GEMM 24.8
-    1x1, 2048 to 512 channels at 7x7        cuDNN  50.0   GEMM          15.8
-    3x3, 64 channels at 56x56               cuDNN  17.5   im2col + GEMM 26.1 (cuDNN stays)
+    ResNet's 3x3, 512 channels at 7x7       cuDNN 107.3   im2col + GEMM 27.5
+    3x3, 256 channels at 14x14              cuDNN  55.2   im2col + GEMM 24.5
+    1x1, 2048 to 512 channels at 7x7        cuDNN  49.3   GEMM          13.0
+    3x3, 64 channels at 56x56               cuDNN  17.5   im2col + GEMM 25.5 (cuDNN stays)
 
 No rule of shapes holds across GPUs, so each distinct convolution of ferry's fused ops
 (fused_kernels.py) is timed both ways when a method loads, and the GEMM kept where it saves at
