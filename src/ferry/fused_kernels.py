@@ -62,14 +62,20 @@ def _result_shape(x, weight, stride, padding, dilation) -> tuple[int, ...]:
     return (x.shape[0], weight.shape[0], *spatial)
 
 
-def _check_args(x, weight, bias, stride, padding, dilation, groups) -> None:
+def args_fit(x, weight, bias, stride, padding, dilation, groups) -> bool:
+    """The arguments make a 2-D convolution eager accepts, devices apart (a tensor may be a meta one)."""
     o = weight.shape[0] if weight.dim() == 4 else -1
-    bad = (weight.dim() != 4 or groups < 1 or o % groups or x.shape[1] != weight.shape[1] * groups
-           or any(len(a) != 2 for a in (stride, padding, dilation)) or min(stride) < 1 or min(dilation) < 1
-           or min(padding) < 0 or (bias is not None and tuple(bias.shape) != (o,))
-           or x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype)
-           or weight.device != x.device or (bias is not None and bias.device != x.device)
-           or min(_result_shape(x, weight, stride, padding, dilation)) < 1)
+    return not (x.dim() != 4 or weight.dim() != 4 or min(weight.shape) < 1 or groups < 1 or o % groups
+                or x.shape[1] != weight.shape[1] * groups or any(len(a) != 2 for a in (stride, padding, dilation))
+                or min(stride) < 1 or min(dilation) < 1 or min(padding) < 0
+                or (bias is not None and tuple(bias.shape) != (o,))
+                or x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype)
+                or min(_result_shape(x, weight, stride, padding, dilation)) < 1)
+
+
+def _check_args(x, weight, bias, stride, padding, dilation, groups) -> None:
+    bad = (not args_fit(x, weight, bias, stride, padding, dilation, groups)
+           or weight.device != x.device or (bias is not None and bias.device != x.device))
     if bad:
         raise ValueError(f"convolution arguments do not fit: input {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)}, stride {list(stride)}, "

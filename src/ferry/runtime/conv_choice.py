@@ -105,19 +105,16 @@ def chosen(op, args: list, measure: bool = True, device: torch.device | None = N
 
 def _one_image(x, weight, bias, z, stride, padding, dilation, groups) -> bool:
     tensors = [t for t in (x, weight, bias, z) if t is not None]
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or x.dim() != 4 or weight.dim() != 4:
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or x.dim() != 4 or x.shape[0] != 1 or groups != 1:
         return False
-    params = [list(p) for p in (stride, padding, dilation)]
-    if x.shape[0] != 1 or groups != 1 or any(len(p) != 2 for p in params) or min(params[0] + params[2]) < 1 \
-            or min(params[1]) < 0:
-        return False
+    if not fused_kernels.args_fit(x, weight, bias, stride, padding, dilation, groups):
+        return False  # eager refuses it: the GEMM must not answer it
     out = fused_kernels._result_shape(x, weight, stride, padding, dilation)
-    shapes_fit = (weight.shape[1] == x.shape[1] and min(weight.shape) >= 1 and min(out) >= 1
-                  and (bias is None or tuple(bias.shape) == out[1:2]) and (z is None or tuple(z.shape) == out))
     small = _pointwise(weight, stride, padding) or math.prod(weight.shape[1:]) * out[2] * out[3] <= _MAX_PATCHES
-    full_precision = x.dtype in _DTYPES and len({t.dtype for t in tensors}) == 1 and not (
+    full_precision = x.dtype in _DTYPES and (z is None or z.dtype == x.dtype) and not (
         torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32)  # GEMMs no less precise
-    return shapes_fit and small and full_precision and all(t.is_contiguous() for t in tensors)
+    fits_z = z is None or tuple(z.shape) == out
+    return fits_z and small and full_precision and all(t.is_contiguous() for t in tensors)
 
 
 def _decide(device, op, args, residual) -> GemmDecision | None:
