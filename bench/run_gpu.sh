@@ -23,7 +23,7 @@ run() {
   fi
 }
 
-for script in copy_throughput cuda_graphs cpu_fallback inductor_fallback device_memory dynamic pipeline distributed gemm_kernels conv_gemm; do
+for script in copy_throughput cuda_graphs cpu_fallback inductor_fallback device_memory dynamic pipeline distributed gemm_kernels conv_gemm fp32_gemm_floor; do
   run "bench/$script.py" "$@"
 done
 # every model and batch in a process of its own: a CUDA fault or a cold compile costs its rows only

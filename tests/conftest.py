@@ -27,9 +27,12 @@ def emu():
         yield allocator
 
 
-@pytest.fixture
-def emu_async():
+@pytest.fixture(params=["oldest stream first", "newest stream first"])
+def emu_async(request):
+    """The asynchronous device, once with each order of running streams that could both run:
+    a missing wait between two streams gives a wrong answer in one of the two."""
     with emulated_device(num_devices=2, asynchronous=True) as allocator:
+        allocator.streams_api().newest_first = request.param == "newest stream first"
         yield allocator
 
 

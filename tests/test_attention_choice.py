@@ -29,16 +29,21 @@ def mha_args(b=2, t=5, e=12, heads=3, dtype=torch.float32):
 
 @pytest.mark.parametrize("scale", [None, 0.3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_composed_attention_equals_eager(scale, dtype):
-    q, k, v = qkv(t=7, s=9, dtype=dtype)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_composed_attention_equals_eager(scale, dtype, batch):
+    q, k, v = qkv(b=batch, t=7, s=9, dtype=dtype)
     k = k.transpose(1, 2).contiguous().transpose(1, 2)  # strided as the heads of one projection are
-    torch.testing.assert_close(attention_choice.composed_attention(q, k, v, scale=scale), SDPA(q, k, v, scale=scale))
+    got = attention_choice.composed_attention(q, k, v, scale=scale)
+    torch.testing.assert_close(got, SDPA(q, k, v, scale=scale))
+    if batch == 1:  # laid out as eager's fused kernel lays it out: heads merged back by a view
+        assert got.transpose(1, 2).is_contiguous()
 
 
-def test_composed_multi_head_attention_equals_eager(timed):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_composed_multi_head_attention_equals_eager(timed, batch):
     """Every part composed (the fake timing favours each): in-projection as mm + bias, attention as
     GEMMs and a softmax, out-projection as mm + bias."""
-    args = mha_args()
+    args = mha_args(b=batch)
     fn = attention_choice.chosen(MHA, args, {"need_weights": False}, self_attention=True)
     assert fn is not None and fn.parts == (True, True, True)
     want = MHA(*args, need_weights=False)[0]

@@ -249,6 +249,27 @@ def test_cuda_graphs_match_eager_and_replay():
     assert graphs and all(g.graph is not None and not g.failed for g in graphs)
 
 
+@pytest.mark.skipif(not hasattr(torch._C, "_cuda_clearCublasWorkspaces"), reason="no cuBLAS workspace clearing")
+def test_cuda_graphs_stay_right_after_cublas_workspaces_are_cleared():
+    """torch.compile's reduce-overhead mode clears cuBLAS's workspaces, and a graph bakes its
+    stream's in: ferry makes that one in a pool kept for the process before the first run and
+    each capture, so clearing and emptying the cache frees nothing a graph still uses."""
+    model, example = transformer_block()
+    module = ferry.Module(_compile(model, example), cuda_graphs=True)
+    for _ in range(3):  # first run on the capture stream, capture, replay
+        module(torch.randn_like(example[0]))
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    taken = [torch.full((1 << 23,), float("nan"), device="cuda") for _ in range(4)]  # what was freed, reused
+    for _ in range(4):
+        x = torch.randn_like(example[0])
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), atol=2e-4, rtol=2e-4)
+    torch.cuda.synchronize()
+    assert all(bool(t.isnan().all()) for t in taken)  # no replay wrote into memory others hold now
+    assert all(g.graph is not None and not g.failed for g in module._methods["forward"].graphs)
+
+
 def test_cuda_graphs_with_cpu_fallback_segments():
     model, example = transformer_block()
     module = ferry.Module(_compile(model, example, exclude=["aten.softmax"]), cuda_graphs=True)

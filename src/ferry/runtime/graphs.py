@@ -2,12 +2,14 @@
 
 A captured segment runs eagerly on its first call (lazy initialisation such as cuBLAS
 handles stays out of the graph), is captured on the second and replayed from then on. The
-first run stays on the caller's stream, not the capture stream: cuBLAS makes a workspace per
-stream (32 MiB on an H200), and the one for the capture stream is then made during the capture,
-inside the graph's own pool, which keeps it alive (or before it, where loading timed kernels in
-graphs on that stream, in a pool kept for the process: runtime/kernel_timing.py). Made outside, it would be freed under the
-live graph by `torch._C._cuda_clearCublasWorkspaces`, which torch.compile's reduce-overhead
-mode calls (tried: replays then fail with "unspecified launch failure"). Every
+first run goes to the capture stream, as torch.cuda.graph's warm-ups do (after the caller's
+queued work, before its later work): on the caller's stream it would make cuBLAS allocate a
+workspace (one per stream, 32 MiB on an H200) for that run alone. Before it and before each
+capture the streams API prepares the capture stream (`prepare_capture`; on CUDA, its cuBLAS
+workspace, whose address a graph bakes in, made in a graph pool kept for the process:
+runtime/kernel_timing.py). Made anywhere else, `torch._C._cuda_clearCublasWorkspaces`
+(torch.compile's reduce-overhead mode calls it) could free it under a live graph (tried outside
+any pool: replays then fail with "unspecified launch failure"). Every
 address in it is fixed — planned memory, the fixed tensors device inputs are staged into, or
 what a functional kernel allocated during the capture (from the graph's own memory pool) —
 which is what makes replay legal. After a replay, the slots of the values the segment
@@ -64,8 +66,18 @@ class GraphSegment:
             return self._replay()
         self.runs += 1
         if self.runs == 1:
-            return self._eager()
+            return self._first_run()
         return self._capture(key)
+
+    def _first_run(self) -> None:
+        stream, caller = self.streams.capture_stream(self.index), self.api.current_stream(self.index)
+        self.api.prepare_capture(stream)
+        _hand_over(self.api, caller, stream)
+        try:
+            with self.api.device(self.index), self.api.stream(stream):
+                self._eager()
+        finally:
+            _hand_over(self.api, stream, caller)
 
     def _replay(self) -> None:
         assert self.graph is not None  # only called once a capture succeeded
@@ -84,9 +96,11 @@ class GraphSegment:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with kernel_timing.LOCK, self.api.device(self.index), \
-                        self.api.capture(graph, self.streams.capture_stream(self.index)):
-                    self._eager()  # under the lock: a kernel choice timed meanwhile would break the capture
+                stream = self.streams.capture_stream(self.index)
+                with kernel_timing.LOCK, self.api.device(self.index):  # a kernel timed meanwhile would break it
+                    self.api.prepare_capture(stream)
+                    with self.api.capture(graph, stream):
+                        self._eager()
             for w in caught:
                 if "Graph is empty" in str(w.message):  # its work went to another stream or device
                     raise RuntimeError("the captured graph is empty")
@@ -104,3 +118,10 @@ class GraphSegment:
         self.graph, self.key = graph, key
         self.kept = {vid: self.slots[vid] for vid in self.produced} if self.slots is not None else {}
         return self._replay()
+
+
+def _hand_over(api, before, after) -> None:
+    """Work queued on `after` from now on waits for the work queued on `before` so far."""
+    done = api.Event()
+    done.record(before)
+    after.wait_event(done)

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Choices", "captured_plan", "capturing", "device_of", "faster", "gpu_of", "in_captured_plan", "on",
-           "real_device", "scratch", "time_both"]
+__all__ = ["Choices", "captured_plan", "capturing", "device_of", "faster", "gpu_of", "in_captured_plan",
+           "keep_workspace", "on", "real_device", "scratch", "time_both"]
 
 KEEP_IF_ABOVE = 0.9  # the alternative's time over eager's: above this, eager's kernel stays
 MIN_SAVING_US = 2.0  # about what a second launch costs the host
@@ -31,7 +31,7 @@ _MAX_QUEUE_CYCLES = _QUEUE_CYCLES * 4**4  # about 64 ms: a host slower than that
 LOCK = threading.RLock()  # re-entrant: a graph capture holds it, and a plan bound inside may ask for decisions
 # the CopyStreams of the plan being bound as CUDA graphs (True where it has none), else None
 _captured: contextvars.ContextVar[object] = contextvars.ContextVar("ferry_captured_plan", default=None)
-_workspace_graphs: dict = {}  # capture stream -> the graph that made its cuBLAS workspace (see _keep_workspace)
+_workspace_graphs: dict = {}  # capture stream -> the graph that made its cuBLAS workspace (see keep_workspace)
 
 
 @contextlib.contextmanager
@@ -130,52 +130,66 @@ def time_both(first: Callable, second: Callable, reps: int = 10, rounds: int = 3
     capture stream and replayed (a stream leaves a gap between launches that a replay does not:
     nn.MultiheadAttention composed at ViT-B/16's batch 1, 84.7 µs on a stream, 74.1 replayed).
     Otherwise on the current stream (`_on_stream`)."""
-    for fn in (first, second) * 3:  # warm-up: kernels loaded, cuBLAS's workspace made
-        fn()
     stream = _replay_stream()
     if stream is None:
+        _warm_up((first, second))
         eager_us, other_us = _on_stream((first, second), reps, rounds)
         return eager_us, other_us
-    try:
-        return _replayed((first, second), stream, reps, rounds)
-    except torch.cuda.OutOfMemoryError:
-        raise  # the caller's to handle: eager's kernel stays
-    except RuntimeError:  # a form that cannot be captured: the plan's capture would fail with it
-        torch.cuda.synchronize()
-        return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays
+    keep_workspace(stream)
+    with _on(stream):  # all of it: the caller's stream needs no cuBLAS workspace of its own
+        _warm_up((first, second))  # an error here is the caller's to see
+        try:
+            return _replayed((first, second), reps, rounds)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the caller's to handle: eager's kernel stays
+        except RuntimeError:  # a form that cannot be captured: the plan's capture would fail with it
+            torch.cuda.synchronize()
+            return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays
 
 
-def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
-    _keep_workspace(stream)
+@contextlib.contextmanager
+def _on(stream):
+    """Work on `stream`, ordered after the work queued on the current stream and before its later work."""
     stream.wait_stream(torch.cuda.current_stream())
     try:
-        return _replay_times(fns, stream, reps, rounds)  # its graphs are gone when it returns
+        with torch.cuda.stream(stream):
+            yield
     finally:
         torch.cuda.current_stream().wait_stream(stream)
+
+
+def _warm_up(fns) -> None:
+    for fn in fns * 3:  # kernels loaded, cuBLAS's workspace of this stream made
+        fn()
+
+
+def _replayed(fns, reps: int, rounds: int) -> tuple[float, float]:
+    try:
+        return _replay_times(fns, reps, rounds)  # its graphs are gone when it returns
+    finally:
         # their pool's memory is cached for no one else (a released graph pool is reused by no
         # later capture): handed back, as torch.cuda.graph does before each capture. Without it
         # ResNet-50's reserved peak with graphs rose from 188 to 496 MiB.
         torch.cuda.empty_cache()
 
 
-def _replay_times(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
-    with torch.cuda.stream(stream):
-        # one pool for the forms: their results are discarded and they replay one after the
-        # other, so each may reuse the others' memory (a pool each took a set of segments each:
-        # ResNet-50's reserved peak at load +40 MiB)
-        graphs = [_capture(fns[0], reps)]
-        graphs += [_capture(fn, reps, graphs[0].pool()) for fn in fns[1:]]
-        for graph in graphs:
-            graph.replay()  # the first replay uploads the graph
-        best = [math.inf] * len(graphs)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(rounds):
-            for i, graph in enumerate(graphs):
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
+def _replay_times(fns, reps: int, rounds: int) -> tuple[float, float]:
+    # one pool for the forms: their results are discarded and they replay one after the
+    # other, so each may reuse the others' memory (a pool each took a set of segments each:
+    # ResNet-50's reserved peak at load +40 MiB)
+    graphs = [_capture(fns[0], reps)]
+    graphs += [_capture(fn, reps, graphs[0].pool()) for fn in fns[1:]]
+    for graph in graphs:
+        graph.replay()  # the first replay uploads the graph
+    best = [math.inf] * len(graphs)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for i, graph in enumerate(graphs):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
     return best[0], best[1]
 
 
@@ -192,28 +206,27 @@ def _capture(fn: Callable, reps: int, pool=None):
     return graph
 
 
-def _keep_workspace(stream) -> None:
+def keep_workspace(stream) -> None:
     """Make the cuBLAS workspace of `stream` (one per stream, 32 MiB on an H200) inside a graph
     kept for the life of the process. A graph bakes that workspace's address in; made inside a
     timing graph, it would live in that graph's pool, which is freed after the timing, and
     `torch._C._cuda_clearCublasWorkspaces` (torch.compile's reduce-overhead mode calls it) would
     then hand its memory to anyone while the plan's own graphs still use it. In a kept pool, freed
-    memory is reused only by the workspace made again there. Captured again before every timing
-    (a few µs): the workspace may have been cleared since. The plan's captures find it made. One
+    memory is reused only by the workspace made again there. Called again before every timing and
+    every capture of a plan's graphs (a few µs): the workspace may have been cleared since. One
     pool per capture stream: torch's streams come from a pool of 32 per device."""
-    kept = _workspace_graphs.get(stream)
-    a = torch.ones(16, 16, device=stream.device)
-    bias = torch.ones(16, device=stream.device)
+    with LOCK, torch.cuda.device(stream.device):
+        kept = _workspace_graphs.get(stream)
+        a = torch.ones(16, 16, device=stream.device)
+        bias = torch.ones(16, device=stream.device)
 
-    def gemms():
-        torch.mm(a, a)
-        torch.addmm(bias, a, a)  # cublasLt's path, where its workspace is separate
+        def gemms():
+            torch.mm(a, a)
+            torch.addmm(bias, a, a)  # cublasLt's path, where its workspace is separate
 
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph = _capture(gemms, 1, kept.pool() if kept is not None else None)
-    torch.cuda.current_stream().wait_stream(stream)
-    _workspace_graphs[stream] = graph  # the pool lives on in it
+        with _on(stream):
+            graph = _capture(gemms, 1, kept.pool() if kept is not None else None)
+        _workspace_graphs[stream] = graph  # the pool lives on in it
 
 
 def _on_stream(fns, reps: int, rounds: int) -> tuple[float, ...]:

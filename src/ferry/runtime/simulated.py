@@ -96,6 +96,10 @@ class SimulatedApi:
         self._streams: list[SimStream] = []
         self._capturing: tuple[SimStream, SimGraph] | None = None
         self.launched = 0  # work items queued (kernels and copies)
+        self.prepared: list[SimStream] = []  # the streams prepare_capture was called for, in order
+        # which stream's work runs first when several could: the oldest stream's by default; the
+        # newest's in tests of a wait from an older stream to a newer (a missing one then shows)
+        self.newest_first = False
 
     # ---- the streams API
 
@@ -144,6 +148,10 @@ class SimulatedApi:
             warnings.warn("The CUDA Graph is empty (simulated: no work reached the capture stream)", UserWarning,
                           stacklevel=3)
 
+    def prepare_capture(self, stream: SimStream) -> None:
+        """Nothing to make (CUDA makes cuBLAS's workspace here): recorded, for tests."""
+        self.prepared.append(stream)
+
     def synchronize(self, index: int) -> None:
         self._host_wait(lambda: not any(s.queue for s in self._streams if s.index == index))
 
@@ -191,7 +199,7 @@ class SimulatedApi:
 
     def _step(self) -> bool:
         """Run the first runnable item of any stream; False when none can run."""
-        for s in self._streams:
+        for s in (reversed(self._streams) if self.newest_first else self._streams):
             if not s.queue:
                 continue
             item = s.queue[0]

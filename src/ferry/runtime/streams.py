@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ferry.device import Device
+from ferry.runtime import kernel_timing
 
 SMALL_COPY_BYTES = 1 << 20
 
@@ -39,6 +40,12 @@ class CudaApi:
     new_graph = staticmethod(lambda: torch.cuda.CUDAGraph())
     capture = staticmethod(lambda graph, stream: torch.cuda.graph(graph, stream=stream))
     synchronize = staticmethod(lambda index: torch.cuda.synchronize(index))
+
+    @staticmethod
+    def prepare_capture(stream) -> None:
+        """Before graphs are captured on `stream` (and its warm-up runs): its cuBLAS workspace made
+        where no module's closing can free it under a live graph (runtime/kernel_timing.py)."""
+        kernel_timing.keep_workspace(stream)
 
     @staticmethod
     def enqueue(stream, fn: Callable[[], object], touches_host: bool = False):
