@@ -47,11 +47,13 @@ def triton_us(bias, x, w) -> float:
 
 def tunable_choices(shapes) -> list[str]:
     """The kernels TunableOp picked among for these GEMMs (on CUDA: cuBLAS's default alone, so far)."""
+    import tempfile
+
     from torch.cuda import tunable
 
+    tunable.set_filename(str(Path(tempfile.mkdtemp()) / "tunableop_results.csv"))  # not into the working tree
     tunable.enable(True)
     tunable.tuning_enable(True)
-    tunable.write_file_on_exit(False)
     try:
         for m, k, n in shapes:
             torch.mm(torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda").t())

@@ -1,15 +1,14 @@
 """Graph replay of device segments (CUDA graphs; simulated graphs in tests).
 
 A captured segment runs eagerly on its first call (lazy initialisation such as cuBLAS
-handles stays out of the graph), is captured on the second and replayed from then on. The
-first run goes to the capture stream, as torch.cuda.graph's warm-ups do (after the caller's
-queued work, before its later work): on the caller's stream it would make cuBLAS allocate a
-workspace (one per stream, 32 MiB on an H200) for that run alone. Before it and before each
-capture the streams API prepares the capture stream (`prepare_capture`; on CUDA, its cuBLAS
+handles stays out of the graph), is captured on the second and replayed from then on. Before
+each capture the streams API prepares the capture stream (`prepare_capture`; on CUDA, its cuBLAS
 workspace, whose address a graph bakes in, made in a graph pool kept for the process:
-runtime/kernel_timing.py). Made anywhere else, `torch._C._cuda_clearCublasWorkspaces`
-(torch.compile's reduce-overhead mode calls it) could free it under a live graph (tried outside
-any pool: replays then fail with "unspecified launch failure"). Every
+runtime/kernel_timing.py). Made in the segment's own pool, a workspace another module's
+captures later found there would be freed under their graphs by
+`torch._C._cuda_clearCublasWorkspaces` (torch.compile's reduce-overhead mode calls it) once this
+module closed; made outside any pool, under this one's (tried: replays then fail with
+"unspecified launch failure"). Every
 address in it is fixed — planned memory, the fixed tensors device inputs are staged into, or
 what a functional kernel allocated during the capture (from the graph's own memory pool) —
 which is what makes replay legal. After a replay, the slots of the values the segment
@@ -66,18 +65,8 @@ class GraphSegment:
             return self._replay()
         self.runs += 1
         if self.runs == 1:
-            return self._first_run()
+            return self._eager()
         return self._capture(key)
-
-    def _first_run(self) -> None:
-        stream, caller = self.streams.capture_stream(self.index), self.api.current_stream(self.index)
-        self.api.prepare_capture(stream)
-        _hand_over(self.api, caller, stream)
-        try:
-            with self.api.device(self.index), self.api.stream(stream):
-                self._eager()
-        finally:
-            _hand_over(self.api, stream, caller)
 
     def _replay(self) -> None:
         assert self.graph is not None  # only called once a capture succeeded
@@ -118,10 +107,3 @@ class GraphSegment:
         self.graph, self.key = graph, key
         self.kept = {vid: self.slots[vid] for vid in self.produced} if self.slots is not None else {}
         return self._replay()
-
-
-def _hand_over(api, before, after) -> None:
-    """Work queued on `after` from now on waits for the work queued on `before` so far."""
-    done = api.Event()
-    done.record(before)
-    after.wait_event(done)

@@ -130,21 +130,18 @@ def time_both(first: Callable, second: Callable, reps: int = 10, rounds: int = 3
     capture stream and replayed (a stream leaves a gap between launches that a replay does not:
     nn.MultiheadAttention composed at ViT-B/16's batch 1, 84.7 µs on a stream, 74.1 replayed).
     Otherwise on the current stream (`_on_stream`)."""
+    _warm_up((first, second))
     stream = _replay_stream()
     if stream is None:
-        _warm_up((first, second))
         eager_us, other_us = _on_stream((first, second), reps, rounds)
         return eager_us, other_us
-    keep_workspace(stream)
-    with _on(stream):  # all of it: the caller's stream needs no cuBLAS workspace of its own
-        _warm_up((first, second))  # an error here is the caller's to see
-        try:
-            return _replayed((first, second), reps, rounds)
-        except torch.cuda.OutOfMemoryError:
-            raise  # the caller's to handle: eager's kernel stays
-        except RuntimeError:  # a form that cannot be captured: the plan's capture would fail with it
-            torch.cuda.synchronize()
-            return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays
+    try:
+        return _replayed((first, second), stream, reps, rounds)
+    except torch.cuda.OutOfMemoryError:
+        raise  # the caller's to handle: eager's kernel stays
+    except RuntimeError:  # a form that cannot be captured: the plan's capture would fail with it
+        torch.cuda.synchronize()
+        return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays
 
 
 @contextlib.contextmanager
@@ -159,13 +156,15 @@ def _on(stream):
 
 
 def _warm_up(fns) -> None:
-    for fn in fns * 3:  # kernels loaded, cuBLAS's workspace of this stream made
+    for fn in fns * 3:  # kernels loaded, cuBLAS's handles and the current stream's workspace made
         fn()
 
 
-def _replayed(fns, reps: int, rounds: int) -> tuple[float, float]:
+def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
+    keep_workspace(stream)
     try:
-        return _replay_times(fns, reps, rounds)  # its graphs are gone when it returns
+        with _on(stream):
+            return _replay_times(fns, reps, rounds)  # its graphs are gone when it returns
     finally:
         # their pool's memory is cached for no one else (a released graph pool is reused by no
         # later capture): handed back, as torch.cuda.graph does before each capture. Without it
@@ -224,6 +223,7 @@ def keep_workspace(stream) -> None:
             torch.mm(a, a)
             torch.addmm(bias, a, a)  # cublasLt's path, where its workspace is separate
 
+        gemms()  # cuBLAS's handles made first, outside any capture (cublasCreate fails inside one)
         with _on(stream):
             graph = _capture(gemms, 1, kept.pool() if kept is not None else None)
         _workspace_graphs[stream] = graph  # the pool lives on in it
