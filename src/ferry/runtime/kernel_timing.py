@@ -145,7 +145,7 @@ def time_both(first: Callable, second: Callable, reps: int = 10, rounds: int = 3
 
 
 @contextlib.contextmanager
-def _on(stream):
+def _on_side_stream(stream):
     """Work on `stream`, ordered after the work queued on the current stream and before its later work."""
     stream.wait_stream(torch.cuda.current_stream())
     try:
@@ -163,7 +163,7 @@ def _warm_up(fns) -> None:
 def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
     keep_workspace(stream)
     try:
-        with _on(stream):
+        with _on_side_stream(stream):
             return _replay_times(fns, reps, rounds)  # its graphs are gone when it returns
     finally:
         # their pool's memory is cached for no one else (a released graph pool is reused by no
@@ -224,7 +224,7 @@ def keep_workspace(stream) -> None:
             torch.addmm(bias, a, a)  # cublasLt's path, where its workspace is separate
 
         gemms()  # cuBLAS's handles made first, outside any capture (cublasCreate fails inside one)
-        with _on(stream):
+        with _on_side_stream(stream):
             graph = _capture(gemms, 1, kept.pool() if kept is not None else None)
         _workspace_graphs[stream] = graph  # the pool lives on in it
 

@@ -43,7 +43,7 @@ class CudaApi:
 
     @staticmethod
     def prepare_capture(stream) -> None:
-        """Before graphs are captured on `stream` (and its warm-up runs): its cuBLAS workspace made
+        """Before graphs are captured on `stream`: its cuBLAS workspace made
         where no module's closing can free it under a live graph (runtime/kernel_timing.py)."""
         kernel_timing.keep_workspace(stream)
 
