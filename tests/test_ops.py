@@ -123,19 +123,19 @@ def test_ops_appear_in_exported_graphs():
 
 def test_reload_reuses_the_ops():
     before = {name: (packet(name).default, packet(name).out) for name in NAMES}
-    lib = ferry.ops._lib
+    lib = ferry.ops.copies._lib
     try:
-        importlib.reload(ferry.ops)
+        importlib.reload(ferry.ops.copies)
     finally:
         import gc
 
         gc.collect()
-    assert ferry.ops._lib is lib
+    assert ferry.ops.copies._lib is lib
     for name in NAMES:
         assert packet(name).default is before[name][0]
         assert packet(name).out is before[name][1]
-    assert ferry.ops.h2d_copy.default is before["_h2d_copy"][0]
-    assert ferry.ops.FUNCTIONAL_COPY_FOR["d2d"] is before["_d2d_copy"][0]
+    assert ferry.ops.copies.h2d_copy.default is before["_h2d_copy"][0]
+    assert ferry.ops.copies.FUNCTIONAL_COPY_FOR["d2d"] is before["_d2d_copy"][0]
     # ops made before the reload still run
     x = torch.randn(5)
     assert torch.equal(before["_h2d_copy"][0](x), x)

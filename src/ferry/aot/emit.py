@@ -22,13 +22,13 @@ from ferry.aot import meta as M
 from ferry.aot.config import MethodOptions
 from ferry.aot.kernel_choice import KernelChoice, choose_kernel
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
-from ferry.aot.out_variants import is_view
 from ferry.aot.plan import PlanValue, plan_memory
 from ferry.backend_registry import get_backend
 from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
 from ferry.layout import is_dense
 from ferry.op_names import kernel_name
+from ferry.ops.aliasing import is_view, overwrites_safely, traced_alias, unannotated, view_source
 from ferry.program.dataflow import layout, whole_root, whole_views
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import (
@@ -43,7 +43,6 @@ from ferry.program.schema import (
     dtype_name,
     memory_owner,
 )
-from ferry.runtime.kernels import overwrites_safely
 
 _SIZE_OPS = ("add", "sub", "mul", "floordiv", "mod", "neg")
 
@@ -309,10 +308,12 @@ class _MethodEmitter:
                 f"method {self.name!r}: node {node.name!r} calls {op!r}, which is not an operator; "
                 "ferry runs ATen ops, et_copy ops and delegates"
             )
-        if is_view(op):
-            base = memory_owner(self.values, self.arg_value(node.args[0], None, node.name))
+        bases = self._aliased_inputs(op, node)
+        if any(b is not None for b in bases):  # (views of) inputs: run as eager does, own no memory
             many = isinstance(val, (tuple, list))
-            outs = tuple(self.tensor_value(node, v, self.device_of(node), alias_of=base) for v in (val if many else [val]))
+            outs = tuple(self.tensor_value(node, v, self.device_of(node), alias_of=b)
+                         for v, b in zip(val if many else [val], bases))
+            self.runtime_alloc.update(o for o, b in zip(outs, bases) if b is None)
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}), outs))
             self.env[node] = outs if many else outs[0]
             return
@@ -342,6 +343,20 @@ class _MethodEmitter:
                 read = {u.args[1] for u in node.users if u.target is operator.getitem}
                 self.unread.update(o for k, o in enumerate(outs) if k not in read)
         self.env[node] = outs if isinstance(val, (tuple, list)) else outs[0]
+
+    def _aliased_inputs(self, op, node) -> list[int | None]:
+        """Per result of `node`, the value owning the memory it may be (a view, or an input handed
+        back as it is), or None for a result of its own: the schema says so for views, the trace
+        for composite ops (ops/aliasing.py)."""
+        val = node.meta.get("val")
+        n = len(val) if isinstance(val, (tuple, list)) else 1
+        if is_view(op):
+            arg = node.args[view_source(op)] if view_source(op) < len(node.args) else node.args[0]
+            return [memory_owner(self.values, self.arg_value(arg, None, node.name))] * n
+        if not unannotated(op):
+            return [None] * n
+        return [None if a is None else memory_owner(self.values, self.arg_value(a, None, node.name))
+                for a in traced_alias(node)]
 
     def _emit_size(self, node, val):
         out = self.symint_value(node, val)
@@ -446,7 +461,7 @@ class _MethodEmitter:
     def _in_place(self, method: Method, life: dict) -> dict[int, int]:
         """value -> the first value of its group, whose bytes it takes: an out argument written
         over an input that dies at that kernel (read as itself or through a `view` of all of it),
-        where the kernel reads each element before writing it (runtime/kernels.py:
+        where the kernel reads each element before writing it (ops/aliasing.py:
         overwrites_safely). Chains (relu after add) share one. program/dataflow.py checks the same."""
         keep = set(method.inputs) | set(method.outputs) | self.mutable_ids
         group: dict[int, int] = {}

@@ -34,6 +34,7 @@ import torch.fx
 from ferry import ops
 from ferry.aot.out_variants import out_variant
 from ferry.op_names import kernel_name
+from ferry.ops import scatter
 
 __all__ = ["KernelChoice", "choose_kernel", "out_is_wrapper"]
 
@@ -59,6 +60,8 @@ def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node, device_type: s
     if not _contiguous(node.meta.get("val")):
         return KernelChoice(op, True, "eager gives its result a non-contiguous layout: computed as eager does, "
                                       "so every view eager allows stays legal")
+    if op in scatter.OUT_KERNELS:  # ferry's own kernel: writes in place, whatever the layout of src
+        return KernelChoice(out, False)
     if op not in _GEMMS and not all(_contiguous(a.meta.get("val")) for a in node.all_input_nodes):
         # measured on ViT: linear.out over a transposed input runs one small GEMM per row (bmm
         # with a broadcast weight, 2.4x slower end to end) where eager's functional linear

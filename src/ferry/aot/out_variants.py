@@ -1,7 +1,8 @@
 """Which ATen overload writes into planned memory: the `.out` twin of each functional op.
 
 An op with no out variant stays functional and allocates at run time (the compile report
-lists it). View ops produce aliases of their input and need no memory of their own.
+lists it). The `*_scatter` ops take ferry's own out kernels (ops/scatter.py). Which results
+alias an input (views) is ops/aliasing.py's to say.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import functools
 import torch
 
 from ferry import ops
+from ferry.ops import scatter
 
 _TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
 
@@ -24,6 +26,8 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The overload of `op`'s packet taking the same arguments plus one out per return."""
     if op in ops.FUNCTIONAL_COPIES:
         return op.overloadpacket.out
+    if op in scatter.OUT_KERNELS:
+        return scatter.OUT_KERNELS[op]
     schema = op._schema
     if schema.is_mutable or not schema.returns:
         return None
@@ -48,18 +52,3 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
         if loose is None and without_options is not None and got == without_options:
             loose = cand
     return loose
-
-
-@functools.cache
-def is_view(op: torch._ops.OpOverload) -> bool:
-    """True for ops whose output (a tensor or a list of tensors) aliases an input without
-    writing: view, permute, split, unbind, …"""
-    if op in _UNTRACKED_VIEWS:
-        return True
-    rets = op._schema.returns
-    return len(rets) == 1 and rets[0].alias_info is not None and not rets[0].alias_info.is_write
-
-
-# views whose schema does not say so (`reshape` of a fresh copy becomes `clone` + `_unsafe_view`):
-# eager returns a view here too, and copying through the `.out` overload would be a wasted pass
-_UNTRACKED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})

@@ -109,20 +109,30 @@ def _check_writes(m: Method, ins, label: str) -> None:
 
 
 def _check_aliasing(m: Method, ins: KernelCall, label: str) -> None:
-    """A view op's results are declared views of its input (so lifetimes and planning see them),
-    and no kernel reads, in another argument, the memory it writes through an out argument."""
+    """Results an op may share memory with an input are declared views of it (so lifetimes and
+    planning see them): a view op's, of the argument its schema names; an unannotated op's (a
+    composite's), of one of its tensor arguments if of any (ops/aliasing.py). And no kernel reads, in another argument,
+    the memory it writes through an out argument."""
     op = _operator(ins.kernel)
     if op is None:
         return  # not a registered operator: refused when the method is bound
-    from ferry.aot.out_variants import is_view  # torch operators: imported when needed
+    from ferry.ops.aliasing import is_view, unannotated, view_source  # torch operators: imported when needed
 
-    if is_view(op) and ins.args and ins.args[0] != DEFAULT_ARG:
-        base = S.memory_owner(m.values, ins.args[0])
+    source = view_source(op)
+    if is_view(op) and len(ins.args) > source and ins.args[source] != DEFAULT_ARG:
+        base = S.memory_owner(m.values, ins.args[source])
         for o in ins.outputs:
             v = m.values[o]
             if isinstance(v, TensorValue) and (v.storage != "view" or v.alias_of != base):
                 raise ProgramError(f"{label} ({ins.kernel}): value {o} is a view of value {base}, but the program "
                                    f"says {v.storage!r}" + (f" of value {v.alias_of}" if v.alias_of is not None else ""))
+    elif unannotated(op):
+        owners = {S.memory_owner(m.values, t) for a in ins.args for t in tensor_ids(m, a)}
+        for o in ins.outputs:
+            v = m.values[o]
+            if isinstance(v, TensorValue) and v.storage == "view" and v.alias_of not in owners:
+                raise ProgramError(f"{label} ({ins.kernel}): value {o} is declared a view of value {v.alias_of}, "
+                                   "which is none of its arguments")
     schema = op._schema.arguments
     written = {S.memory_owner(m.values, a) for a, s in zip(ins.args, schema) if s.is_out and a != DEFAULT_ARG}
     read = {S.memory_owner(m.values, t) for a, s in zip(ins.args, schema) if not s.is_out for t in tensor_ids(m, a)}
@@ -179,7 +189,7 @@ def written_over(m: Method, life: dict, a: int, c: int, views: dict | None = Non
     views = whole_views(m) if views is None else views
     if len(at) != 1 or whole_root(m, ins.args[at[0]], views) != first or layout(m, ins.args[at[0]]) != layout(m, second):
         return False  # read once (a view of it in another argument would overlap partly)
-    from ferry.runtime.kernels import overwrites_safely  # torch operators: imported when needed
+    from ferry.ops.aliasing import overwrites_safely  # torch operators: imported when needed
 
     op = _operator(ins.kernel)
     return op is not None and overwrites_safely(op, at[0])

@@ -76,26 +76,34 @@ def as_bytes(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _aligned_slice(base: torch.Tensor, nbytes: int, alignment: int) -> torch.Tensor:
-    """The first ``alignment``-aligned run of ``nbytes`` bytes inside ``base``."""
-    if nbytes == 0:
-        return base[:0]
+def _exact_slice(base: torch.Tensor, nbytes: int, alignment: int) -> torch.Tensor:
+    """The first ``alignment``-aligned run of ``nbytes`` bytes inside the host tensor ``base``,
+    as a tensor whose storage is exactly those bytes (it keeps ``base`` alive)."""
     pad = (-base.data_ptr()) % alignment
     if pad + nbytes > base.numel():  # pragma: no cover - callers over-allocate enough
-        raise AllocationError(
-            f"cannot place {nbytes} bytes aligned to {alignment} in a {base.numel()}-byte block"
-        )
-    return base[pad : pad + nbytes]
+        raise AllocationError(f"cannot place {nbytes} bytes aligned to {alignment} in a {base.numel()}-byte block")
+    # numpy's view of the block has the buffer protocol, and frombuffer makes a storage of just
+    # the bytes asked for: torch never sees the slack around them
+    return torch.frombuffer(base.numpy(), dtype=torch.uint8, count=nbytes, offset=pad)
 
 
 def allocate_aligned(nbytes: int, alignment: int, *, device="cpu", pin_memory: bool = False) -> torch.Tensor:
-    """torch-backed aligned memory: over-allocate by ``alignment - 1`` bytes and slice.
+    """Host memory of exactly ``nbytes`` bytes whose address is ``alignment``-aligned.
 
-    A building block for host memory and for allocators whose memory comes from torch.
+    The tensor's storage is the allocation itself, never a larger block: torch kernels that
+    work on a tensor's whole storage (the ``*_scatter`` ops clone it, ``as_strided`` indexes
+    it) then see what was planned and nothing else. torch's own allocations are aligned to
+    64 bytes (and page-locked ones to a page), which covers the usual request; a larger
+    alignment takes a block with slack and a storage over the aligned part of it.
     """
-    extra = alignment - 1 if nbytes else 0
-    base = torch.empty(nbytes + extra, dtype=torch.uint8, device=device, pin_memory=pin_memory)
-    return _aligned_slice(base, nbytes, alignment)
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"allocate_aligned makes host memory, not memory on {device}")
+    memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+    if nbytes == 0 or memory.data_ptr() % alignment == 0:
+        return memory
+    del memory
+    base = torch.empty(nbytes + alignment - 1, dtype=torch.uint8, pin_memory=pin_memory)
+    return _exact_slice(base, nbytes, alignment)
 
 
 # ----------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from ferry.errors import BackendError, InputError, ProgramError
 from ferry.layout import same_strides
 from ferry.op_names import resolve_kernel
 from ferry.ops import OUT_COPY_KERNELS
+from ferry.ops.aliasing import composite_results, returns_inputs
+from ferry.program.lifetimes import tensor_ids
 from ferry.program.ranks import RECV, SEND
 from ferry.program.schema import (
     DEFAULT_ARG,
@@ -34,12 +36,13 @@ from ferry.program.schema import (
     KernelCall,
     Method,
     TensorValue,
+    memory_owner,
     root_storage,
 )
 from ferry.runtime import attention_choice, conv_choice
 from ferry.runtime.gemm_choice import biased_gemm
 from ferry.runtime.kernel_timing import captured_plan, in_captured_plan
-from ferry.runtime.kernels import CopyKernel, _to_meta, bind_aten, check_call, fast_aten, fast_functional
+from ferry.runtime.kernels import CopyKernel, _to_meta, bind_aten, check_call, fast_aten, fast_functional, returns_list
 from ferry.runtime.load import Memory
 
 __all__ = ["Bound", "CallIO", "Step", "bind_method"]
@@ -148,7 +151,7 @@ def _bind_method(method, memory, delegate, streams, page_locked, io, per_call, s
         slots[vid], fixed[vid] = t, True
     for vid in per_call:
         slots[vid], fixed[vid] = None, False
-    fresh_shapes = _fix_shapes(method, slots, fixed, shapes) if shapes is not None else {}
+    fresh_shapes = _fix_shapes(method, slots, fixed, shapes) if shapes is not None else _own_dynamic(method, slots, fixed)
     _fix_lists(method, slots, fixed)
     b = _Binder(method, slots, fixed, delegate, streams, page_locked or (lambda t: t.is_pinned()), shapes, transport,
                 measure, in_captured_plan())
@@ -180,6 +183,7 @@ def record_shapes(slots: list, ids: Sequence[int]) -> dict[int, object]:
 def _fix_shapes(method: Method, slots: list, fixed: list, shapes: dict[int, Any]) -> dict[int, tuple]:
     """Fix the dynamic values at one call's shapes; returns the shapes of fresh outputs."""
     fresh: dict[int, tuple] = {}
+    changed: set[int] = set()
     for vid, s in shapes.items():
         v = method.values[vid]
         if isinstance(v, ConstValue):
@@ -189,7 +193,33 @@ def _fix_shapes(method: Method, slots: list, fixed: list, shapes: dict[int, Any]
         elif fixed[vid] and v.storage == "planned":  # a view of its memory at this shape (within the bound)
             base, (size, stride) = slots[vid], s
             slots[vid] = base.as_strided(size, stride, base.storage_offset())
+            changed.add(vid)
+    _rebuild_lists(method, slots, fixed, changed)
     return fresh
+
+
+def _own_dynamic(method: Method, slots: list, fixed: list) -> dict:
+    """A plan bound for any size sizes its dynamic planned tensors each call (resizing them in
+    place): it gets tensor objects of its own over their memory, so the sizes one call leaves
+    behind never reach another plan (one bound at a shape, which reads the memory at its own
+    sizes), and lists holding them are built again over its own. Returns no fresh shapes."""
+    mine = set()
+    for vid, v in enumerate(method.values):
+        if isinstance(v, TensorValue) and any(v.dynamic) and fixed[vid] and isinstance(t := slots[vid], torch.Tensor):
+            slots[vid] = t.as_strided(t.size(), t.stride(), t.storage_offset())
+            mine.add(vid)
+    _rebuild_lists(method, slots, fixed, mine)
+    return {}
+
+
+def _rebuild_lists(method: Method, slots: list, fixed: list, changed: set[int]) -> None:
+    """Lists built at load over members whose tensor objects were replaced: built again."""
+    if not changed:
+        return
+    for vid, v in enumerate(method.values):
+        if isinstance(v, ConstValue) and v.kind in LIST_KINDS and fixed[vid] and changed.intersection(
+                x for x in v.value if x is not None):  # type: ignore[attr-defined]
+            slots[vid] = [None if x is None else slots[x] for x in v.value]  # type: ignore[attr-defined]
 
 
 def _with_releases(method: Method, steps: list[Step | None], fixed: list[bool]) -> list[Step | None]:
@@ -293,6 +323,12 @@ def _ref(slots, fixed, m: Method, vid: int):
 # `reshape` is the same view whenever one is possible and a copy otherwise: the graph is
 # functional, so no one can tell the two apart.
 LAYOUT_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
+
+
+# ops whose storage offset is an argument (counted from the start of the input's storage)
+_STORAGE_OFFSET_AT = {op: [a.name for a in op._schema.arguments].index("storage_offset") for op in (
+    torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_copy.default,
+    torch.ops.aten.as_strided_scatter.default, torch.ops.ferry.as_strided_scatter.out)}
 
 
 class _NoMeta(Exception):
@@ -566,10 +602,11 @@ class _Binder:
             raise ProgramError(f"method {m.name!r} instruction {index}: {e}") from None
         check_call(op, ins.args, ins.outputs, m.values, f"method {m.name!r} instruction {index}")
         pos, kw = bind_aten(op, ins.args, self.ref)
+        pos = self._storage_offset_in_arena(op, ins, pos, index)
         writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
         if not writes_out and self._view_of_fixed(ins):
             try:  # a view of fixed memory: made once, here
-                self._run_functional(op, pos, kw, ins.outputs)()
+                self._run_functional(op, pos, kw, ins.outputs, ins)()
             except Exception as e:  # noqa: BLE001 - the program's own shapes do not allow this view
                 raise ProgramError(f"method {m.name!r} instruction {index} ({ins.kernel}): the view does not fit "
                                    f"the program's values: {str(e).strip().splitlines()[0]}") from e
@@ -595,23 +632,45 @@ class _Binder:
                 a, k = args()
                 return fn(*a, **k)
         else:
-            call = self._run_functional(op, pos, kw, ins.outputs)
+            call = self._run_functional(op, pos, kw, ins.outputs, ins)
         return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins) if writes_out else None)
 
-    def _run_functional(self, op, pos, kw, outputs):
+    def _storage_offset_in_arena(self, op, ins: KernelCall, pos: list, index: int) -> list:
+        """`as_strided`'s storage offset counts from the start of its input's memory, as in eager,
+        where the input is a tensor of its own: for memory planned in an arena, from where the
+        plan put it (runtime results and the caller's tensors are tensors of their own)."""
+        at = _STORAGE_OFFSET_AT.get(op)
+        if at is None or at >= len(pos) or pos[at] == ("c", None) or not ins.args:
+            return pos
+        owner = memory_owner(self.m.values, ins.args[0])
+        v = self.m.values[owner]
+        if not isinstance(v, TensorValue) or v.storage != "planned" or not self.fixed[owner]:
+            return pos
+        base = self.slots[owner]
+        start = base.storage_offset() * base.element_size()
+        itemsize = self.m.tensor(ins.args[0]).torch_dtype.itemsize
+        if pos[at][0] != "c" or not isinstance(pos[at][1], int) or start % itemsize:
+            raise ProgramError(f"method {self.m.name!r} instruction {index} ({ins.kernel}): its storage offset must be "
+                               "a constant int over memory planned at a multiple of its element size")
+        return [*pos[:at], ("c", pos[at][1] + start // itemsize), *pos[at + 1:]]
+
+    def _run_functional(self, op, pos, kw, outputs, ins: KernelCall | None = None):
         """A functional op (no out variant, or a view): its results become the output slots."""
         slots = self.slots
         if op in LAYOUT_VIEWS and any(r[0] != "c" for r in pos):
             op = torch.ops.aten.reshape.default  # see LAYOUT_VIEWS
         fn = self._chosen_composed(op, pos, kw, outputs) or self._fast(op, pos, kw, outputs) or op
+        if ins is not None and returns_inputs(op):
+            fn = composite_results(fn, self._declared_sources(ins))
         args = _arguments(slots, pos, kw)
         first = _first_only(pos, kw)
-        if len(outputs) == 1 and first is not None:  # the common case: one value of the call, first
+        one = len(outputs) == 1 and not returns_list(op)  # (a list of one tensor is a list)
+        if one and first is not None:  # the common case: one value of the call, first
             (out,), (vid, rest, k) = outputs, first
 
             def call():
                 slots[out] = fn(slots[vid], *rest, **k)
-        elif len(outputs) == 1:
+        elif one:
             (out,) = outputs
 
             def call():
@@ -624,6 +683,14 @@ class _Binder:
                     slots[o] = r
 
         return call
+
+    def _declared_sources(self, ins: KernelCall) -> list[int | None]:
+        """Per result, the position among the call's tensors (list members counted, in argument
+        order) of the input the program declares it a view of, or None for a result of its own."""
+        m = self.m
+        owners = [memory_owner(m.values, t) for a in ins.args for t in tensor_ids(m, a)]
+        bases = [v.alias_of if isinstance(v := m.values[o], TensorValue) else None for o in ins.outputs]
+        return [owners.index(b) if b is not None and b in owners else None for b in bases]
 
     def _chosen_gemm(self, op, pos, kw):
         """`mm` and then the bias added, for an `addmm.out` this GPU runs faster that way
@@ -694,12 +761,14 @@ class _Binder:
         return tuple(known[0]) if known is not None else self.m.tensor(vid).shape
 
     def _view_of_fixed(self, ins: KernelCall) -> bool:
-        """A view that can be made once: of fixed memory, with a fixed shape."""
+        """A view that can be made once: of fixed memory of a fixed shape, with a fixed shape (a
+        view of a tensor whose size a call decides lies where that size puts it)."""
         m = self.m
         outs = [m.values[o] for o in ins.outputs]
         if not outs or not all(isinstance(v, TensorValue) and v.storage == "view" and not self.dynamic(v) for v in outs):
             return False
-        return all(self.fixed[a] for a in ins.args if a != DEFAULT_ARG)
+        args = [t for a in ins.args if a != DEFAULT_ARG for t in [a, *_members(m, a)]]
+        return all(self.fixed[a] and not (isinstance(v := m.values[a], TensorValue) and self.dynamic(v)) for a in args)
 
     def _dynamic_out(self, op, pos, kw, dynamic_outs):
         """Outputs with a dynamic dim are planned (or, a delegate's, handed in) at their bound or

@@ -278,31 +278,6 @@ def check_call(op: torch._ops.OpOverload, arg_ids, outputs, values, what: str) -
         raise ProgramError(f"{what}: {op} returns {len(returns)} value(s), but the instruction names {len(outputs)}")
 
 
-def overwrites_safely(op: torch._ops.OpOverload, position: int) -> bool:
-    """Whether `op`, an ATen out overload, may write its out argument over the very memory (same
-    bytes, shape and strides) of its argument at `position`: any argument of a pointwise op (each
-    element is read before it is written), or `self` of an op whose in-place overload takes the
-    same arguments (`relu_`, `add_`: that call exactly). What eager's in-place ops save, the
-    memory plan saves too. Not `normal.Tensor_float_out`: `normal_` exists but is another call,
-    and the out kernel fills `out` before it reads the mean."""
-    if op.namespace != "aten" or position >= len(op._schema.arguments) or op._schema.arguments[position].is_out:
-        return False
-    args = _signature_of(op)
-    packet = op.overloadpacket
-    same = [getattr(packet, name) for name in packet.overloads()]
-    if any(torch.Tag.pointwise in o.tags for o in same if _signature_of(o) == args):
-        return True
-    in_place = getattr(torch.ops.aten, packet.__name__ + "_", None)
-    if position != 0 or in_place is None:
-        return False
-    return any(_signature_of(getattr(in_place, name)) == args for name in in_place.overloads())
-
-
-def _signature_of(op: torch._ops.OpOverload) -> tuple:
-    """The names and types of an overload's arguments, its out arguments left out."""
-    return tuple((a.name, str(a.type)) for a in op._schema.arguments if not a.is_out)
-
-
 def returns_list(op: torch._ops.OpOverload) -> bool:
     """`op` returns one list of tensors (split, unbind): an instruction names each member."""
     returns = op._schema.returns
