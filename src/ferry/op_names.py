@@ -48,9 +48,12 @@ def resolve_kernel(name: str) -> torch._ops.OpOverload:
     if m is None:
         raise LookupError(f"malformed kernel name {name!r}: expected 'namespace::op.overload', e.g. 'aten::add.out'")
     ns, opname, overload = m.groups()
-    if ns in _REFUSED_NAMESPACES or f"{ns}::{opname}" in _REFUSED_OPS or _unchecked_layout(opname):
-        raise LookupError(f"{name!r} reaches outside the program's tensors (files, other processes, the heap "
-                          "through unchecked indices): a ferry program may not call it")
+    if _unchecked_layout(opname) and ns not in _REFUSED_NAMESPACES:
+        raise LookupError(f"{name!r} makes or reads sparse or nested tensors, or trusts indices it does not check: a "
+                          "ferry program holds dense tensors only and may not call it")
+    if ns in _REFUSED_NAMESPACES or f"{ns}::{opname}" in _REFUSED_OPS:
+        raise LookupError(f"{name!r} reaches outside the program's tensors (files, other processes, the profiler): "
+                          "a ferry program may not call it")
     try:  # the dispatcher's own table: only registered operators have a schema
         torch._C._get_schema(f"{ns}::{opname}", "" if overload == "default" else overload)
     except RuntimeError:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ferry.aot import meta as M
 from ferry.aot.meta import module_path
 from ferry.device import Device
 from ferry.errors import CompileError, ConfigError
@@ -78,7 +79,7 @@ def _val_bytes(val) -> int:
 
 def _shape(node) -> tuple[int, ...]:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else ()
+    return M.hint_ints(val.shape) if isinstance(val, torch.Tensor) else ()
 
 
 def _numel(shape) -> int:

@@ -27,7 +27,7 @@ from ferry.backend_registry import get_backend
 from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
 from ferry.layout import is_dense
-from ferry.op_names import kernel_name
+from ferry.op_names import kernel_name, resolve_kernel
 from ferry.ops.aliasing import is_view, overwrites_safely, traced_alias, unannotated, view_source
 from ferry.program.dataflow import layout, whole_root, whole_views
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
@@ -104,13 +104,10 @@ def _upper_bound(dim, range_constraints, what: str) -> tuple[int, bool]:
 def _eager_strides(val: torch.Tensor) -> tuple[int, ...]:
     """The layout eager gives `val` when it is a dense permutation other than contiguous (so a
     view eager allows on it stays legal here); () for contiguous or anything else."""
-    try:
-        strides = tuple(int(s) for s in val.stride())
-        if val.is_contiguous() or not is_dense(tuple(int(d) for d in val.shape), strides):
-            return ()
-        return strides
-    except Exception:  # noqa: BLE001 - symbolic strides: laid out contiguously
-        return ()
+    strides, shape = M.static_ints(val.stride()), M.static_ints(val.shape)
+    if strides is None or shape is None or M.surely(val.is_contiguous()) or not is_dense(shape, strides):
+        return ()  # (symbolic strides: laid out contiguously)
+    return strides
 
 
 class _MethodEmitter:
@@ -308,6 +305,7 @@ class _MethodEmitter:
                 f"method {self.name!r}: node {node.name!r} calls {op!r}, which is not an operator; "
                 "ferry runs ATen ops, et_copy ops and delegates"
             )
+        self._check_runnable(op, node, val)
         bases = self._aliased_inputs(op, node)
         if any(b is not None for b in bases):  # (views of) inputs: run as eager does, own no memory
             many = isinstance(val, (tuple, list))
@@ -343,6 +341,28 @@ class _MethodEmitter:
                 read = {u.args[1] for u in node.users if u.target is operator.getitem}
                 self.unread.update(o for k, o in enumerate(outs) if k not in read)
         self.env[node] = outs if isinstance(val, (tuple, list)) else outs[0]
+
+    def _check_runnable(self, op, node, val) -> None:
+        """A CompileError naming the op for what a ferry program cannot hold or call: a result that
+        is not dense tensors (a Python number read from a tensor, a sparse tensor, nested lists),
+        or an operator the loader refuses (op_names.py)."""
+        what = f"method {self.name!r}: {kernel_name(op)} (node {node.name!r})"
+        try:
+            resolve_kernel(kernel_name(op))
+        except LookupError as e:
+            raise CompileError(f"{what}: {e}") from None
+        if not op._schema.returns:
+            return
+        vals = list(val) if isinstance(val, (tuple, list)) else [val]
+        for v in vals:
+            if isinstance(v, torch.Tensor) and v.layout != torch.strided:
+                raise CompileError(f"{what} makes a {str(v.layout).removeprefix('torch.')} tensor; ferry programs hold "
+                                   "dense (strided) tensors only: keep sparse layouts out of the exported program")
+            if not isinstance(v, torch.Tensor):
+                got = "nothing traced" if v is None else f"a {type(v).__name__}"
+                raise CompileError(f"{what} returns {got} where ferry needs tensors: a number read out of a tensor "
+                                   "(.item(), .tolist()) or a nested list is data the program cannot plan memory for; "
+                                   "keep it out of the exported program, or compute it outside the model")
 
     def _aliased_inputs(self, op, node) -> list[int | None]:
         """Per result of `node`, the value owning the memory it may be (a view, or an input handed

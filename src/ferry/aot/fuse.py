@@ -54,13 +54,6 @@ _MHA_OPS = {aten.linear.default, aten.view.default, aten._unsafe_view.default, a
 _MHA_CLASS = "torch.nn.modules.activation.MultiheadAttention"
 
 
-def _static(shape) -> tuple[int, ...] | None:
-    """`shape` as plain ints, or None when a size is symbolic. (int() of an export SymInt does
-    not fail: it returns the example size and adds a guard that fixes it, so never call it.)"""
-    dims = tuple(shape)
-    return dims if all(type(d) is int for d in dims) else None
-
-
 class Rewrite(NamedTuple):
     kind: str  # "copy dropped", "fold", "conv relu", "patches", "attention", "mask dropped", "mask causal", "gemm"
     where: str  # the node or module call it applied to
@@ -237,7 +230,7 @@ def _fusable_conv(node) -> bool:
     val, x = node.meta.get("val"), node.args[0]
     xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     return (isinstance(val, torch.Tensor) and isinstance(xv, torch.Tensor) and val.dim() == 4
-            and val.is_floating_point() and _static(val.shape) is not None and _static(xv.shape) is not None)
+            and val.is_floating_point() and M.static_ints(val.shape) is not None and M.static_ints(xv.shape) is not None)
 
 
 def _same_tensor_type(conv, z) -> bool:
@@ -335,7 +328,7 @@ def _patch_plan(gm, conv):
         return None
     if bias is not None and _attr(gm, bias) is None:
         return None
-    if _static(xv.shape) is None or _static(out.shape) is None or xv.dim() != 4 or not xv.is_floating_point():
+    if M.static_ints(xv.shape) is None or M.static_ints(out.shape) is None or xv.dim() != 4 or not xv.is_floating_point():
         return None
     kernel = list(weight.shape[2:])
     if kernel == [1, 1]:
@@ -343,9 +336,9 @@ def _patch_plan(gm, conv):
     if (stride != kernel or padding != [0, 0] or dilation != [1, 1] or groups != 1
             or xv.shape[2] % kernel[0] or xv.shape[3] % kernel[1]):
         return None
-    if not (out.is_contiguous() or out.is_contiguous(memory_format=torch.channels_last)):
+    if not (M.surely(out.is_contiguous()) or M.surely(out.is_contiguous(memory_format=torch.channels_last))):
         return None
-    nhwc = xv.is_contiguous(memory_format=torch.channels_last) and not xv.is_contiguous()
+    nhwc = M.surely(xv.is_contiguous(memory_format=torch.channels_last)) and not M.surely(xv.is_contiguous())
     return x, weight, bias, (3, 5, 1) if nhwc else (1, 3, 5)
 
 
@@ -413,8 +406,8 @@ def _attention_region(gm, members):
     xv, ov = x.meta.get("val"), out.meta.get("val")
     if not (isinstance(xv, torch.Tensor) and isinstance(ov, torch.Tensor) and xv.dim() == 3):
         return None
-    shape = _static(xv.shape)
-    if shape is None or _static(ov.shape) != shape:
+    shape = M.static_ints(xv.shape)
+    if shape is None or M.static_ints(ov.shape) != shape:
         return None  # dynamic sizes: the numerical check needs concrete ones
     embed = shape[2]
     shapes = {tuple(_attr(gm, a).shape): a for a in inputs if a.op == "get_attr" and _attr(gm, a) is not None}
@@ -422,7 +415,7 @@ def _attention_region(gm, members):
     if any(s not in shapes for s in want):
         return None
     q = sdpa[0].args[0].meta.get("val")
-    q_shape = _static(q.shape) if isinstance(q, torch.Tensor) else None
+    q_shape = M.static_ints(q.shape) if isinstance(q, torch.Tensor) else None
     if q_shape is None or len(q_shape) != 4:
         return None
     return x, [shapes[s] for s in want], q_shape[1], out
@@ -437,7 +430,7 @@ def _same_result(gm, members, region) -> bool:
     """Run the traced ops and the fused op on one random input with the real weights."""
     x, weights, heads, out = region
     xv = x.meta["val"]
-    shape = _static(xv.shape)  # static: _attention_region checked
+    shape = M.static_ints(xv.shape)  # static: _attention_region checked
     if shape is None or math.prod(shape) > _CHECK_ELEMENTS or not xv.dtype.is_floating_point:
         return False
     values = {w: _attr(gm, w).cpu() for w in weights}
@@ -534,8 +527,8 @@ def _is_causal(mask: torch.Tensor, q: tuple, k: tuple) -> bool:
 def _fits(mask: torch.Tensor, q, k):
     """(q, k) as static shapes when `mask` broadcasts to the attention weights' shape without
     growing it (else eager raises, and so must ferry); None otherwise."""
-    qs = _static(q.shape) if isinstance(q, torch.Tensor) else None
-    ks = _static(k.shape) if isinstance(k, torch.Tensor) else None
+    qs = M.static_ints(q.shape) if isinstance(q, torch.Tensor) else None
+    ks = M.static_ints(k.shape) if isinstance(k, torch.Tensor) else None
     if qs is None or ks is None or mask.dim() > len(qs):
         return None
     weights = (*qs[:-1], ks[-2])
@@ -547,7 +540,7 @@ def _fits(mask: torch.Tensor, q, k):
 
 def _small(val) -> bool:
     """A traced result of static shape small enough to compute at compile time."""
-    shape = _static(val.shape) if isinstance(val, torch.Tensor) else None
+    shape = M.static_ints(val.shape) if isinstance(val, torch.Tensor) else None
     return shape is not None and math.prod(shape) <= _CHECK_ELEMENTS
 
 
@@ -592,8 +585,8 @@ def _linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
         xv, wv, out = x.meta.get("val"), w.meta.get("val"), node.meta.get("val")
         if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and isinstance(out, torch.Tensor)):
             continue
-        shape, out_shape = _static(xv.shape), _static(out.shape)
-        if shape is None or out_shape is None or len(shape) < 2 or wv.dim() != 2 or not xv.is_contiguous():
+        shape, out_shape = M.static_ints(xv.shape), M.static_ints(out.shape)
+        if shape is None or out_shape is None or len(shape) < 2 or wv.dim() != 2 or not M.surely(xv.is_contiguous()):
             continue
         bv = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
         if b is not None and not (isinstance(bv, torch.Tensor) and tuple(bv.shape) == (out_shape[-1],)):

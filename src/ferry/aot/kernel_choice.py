@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from ferry import ops
+from ferry.aot import meta as M
 from ferry.aot.out_variants import out_variant
 from ferry.op_names import kernel_name
 from ferry.ops import scatter
@@ -99,10 +100,8 @@ def _contiguous(val) -> bool:
 
 
 def _is_contiguous(v: torch.Tensor) -> bool:
-    try:
-        return bool(v.is_contiguous())
-    except Exception:  # symbolic strides: dynamic shapes are laid out contiguously  # noqa: BLE001
-        return True
+    """Contiguous, or not known not to be (dynamic shapes are laid out contiguously): no guard."""
+    return not M.surely(torch.sym_not(v.is_contiguous()))
 
 
 def out_is_wrapper(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:

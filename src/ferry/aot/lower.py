@@ -156,10 +156,7 @@ def _contiguous_gemm_inputs(gm: torch.fx.GraphModule) -> None:
 
 
 def _is_contiguous(val: torch.Tensor) -> bool:
-    try:
-        return bool(val.is_contiguous())
-    except Exception:  # noqa: BLE001 - symbolic strides: leave it as traced
-        return True
+    return not M.surely(torch.sym_not(val.is_contiguous()))  # (symbolic strides: leave it as traced)
 
 
 def _drop_export_time_checks(gm: torch.fx.GraphModule) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx
 
 from ferry.device import Device
@@ -23,6 +24,28 @@ def module_path(node: torch.fx.Node) -> str:
     if not stack:
         return ""
     return str(list(stack.values())[-1][0])
+
+
+def static_ints(values) -> tuple[int, ...] | None:
+    """`values` (a shape, strides) as plain ints, or None when one is symbolic. Never int() an
+    export SymInt: it returns the example size and adds a guard that fixes it, in the caller's
+    ExportedProgram too (its ShapeEnv is shared), so a dynamic program turns static."""
+    out = tuple(values)
+    return out if all(type(v) is int for v in out) else None
+
+
+def surely(b) -> bool:
+    """A SymBool taken as true only when it is true at every size (no guard added); a bool as it is."""
+    if isinstance(b, torch.SymBool):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(b))
+    return bool(b)
+
+
+def hint_ints(shape) -> tuple[int, ...]:
+    """A shape at the sizes export traced (the hint of each symbolic size), adding no guard."""
+    return tuple(s if type(s) is int else int(s.node.hint) if s.node.hint is not None else 1 for s in shape)
 
 
 def get_device(node: torch.fx.Node) -> Device | None:
