@@ -415,3 +415,40 @@ def test_buckets_pad_inputs_the_caller_passes_on_the_device(emu_async):
     for i, b in enumerate([3, 5, 3, 8]):
         x = torch.randn(b, 16, 32, generator=torch.Generator().manual_seed(i))
         torch.testing.assert_close(module(clone_to(x, "emu:0")), model(x), atol=1e-5, rtol=1e-4)
+
+
+class Joins(nn.Module):
+    """cat and stack along every kind of dim, and views of a dynamic tensor (dim 0 is the batch)."""
+
+    def __init__(self, kind: int):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x, y):
+        h = x * 2
+        if self.kind == 0:
+            return torch.cat([h, h], 1)
+        if self.kind == 1:
+            return torch.cat([h, y], 0)
+        if self.kind == 2:
+            return torch.cat([h, h], -1) + 1
+        if self.kind == 3:
+            return torch.stack([h, h]).sum(0), torch.stack([h, x], 1)
+        return h[:, 1:], h.transpose(0, 1)[1]
+
+
+@pytest.mark.parametrize("kind", range(5))
+@pytest.mark.parametrize("device", ["cpu", "emu:0"])
+def test_a_call_after_a_smaller_one_takes_its_own_size(emu, kind, device):
+    """Every output and intermediate takes this call's size whatever sizes came before (the
+    issue: cat at batch 4, 2, 4 returned the second call's shape on the third)."""
+    b, c = torch.export.Dim("b", max=16), torch.export.Dim("c", max=16)
+    ep = torch.export.export(Joins(kind), (torch.randn(4, 4), torch.randn(5 if kind == 1 else 4, 4)),
+                             dynamic_shapes=({0: b}, {0: c if kind == 1 else b}))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner(device) if device != "cpu" else None))
+    for n in (4, 2, 4, 15, 1, 3, 15, 2):
+        x, y = torch.randn(n, 4), torch.randn(n + 1 if kind == 1 else n, 4)
+        got, want = module(x, y), Joins(kind)(x, y)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -602,7 +602,7 @@ class _Binder:
             raise ProgramError(f"method {m.name!r} instruction {index}: {e}") from None
         check_call(op, ins.args, ins.outputs, m.values, f"method {m.name!r} instruction {index}")
         pos, kw = bind_aten(op, ins.args, self.ref)
-        pos = self._storage_offset_in_arena(op, ins, pos, index)
+        pos, op = self._storage_offset_in_arena(op, ins, pos, index)
         writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
         if not writes_out and self._view_of_fixed(ins):
             try:  # a view of fixed memory: made once, here
@@ -635,24 +635,35 @@ class _Binder:
             call = self._run_functional(op, pos, kw, ins.outputs, ins)
         return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins) if writes_out else None)
 
-    def _storage_offset_in_arena(self, op, ins: KernelCall, pos: list, index: int) -> list:
+    def _storage_offset_in_arena(self, op, ins: KernelCall, pos: list, index: int):
         """`as_strided`'s storage offset counts from the start of its input's memory, as in eager,
-        where the input is a tensor of its own: for memory planned in an arena, from where the
-        plan put it (runtime results and the caller's tensors are tensors of their own)."""
+        where that memory is a tensor of its own: ferry's memory may lie inside an arena (planned
+        memory, or a caller's planned tensor handed to a delegate), so the offset is moved by
+        where the memory owner starts. Returns (arguments, the op to call)."""
         at = _STORAGE_OFFSET_AT.get(op)
         if at is None or at >= len(pos) or pos[at] == ("c", None) or not ins.args:
-            return pos
+            return pos, op
         owner = memory_owner(self.m.values, ins.args[0])
-        v = self.m.values[owner]
-        if not isinstance(v, TensorValue) or v.storage != "planned" or not self.fixed[owner]:
-            return pos
-        base = self.slots[owner]
-        start = base.storage_offset() * base.element_size()
         itemsize = self.m.tensor(ins.args[0]).torch_dtype.itemsize
-        if pos[at][0] != "c" or not isinstance(pos[at][1], int) or start % itemsize:
-            raise ProgramError(f"method {self.m.name!r} instruction {index} ({ins.kernel}): its storage offset must be "
-                               "a constant int over memory planned at a multiple of its element size")
-        return [*pos[:at], ("c", pos[at][1] + start // itemsize), *pos[at + 1:]]
+        if pos[at][0] != "c" or not isinstance(pos[at][1], int) or not isinstance(self.m.values[owner], TensorValue):
+            raise ProgramError(f"method {self.m.name!r} instruction {index} ({ins.kernel}): its storage offset must "
+                               "be a constant int")
+        if self.fixed[owner]:
+            base = self.slots[owner]
+            start = base.storage_offset() * base.element_size()
+            if start % itemsize:
+                raise ProgramError(f"method {self.m.name!r} instruction {index} ({ins.kernel}): its input starts "
+                                   f"at byte {start}, not at a multiple of its element size")
+            return [*pos[:at], ("c", pos[at][1] + start // itemsize), *pos[at + 1:]], op
+        slots = self.slots
+
+        def shifted(*args, **kwargs):  # the owner is a tensor of this call: where it starts, per call
+            base = slots[owner]
+            args = list(args)
+            args[at] += base.storage_offset() * base.element_size() // itemsize
+            return op(*args, **kwargs)
+
+        return pos, shifted
 
     def _run_functional(self, op, pos, kw, outputs, ins: KernelCall | None = None):
         """A functional op (no out variant, or a view): its results become the output slots."""
@@ -660,7 +671,7 @@ class _Binder:
         if op in LAYOUT_VIEWS and any(r[0] != "c" for r in pos):
             op = torch.ops.aten.reshape.default  # see LAYOUT_VIEWS
         fn = self._chosen_composed(op, pos, kw, outputs) or self._fast(op, pos, kw, outputs) or op
-        if ins is not None and returns_inputs(op):
+        if ins is not None and isinstance(op, torch._ops.OpOverload) and returns_inputs(op):
             fn = composite_results(fn, self._declared_sources(ins))
         args = _arguments(slots, pos, kw)
         first = _first_only(pos, kw)

@@ -185,6 +185,8 @@ def fast_aten(op: torch._ops.OpOverload, args: list, kwargs: dict):
     OpOverload (boxed dispatch from Python): about 2.7 µs instead of 4 µs per tiny op. Use it
     for single-out `.out` ops when the parser accepts exactly these arguments, checked once on
     meta tensors (no data touched); otherwise None and the OpOverload is used."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
     out_args = [a for a in op._schema.arguments if a.is_out]
     if len(out_args) != 1 or out_args[0].name != "out" or op.namespace != "aten":
         return None
@@ -205,7 +207,7 @@ def fast_functional(op: torch._ops.OpOverload, args: list, kwargs: dict, expect:
     """The C++ argument parser's entry for a functional op, when on meta tensors shaped like
     this instruction's values it picks an overload giving the outputs the program expects
     (`expect`: (shape, dtype) per output); otherwise None and the OpOverload is used."""
-    if op.namespace != "aten":
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
     fn = getattr(torch._C._VariableFunctions, op._opname, None)
     if fn is None:
