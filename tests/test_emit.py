@@ -12,7 +12,7 @@ from torch import nn
 import ferry
 from ferry import ops  # noqa: F401  (the et_copy ops)
 from ferry.aot.fuse import Rewrite, fusion_notes
-from ferry.aot.out_variants import out_variant
+from ferry.ops.variants import out_variant
 from ferry.device import Device
 from ferry.inspect import program_json, program_summary
 from ferry.op_names import kernel_name, resolve_kernel

@@ -319,3 +319,21 @@ def test_assert_only_nodes_become_no_delegates_and_no_copies(emu):
         assert all(c.outputs[0] in read for c in copies), "every copy feeds something"
         x = torch.randn(4)
         torch.testing.assert_close(ferry.Module(program)(x), Casts()(x))
+
+
+def test_results_take_the_shape_their_device_makes():
+    """native_batch_norm in eval returns its saved statistics as (0,) on the CPU and (C,) on CUDA:
+    placed on CUDA, the program plans CUDA's shapes (traced again on fake CUDA tensors, no GPU)."""
+
+    class BatchNorm(torch.nn.Module):
+        def forward(self, x, w, b, mean, var):
+            return torch.ops.aten.native_batch_norm.default(x, w, b, mean, var, False, 0.1, 1e-5)
+
+    example = (torch.randn(2, 3, 4), torch.randn(3), torch.randn(3), torch.randn(3), torch.rand(3) + 0.5)
+    ep = torch.export.export(BatchNorm(), example)
+    shapes = {}
+    for device in ("cpu", "cuda:0"):
+        program = ferry.compile(ep, ferry.OpSupportPartitioner(device) if device != "cpu" else None)
+        m = program.method("forward")
+        shapes[device] = [m.tensor(o).shape for o in m.outputs]
+    assert shapes == {"cpu": [(2, 3, 4), (0,), (0,)], "cuda:0": [(2, 3, 4), (3,), (3,)]}

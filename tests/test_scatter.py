@@ -135,3 +135,30 @@ def test_slice_writes_at_dynamic_sizes_in_any_order_equal_eager():
         got = module(x)
         assert got.shape == (n, 4)
         torch.testing.assert_close(got, M()(x), rtol=0, atol=0)
+
+
+def test_an_out_kernel_the_device_lacks_runs_as_its_functional_twin(emu, monkeypatch):
+    """`narrow_copy.out` has no CUDA kernel: the binder runs `narrow_copy` and copies into `out`
+    (faked here: the emulated device is told it lacks every out kernel)."""
+    from ferry.ops import variants
+    from ferry.runtime import bind
+
+    asked = []
+
+    def lacks(op, device_type):
+        asked.append((str(op), device_type))
+        return device_type != "emu"
+
+    monkeypatch.setattr(bind, "has_device_kernel", lacks)
+
+    class M(nn.Module):
+        def forward(self, x):
+            return torch.narrow_copy(x * 2, 1, 1, 2) + 1
+
+    program = ferry.compile(torch.export.export(M(), (torch.randn(4, 4),)), ferry.OpSupportPartitioner("emu:0"))
+    module = ferry.Module(program)
+    for seed in (1, 2):
+        (x,) = fresh_inputs((torch.randn(4, 4),), seed)
+        torch.testing.assert_close(module(x), M()(x), rtol=0, atol=0)
+    assert ("aten.narrow_copy.out", "emu") in asked
+    assert variants.functional_variant(torch.ops.aten.narrow_copy.out) is torch.ops.aten.narrow_copy.default

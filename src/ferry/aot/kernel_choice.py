@@ -33,9 +33,9 @@ import torch.fx
 
 from ferry import ops
 from ferry.aot import meta as M
-from ferry.aot.out_variants import out_variant
 from ferry.op_names import kernel_name
 from ferry.ops import scatter
+from ferry.ops.variants import out_variant
 
 __all__ = ["KernelChoice", "choose_kernel", "out_is_wrapper"]
 

@@ -11,7 +11,9 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from ferry.aot import meta as M
-from ferry.aot.partition import Partition, Partitioner
+from ferry.aot.device_shapes import fit_to_device
+from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
+from ferry.device import Device
 from ferry.errors import CompileError, InputError
 
 
@@ -239,6 +241,10 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
     old = ep.graph
     nodes = list(old.nodes)
     groups = _check_partitions(partitions, {n.name: n for n in nodes})
+    for p, group in zip(partitions, groups):
+        device = _spec_device(p)
+        if device is not None:
+            fit_to_device(group, device)
     group_of = {n: gi for gi, g in enumerate(groups) for n in g}
     unit_of = {n: ("p", group_of[n]) if n in group_of else ("n", n) for n in nodes}
 
@@ -293,6 +299,15 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
     g.lint()
     gm = torch.fx.GraphModule(root, g)
     return LoweredProgram(gm, constants, dict(ep.range_constraints), dict(getattr(partitioner, "last_map", None) or {}))
+
+
+def _spec_device(p: Partition) -> Device | None:
+    """The device a partition's compile specs place it on, or None (the CPU, or a device of a rank)."""
+    spec = dict(p.compile_specs).get(TARGET_DEVICE)
+    try:
+        return Device.parse(spec.decode()) if spec is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def groups_sorted(group, pos):

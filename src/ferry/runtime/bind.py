@@ -26,6 +26,7 @@ from ferry.layout import same_strides
 from ferry.op_names import resolve_kernel
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.ops.aliasing import composite_results, returns_inputs
+from ferry.ops.variants import functional_variant, has_device_kernel
 from ferry.program.lifetimes import tensor_ids
 from ferry.program.ranks import RECV, SEND
 from ferry.program.schema import (
@@ -603,6 +604,7 @@ class _Binder:
         check_call(op, ins.args, ins.outputs, m.values, f"method {m.name!r} instruction {index}")
         pos, kw = bind_aten(op, ins.args, self.ref)
         pos, op = self._storage_offset_in_arena(op, ins, pos, index)
+        op = self._runnable_here(op, ins)
         writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
         if not writes_out and self._view_of_fixed(ins):
             try:  # a view of fixed memory: made once, here
@@ -664,6 +666,23 @@ class _Binder:
             return op(*args, **kwargs)
 
         return pos, shifted
+
+    def _runnable_here(self, op, ins: KernelCall):
+        """An out kernel its device has no kernel for (`narrow_copy.out` on CUDA; a program may be
+        compiled where that is not known) runs as its functional twin, then a copy into `out`."""
+        devices = {self.m.tensor(o).device.type for o in ins.outputs if isinstance(self.m.values[o], TensorValue)}
+        outs = [a.name for a in getattr(op, "_schema", None).arguments if a.is_out] if isinstance(
+            op, torch._ops.OpOverload) else []
+        if len(devices) != 1 or "cpu" in devices or outs != ["out"] or has_device_kernel(op, next(iter(devices))):
+            return op
+        twin = functional_variant(op)
+        if twin is None:
+            return op
+
+        def copied(*args, out, **kwargs):
+            return out.copy_(twin(*args, **kwargs))
+
+        return copied
 
     def _run_functional(self, op, pos, kw, outputs, ins: KernelCall | None = None):
         """A functional op (no out variant, or a view): its results become the output slots."""

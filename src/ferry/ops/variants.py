@@ -11,8 +11,8 @@ import functools
 
 import torch
 
-from ferry import ops
 from ferry.ops import scatter
+from ferry.ops.copies import FUNCTIONAL_COPIES
 
 _TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
 
@@ -24,7 +24,7 @@ def _sig(args) -> list[tuple[str, str]]:
 @functools.cache
 def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The overload of `op`'s packet taking the same arguments plus one out per return."""
-    if op in ops.FUNCTIONAL_COPIES:
+    if op in FUNCTIONAL_COPIES:
         return op.overloadpacket.out
     if op in scatter.OUT_KERNELS:
         return scatter.OUT_KERNELS[op]
@@ -52,3 +52,29 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
         if loose is None and without_options is not None and got == without_options:
             loose = cand
     return loose
+
+
+@functools.cache
+def functional_variant(out: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The overload of `out`'s packet taking its arguments without the outs (`narrow_copy.out` ->
+    `narrow_copy.default`), or None."""
+    outs = [a for a in out._schema.arguments if a.is_out]
+    if not outs:
+        return None
+    want = _sig([a for a in out._schema.arguments if not a.is_out])
+    packet = out.overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        if not any(a.is_out for a in cand._schema.arguments) and _sig(cand._schema.arguments) == want \
+                and len(cand._schema.returns) == len(outs):
+            return cand
+    return None
+
+
+def has_device_kernel(op: torch._ops.OpOverload, device_type: str) -> bool:
+    """Whether the dispatcher can run `op` on tensors of `device_type` (host-backed devices run the
+    CPU's kernels): a kernel of its own, or a composite one."""
+    key = "CUDA" if device_type == "cuda" else "CPU"
+    name = op.name()
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in (
+        key, "CompositeExplicitAutograd", "CompositeImplicitAutograd", "CompositeExplicitAutogradNonFunctional"))

@@ -1,0 +1,80 @@
+"""PyTorch's OpInfo database through ferry, against eager PyTorch (the harness: opinfo_sweep.py).
+
+One test per (op, placement): the op's first samples exported, compiled for the placement,
+saved, loaded and called on the sample's and on fresh inputs (and, where export allows, with a
+bounded dynamic dim 0 at two sizes). It passes iff no sample gives a wrong result or a run-time
+error and every refusal (CompileError) names the op; it is skipped when no sample could be run
+at all (eager raised, torch.export failed, no tensor output).
+
+By default a fixed subset runs: every `EVERY`-th op id of the sorted list plus opinfo_sweep.TRICKY
+(a few minutes on two CPU cores, all placements together). FERRY_OPINFO=all runs every op;
+tests/opinfo_report.py runs the whole database in worker processes and writes docs/ops.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import opinfo_sweep as sweep
+
+RUN_ALL = os.environ.get("FERRY_OPINFO", "") == "all"
+EVERY = 12  # the subset: every 12th op of the sorted list (the TRICKY ops besides)
+
+ALL_IDS = [sweep.op_id(op) for op in sweep.float32_ops()]
+IDS = ALL_IDS if RUN_ALL else sweep.ci_subset(ALL_IDS, EVERY)
+
+
+def _params():
+    out = []
+    for name in IDS:
+        for placement in sweep.CPU_PLACEMENTS:
+            out.append(pytest.param(name, placement, id=f"{name}-{placement}"))
+        if torch.cuda.is_available():
+            out.append(pytest.param(name, "cuda_op", id=f"{name}-cuda_op", marks=pytest.mark.cuda))
+    return out
+
+
+_sweep = sweep.Sweep(samples=sweep.DEFAULT_SAMPLES)  # an op's samples are prepared once for its placements
+
+
+@pytest.mark.parametrize(("name", "placement"), _params())
+def test_op_matches_eager(name, placement):
+    outcomes = _sweep.run(name, placement)
+    failed = [o for o in outcomes if o.failed]
+    if failed:
+        pytest.fail(f"{len(failed)} of {len(outcomes)} cases of {name} on {placement} failed:\n"
+                    + "\n".join(o.describe() for o in failed), pytrace=False)
+    ran = [o for o in outcomes if o.variant == "static" and o.status not in sweep.SKIPS]
+    if not ran:
+        pytest.skip("; ".join(sorted({f"{o.status}: {sweep.first_line(o.message)}".rstrip(": ") for o in outcomes})))
+
+
+def test_subset_is_fixed_and_covers_the_tricky_ops():
+    subset = sweep.ci_subset(ALL_IDS, EVERY)
+    assert subset == sweep.ci_subset(list(reversed(ALL_IDS)), EVERY)  # the order given does not matter
+    covered = {sweep._base(i) for i in subset}
+    present = {sweep._base(i) for i in ALL_IDS}  # type_as is not in every torch's op_db
+    assert [t for t in sweep.TRICKY if t in present and t not in covered] == []
+    assert len(subset) < len(ALL_IDS) // 4
+
+
+def test_harness_tells_a_wrong_result_from_an_equal_one(monkeypatch):
+    """The harness itself: a program that computes something else is 'wrong', the right one 'equal'."""
+    op = sweep.ops_by_id()["sin"]
+    assert {o.status for o in sweep.run_op(op, "cpu", samples=1)} <= {"equal", "no dynamic variant"}
+    real = sweep.compile_for
+
+    def cos_instead(ep, placement):
+        class Cos(torch.nn.Module):
+            def forward(self, *xs):
+                return (torch.cos(xs[0]),)
+        args = tuple(n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder")
+        return real(torch.export.export(Cos(), tuple(torch.randn(a.shape) for a in args)), placement)
+
+    monkeypatch.setattr(sweep, "compile_for", cos_instead)
+    got = sweep.run_op(op, "cpu", samples=1, dynamic=False)
+    assert [o.status for o in got] == ["wrong"], [o.describe() for o in got]
+    assert got[0].failed
