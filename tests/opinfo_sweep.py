@@ -294,6 +294,13 @@ class Call:
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor] | None = None
     after: list[torch.Tensor] | None = None
+    random: bool = False  # eager's result depends on the seed or on uninitialised memory
+
+
+def reference(module, name, inputs, device, randomness) -> Call:
+    """The eager Call on `inputs` (on `device`); `randomness` (see Randomness) decides `random`."""
+    outs, after = eager(module, inputs, device)
+    return Call(name, list(inputs), outs, after, randomness.of(module, inputs, device, outs, after))
 
 
 def eager(module, inputs, device="cpu", seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -317,31 +324,49 @@ def differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return False
 
 
-def is_random(module, inputs, device, graph_says: bool) -> bool:
-    """Does eager give different results under two seeds (with the memory just freed filled with
-    NaN in between, so a read of uninitialised memory shows too), or does the exported graph hand
-    out the result of a seeded-random or empty op?"""
-    if graph_says:
-        return True
-    outs, after = eager(module, inputs, device, seed=0)
-    for o in outs:  # dirty what the allocator will hand out next
-        if o.is_floating_point() and o.numel():
-            junk = torch.full_like(o, float("nan"), device=device)
-            del junk
-    outs2, after2 = eager(module, inputs, device, seed=1)
-    return differ(outs, outs2) or differ(after, after2)
+@dataclass
+class Randomness:
+    """Which calls are compared on shape, dtype and device only.
 
+    A call is random when eager's result (seed 0) changes under other seeds (with the memory just
+    freed filled with NaN in between, so a read of uninitialised memory shows too), or when an
+    output of the exported graph comes straight from a seeded-random or an empty op. Seeds 1..3
+    are tried when the graph has a seeded-random op anywhere (its effect on the result may be
+    rare), seed 1 otherwise."""
 
-def graph_outputs_random(ep) -> bool:
-    """An output of the exported graph comes straight from a seeded-random or an empty op."""
-    out = next(n for n in ep.graph.nodes if n.op == "output")
-    for node in pytree.tree_leaves(out.args):
-        if isinstance(node, torch.fx.Node) and node.op == "call_function":
-            target = node.target
-            if isinstance(target, torch._ops.OpOverload):
-                if torch.Tag.nondeterministic_seeded in target.tags or target._opname in _UNINITIALISED:
+    outputs_random: bool = False  # an output straight from a seeded-random or empty op
+    has_random_op: bool = False  # a seeded-random op anywhere in the graph
+
+    @classmethod
+    def of_graph(cls, ep) -> Randomness:
+        def random_op(node):
+            t = node.target
+            return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and (
+                torch.Tag.nondeterministic_seeded in t.tags)
+
+        def uninit(node):
+            return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and (
+                node.target._opname in _UNINITIALISED)
+
+        out = next(n for n in ep.graph.nodes if n.op == "output")
+        outs = [n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)]
+        return cls(any(random_op(n) or uninit(n) for n in outs), any(random_op(n) for n in ep.graph.nodes))
+
+    def of(self, module, inputs, device, outs, after) -> bool:
+        if self.outputs_random:
+            return True
+        try:
+            for seed in (1, 2, 3) if self.has_random_op else (1,):
+                for o in outs:  # dirty what the allocator hands out next
+                    if o.is_floating_point() and o.numel():
+                        junk = torch.full(o.shape, float("nan"), dtype=o.dtype, device=device)
+                        del junk
+                outs2, after2 = eager(module, inputs, device, seed=seed)
+                if differ(outs, outs2) or differ(after, after2):
                     return True
-    return False
+        except Exception:
+            return True  # eager fails under another seed: its result is the seed's
+        return False
 
 
 def graph_op_names(ep) -> set[str]:
@@ -461,7 +486,7 @@ class Prepared:
     message: str = ""
     module: OpModule | None = None
     calls: list[Call] = field(default_factory=list)  # sample, fresh (CPU eager)
-    random: bool = False
+    randomness: Randomness = field(default_factory=Randomness)
     ep: object = None
     names: set = field(default_factory=set)  # op names a refusal may name
     dynamic: Dynamic | None = None
@@ -486,14 +511,6 @@ def prepare(op, index: int, sample) -> Prepared:
     if not outs:
         prep.status = "no tensor output"
         return prep
-    calls = [Call("sample", list(tensors), outs, after)]
-    fresh = perturbed(tensors, 2000 + index)
-    try:
-        f_outs, f_after = eager(module, fresh)
-        calls.append(Call("fresh", fresh, f_outs, f_after))
-    except Exception:
-        calls.append(Call("fresh (eager refused fresh inputs: the sample again)", list(tensors), outs, after))
-    prep.calls = calls
     try:
         with quiet():
             prep.ep = torch.export.export(module, tuple(tensors), strict=False)
@@ -501,10 +518,14 @@ def prepare(op, index: int, sample) -> Prepared:
         prep.status, prep.message = "not exportable", _error("torch.export", e)
         return prep
     prep.names |= graph_op_names(prep.ep)
+    prep.randomness = rnd = Randomness.of_graph(prep.ep)
+    calls = [reference(module, "sample", tensors, "cpu", rnd)]
+    fresh = perturbed(tensors, 2000 + index)
     try:
-        prep.random = is_random(module, tensors, "cpu", graph_outputs_random(prep.ep))
+        calls.append(reference(module, "fresh", fresh, "cpu", rnd))
     except Exception:
-        prep.random = True
+        calls.append(dataclasses.replace(calls[0], name="fresh (eager refused fresh inputs: the sample again)"))
+    prep.calls = calls
     found = dynamic_variant(module, tensors)
     if isinstance(found, str):
         prep.no_dynamic = found
@@ -513,11 +534,10 @@ def prepare(op, index: int, sample) -> Prepared:
         dcalls = []
         for label, xs in zip(("large", "small", "large again"), inputs):
             try:
-                o, a = eager(module, xs)
+                dcalls.append(reference(module, label, xs, "cpu", rnd))
             except Exception as e:
                 prep.no_dynamic = _error(f"eager at the {label} size", e)
                 break
-            dcalls.append(Call(label, xs, o, a))
         else:
             prep.dynamic = Dynamic(dep, dcalls)
     return prep
@@ -565,13 +585,14 @@ def placed_inputs(program, inputs) -> list[torch.Tensor]:
     out = []
     for i, t in enumerate(inputs):
         dev = meta.input_meta(i).device
-        out.append(twin(t) if dev.is_cpu else clone_to(t.contiguous(), dev))
+        out.append(twin(t) if dev.is_cpu else clone_to(t, dev))
     return out
 
 
-def check(placement, program, call: Call, got, args, want_outs, want_after, random: bool) -> str | None:
+def check(placement, program, call: Call, got, args) -> str | None:
     """What is wrong with ferry's outputs `got` and inputs after the call `args`, or None."""
     meta = program.method_meta("forward")
+    want_outs, want_after, random = call.outputs, call.after, call.random
     if len(got) != len(want_outs):
         return f"{len(got)} outputs, eager has {len(want_outs)}"
     problems = []
@@ -605,18 +626,39 @@ def _compare(what, got, want, random) -> list[str]:
     return []
 
 
-def cuda_reference(prep: Prepared, calls: list[Call]) -> tuple[list[Call], bool]:
+def cuda_reference(prep: Prepared, calls: list[Call]) -> list[Call]:
     """The calls with eager's results on cuda:0 instead of the CPU."""
-    out = []
-    for c in calls:
-        o, a = eager(prep.module, c.inputs, "cuda")
-        out.append(Call(c.name, c.inputs, o, a))
-    graph_says = prep.random or graph_outputs_random(prep.ep)
-    return out, is_random(prep.module, calls[0].inputs, "cuda", graph_says)
+    return [reference(prep.module, c.name, c.inputs, "cuda", prep.randomness) for c in calls]
 
 
-def run_program(prep: Prepared, ep, calls: list[Call], placement: str, variant: str, random: bool) -> Outcome:
-    out = Outcome(prep.op, prep.index, placement, variant, "equal", random=random)
+def export_triage(ep, call: Call, got) -> str:
+    """For a wrong result: does torch.export's own module (ep.module(), on the CPU, seed 0) agree
+    with eager or with ferry? Said in the message; the case stays wrong."""
+    try:
+        with quiet():
+            args = twins(call.inputs)
+            torch.manual_seed(0)
+            mine = [to_host(o) for o in tensor_leaves(ep.module()(*args))]
+            after = [to_host(a) for a in args]
+    except Exception as e:
+        return f"[ep.module() raises {type(e).__name__}]"
+    as_eager = not differ_close(mine, call.outputs) and not differ_close(after, call.after)
+    as_ferry = not differ_close(mine, [to_host(g) for g in got if isinstance(g, torch.Tensor)])
+    if as_eager:
+        return "[ep.module() agrees with eager]"
+    if as_ferry:
+        return "[ep.module() gives ferry's result: torch.export itself differs from eager here]"
+    return "[ep.module() differs from both]"
+
+
+def differ_close(a, b) -> bool:
+    if len(a) != len(b):
+        return True
+    return any(x.shape != y.shape or x.dtype != y.dtype or _compare("", x, y, False) for x, y in zip(a, b))
+
+
+def run_program(prep: Prepared, ep, calls: list[Call], placement: str, variant: str) -> Outcome:
+    out = Outcome(prep.op, prep.index, placement, variant, "equal", random=any(c.random for c in calls))
     try:
         program = compile_for(ep, placement)
     except ferry.InternalError as e:
@@ -648,9 +690,10 @@ def run_program(prep: Prepared, ep, calls: list[Call], placement: str, variant: 
                 except Exception as e:
                     out.status, out.message = "run-time error", _error(step, e)
                     return out
-                problem = check(placement, program, call, got, args, call.outputs, call.after, random)
+                problem = check(placement, program, call, got, args)
                 if problem:
-                    out.status, out.message = "wrong", f"{step}: {problem}"
+                    triage = "" if call.random or placement == "cuda_op" else " " + export_triage(ep, call, got)
+                    out.status, out.message = "wrong", f"{step}: {problem}{triage}"
                     return out
         finally:
             with contextlib.suppress(Exception):
@@ -668,21 +711,21 @@ def run_prepared(prep: Prepared, placement: str, dynamic: bool = True) -> list[O
     ctx = full_fp32() if placement == "cuda_op" else emu_registered()
     results = []
     with quiet(), ctx:
-        calls, random = prep.calls, prep.random
+        calls = prep.calls
         dcalls = prep.dynamic.calls if prep.dynamic else None
         if placement == "cuda_op":
             try:
-                calls, random = cuda_reference(prep, calls)
+                calls = cuda_reference(prep, calls)
                 if dcalls:
-                    dcalls, _ = cuda_reference(prep, dcalls)
+                    dcalls = cuda_reference(prep, dcalls)
             except Exception as e:
                 return [Outcome(prep.op, prep.index, placement, "static", "eager error", _error("eager on cuda:0", e))]
-        results.append(run_program(prep, prep.ep, calls, placement, "static", random))
+        results.append(run_program(prep, prep.ep, calls, placement, "static"))
         if dynamic:
             if prep.dynamic is None:
                 results.append(Outcome(prep.op, prep.index, placement, "dynamic", "no dynamic variant", prep.no_dynamic))
             else:
-                results.append(run_program(prep, prep.dynamic.ep, dcalls, placement, "dynamic", random))
+                results.append(run_program(prep, prep.dynamic.ep, dcalls, placement, "dynamic"))
     elapsed = time.perf_counter() - t0
     for r in results:
         r.seconds = round(elapsed / len(results), 3)

@@ -411,3 +411,103 @@ def test_an_op_returning_a_list_of_one_tensor_is_rebuilt_as_a_list():
     for _ in range(2):
         x = torch.randn(3, 8)
         torch.testing.assert_close(module(x), model(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# no text from a file reaches generated source (docs/format.md, "Trust")
+
+# a message that closes the string Inductor's C++ code generator pastes it into and calls system()
+# (seen to create the file through torch 2.13's CPU code generation when pasted unchecked)
+HOSTILE = 'a"), 0)); system("touch PWNED"); (void)((("b'
+
+
+def _string_arguments():
+    """Every (operator, string argument) of ATen and prims in this process's dispatcher."""
+    found = set()
+    for s in torch._C._jit_get_all_schemas():
+        if s.name.startswith(("aten::", "prims::")):
+            found |= {(f"{s.name}.{s.overload_name or 'default'}", a.name) for a in s.arguments if "str" in str(a.type)}
+    return sorted(found)
+
+
+def test_no_string_argument_of_any_operator_passes_hostile_text_to_code_generation():
+    from ferry.ops.strings import ASSERT_MESSAGE, safe_text
+
+    arguments = _string_arguments()
+    assert len(arguments) > 100 and ("aten::_assert_async.msg", "assert_msg") in arguments
+    for op, name in arguments:
+        for text in (HOSTILE, "floor\"; x", "ij->ji); f(", "tanh\n"):
+            try:
+                got = safe_text(op, name, text)
+            except ValueError:
+                continue
+            assert got == ASSERT_MESSAGE, (op, name, text)  # an assert's message: ferry's own words
+
+
+def test_the_names_and_equations_models_pass_are_allowed():
+    from ferry.ops.strings import safe_text
+
+    assert safe_text("aten::gelu.default", "approximate", "tanh") == "tanh"
+    assert safe_text("aten::div.Tensor_mode", "rounding_mode", "floor") == "floor"
+    assert safe_text("aten::einsum.default", "equation", "bij,bjk->bik") == "bij,bjk->bik"
+    assert safe_text("aten::einsum.default", "equation", "...ij->...ji") == "...ij->...ji"
+
+
+def _assert_payload(program, message):
+    """The delegate asserts its input's sum is non-zero, with `message`."""
+    from ferry.program.schema import ConstValue, KernelCall, TensorValue
+
+    def make(m, add):
+        x, dev = m.inputs[0], m.values[m.inputs[0]].device
+        total = add(TensorValue("float32", (), dev, storage="runtime"))
+        check = KernelCall("aten::_assert_async.msg", (total, add(ConstValue("str", message))), ())
+        return [KernelCall("aten::sum.default", (x, -1), (total,)), check, *m.instructions]
+
+    return _with_instructions(program, make)
+
+
+def test_an_assert_message_from_a_file_never_reaches_inductor(monkeypatch, tmp_path):
+    """The attack of the hardening issue: Inductor's C++ code generator pasted `_assert_async.msg`'s
+    message into the kernel source. What Inductor is given carries ferry's own message instead."""
+    from ferry.ops.strings import ASSERT_MESSAGE
+
+    seen = []
+    monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples: seen.append(gm) or gm)
+    program = ferry.compile(torch.export.export(Double(), (torch.randn(16),)),
+                            ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    module = ferry.Module(_assert_payload(program, HOSTILE))
+    x = torch.rand(16) + 1  # non-zero: the assert holds
+    torch.testing.assert_close(module(x), x * 2)
+    (gm,) = seen
+    texts = [a for n in gm.graph.nodes for a in n.args if isinstance(a, str)]
+    assert texts == [ASSERT_MESSAGE] and HOSTILE not in gm.code
+
+
+@pytest.mark.parametrize("argument,text", [("rounding_mode", HOSTILE), ("rounding_mode", "ceil")])
+def test_a_string_no_allowlist_admits_is_refused_before_inductor_sees_it(monkeypatch, argument, text):
+    from ferry.program.schema import ConstValue, KernelCall, TensorValue
+
+    monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples: pytest.fail("Inductor was reached"))
+    program = ferry.compile(torch.export.export(Double(), (torch.randn(16),)),
+                            ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+
+    def make(m, add):
+        x, dev = m.inputs[0], m.values[m.inputs[0]].device
+        out = add(TensorValue("float32", (16,), dev, storage="runtime"))
+        div = KernelCall("aten::div.Tensor_mode", (x, x, add(ConstValue("str", text))), (out,))
+        return [div, *m.instructions]
+
+    with pytest.raises(ProgramError, match="rounding_mode"):
+        ferry.Module(_with_instructions(program, make)).load_method()
+
+
+def test_a_compiled_assert_with_a_hostile_message_runs_no_code(tmp_path, monkeypatch):
+    """End to end with Inductor's real C++ code generation: the file the message would create is
+    never made, and the program computes what it should."""
+    monkeypatch.chdir(tmp_path)
+    program = ferry.compile(torch.export.export(Double(), (torch.randn(16),)),
+                            ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    module = ferry.Module(_assert_payload(program, HOSTILE))
+    x = torch.rand(16) + 1
+    torch.testing.assert_close(module(x), x * 2)
+    assert not (tmp_path / "PWNED").exists()

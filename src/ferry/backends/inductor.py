@@ -36,6 +36,7 @@ from ferry.backends.torch import payload_load_bytes
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
+from ferry.ops.strings import safe_text
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
 from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
@@ -62,6 +63,10 @@ class InductorBackend:
                                        f"({', '.join(dynamic[:3]) or 'computed sizes'})")
         if builder.delegates:
             raise CompileError("backend 'inductor': a partition must not contain delegates")
+        try:
+            texts_for_codegen(method)
+        except ProgramError as e:  # a string Inductor must not see: ferry's own backend runs it
+            raise UnsupportedByBackend(str(e)) from None
         return program_to_bytes(Program({"forward": method}, [], builder.segments))
 
     def memory_needs(self, payload) -> list:
@@ -152,6 +157,30 @@ def _as_compiled(t: torch.Tensor, strides) -> torch.Tensor:
     return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
 
 
+def texts_for_codegen(method: Method) -> dict[tuple[int, int], str]:
+    """Check every instruction (a kernel the loader allows, called as its schema says) and every
+    string it passes: {(instruction, value id): the text code generation may see}
+    (ops/strings.py). A string no allowlist admits is a ProgramError: it never reaches Inductor."""
+    texts = {}
+    for index, ins in enumerate(method.instructions):
+        where = f"method {method.name!r} instruction {index}"
+        if not isinstance(ins, KernelCall):
+            raise ProgramError(f"{where}: an inductor delegate runs kernels only")
+        try:
+            op = resolve_kernel(ins.kernel)
+        except LookupError as e:
+            raise ProgramError(f"{where}: {e}") from None
+        check_call(op, ins.args, ins.outputs, method.values, where)
+        for a, vid in zip(op._schema.arguments, ins.args):
+            v = method.values[vid] if 0 <= vid < len(method.values) else None
+            if isinstance(v, ConstValue) and v.kind == "str":
+                try:
+                    texts[index, vid] = safe_text(ins.kernel, a.name, v.value)  # type: ignore[arg-type]
+                except ValueError as e:
+                    raise ProgramError(f"{where}: {e}") from None
+    return texts
+
+
 def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
     """The method as a torch.fx graph: inputs are placeholders, constants buffers of the module,
     each instruction one call of its (checked) operator."""
@@ -182,15 +211,11 @@ def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
             return env[x]
         return [None if e is None else resolve(ref(e)) for e in x]
 
+    texts = texts_for_codegen(method)
     for index, ins in enumerate(method.instructions):
-        if not isinstance(ins, KernelCall):
-            raise ProgramError(f"method {method.name!r} instruction {index}: an inductor delegate runs kernels only")
-        try:
-            op = resolve_kernel(ins.kernel)
-        except LookupError as e:
-            raise ProgramError(f"method {method.name!r} instruction {index}: {e}") from None
-        check_call(op, ins.args, ins.outputs, method.values, f"method {method.name!r} instruction {index}")
-        pos, kw = bind_aten(op, ins.args, ref)
+        op = resolve_kernel(ins.kernel)  # (texts_for_codegen checked every instruction)
+        pos, kw = bind_aten(op, ins.args, lambda vid, index=index: ("c", texts[index, vid]) if (index, vid) in texts
+                            else ref(vid))
         target = torch.ops.aten.reshape.default if op in LAYOUT_VIEWS else op  # bind.py's LAYOUT_VIEWS: why
         node = graph.call_function(target, tuple(resolve(r) for r in pos), {k: resolve(r) for k, r in kw.items()})
         if len(ins.outputs) == 1 and not returns_list(op):  # check_call: one output per returned value
