@@ -11,7 +11,7 @@ from torch import nn
 
 import ferry
 from ferry import ProgramError
-from ferry.ops import aliasing, scatter
+from ferry.ops import aliasing, writes
 from ferry.program.schema import TensorValue
 from ferry.program.validate import validate_program
 from models import fresh_inputs
@@ -64,7 +64,7 @@ def test_a_composite_result_that_shares_an_input_undeclared_is_copied():
 
 
 def test_scatter_kernels_may_write_over_self_only():
-    op = scatter.OUT_KERNELS[aten.slice_scatter.default]
+    op = writes.OUT_KERNELS[aten.slice_scatter.default]
     assert aliasing.overwrites_safely(op, 0) and not aliasing.overwrites_safely(op, 1)
     assert aliasing.overwrites_safely(aten.add.out, 1) and aliasing.overwrites_safely(aten.relu.out, 0)
     assert not aliasing.overwrites_safely(aten.mm.out, 0)

@@ -34,7 +34,7 @@ import torch.fx
 from ferry import ops
 from ferry.aot import meta as M
 from ferry.op_names import kernel_name
-from ferry.ops import scatter
+from ferry.ops import writes
 from ferry.ops.variants import out_variant
 
 __all__ = ["KernelChoice", "choose_kernel", "out_is_wrapper"]
@@ -58,11 +58,11 @@ def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node, device_type: s
     if op is torch.ops.aten.linear.default and _batched(node) and device_type in _FOLDING_DEVICES:
         return KernelChoice(op, True, "over a batch of rows the functional kernel runs one GEMM with the bias fused "
                                       "(addmm); linear.out runs the GEMM, then adds the bias (measured)")
+    if op in writes.OUT_KERNELS:  # ferry's own kernels (ops/writes.py): no clone of a whole storage
+        return KernelChoice(out, False)
     if not _contiguous(node.meta.get("val")):
         return KernelChoice(op, True, "eager gives its result a non-contiguous layout: computed as eager does, "
                                       "so every view eager allows stays legal")
-    if op in scatter.OUT_KERNELS:  # ferry's own kernel: writes in place, whatever the layout of src
-        return KernelChoice(out, False)
     if op not in _GEMMS and not all(_contiguous(a.meta.get("val")) for a in node.all_input_nodes):
         # measured on ViT: linear.out over a transposed input runs one small GEMM per row (bmm
         # with a broadcast weight, 2.4x slower end to end) where eager's functional linear

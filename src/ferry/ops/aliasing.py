@@ -200,15 +200,15 @@ def overwrites_safely(op: torch._ops.OpOverload, position: int) -> bool:
     """Whether `op`, an out overload, may write its out argument over the very memory (same
     bytes, shape and strides) of its argument at `position`: any argument of a pointwise ATen op
     (each element is read before it is written), `self` of an ATen op whose in-place overload
-    takes the same arguments (`relu_`, `add_`: that call exactly), and `self` of ferry's scatter
+    takes the same arguments (`relu_`, `add_`: that call exactly), and `self` of ferry's write
     kernels (the write into a slice of the cache eager's `index_copy_` makes). What eager's
     in-place ops save, the memory plan saves too. Not `normal.Tensor_float_out`: `normal_`
     exists but is another call, and the out kernel fills `out` before it reads the mean."""
-    from ferry.ops import scatter  # (the scatter kernels import this module's helpers)
+    from ferry.ops import writes  # (imported here: ops/writes.py registers operators)
 
     if position >= len(op._schema.arguments) or op._schema.arguments[position].is_out:
         return False
-    if op in scatter.OUT_KERNELS.values():
+    if op in writes.OUT_KERNELS.values():
         return position == 0
     if op.namespace != "aten":
         return False

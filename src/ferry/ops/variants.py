@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ferry.ops import scatter
+from ferry.ops import writes
 from ferry.ops.copies import FUNCTIONAL_COPIES
 
 _TENSOR_OPTIONS = frozenset({"dtype", "layout", "device", "pin_memory"})
@@ -26,8 +26,8 @@ def out_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The overload of `op`'s packet taking the same arguments plus one out per return."""
     if op in FUNCTIONAL_COPIES:
         return op.overloadpacket.out
-    if op in scatter.OUT_KERNELS:
-        return scatter.OUT_KERNELS[op]
+    if op in writes.OUT_KERNELS:
+        return writes.OUT_KERNELS[op]
     schema = op._schema
     if schema.is_mutable or not schema.returns:
         return None

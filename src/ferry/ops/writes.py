@@ -1,15 +1,19 @@
-"""Out kernels for the `*_scatter` ops: a copy of `self` with `src` written over a view of it,
-written into planned memory.
+"""Out kernels for the functional forms of writes into part of a tensor: `copy` and the
+`*_scatter` ops, writing into planned memory.
 
-ATen's own `.out` overloads of these ops are generated wrappers, and their functional
-kernels clone `self`'s whole storage (to keep its strides): for a tensor planned inside a
-memory arena, that is the whole arena on every call. These write `out` as `self` and then
-`src` into the view, two passes over the tensors themselves; when the plan writes `out` over
-`self` (self dies there, as a KV cache's old value does) only `src` moves — what eager's
-`cache[:, pos] = x` does.
+Functionalization turns `cache[:, pos] = x` into `copy` of a view and a `*_scatter` of the
+result. ATen's own `.out` overloads of these ops are generated wrappers, and their functional
+kernels clone `self`'s whole storage (to keep its strides): for a tensor planned inside a memory
+arena, that is the whole arena on every call. These write `out` as eager's result reads, in
+passes over the tensors themselves: `copy` writes `src` (broadcast, cast) over `out`; a scatter
+writes `self` and then `src` into the view. When the plan writes `out` over `self` (self dies
+there, as a KV cache's old value does) a scatter moves only `src` — what eager's
+`cache[:, pos] = x` does. (`out` is laid out as planned: contiguous, or eager's dense
+permutation; the strides of a copy of a slice are then the result's own, not the slice's.)
 
 Schemas (namespace `ferry`), each the ATen op's arguments plus `out`:
 
+    copy.out(Tensor self, Tensor src, bool non_blocking=False, *, Tensor(a!) out) -> Tensor(a!)
     slice_scatter.out(Tensor self, Tensor src, int dim=0, SymInt? start=None, SymInt? end=None,
                       SymInt step=1, *, Tensor(a!) out) -> Tensor(a!)
     select_scatter.out(Tensor self, Tensor src, int dim, SymInt index, *, Tensor(a!) out) -> Tensor(a!)
@@ -28,6 +32,7 @@ __all__ = ["OUT_KERNELS"]
 _NAMESPACE = "ferry"
 _OUT = "*, Tensor(a!) out) -> Tensor(a!)"
 _SCHEMAS = {
+    "copy": f"copy.out(Tensor self, Tensor src, bool non_blocking=False, {_OUT}",
     "slice_scatter": f"slice_scatter.out(Tensor self, Tensor src, int dim=0, SymInt? start=None, SymInt? end=None, "
                      f"SymInt step=1, {_OUT}",
     "select_scatter": f"select_scatter.out(Tensor self, Tensor src, int dim, SymInt index, {_OUT}",
@@ -49,6 +54,15 @@ def _start(self: torch.Tensor, src: torch.Tensor, out: torch.Tensor, view: torch
         out.resize_(self.shape)
     if not (out.data_ptr() == self.data_ptr() and out.stride() == self.stride()):
         out.copy_(self)
+
+
+def _copy(self, src, non_blocking=False, *, out):
+    """eager's `copy(self, src)`: `src` broadcast to `self`'s shape, in `self`'s dtype."""
+    if out.dtype != self.dtype:
+        raise RuntimeError(f"copy: out must have self's dtype {self.dtype}, got {out.dtype}")
+    if out.shape != self.shape:
+        out.resize_(self.shape)
+    return out.copy_(src)
 
 
 def _slice_scatter(self, src, dim=0, start=None, end=None, step=1, *, out):
@@ -103,7 +117,7 @@ def _span(shape, stride, offset: int) -> tuple[int, int]:
     return low, high
 
 
-_KERNELS = {"slice_scatter": _slice_scatter, "select_scatter": _select_scatter,
+_KERNELS = {"copy": _copy, "slice_scatter": _slice_scatter, "select_scatter": _select_scatter,
             "diagonal_scatter": _diagonal_scatter, "as_strided_scatter": _as_strided_scatter}
 
 # Keep a reference: the registrations live as long as this object (see ops/copies.py).
@@ -128,7 +142,7 @@ def _fake(self, src, *args, out, **kwargs):
 
 _register()
 
-# the functional ATen op -> ferry's out kernel for it
+# the functional ATen op -> ferry's out kernel for it (copy.default: the overload functionalization makes)
 OUT_KERNELS: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {
     getattr(aten, name).default: getattr(getattr(torch.ops, _NAMESPACE), name).out for name in _SCHEMAS
 }

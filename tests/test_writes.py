@@ -1,5 +1,5 @@
-"""ops/scatter.py: ferry's out kernels of the `*_scatter` ops against ATen's functional ones, and
-slice writes, scatters and `as_strided` end to end in planned memory against eager."""
+"""ops/writes.py: ferry's out kernels of `copy` and the `*_scatter` ops against ATen's functional
+ones, and slice writes, scatters and `as_strided` end to end in planned memory against eager."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 import ferry
 from ferry.device import CPU
-from ferry.ops import scatter
+from ferry.ops import writes
 from ferry.program.schema import KernelCall
 from ferry.runtime import clone_to, device_of
 from ferry.runtime.allocator import allocate_aligned
@@ -19,6 +19,8 @@ aten = torch.ops.aten
 
 # (functional op, self shape, src shape, other arguments)
 CASES = [
+    (aten.copy.default, (4, 6), (4, 6), (False,)),
+    (aten.copy.default, (4, 6), (6,), ()),  # broadcast
     (aten.slice_scatter.default, (4, 6), (4, 2), (1, 2, 4, 1)),
     (aten.slice_scatter.default, (5, 3), (2, 3), (0, 1, 5, 2)),
     (aten.slice_scatter.default, (4, 6), (4, 6), (1, None, None, 1)),
@@ -41,14 +43,14 @@ def test_ferry_kernels_equal_aten(case, layout):
     src = torch.randn(src_shape, generator=g)
     want = op(self_, src, *rest)
     out = self_ if layout == "out is self" else torch.empty(self_shape)
-    got = scatter.OUT_KERNELS[op](self_.clone() if layout != "out is self" else self_, src, *rest, out=out)
+    got = writes.OUT_KERNELS[op](self_.clone() if layout != "out is self" else self_, src, *rest, out=out)
     assert got is out
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_a_src_of_another_shape_is_refused_as_eager_refuses_it():
     with pytest.raises(RuntimeError, match="shape"):
-        scatter.OUT_KERNELS[aten.slice_scatter.default](torch.zeros(4, 6), torch.zeros(4, 3), 1, 0, 2, out=torch.empty(4, 6))
+        writes.OUT_KERNELS[aten.slice_scatter.default](torch.zeros(4, 6), torch.zeros(4, 3), 1, 0, 2, out=torch.empty(4, 6))
 
 
 @pytest.mark.parametrize("alignment", [1, 64, 256, 4096])
