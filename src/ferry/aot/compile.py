@@ -14,6 +14,7 @@ from ferry.aot.device_map import DeviceMapPartitioner
 from ferry.aot.emit import ProgramBuilder, emit_method
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
+from ferry.aot.storage_reads import storage_inputs
 from ferry.device import Device
 from ferry.errors import CompileError, ConfigError
 from ferry.program import Program
@@ -94,6 +95,7 @@ def _compile(eps, partitioner, options, budgets) -> Program:
         unmatched.append(_reemit_but_unmatched(caught))
         method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
                              placed.range_constraints)
+        method.storage_inputs = storage_inputs(placed.graph_module)
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}
         method.max_memory = {str(d): n for d, n in (budgets or {}).items()}
         methods[name] = method

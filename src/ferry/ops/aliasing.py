@@ -26,7 +26,7 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
-    "composite_results", "is_view", "overwrites_safely", "returns_inputs", "schema_alias", "traced_alias",
+    "STORAGE_OFFSET_AT", "composite_results", "is_view", "overwrites_safely", "returns_inputs", "schema_alias", "traced_alias",
     "unannotated", "view_source",
 ]
 
@@ -191,6 +191,16 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
     low = start + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st < 0) * t.element_size()
     return low, low + (span + 1) * t.element_size()
+
+
+# ---------------------------------------------------------------- reading through a storage
+
+# ops whose `storage_offset` argument indexes their input's storage, not its elements (as_strided:
+# it may read any element of the storage, not only the input's)
+STORAGE_OFFSET_AT: dict[str, int] = {
+    "aten::as_strided.default": 3, "aten::as_strided_copy.default": 3, "aten::as_strided_scatter.default": 4,
+    "ferry::as_strided_scatter.out": 4,
+}
 
 
 # ---------------------------------------------------------------- writing over an input

@@ -461,8 +461,8 @@ METHOD = Record(Method, (
     ("name", Str(nonempty=True)), ("values", Seq(VALUE)), ("instructions", Seq(INSTRUCTION)),
     ("inputs", Seq(ID)), ("outputs", Seq(ID)), ("buffers", Seq(BUFFER)), ("mutable_buffers", Seq(MUTABLE_BUFFER)),
     ("lower_bounds", StrKeyed(Int())), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrKeyed(Str())),
-    ("device_map", StrKeyed(Str())), ("max_memory", StrKeyed(Int())),
-), optional=("device_map", "max_memory"))
+    ("device_map", StrKeyed(Str())), ("max_memory", StrKeyed(Int())), ("storage_inputs", Seq(ID)),
+), optional=("device_map", "max_memory", "storage_inputs"))
 
 
 class _SpecPairs(Field):

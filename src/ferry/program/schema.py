@@ -307,6 +307,9 @@ class Method:
     # device_map="auto", and the budgets (device -> bytes) it was checked against
     device_map: dict[str, str] = field(default_factory=dict)
     max_memory: dict[str, int] = field(default_factory=dict)
+    # positions of the inputs an op reads through their storage (as_strided with a storage offset,
+    # in this method or a delegate): a call must pass each as a tensor that is its whole storage
+    storage_inputs: list[int] = field(default_factory=list)
 
     def tensor(self, vid: int) -> TensorValue:
         v = self.values[vid]

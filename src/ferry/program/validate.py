@@ -101,6 +101,9 @@ class _MethodChecks:
             self.vid(x, f"input {j}")
         for j, x in enumerate(m.outputs):
             self.vid(x, f"output {j}")
+        for x in m.storage_inputs:
+            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < len(m.inputs):
+                raise ProgramError(f"{self.pre} storage_inputs names input {x!r}; it has {len(m.inputs)} inputs")
         self.io_storage()
         for j, mb in enumerate(m.mutable_buffers):
             self.tensor_id(mb.value, f"mutable buffer {j} value")

@@ -25,7 +25,7 @@ from ferry.errors import BackendError, InputError, ProgramError
 from ferry.layout import same_strides
 from ferry.op_names import resolve_kernel
 from ferry.ops import OUT_COPY_KERNELS
-from ferry.ops.aliasing import composite_results, returns_inputs
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, composite_results, returns_inputs
 from ferry.ops.variants import functional_variant, has_device_kernel
 from ferry.program.lifetimes import tensor_ids
 from ferry.program.ranks import RECV, SEND
@@ -324,12 +324,6 @@ def _ref(slots, fixed, m: Method, vid: int):
 # `reshape` is the same view whenever one is possible and a copy otherwise: the graph is
 # functional, so no one can tell the two apart.
 LAYOUT_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
-
-
-# ops whose storage offset is an argument (counted from the start of the input's storage)
-_STORAGE_OFFSET_AT = {op: [a.name for a in op._schema.arguments].index("storage_offset") for op in (
-    torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_copy.default,
-    torch.ops.aten.as_strided_scatter.default, torch.ops.ferry.as_strided_scatter.out)}
 
 
 class _NoMeta(Exception):
@@ -642,7 +636,7 @@ class _Binder:
         where that memory is a tensor of its own: ferry's memory may lie inside an arena (planned
         memory, or a caller's planned tensor handed to a delegate), so the offset is moved by
         where the memory owner starts. Returns (arguments, the op to call)."""
-        at = _STORAGE_OFFSET_AT.get(op)
+        at = STORAGE_OFFSET_AT.get(ins.kernel)
         if at is None or at >= len(pos) or pos[at] == ("c", None) or not ins.args:
             return pos, op
         owner = memory_owner(self.m.values, ins.args[0])
@@ -690,11 +684,12 @@ class _Binder:
         if op in LAYOUT_VIEWS and any(r[0] != "c" for r in pos):
             op = torch.ops.aten.reshape.default  # see LAYOUT_VIEWS
         fn = self._chosen_composed(op, pos, kw, outputs) or self._fast(op, pos, kw, outputs) or op
-        if ins is not None and isinstance(op, torch._ops.OpOverload) and returns_inputs(op):
+        named = resolve_kernel(ins.kernel) if ins is not None else op  # (op may be a wrapper of it)
+        if ins is not None and returns_inputs(named):
             fn = composite_results(fn, self._declared_sources(ins))
         args = _arguments(slots, pos, kw)
         first = _first_only(pos, kw)
-        one = len(outputs) == 1 and not returns_list(op)  # (a list of one tensor is a list)
+        one = len(outputs) == 1 and not returns_list(named)  # (a list of one tensor is a list)
         if one and first is not None:  # the common case: one value of the call, first
             (out,), (vid, rest, k) = outputs, first
 

@@ -73,6 +73,7 @@ class LoadedMethod:
         self.last_plan = self.plan
         self._inputs = [v if isinstance(v := method.values[i], TensorValue) else None for i in method.inputs]
         self._expected = [_expected_cuda_tensor(v) for v in self._inputs]
+        self._storage_read = frozenset(method.storage_inputs)
         self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
                                for vid in method.outputs]
 
@@ -162,6 +163,10 @@ class LoadedMethod:
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"input {i} of {self.name!r} must be a torch.Tensor, got {type(t).__name__}")
             _check_input(self.name, i, t, v)
+            if i in self._storage_read and not _owns_its_storage(t):
+                raise InputError(f"input {i} of {self.name!r} is read through its storage (as_strided with a storage "
+                                 "offset), which counts from the start of the tensor: pass a contiguous tensor that "
+                                 "owns its storage (x.contiguous().clone()), not a view into a larger one")
 
     def execute(self, inputs, bind_outputs=None, graphs: bool = True, finish: bool = True, part: bool = False) -> list:
         """One call. `graphs=False`: a new shape gets a plan without CUDA graphs (a shape the
@@ -215,6 +220,10 @@ class LoadedMethod:
 
     def close(self) -> None:
         self.memory.close()
+
+
+def _owns_its_storage(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def _shape_key(inputs) -> tuple:
