@@ -31,9 +31,12 @@ def dense_strides_like(shape: Sequence[int], like: Sequence[int]) -> tuple[int, 
 
 
 def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """`strides` lay `shape` out without gaps or overlap (a permutation of contiguous)."""
+    """`strides` lay `shape` out without gaps or overlap (a permutation of contiguous). An empty
+    shape has no elements to lay out: any strides do."""
     if len(strides) != len(shape):
         return False
+    if any(int(d) == 0 for d in shape):
+        return True
     want = 1
     for i in sorted(range(len(shape)), key=lambda i: (strides[i], shape[i])):
         if shape[i] != 1 and strides[i] != want:

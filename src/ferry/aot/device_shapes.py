@@ -1,10 +1,15 @@
-"""Results whose shape depends on the device that computes them take that device's shape.
+"""Shapes memory is planned from, checked against what the kernels will make.
 
-The trace runs on the CPU, and a few kernels give auxiliary results another shape on CUDA:
-`native_batch_norm` in eval returns its saved mean and inverse std as (0,) on the CPU and as
-(C,) on CUDA. Memory is planned from the trace, so an op placed on CUDA is traced again on
-fake CUDA tensors (no GPU needed) and, where that disagrees, the node records CUDA's shape.
-Only ops with several results are asked: a single result's shape is the op's meaning.
+* Results whose shape depends on the device that computes them take that device's shape. The
+  trace runs on the CPU, and a few kernels give auxiliary results another shape on CUDA:
+  `native_batch_norm` in eval returns its saved mean and inverse std as (0,) on the CPU and as
+  (C,) on CUDA. An op placed on CUDA is traced again on fake CUDA tensors (no GPU needed) and,
+  where that disagrees, the node records CUDA's shape. Only ops with several results are
+  asked: a single result's shape is the op's meaning.
+* A dynamic program's symbolic shapes agree with a trace at the example's sizes: a shape
+  function that is wrong at symbolic sizes (`nll_loss_nd` over a dynamic class dim gives a
+  0-dim result where the kernel returns one per row) is a CompileError naming the op, not
+  memory planned for a shape no kernel makes.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from torch._guards import detect_fake_mode
 
 from ferry.aot import meta as M
 from ferry.device import Device
+from ferry.errors import CompileError
 
-__all__ = ["fit_to_device"]
+__all__ = ["check_symbolic_shapes", "fit_to_device"]
 
 
 def fit_to_device(nodes, device: Device) -> int:
@@ -45,22 +51,91 @@ def fit_to_device(nodes, device: Device) -> int:
     return changed
 
 
+def check_symbolic_shapes(gm: torch.fx.GraphModule) -> None:
+    """CompileError for an op that makes a size only its data decides (`nonzero`, `unique`,
+    `item`), and for an op whose symbolic result shape, at the sizes export traced, is not the
+    shape the same op gives on tensors of those sizes (a static trace, on fake tensors)."""
+    _refuse_data_dependent(gm)
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        vals = list(val) if isinstance(val, (tuple, list)) else [val]
+        if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
+                or not all(isinstance(v, torch.Tensor) for v in vals) or not _hinted(vals)):
+            continue
+        ins = [a.meta.get("val") for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if _static(vals) and _static(ins):
+            continue
+        there = _retraced(node)
+        if there is None or len(there) != len(vals):
+            continue
+        for k, (v, t) in enumerate(zip(vals, there)):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) != M.hint_ints(v.shape):
+                raise CompileError(
+                    f"{node.target} (node {node.name!r}): torch's shape function gives result {k} the shape "
+                    f"{tuple(v.shape)} at dynamic sizes, {M.hint_ints(v.shape)} at the traced ones, but the op makes "
+                    f"{tuple(t.shape)} there: its memory cannot be planned from the trace; export this part static")
+
+
+def _refuse_data_dependent(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        made = _unbacked(node.meta.get("val")) - set().union(*(_unbacked(a.meta.get("val")) for a in node.all_input_nodes))
+        if made:
+            raise CompileError(f"{node.target} (node {node.name!r}) makes a size that depends on the data "
+                               f"({', '.join(sorted(made))}); ferry plans memory ahead of time and needs static or "
+                               "bounded shapes: keep ops like nonzero, unique, masked_select and .item() out of the "
+                               "program")
+
+
+def _unbacked(val) -> set[str]:
+    """The data-dependent size symbols (u0, u1, ...) in a traced value."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    out: set[str] = set()
+    for v in vals:
+        if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            try:
+                out |= {str(s) for s in free_unbacked_symbols(v)}
+            except Exception:  # noqa: BLE001 - a layout without sizes to ask (sparse): nothing to say
+                pass
+        elif isinstance(v, (list, tuple)):
+            out |= _unbacked(v)
+    return out
+
+
+def _hinted(vals) -> bool:
+    """Every size has the value export traced (none is data-dependent)."""
+    return all(type(d) is int or d.node.hint is not None for v in vals for d in v.shape)
+
+
 def _static(vals) -> bool:
     return all(isinstance(v, torch.Tensor) and M.static_ints(v.shape) is not None for v in vals)
 
 
-def _on_device(node: torch.fx.Node, device: Device):
-    """The node's results computed on fake tensors of `device`, or None when that cannot be asked."""
+def _retraced(node: torch.fx.Node):
+    """The node's results on static fake tensors of the sizes export traced, or None."""
+    return _on_device(node, None)
+
+
+def _on_device(node: torch.fx.Node, device: Device | None):
+    """The node's results computed on fake tensors of `device` (None: static ones of the traced
+    sizes, on the CPU), or None when that cannot be asked."""
     mode = detect_fake_mode([node.meta.get("val")])
     if mode is None:
         return None
-    where = device.to_torch()
+    where = device.to_torch() if device is not None else torch.device("cpu")
 
     def fake(x):
         if isinstance(x, torch.fx.Node):
             v = x.meta.get("val")
             if isinstance(v, torch.Tensor):
+                if device is None:
+                    return torch.empty(M.hint_ints(v.shape), dtype=v.dtype, device=where)
                 return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=where)
+            if isinstance(v, torch.SymInt) and device is None:
+                return int(v.node.hint) if v.node.hint is not None else v
             return v
         if isinstance(x, (list, tuple)):
             return type(x)(fake(e) for e in x)
@@ -72,7 +147,7 @@ def _on_device(node: torch.fx.Node, device: Device):
             out = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - an op fake CUDA cannot run: the trace's shapes stand
         return None
-    return list(out) if isinstance(out, (tuple, list)) else None
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def _like(traced: torch.Tensor, there) -> torch.Tensor:

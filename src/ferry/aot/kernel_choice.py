@@ -25,6 +25,7 @@ still set the peak at another point of the call.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -69,6 +70,9 @@ def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node, device_type: s
         # copies the input once and runs one large GEMM
         return KernelChoice(op, True, "an input has a non-contiguous layout, for which eager's functional kernel "
                                       "picks a faster algorithm than the .out overload (measured)")
+    if _scratches_in_out(out, node):
+        return KernelChoice(op, True, f"{kernel_name(out)} uses its out tensor as scratch larger than its result "
+                                      "(measured): planned memory would be written past its end")
     if out_is_wrapper(out, node):
         return KernelChoice(op, True, f"{kernel_name(out)} computes into a temporary and copies (measured): "
                                       "the functional kernel's result is used in place")
@@ -109,6 +113,58 @@ def out_is_wrapper(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
     if _has_backend_kernel(out):
         return False  # a kernel registered for the CPU itself: structured, writes in place
     return _measured_wrapper(out, node)
+
+
+_scratch: dict[tuple, bool] = {}
+
+
+def _scratches_in_out(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
+    """Does `out` use an out tensor as scratch larger than its result (`mse_loss.out` writes the
+    elementwise loss into `out`, then its mean)? Run once per overload and constant arguments,
+    with outputs exactly their size that cannot grow: such a kernel fails to resize them."""
+    key = (out, repr([_shape_or_value(a) for a in node.args]),
+           repr(sorted((k, _shape_or_value(v)) for k, v in node.kwargs.items())))
+    if key not in _scratch:
+        _scratch[key] = _resizes_out(out, node)
+    return _scratch[key]
+
+
+def _shape_or_value(a):
+    """What the scratch test of an argument depends on: a tensor's shape, anything else itself."""
+    if isinstance(a, torch.fx.Node):
+        val = a.meta.get("val")
+        return tuple(val.shape) if isinstance(val, torch.Tensor) else repr(val)
+    if isinstance(a, (list, tuple)):
+        return tuple(_shape_or_value(e) for e in a)
+    return a
+
+
+def _resizes_out(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
+    try:
+        try:
+            args, kwargs, _ = _example_call(out, node, hints=True)
+        except _TooLarge:
+            args, kwargs, _ = _example_call(out, node, cap=_SMALL_SIZE, hints=True)
+    except _CannotMeasure:
+        return False
+    names = [a.name for a in out._schema.arguments if a.is_out]
+    kwargs.update({name: _unresizable(kwargs[name]) for name in names})
+    try:
+        with _quiet_stderr():
+            out(*args, **kwargs)
+    except RuntimeError as e:
+        return "not resizable" in str(e)
+    except Exception:  # noqa: BLE001 - random inputs an op rejects: measured no further here
+        return False
+    return False
+
+
+def _unresizable(like: torch.Tensor) -> torch.Tensor:
+    """A tensor of `like`'s shape and dtype whose storage is exactly its bytes and cannot grow."""
+    nbytes = like.numel() * like.element_size()
+    if nbytes == 0:
+        return like
+    return torch.frombuffer(bytearray(nbytes), dtype=like.dtype).view(like.shape)
 
 
 def _has_backend_kernel(op: torch._ops.OpOverload) -> bool:
@@ -163,18 +219,25 @@ class _TooLarge(_CannotMeasure):
 _SMALL_SIZE = 8
 
 
-def _materialise(x, cap=None):
+def _materialise(x, cap=None, hints: bool = False):
+    """A real tensor (or value) like a traced one. `hints`: a dynamic size takes the size export
+    traced (no guard is added); otherwise it cannot be measured."""
     if isinstance(x, torch.fx.Node):
-        return _materialise(x.meta.get("val"), cap)
+        return _materialise(x.meta.get("val"), cap, hints)
     if isinstance(x, (list, tuple)):
-        return type(x)(_materialise(e, cap) for e in x)
+        return type(x)(_materialise(e, cap, hints) for e in x)
     if isinstance(x, torch.SymInt):
-        raise _CannotMeasure()
-    if isinstance(x, torch.Tensor):
-        if any(isinstance(s, torch.SymInt) for s in x.shape):
+        if not hints or x.node.hint is None:
             raise _CannotMeasure()
-        shape = tuple(x.shape) if cap is None else tuple(min(s, cap) for s in x.shape)
-        if cap is None and x.numel() > _MEASURE_ELEMENTS:
+        return int(x.node.hint)
+    if isinstance(x, torch.Tensor):
+        dims = M.static_ints(x.shape)
+        if dims is None:
+            if not hints:
+                raise _CannotMeasure()
+            dims = M.hint_ints(x.shape)
+        shape = dims if cap is None else tuple(min(s, cap) for s in dims)
+        if cap is None and math.prod(shape) > _MEASURE_ELEMENTS:
             raise _TooLarge()
         if x.is_floating_point() or x.is_complex():
             return torch.randn(shape, dtype=x.dtype)
@@ -182,14 +245,14 @@ def _materialise(x, cap=None):
     return x
 
 
-def _example_call(out: torch._ops.OpOverload, node: torch.fx.Node, cap=None):
-    args = [_materialise(a, cap) for a in node.args]
+def _example_call(out: torch._ops.OpOverload, node: torch.fx.Node, cap=None, hints: bool = False):
+    args = [_materialise(a, cap, hints) for a in node.args]
     accepted = {a.name for a in out._schema.arguments}  # out variants drop dtype/device/layout
-    kwargs = {k: _materialise(v, cap) for k, v in node.kwargs.items() if k in accepted}
+    kwargs = {k: _materialise(v, cap, hints) for k, v in node.kwargs.items() if k in accepted}
     val = node.meta.get("val")
     vals = list(val) if isinstance(val, (list, tuple)) else [val]
     outs = [a.name for a in out._schema.arguments if a.is_out]
-    results = [_materialise(v, cap) for v in vals]
+    results = [_materialise(v, cap, hints) for v in vals]
     if len(outs) != len(results) or not all(isinstance(r, torch.Tensor) for r in results):
         raise _CannotMeasure()
     kwargs.update({name: torch.empty_like(r) for name, r in zip(outs, results)})

@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ferry.aot import meta as M
-from ferry.aot.device_shapes import fit_to_device
+from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_device
 from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
 from ferry.device import Device
 from ferry.errors import CompileError, InputError
+from ferry.ops.aliasing import is_view
 
 
 class LoweredBackendModule(torch.nn.Module):
@@ -112,6 +114,7 @@ def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
     runs its own fused kernels (CUDA's flash attention, the CPU's fused softmax). Only what is
     not functional, or not an operator of its own (`chunk`, `reshape`), becomes the ATen ops
     eager PyTorch would run for it."""
+    dynamic = _dynamic_dims(ep)
     try:
         with warnings.catch_warnings():
             # torch >= 2.13 deep-copies the program's call signature here, and copying its
@@ -124,9 +127,80 @@ def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
     except Exception as e:  # torch's functionalization failed on some op
         raise CompileError(f"torch.export could not turn the program into functional ATen ops: "
                            f"{type(e).__name__}: {e}") from e
+    _refuse_specialized(dynamic, _dynamic_dims(ep))
+    _refuse_hidden_mutations(ep)
     _drop_export_time_checks(ep.graph_module)
     _contiguous_gemm_inputs(ep.graph_module)
     return ep
+
+
+def _producer(ep, name: str) -> str:
+    """The op that computes node `name` (through a getitem of a multi-result op)."""
+    node = next((n for n in ep.graph.nodes if n.name == name), None)
+    if node is not None and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return str(node.target) if node is not None and node.op == "call_function" else f"node {name!r}"
+
+
+def _refuse_hidden_mutations(ep) -> None:
+    """An input a composite op writes in place while its schema says nothing of it (eager's
+    `instance_norm` updates the running statistics it is given) shows in the trace's version
+    counter but not in the program's signature: ferry would not write it back, so the op is a
+    CompileError naming it rather than a program that silently skips the update."""
+    recorded = {s.arg.name for s in ep.graph_signature.output_specs
+                if s.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)}
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(val, torch.Tensor) or not val._version:
+            continue
+        targets = {s.target for s in ep.graph_signature.output_specs if s.target}
+        spec = next((s for s in ep.graph_signature.input_specs if s.arg.name == node.name), None)
+        if node.name in targets or (spec is not None and spec.target in targets) or node.name in recorded:
+            continue  # a mutation the signature records (refused or kept as the program's state elsewhere)
+        ops = ", ".join(_readers(node)[:3]) or "an op of the program"
+        raise CompileError(f"{ops} writes input {node.name!r} in place without saying so in its schema (eager "
+                           "updates it; the exported program does not record it): ferry cannot keep that update; "
+                           "export the model in eval mode, or without the state it updates")
+
+
+def _dynamic_dims(ep) -> dict[tuple[str, int], tuple[str, list[str]]]:
+    """(input, dim) -> (its size's symbol, the ops that read it) for every dynamic input dim."""
+    out = {}
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or not isinstance(val, torch.Tensor):
+            continue
+        for d, size in enumerate(val.shape):
+            if not is_concrete_int(size):  # (a symbol torch has since fixed reads as its value)
+                out[node.name, d] = (str(size), _readers(node))
+    return out
+
+
+def _readers(node: torch.fx.Node) -> list[str]:
+    """The ops that read `node`, through views and element-wise ops, that could fix its sizes."""
+    found, todo, seen = [], list(node.users), set()
+    while todo:
+        user = todo.pop(0)
+        if user in seen or user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+            continue
+        seen.add(user)
+        if is_view(user.target) or torch.Tag.pointwise in user.target.tags:
+            todo.extend(user.users)
+        elif str(user.target) not in found:
+            found.append(str(user.target))
+    return found
+
+
+def _refuse_specialized(before: dict, after: dict) -> None:
+    """A dynamic input dim that torch's shape propagation fixed to one size (a decomposition that
+    asks for a size as a plain int, as `fft_fftn` with `norm='ortho'` does) is a CompileError
+    naming the op, not a program that silently takes one size only."""
+    for (name, d), (symbol, readers) in before.items():
+        if (name, d) in before and (name, d) not in after:
+            ops = ", ".join(readers[:3]) or "an op of the program"
+            raise CompileError(f"dim {d} of input {name!r} ({symbol}) was exported dynamic, but torch fixed it to one "
+                               f"size while propagating shapes through {ops}: export that dim static, or keep "
+                               "such ops out of the dynamic part of the program")
 
 
 # GEMMs whose batched input arrives transposed: `matmul` then runs one small GEMM per row (a
@@ -192,6 +266,10 @@ def _annotate(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             infos.append(M.OutputInfo(M.BUFFER_MUTATION, spec.target))
         else:
+            if spec.kind == OutputKind.USER_INPUT_MUTATION:
+                raise CompileError(f"{_producer(ep, spec.arg.name)} writes the caller's input {spec.target!r} in "
+                                   "place; ferry programs do not change their inputs: return the new value instead, "
+                                   "or hold it in a registered buffer (mutable buffers are supported)")
             raise CompileError(f"output {spec.arg} is a {spec.kind.name}, which ferry does not support yet")
     M.set_output_infos(ep.graph.output_node(), infos)
     return constants
@@ -236,6 +314,7 @@ def _check_partitions(partitions, nodes_by_name) -> list[list[torch.fx.Node]]:
 def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Partitioner | None) -> LoweredProgram:
     """Replace each partition the partitioner proposes by one call_delegate node."""
     ep = functional_aten(exported_program)
+    check_symbolic_shapes(ep.graph_module)
     constants = _annotate(ep)
     partitions = list(partitioner.partition(ep)) if partitioner is not None else []
     old = ep.graph

@@ -11,7 +11,7 @@ import torch
 
 from ferry.device import Device
 from ferry.errors import DeviceError, InputError, ProgramError
-from ferry.layout import is_dense
+from ferry.layout import is_dense, same_strides
 from ferry.program.schema import DEFAULT_ARG
 from ferry.runtime.allocator import as_bytes, require_allocator
 
@@ -62,7 +62,7 @@ class CopyKernel:
         per call it is exactly one allocator copy hook call on precomputed byte views."""
         if src.dtype == out.dtype and src.shape == out.shape and src.numel() == 0:
             return lambda: out  # nothing to copy; an empty tensor's strides say nothing about its layout
-        if (src.dtype != out.dtype or src.shape != out.shape or src.stride() != out.stride()
+        if (src.dtype != out.dtype or src.shape != out.shape or not same_strides(src.shape, src.stride(), out.stride())
                 or not is_dense(src.shape, src.stride())):
             raise ProgramError(
                 f"_{self.direction}_copy between planned tensors {src.dtype}{tuple(src.shape)} -> "
@@ -97,7 +97,7 @@ class CopyKernel:
                 )
         if out.shape != src.shape:
             out.resize_(src.shape)
-        if nbytes and not (src.stride() == out.stride() and is_dense(src.shape, src.stride())):
+        if nbytes and not (same_strides(src.shape, src.stride(), out.stride()) and is_dense(src.shape, src.stride())):
             # bytes move as they lie in memory, so both sides need one layout: the destination's
             if not self.src.is_cpu:
                 raise InputError(
