@@ -629,7 +629,7 @@ class _Binder:
                 return fn(*a, **k)
         else:
             call = self._run_functional(op, pos, kw, ins.outputs, ins)
-        return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins) if writes_out else None)
+        return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins))
 
     def _storage_offset_in_arena(self, op, ins: KernelCall, pos: list, index: int):
         """`as_strided`'s storage offset counts from the start of its input's memory, as in eager,
@@ -823,7 +823,7 @@ class _Binder:
         past its slot, so the first call turns that into an error instead of a wrong result."""
         m, slots = self.m, self.slots
         planned = [(o, m.tensor(o).shape) for o in ins.outputs if isinstance(m.values[o], TensorValue)
-                   and m.tensor(o).storage == "planned" and not any(m.tensor(o).dynamic)]
+                   and m.tensor(o).storage in ("planned", "runtime") and not any(m.tensor(o).dynamic)]
         if not planned:
             return None
 
