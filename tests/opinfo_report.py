@@ -17,6 +17,7 @@ import collections
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,18 +61,21 @@ class Worker:
         self.ops = list(ops)
         self.ops_file = os.path.join(tmp, f"ops-{n}.txt")
         Path(self.ops_file).write_text("\n".join(self.ops))
-        self.log = open(os.path.join(tmp, f"out-{n}.jsonl"), "w+")  # noqa: SIM115
-        self.err = open(os.path.join(tmp, f"err-{n}.txt"), "w+")  # noqa: SIM115
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(HERE)]))
+        out_path, self.err_path = os.path.join(tmp, f"out-{n}.jsonl"), os.path.join(tmp, f"err-{n}.txt")
+        path = [str(ROOT / "src"), str(HERE)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
         cmd = [sys.executable, __file__, "--worker", self.ops_file, "--placements", ",".join(args.placements),
                "--samples", str(args.samples)] + ([] if args.dynamic else ["--no-dynamic"])
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.err, cwd=ROOT, env=env)
+        # the worker writes through its own file descriptions; this process reads through another
+        # (a shared one would share the offset: reading would move where the worker writes)
+        with open(out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=env)
+        self.log = open(out_path)  # noqa: SIM115
         self.read_pos, self.current, self.started = 0, None, time.monotonic()
         self.done: list[str] = []
 
     def poll(self) -> list[dict]:
         """Finished ops' records since the last poll."""
-        self.log.flush()
         self.log.seek(self.read_pos)
         records = []
         while True:
@@ -93,58 +97,85 @@ class Worker:
         return self.ops[len(self.done):]
 
     def stderr_tail(self) -> str:
-        self.err.flush()
-        self.err.seek(0)
-        lines = [line for line in self.err.read().splitlines() if line.strip()]
+        with open(self.err_path, errors="replace") as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
         return " | ".join(lines[-3:])[-600:]
+
+    def close(self) -> None:
+        self.log.close()
 
 
 def lost(name: str, placements, status: str, message: str) -> list[dict]:
     return [sweep.Outcome(name, -1, p, "static", status, message).to_json() for p in placements]
 
 
-def run_all(names: list[str], args) -> list[dict]:
+def run_all(names: list[str], args) -> tuple[list[dict], bool]:
+    """(every outcome, interrupted): on SIGTERM or Ctrl-C, the outcomes of the ops finished so far."""
     outcomes: list[dict] = []
+    interrupted = False
     jobs = max(1, min(args.jobs, len(names)))
     queues = [names[i::jobs] for i in range(jobs)]
-    total, finished, t0 = len(names), 0, time.monotonic()
+    total = len(names)
     with tempfile.TemporaryDirectory(prefix="ferry-opinfo-report-") as tmp:
         counter = 0
         workers = []
         for q in queues:
             workers.append(Worker(q, args, tmp, counter))
             counter += 1
-        while workers:
-            time.sleep(0.5)
-            for w in list(workers):
-                rc = w.proc.poll()  # before reading: every line of a finished worker is read
-                for rec in w.poll():
-                    outcomes += rec["outcomes"]
-                    finished += 1
-                    bad = [o for o in rec["outcomes"] if o["status"] in sweep.FAILURES]
-                    print(f"[{finished}/{total} {time.monotonic() - t0:6.0f}s] {rec['done']}"
-                          + (f"  ({len(bad)} failing)" if bad else ""), flush=True)
-                timed_out = rc is None and w.current is not None and time.monotonic() - w.started > args.timeout
-                if rc is None and not timed_out:
-                    continue
-                if timed_out:
+        try:
+            _supervise(workers, args, tmp, counter, total, outcomes)
+        except (KeyboardInterrupt, SystemExit):
+            interrupted = True
+            print(f"interrupted: reporting the {len({o['op'] for o in outcomes})} ops finished", flush=True)
+        finally:  # no worker outlives this process
+            for w in workers:
+                if w.proc.poll() is None:
                     w.proc.kill()
                     w.proc.wait()
-                    w.poll()
-                rest = w.remaining()
-                workers.remove(w)
-                if rest:  # the op in progress (or the first not started) took the worker down
-                    name = w.current or rest[0]
-                    status = "timeout" if timed_out else "crashed"
-                    why = f"over {args.timeout}s" if timed_out else f"the worker process exited with {rc}: {w.stderr_tail()}"
-                    outcomes += lost(name, args.placements, status, why)
-                    finished += 1
-                    print(f"[{finished}/{total}] {name}: {status} ({why})", flush=True)
-                    rest = [n for n in rest if n != name]
-                    if rest:
-                        workers.append(Worker(rest, args, tmp, counter))
-                        counter += 1
-    return outcomes
+                w.close()
+    return outcomes, interrupted
+
+
+def _supervise(workers: list[Worker], args, tmp: str, counter: int, total: int, outcomes: list[dict]) -> None:
+    """Collects the workers' outcomes into `outcomes` until every op is done; replaces a worker
+    that died or hung."""
+    finished, t0 = 0, time.monotonic()
+
+    def collect(records):
+        nonlocal finished
+        for rec in records:
+            outcomes.extend(rec["outcomes"])
+            finished += 1
+            bad = [o for o in rec["outcomes"] if o["status"] in sweep.FAILURES]
+            print(f"[{finished}/{total} {time.monotonic() - t0:6.0f}s] {rec['done']}"
+                  + (f"  ({len(bad)} failing)" if bad else ""), flush=True)
+
+    while workers:
+        time.sleep(0.5)
+        for w in list(workers):
+            rc = w.proc.poll()  # before reading: every line of a finished worker is read
+            collect(w.poll())
+            timed_out = rc is None and w.current is not None and time.monotonic() - w.started > args.timeout
+            if rc is None and not timed_out:
+                continue
+            if timed_out:
+                w.proc.kill()
+                w.proc.wait()
+                collect(w.poll())
+            rest = w.remaining()
+            workers.remove(w)
+            w.close()
+            if rest:  # the op in progress (or the first not started) took the worker down
+                name = w.current or rest[0]
+                status = "timeout" if timed_out else "crashed"
+                why = f"over {args.timeout}s" if timed_out else f"the worker process exited with {rc}: {w.stderr_tail()}"
+                outcomes.extend(lost(name, args.placements, status, why))
+                finished += 1
+                print(f"[{finished}/{total}] {name}: {status} ({why})", flush=True)
+                rest = [n for n in rest if n != name]
+                if rest:
+                    workers.append(Worker(rest, args, tmp, counter))
+                    counter += 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +186,7 @@ def reason(message: str) -> str:
     """A refusal's first line with the names of one program taken out, to group refusals."""
     line = sweep.first_line(message)
     line = re.sub(r"'[^']*'", "'…'", line)
-    line = re.sub(r"\b\d+\b", "N", line)
+    line = re.sub(r"\b(u?)\d+\b", r"\1N", line)  # numbers, and unbacked symbols (u20)
     return line
 
 
@@ -171,6 +202,7 @@ COLUMNS = [
     ("equal (random: shape only)", lambda o: o["status"] == "equal" and o["random"]),
     ("refused, names the op", lambda o: o["status"] == "refused" and o["names_op"]),
     ("refused, does not", lambda o: o["status"] == "refused" and not o["names_op"]),
+    ("input refused at the call (documented)", lambda o: o["status"] == "input refused"),
     ("not exportable", lambda o: o["status"] == "not exportable"),
     ("no dynamic variant", lambda o: o["status"] == "no dynamic variant"),
     ("eager error", lambda o: o["status"] == "eager error"),
@@ -180,6 +212,22 @@ COLUMNS = [
     ("**run-time error**", lambda o: o["status"] == "run-time error"),
     ("**crashed / timeout**", lambda o: o["status"] in ("crashed", "timeout")),
 ]
+
+
+def grouped_by(outcomes, key) -> dict:
+    """{(op, status, key(outcome)): [outcomes]}."""
+    groups = collections.defaultdict(list)
+    for o in outcomes:
+        groups[(o["op"], o["status"], key(o))].append(o)
+    return groups
+
+
+def _listed(rows, placements) -> str:
+    """'samples | placements | variants' cells of a group of outcomes."""
+    samples = ", ".join(str(s) for s in sorted({o["sample"] for o in rows}))
+    ps = ", ".join(p for p in placements if any(o["placement"] == p for o in rows))
+    vs = ", ".join(v for v in ("static", "dynamic") if any(o["variant"] == v for o in rows))
+    return f"{samples} | {ps} | {vs}"
 
 
 def markdown(data: dict) -> str:
@@ -192,18 +240,30 @@ def markdown(data: dict) -> str:
         "<!-- generated by tests/opinfo_report.py: do not edit; run it again -->",
         "",
         f"Generated by `{meta['command']}` (torch {meta['torch']}, ferry {meta.get('ferry', '?')}, "
-        f"{meta['seconds']:.0f} s). Every OpInfo op with "
-        f"float32 support ({len(ops)} ops), the first {meta['samples']} samples of each, exported with "
-        "`torch.export` and compiled by ferry for each placement, saved, loaded and called on the sample and on "
-        "fresh inputs, compared with eager PyTorch (rtol 1e-4, atol 1e-5; outputs and inputs after the call). "
-        "*dynamic*: the same sample exported with a bounded dynamic dim 0, called at the sample's size, a smaller "
-        "one and the sample's again. Placements: `cpu` no partitioner; `emu` every op ferry places on the emulated "
-        "emu:0, inputs and outputs left there (skip_h2d / skip_d2h); `emu_op` the op on emu:0 with CPU inputs and "
-        "outputs; `cuda_op` the same on cuda:0 against eager on cuda:0.",
+        f"{meta['seconds']:.0f} s on {meta.get('jobs', 'several')} worker processes).",
         "",
-        "The harness is tests/opinfo_sweep.py; tests/test_opinfo.py runs a fixed subset "
-        "(`FERRY_OPINFO=all`: everything). Bold columns are failures.",
+        f"- **Cases**: {'some' if meta.get('subset') else 'every'} OpInfo op with float32 support ({len(ops)} ops), "
+        f"the first {meta['samples']} samples of "
+        "each (`op.sample_inputs('cpu', torch.float32)`), as a module taking the sample's tensors; exported with "
+        "`torch.export` (non-strict), compiled by ferry, saved, loaded with `ferry.Module` and called on the "
+        "sample and on fresh inputs (floating tensors moved a little).",
+        "- **Compared** with eager PyTorch on the same inputs: outputs, and the inputs after the call (an op that "
+        "writes an input must write it the same way); rtol 1e-4, atol 1e-5, NaN equal to NaN, shapes and dtypes "
+        "exact, strides free. *random*: eager's result changes with the seed (or the graph hands out an empty or "
+        "random op's result), so only shape, dtype and device are compared.",
+        "- **dynamic**: the sample exported again with one bounded dynamic dim (dim 0 of the first input where it "
+        "is at least 3, else the first dim of at least 3) and the dims export ties to it, then called at the "
+        "sample's size, a smaller one that torch.export's own module accepts (the inputs narrowed, then copied to "
+        "memory of their own), and the sample's again.",
+        "- **Placements**: `cpu` no partitioner; `emu` every op ferry places on the emulated device emu:0, inputs "
+        "and outputs left there (skip_h2d / skip_d2h); `emu_op` the ops on emu:0, inputs and outputs on the CPU; "
+        "`cuda_op` the same on cuda:0, against eager on cuda:0.",
+        "- A wrong result says whether `ep.module()` (torch.export's own module) agrees with eager or with ferry.",
         "",
+        "The harness is tests/opinfo_sweep.py; tests/test_opinfo.py runs a fixed subset (`FERRY_OPINFO=all`: "
+        "every op). Bold columns are failures.",
+        "",
+        *([f"**Interrupted**: {len(ops)} of the {meta['ops']} ops ran.", ""] if meta.get("interrupted") else []),
         "## Summary",
         "",
         "Cases are (op, sample) pairs; an op with no samples counts once.",
@@ -235,13 +295,12 @@ def markdown(data: dict) -> str:
         out.append("None.")
 
     failures = [o for o in outcomes if o["status"] in sweep.FAILURES]
-    out += ["", "## Failures: wrong results and run-time errors", ""]
+    out += ["", "## Failures: wrong results and run-time errors", "",
+            "One row per op and error (cases whose messages differ only in numbers and names share a row).", ""]
     if failures:
-        out += ["| op | sample | placement | variant | outcome | error |", "|---|---:|---|---|---|---|"]
-        for o in sorted(failures, key=lambda o: (o["op"], o["sample"], placements.index(o["placement"])
-                                                    if o["placement"] in placements else 0, o["variant"])):
-            out.append(f"| {o['op']} | {o['sample']} | {o['placement']} | {o['variant']} | {o['status']} | "
-                       f"{cell(o['message'], 300)} |")
+        out += ["| op | samples | placements | variants | outcome | error |", "|---|---|---|---|---|---|"]
+        for (op, status, _), rows in sorted(grouped_by(failures, lambda o: reason(o["message"])).items()):
+            out.append(f"| {op} | {_listed(rows, placements)} | {status} | {cell(sweep.first_line(rows[0]['message']), 400)} |")
     else:
         out.append("None.")
 
@@ -250,15 +309,9 @@ def markdown(data: dict) -> str:
             "of the error. ✗: the message does not name the op.", ""]
     if refused:
         out += ["| op | samples | placements | variants | reason |", "|---|---|---|---|---|"]
-        grouped = collections.defaultdict(list)
-        for o in refused:
-            grouped[(o["op"], sweep.first_line(o["message"]))].append(o)
-        for (op, msg), rows in sorted(grouped.items()):
-            samples = ", ".join(str(s) for s in sorted({o["sample"] for o in rows}))
-            ps = ", ".join(p for p in placements if any(o["placement"] == p for o in rows))
-            vs = ", ".join(v for v in ("static", "dynamic") if any(o["variant"] == v for o in rows))
+        for (op, _, msg), rows in sorted(grouped_by(refused, lambda o: sweep.first_line(o["message"])).items()):
             mark = "" if all(o["names_op"] for o in rows) else "✗ "
-            out.append(f"| {op} | {samples} | {ps} | {vs} | {mark}{cell(msg)} |")
+            out.append(f"| {op} | {_listed(rows, placements)} | {mark}{cell(msg)} |")
     else:
         out.append("None.")
 
@@ -274,6 +327,12 @@ def markdown(data: dict) -> str:
         out += [f"| {op} | {', '.join(map(str, sorted(s)))} |" for op, s in sorted(not_exportable.items())]
         out += ["", "</details>"]
     return "\n".join(out) + "\n"
+
+
+def dump(data: dict) -> str:
+    """The JSON report with one outcome a line: small, and a rerun's diff shows the cases that changed."""
+    lines = ",\n".join(json.dumps(o, separators=(",", ":")) for o in data["outcomes"])
+    return f'{{"meta": {json.dumps(data["meta"], indent=1)},\n"outcomes": [\n{lines}\n]}}\n'
 
 
 def source_state() -> str:
@@ -331,20 +390,22 @@ def main(argv=None) -> int:
         if unknown:
             ap.error(f"unknown op ids: {', '.join(unknown)}")
         t0 = time.monotonic()
-        outcomes = run_all(names, args)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the workers are ended too (run_all)
+        outcomes, interrupted = run_all(names, args)
         order = {n: i for i, n in enumerate(names)}
         outcomes.sort(key=lambda o: (order.get(o["op"], 0), args.placements.index(o["placement"])
                                      if o["placement"] in args.placements else 0, o["sample"], o["variant"]))
         command = "python tests/opinfo_report.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
         data = {
             "meta": {"torch": torch.__version__, "placements": args.placements, "samples": args.samples,
-                     "dynamic": args.dynamic, "ops": len(names), "ferry": source_state(), "seconds": round(time.monotonic() - t0, 1),
+                     "dynamic": args.dynamic, "ops": len(names), "ferry": source_state(), "jobs": args.jobs,
+                     "interrupted": interrupted, "subset": bool(args.ops), "seconds": round(time.monotonic() - t0, 1),
                      "command": command},
             "outcomes": outcomes,
         }
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+            Path(args.json).write_text(dump(data))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(markdown(data))

@@ -8,7 +8,8 @@ module is exported (``torch.export``, non-strict), compiled by ferry for a place
 loaded with ``ferry.Module`` and called twice, on the sample's tensors and on fresh ones, each
 call compared with eager PyTorch on the same inputs (outputs, and the inputs afterwards, so an
 op that writes an input must write it the same way). Where export allows, the module is also
-exported with a bounded dynamic dim 0 and called at the sample's size, a smaller one and the
+exported with a bounded dynamic dim (dim 0 of the first input where it can) and called at the
+sample's size, a smaller one (the inputs narrowed, then copied to memory of their own) and the
 sample's again.
 
 Placements: ``cpu`` (no partitioner), ``emu`` (every op ferry can place on emu:0, with inputs and
@@ -21,8 +22,12 @@ Outcomes of one case (`Outcome.status`):
   for ops whose eager result changes with the seed or reads uninitialised memory);
 - ``refused``: ``ferry.compile`` raised a CompileError (or another FerryError, except
   InternalError); ``names_op`` says whether the message names the op;
+- ``input refused``: a call raised one of the InputErrors ferry documents for inputs it cannot
+  read as eager does (`DOCUMENTED_INPUT_REFUSALS`: a view into a larger storage read by
+  `as_strided` with a storage offset);
 - ``wrong`` / ``run-time error``: FAILURES: a mismatch, or any other exception at compile,
-  save, load or a call;
+  save, load or a call; a wrong result's message says whether torch.export's own module
+  (``ep.module()``) agrees with eager or with ferry;
 - skipped, no fault of ferry: ``eager error``, ``not exportable``, ``no tensor output``,
   ``no samples``; for the dynamic variant also ``no dynamic variant``;
 - ``crashed`` / ``timeout``: only from opinfo_report.py's worker processes.
@@ -57,6 +62,9 @@ DEFAULT_SAMPLES = 2
 RTOL, ATOL = 1e-4, 1e-5
 
 FAILURES = ("wrong", "run-time error", "crashed", "timeout")
+# InputErrors a call may raise by design (README, "Status"): an `as_strided` with a storage offset
+# over a caller's view into a larger storage, which ferry cannot read as eager does
+DOCUMENTED_INPUT_REFUSALS = ("is read through its storage",)
 SKIPS = ("eager error", "not exportable", "no tensor output", "no samples", "no dynamic variant")
 
 # ops whose output is memory nobody wrote: compared on shape, dtype and device only
@@ -161,9 +169,15 @@ def _error(where: str, e: BaseException) -> str:
 
 
 def names_op(message: str, names) -> bool:
-    """Does `message` name one of `names` as a word ('histogramdd' in 'aten.histogramdd.default')?"""
+    """Does `message` name one of `names` as an op: quoted ('histogramdd', node 'argwhere'), or as
+    an ATen op whose name has it as its underscore-separated words (aten::histogramdd.default,
+    aten._native_batch_norm_legit_functional for native_batch_norm)? A bare word does not count:
+    "keep ops like nonzero/unique out of the program" is advice, not the op that failed."""
     for name in names:
-        if name and re.search(rf"(?<![A-Za-z0-9]){re.escape(name)}(?![A-Za-z0-9])", message):
+        if not name:
+            continue
+        n = re.escape(name)
+        if re.search(rf"['\"`]{n}['\"`]|aten(?:::|\.)(?:\w*_)?{n}(?:_\w*)?(?![A-Za-z0-9_])", message):
             return True
     return False
 
@@ -174,19 +188,20 @@ def names_op(message: str, names) -> bool:
 
 @contextlib.contextmanager
 def quiet():
-    """No warnings and no torch logging below ERROR for the block."""
-    loggers = [logging.getLogger(n) for n in ("torch", "torch._dynamo", "torch._export", "torch.export",
-                                               "torch.fx.experimental.symbolic_shapes", "torch._subclasses")]
-    levels = [lg.level for lg in loggers]
+    """No warnings and no log records below ERROR for the block (torch's structured trace logs
+    at DEBUG to the root logger, which pytest would capture and print with every failure)."""
+    previous = logging.root.manager.disable
+    trace = logging.getLogger("torch.__trace")  # logs at DEBUG whatever logging.disable says
+    was_disabled = trace.disabled
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
+        logging.disable(max(previous, logging.WARNING))
+        trace.disabled = True
         try:
             yield
         finally:
-            for lg, level in zip(loggers, levels):
-                lg.setLevel(level)
+            logging.disable(previous)
+            trace.disabled = was_disabled
 
 
 @contextlib.contextmanager
@@ -201,12 +216,17 @@ def emu_registered():
 
 @contextlib.contextmanager
 def full_fp32():
-    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    """No TF32 on the GPU for the block (cudnn's flags through its context manager: importing
+    torch.testing._internal freezes them otherwise)."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    cudnn = torch.backends.cudnn
+    torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        yield
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                         allow_tf32=False):
+            yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def twin(t: torch.Tensor, device=None) -> torch.Tensor:
@@ -225,6 +245,31 @@ def twin(t: torch.Tensor, device=None) -> torch.Tensor:
 
 def twins(tensors, device=None) -> list[torch.Tensor]:
     return [twin(t, device) for t in tensors]
+
+
+def poisoned(t: torch.Tensor) -> torch.Tensor:
+    """As twin(t), but every byte of the storage outside t's own elements is 0xFF (NaN, -1)."""
+    if t.layout != torch.strided:
+        return twin(t)
+    storage = torch.UntypedStorage(t.untyped_storage().nbytes(), device=t.device)
+    torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).fill_(255)
+    new = torch.empty(0, dtype=t.dtype, device=t.device)
+    new.set_(storage, t.storage_offset(), t.size(), t.stride())
+    try:
+        new.copy_(t)
+    except RuntimeError:  # overlapping elements (an expanded input): no check
+        return twin(t)
+    return new
+
+
+def reads_outside(module, inputs) -> bool:
+    """Does eager read memory outside its inputs' elements (an index past a narrowed dim, say)?
+    Compares eager on twins with eager on poisoned twins."""
+    outs, after = eager(module, inputs)
+    args = [poisoned(t) for t in inputs]
+    torch.manual_seed(0)
+    outs2 = [to_host(o) for o in module(*args)]
+    return differ(outs, outs2)
 
 
 def tensor_leaves(value) -> list[torch.Tensor]:
@@ -332,10 +377,13 @@ class Randomness:
     freed filled with NaN in between, so a read of uninitialised memory shows too), or when an
     output of the exported graph comes straight from a seeded-random or an empty op. Seeds 1..3
     are tried when the graph has a seeded-random op anywhere (its effect on the result may be
-    rare), seed 1 otherwise."""
+    rare), seed 1 otherwise. With a seeded-random op, a call is random too when torch.export's own
+    module (ep.module()) gives different results under two seeds: the program ferry compiles may
+    draw its random numbers in another order than eager does (a dropout eager skips, say)."""
 
     outputs_random: bool = False  # an output straight from a seeded-random or empty op
     has_random_op: bool = False  # a seeded-random op anywhere in the graph
+    ep: object = None  # the exported program: with a random op, its own module is asked too
 
     @classmethod
     def of_graph(cls, ep) -> Randomness:
@@ -350,7 +398,7 @@ class Randomness:
 
         out = next(n for n in ep.graph.nodes if n.op == "output")
         outs = [n for n in pytree.tree_leaves(out.args) if isinstance(n, torch.fx.Node)]
-        return cls(any(random_op(n) or uninit(n) for n in outs), any(random_op(n) for n in ep.graph.nodes))
+        return cls(any(random_op(n) or uninit(n) for n in outs), any(random_op(n) for n in ep.graph.nodes), ep)
 
     def of(self, module, inputs, device, outs, after) -> bool:
         if self.outputs_random:
@@ -363,6 +411,14 @@ class Randomness:
                         del junk
                 outs2, after2 = eager(module, inputs, device, seed=seed)
                 if differ(outs, outs2) or differ(after, after2):
+                    return True
+            if self.has_random_op and self.ep is not None:
+                exported = self.ep.module()
+                runs = []
+                for seed in (0, 1, 2, 3):
+                    torch.manual_seed(seed)
+                    runs.append([to_host(o) for o in tensor_leaves(exported(*twins(inputs)))])
+                if any(differ(runs[0], r) for r in runs[1:]):
                     return True
         except Exception:
             return True  # eager fails under another seed: its result is the seed's
@@ -393,28 +449,31 @@ def _sym(value):
 
 
 def dynamic_variant(module, tensors) -> tuple[object, list[list[torch.Tensor]]] | str:
-    """(exported program with dim 0 of the first tensor input dynamic (the first whose dim 0 is at
-    least 3), [large, small, large] inputs), or why there is none. Tries: that dim alone; every
-    dim of any input with the same size as it (Dim.AUTO, export finds which are tied); the same
-    with one named Dim."""
+    """(exported program with one input dim dynamic, [large, small, large] inputs), or why there is
+    none. The dim: dim 0 of the first tensor input whose dim 0 is at least 3, else the first dim of
+    at least 3 of any input. Tries: that dim alone; every dim of any input with the same size as
+    it (Dim.AUTO with bounds: export finds which are tied); the same with one named Dim."""
     dense = [i for i, t in enumerate(tensors) if t.dim() >= 1 and t.layout == torch.strided]
     if not dense:
         return "no tensor input with a dim"
-    first = next((i for i in dense if tensors[i].shape[0] >= 3), None)
-    if first is None:
-        return f"dim 0 of every input is < 3 (input {dense[0]}: {tensors[dense[0]].shape[0]}): too small to shrink"
-    size = tensors[first].shape[0]
+    pick = next(((i, 0) for i in dense if tensors[i].shape[0] >= 3), None)
+    if pick is None:
+        pick = next(((i, d) for i in dense for d in range(tensors[i].dim()) if tensors[i].shape[d] >= 3), None)
+    if pick is None:
+        return "every dim of every input is < 3: too small to shrink"
+    first, fdim = pick
+    size = tensors[first].shape[fdim]
     auto = torch.export.Dim.AUTO(min=2, max=size)
     named = torch.export.Dim("d0", min=2, max=size)
 
     def spec(dim, everywhere):
         specs = []
         for i, t in enumerate(tensors):
-            if i == first:
-                specs.append({0: dim})
-            elif everywhere and t.layout == torch.strided:
+            if everywhere and t.layout == torch.strided:
                 ds = {d: dim for d in range(t.dim()) if t.shape[d] == size}
                 specs.append(ds or None)
+            elif i == first:
+                specs.append({fdim: dim})
             else:
                 specs.append(None)
         return (tuple(specs),)
@@ -427,7 +486,7 @@ def dynamic_variant(module, tensors) -> tuple[object, list[list[torch.Tensor]]] 
         except Exception as e:
             errors.append(first_line(f"{type(e).__name__}: {e}"))
             continue
-        inputs = _resized(ep, tensors, first)
+        inputs = _resized(ep, tensors, first, fdim)
         if isinstance(inputs, str):
             errors.append(inputs)
             continue
@@ -435,16 +494,16 @@ def dynamic_variant(module, tensors) -> tuple[object, list[list[torch.Tensor]]] 
     return "no dynamic export: " + "; ".join(dict.fromkeys(errors))
 
 
-def _resized(ep, tensors, first):
-    """[large, small, large] inputs for `ep`, whose input `first` has a symbolic dim 0: every input
-    dim whose size is an expression of that symbol is narrowed to match the small size."""
+def _resized(ep, tensors, first, fdim):
+    """[large, small, large] inputs for `ep`, whose input `first` has a symbolic dim `fdim`: every
+    input dim whose size is an expression of that symbol is narrowed to match the small size."""
     vals = [n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder"
             and n.name in ep.graph_signature.user_inputs]
     if len(vals) != len(tensors):
         return "export changed the inputs"
-    s0 = _sym(vals[first].shape[0])
+    s0 = _sym(vals[first].shape[fdim])
     if s0 is None or not s0.is_Symbol:
-        return "export kept dim 0 static (specialized)"
+        return f"export kept dim {fdim} of input {first} static (specialized)"
     known = {}
     for v, t in zip(vals, tensors):
         for d, sz in enumerate(getattr(v, "shape", ())):
@@ -455,10 +514,26 @@ def _resized(ep, tensors, first):
     vr = ep.range_constraints.get(s0)
     if vr is not None:
         lower = max(lower, int(vr.lower))
-    large = tensors[first].shape[0]
-    small = max(lower, large // 2)
-    if small >= large:
-        return f"dim 0 cannot shrink below {large} (range {vr})"
+    large = tensors[first].shape[fdim]
+    exported = ep.module()
+    why = f"dim {fdim} of input {first} cannot shrink below {large} (range {vr})"
+    for small in range(max(lower, large // 2), large):
+        small_inputs = _narrowed(vals, tensors, s0, known, small)
+        if isinstance(small_inputs, str):
+            why = small_inputs
+            continue
+        try:  # torch.export's module checks the guards export added (s0 >= s1, 25 * s0 - 75 >= 2, ...)
+            with quiet():
+                exported(*twins(small_inputs))
+        except Exception as e:
+            why = f"no smaller size passes the exported program's checks: {first_line(f'{type(e).__name__}: {e}')}"
+            continue
+        return [list(tensors), small_inputs, list(tensors)]
+    return why
+
+
+def _narrowed(vals, tensors, s0, known, small):
+    """The inputs with every dim whose size is an expression of `s0` narrowed to its value at s0 = small."""
     small_inputs = []
     for v, t in zip(vals, tensors):
         x = t
@@ -471,7 +546,7 @@ def _resized(ep, tensors, first):
                 return f"a dim of size {e} would be {n} at the small size"
             x = x.narrow(d, 0, n)
         small_inputs.append(x)
-    return [list(tensors), small_inputs, list(tensors)]
+    return small_inputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,7 +609,12 @@ def prepare(op, index: int, sample) -> Prepared:
         dcalls = []
         for label, xs in zip(("large", "small", "large again"), inputs):
             try:
+                views, xs = xs, [x.clone() for x in xs] if label == "small" else xs  # the small inputs own their memory
                 dcalls.append(reference(module, label, xs, "cpu", rnd))
+                if label == "small" and not dcalls[-1].random and reads_outside(module, views):
+                    prep.no_dynamic = ("at the small size eager reads memory outside its inputs (an index tensor of the "
+                                       "sample points past the narrowed dim): not a call the program must support")
+                    break
             except Exception as e:
                 prep.no_dynamic = _error(f"eager at the {label} size", e)
                 break
@@ -585,8 +665,21 @@ def placed_inputs(program, inputs) -> list[torch.Tensor]:
     out = []
     for i, t in enumerate(inputs):
         dev = meta.input_meta(i).device
-        out.append(twin(t) if dev.is_cpu else clone_to(t, dev))
+        out.append(twin(t) if dev.is_cpu else device_twin(t, dev))
     return out
+
+
+def device_twin(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` as twin() makes it on the CPU: its whole storage copied (clone_to) and
+    viewed with t's sizes, strides and offset, so a device input is the same kind of view as the
+    CPU input eager was given."""
+    if t.layout != torch.strided:
+        return clone_to(t, device)
+    nbytes, size = t.untyped_storage().nbytes(), t.element_size()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.numel() * size == nbytes or nbytes % size:
+        return clone_to(t, device)
+    flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (nbytes // size,), (1,))
+    return clone_to(flat, device).as_strided(t.size(), t.stride(), t.storage_offset())
 
 
 def check(placement, program, call: Call, got, args) -> str | None:
@@ -687,10 +780,19 @@ def run_program(prep: Prepared, ep, calls: list[Call], placement: str, variant: 
                     args = placed_inputs(program, call.inputs)
                     torch.manual_seed(0)
                     got = module.run_method("forward", args)
+                except ferry.InputError as e:
+                    documented = any(m in str(e) for m in DOCUMENTED_INPUT_REFUSALS)
+                    out.status = "input refused" if documented else "run-time error"
+                    out.message = _error(step, e)
+                    return out
                 except Exception as e:
                     out.status, out.message = "run-time error", _error(step, e)
                     return out
-                problem = check(placement, program, call, got, args)
+                try:
+                    problem = check(placement, program, call, got, args)
+                except Exception as e:  # reading ferry's results back failed (clone_to of an output, ...)
+                    out.status, out.message = "run-time error", _error(f"{step}, reading the results", e)
+                    return out
                 if problem:
                     triage = "" if call.random or placement == "cuda_op" else " " + export_triage(ep, call, got)
                     out.status, out.message = "wrong", f"{step}: {problem}{triage}"

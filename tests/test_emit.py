@@ -12,11 +12,11 @@ from torch import nn
 import ferry
 from ferry import ops  # noqa: F401  (the et_copy ops)
 from ferry.aot.fuse import Rewrite, fusion_notes
-from ferry.ops.variants import out_variant
 from ferry.device import Device
 from ferry.inspect import program_json, program_summary
 from ferry.op_names import kernel_name, resolve_kernel
 from ferry.ops.aliasing import is_view
+from ferry.ops.variants import out_variant
 from ferry.program.lifetimes import tensor_ids
 from ferry.program.schema import ConstValue, DelegateCall, KernelCall, TensorValue
 from models import (

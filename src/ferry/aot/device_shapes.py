@@ -36,7 +36,7 @@ def fit_to_device(nodes, device: Device) -> int:
     for node in nodes:
         val = node.meta.get("val")
         if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
-                or not isinstance(val, (tuple, list)) or not _static(val)):
+                or not isinstance(val, (tuple, list)) or not all(isinstance(v, torch.Tensor) for v in val)):
             continue
         there = _on_device(node, device)
         if there is None or len(there) != len(val):
@@ -151,8 +151,9 @@ def _on_device(node: torch.fx.Node, device: Device | None):
 
 
 def _like(traced: torch.Tensor, there) -> torch.Tensor:
-    """`traced`, or a CPU fake tensor of the device's shape when the shapes differ."""
-    if not isinstance(there, torch.Tensor) or tuple(there.shape) == tuple(traced.shape):
+    """`traced`, or a CPU fake tensor of the device's shape when the shapes differ (compared as
+    expressions: a symbolic size is never asked for a value, which would fix it)."""
+    if not isinstance(there, torch.Tensor) or [str(d) for d in there.shape] == [str(d) for d in traced.shape]:
         return traced
     mode = detect_fake_mode([traced])
     with mode:

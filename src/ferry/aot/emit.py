@@ -156,6 +156,9 @@ class _MethodEmitter:
             )
         if not isinstance(val, torch.Tensor):
             raise CompileError(f"method {self.name!r}: node {node.name!r} has no tensor metadata (meta['val'])")
+        if val.layout != torch.strided:
+            raise CompileError(f"method {self.name!r}: {node.name!r} is a {str(val.layout).removeprefix('torch.')} "
+                               "tensor; ferry programs hold dense (strided) tensors only: pass it dense (.to_dense())")
         shape, dynamic = [], []
         for i, d in enumerate(val.shape):
             s, dyn = _upper_bound(d, self.rc, f"dimension {i} of {node.name!r}")
@@ -396,7 +399,6 @@ class _MethodEmitter:
         vals = node.meta.get("val") or ()
         dev = self.device_of(node)
         users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-        outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
         backend, index = get_backend(lowered.backend_id), len(self.b.delegates)
         try:
             payload = backend.preprocess(lowered, self.opts, self.rc)
@@ -406,6 +408,8 @@ class _MethodEmitter:
             self.kernel_choices[f"delegate {index}"] = note
             backend = get_backend("torch")
             payload = backend.preprocess(lowered, self.opts, self.rc)
+        # (after the payload: an op inside that ferry refuses is named by the backend's emit first)
+        outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
         self.b.delegates.append(Delegate(backend.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
         if getattr(backend, "returns_outputs", False) and self.opts.device_placement:
             # compiled code makes its own results: planning them too would hold each twice and copy

@@ -114,7 +114,7 @@ def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
     runs its own fused kernels (CUDA's flash attention, the CPU's fused softmax). Only what is
     not functional, or not an operator of its own (`chunk`, `reshape`), becomes the ATen ops
     eager PyTorch would run for it."""
-    dynamic = _dynamic_dims(ep)
+    dynamic = _dynamic_dims(ep, as_exported=True)
     try:
         with warnings.catch_warnings():
             # torch >= 2.13 deep-copies the program's call signature here, and copying its
@@ -163,16 +163,19 @@ def _refuse_hidden_mutations(ep) -> None:
                            "export the model in eval mode, or without the state it updates")
 
 
-def _dynamic_dims(ep) -> dict[tuple[str, int], tuple[str, list[str]]]:
-    """(input, dim) -> (its size's symbol, the ops that read it) for every dynamic input dim."""
+def _dynamic_dims(ep, as_exported: bool = False) -> dict[tuple[str, int], tuple[str, list[str]]]:
+    """(input, dim) -> (its size's symbol, the ops that read it) for every dynamic input dim: as
+    it is now (a symbol torch has since fixed reads as its value), or as it was exported
+    (`as_exported`: an earlier decomposition of the same program may have fixed it already)."""
     out = {}
     for node in ep.graph.nodes:
         val = node.meta.get("val")
         if node.op != "placeholder" or not isinstance(val, torch.Tensor):
             continue
         for d, size in enumerate(val.shape):
-            if not is_concrete_int(size):  # (a symbol torch has since fixed reads as its value)
-                out[node.name, d] = (str(size), _readers(node))
+            raw = getattr(getattr(size, "node", None), "_expr", None) if as_exported else None
+            if not is_concrete_int(size) or (raw is not None and not getattr(raw, "is_number", True)):
+                out[node.name, d] = (str(raw if raw is not None else size), _readers(node))
     return out
 
 

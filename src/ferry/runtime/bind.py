@@ -674,7 +674,10 @@ class _Binder:
             return op
 
         def copied(*args, out, **kwargs):
-            return out.copy_(twin(*args, **kwargs))
+            result = twin(*args, **kwargs)
+            if out.shape != result.shape:  # (a dynamic size: `out` was emptied for this call's size)
+                out.resize_(result.shape)
+            return out.copy_(result)
 
         return copied
 
