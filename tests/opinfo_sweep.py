@@ -62,7 +62,7 @@ DEFAULT_SAMPLES = 2
 RTOL, ATOL = 1e-4, 1e-5
 
 FAILURES = ("wrong", "run-time error", "crashed", "timeout")
-# InputErrors a call may raise by design (README, "Status"): an `as_strided` with a storage offset
+# InputErrors a call may raise by design (README, "Correctness"): an `as_strided` with a storage offset
 # over a caller's view into a larger storage, which ferry cannot read as eager does
 DOCUMENTED_INPUT_REFUSALS = ("is read through its storage",)
 SKIPS = ("eager error", "not exportable", "no tensor output", "no samples", "no dynamic variant")

@@ -84,14 +84,16 @@ class TypeAs(nn.Module):
 
 
 class Composites(nn.Module):
-    """Composites and unsafe ops whose results are their inputs' memory, read after the input dies."""
+    """Composites and unsafe ops whose results are their inputs' memory, read after the input dies,
+    and ops returning lists (inside a delegate on the emulated device too)."""
 
     def forward(self, x, y):
         a = torch.atleast_2d(x * 2)
         b, c = torch.ops.aten.unsafe_split.Tensor(x + 1, 2)
         g, h = torch.meshgrid(y * 3, y, indexing="ij")
         s = (x - 1).sum_to_size(4, 4)
-        return a.exp() + b.sum() + c.sum(), g + h, s * s
+        (d,) = torch.gradient(x * 5, dim=0)  # a list of one tensor: still a list
+        return a.exp() + b.sum() + c.sum(), g + h, s * s, d + 1
 
 
 def placements():
