@@ -29,19 +29,22 @@ __all__ = ["check_symbolic_shapes", "fit_to_device"]
 
 def fit_to_device(nodes, device: Device) -> int:
     """Give the multi-result ops among `nodes` (placed on `device`) the shapes that device's
-    kernels make; returns how many changed."""
+    kernels make; returns how many changed. A node of dynamic shape is traced again at the sizes
+    export traced (a symbolic size is never asked for a value, which would fix it): a result of
+    static shape takes the device's; one of dynamic shape that differs is a CompileError."""
     if device.type != "cuda":
         return 0  # host-backed devices run the CPU's kernels: the trace is theirs
     changed = 0
     for node in nodes:
         val = node.meta.get("val")
         if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
-                or not isinstance(val, (tuple, list)) or not all(isinstance(v, torch.Tensor) for v in val)):
+                or not isinstance(val, (tuple, list)) or not all(isinstance(v, torch.Tensor) for v in val)
+                or not _hinted(val)):
             continue
-        there = _on_device(node, device)
+        there = _traced(node, device, static=not _static(val))
         if there is None or len(there) != len(val):
             continue
-        new = [_like(v, t) for v, t in zip(val, there)]
+        new = [_like(node, v, t) for v, t in zip(val, there)]
         if any(n is not v for n, v in zip(new, val)):
             node.meta["val"] = type(val)(new)
             for user in node.users:
@@ -116,25 +119,25 @@ def _static(vals) -> bool:
 
 def _retraced(node: torch.fx.Node):
     """The node's results on static fake tensors of the sizes export traced, or None."""
-    return _on_device(node, None)
+    return _traced(node, Device("cpu", 0), static=True)
 
 
-def _on_device(node: torch.fx.Node, device: Device | None):
-    """The node's results computed on fake tensors of `device` (None: static ones of the traced
-    sizes, on the CPU), or None when that cannot be asked."""
+def _traced(node: torch.fx.Node, device: Device, static: bool):
+    """The node's results computed on fake tensors of `device` (`static`: of the sizes export
+    traced, not symbolic), or None when that cannot be asked."""
     mode = detect_fake_mode([node.meta.get("val")])
     if mode is None:
         return None
-    where = device.to_torch() if device is not None else torch.device("cpu")
+    where = device.to_torch()
 
     def fake(x):
         if isinstance(x, torch.fx.Node):
             v = x.meta.get("val")
             if isinstance(v, torch.Tensor):
-                if device is None:
+                if static:
                     return torch.empty(M.hint_ints(v.shape), dtype=v.dtype, device=where)
                 return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=where)
-            if isinstance(v, torch.SymInt) and device is None:
+            if isinstance(v, torch.SymInt) and static:
                 return int(v.node.hint) if v.node.hint is not None else v
             return v
         if isinstance(x, (list, tuple)):
@@ -145,15 +148,22 @@ def _on_device(node: torch.fx.Node, device: Device | None):
         with mode:
             args, kwargs = fake(list(node.args)), {k: fake(v) for k, v in node.kwargs.items()}
             out = node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - an op fake CUDA cannot run: the trace's shapes stand
+    except Exception:  # noqa: BLE001 - an op fake tensors cannot run: the trace's shapes stand
         return None
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _like(traced: torch.Tensor, there) -> torch.Tensor:
-    """`traced`, or a CPU fake tensor of the device's shape when the shapes differ (compared as
-    expressions: a symbolic size is never asked for a value, which would fix it)."""
-    if not isinstance(there, torch.Tensor) or [str(d) for d in there.shape] == [str(d) for d in traced.shape]:
+def _like(node: torch.fx.Node, traced: torch.Tensor, there) -> torch.Tensor:
+    """`traced`, or a CPU fake tensor of the device's shape when a static shape differs."""
+    if not isinstance(there, torch.Tensor):
+        return traced
+    if M.static_ints(traced.shape) is None:  # `there` was traced at the example's sizes
+        if tuple(there.shape) != M.hint_ints(traced.shape):
+            raise CompileError(f"{node.target} (node {node.name!r}) gives a result of shape {tuple(traced.shape)} on the "
+                               f"CPU and {tuple(there.shape)} on the device at the traced sizes: a shape that differs "
+                               "by device is planned only where it is static; export this part static")
+        return traced
+    if tuple(there.shape) == tuple(traced.shape):
         return traced
     mode = detect_fake_mode([traced])
     with mode:

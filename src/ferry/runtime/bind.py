@@ -223,6 +223,12 @@ def _rebuild_lists(method: Method, slots: list, fixed: list, changed: set[int]) 
             slots[vid] = [None if x is None else slots[x] for x in v.value]  # type: ignore[attr-defined]
 
 
+def _compact(t: torch.Tensor) -> None:
+    """Lay `t` out contiguously over its own memory (a copy through a temporary)."""
+    values = t.clone(memory_format=torch.contiguous_format)
+    t.as_strided_(values.shape, values.stride(), t.storage_offset()).copy_(values)
+
+
 def _with_releases(method: Method, steps: list[Step | None], fixed: list[bool]) -> list[Step | None]:
     """A result of a functional kernel (or a view of one) is dropped after the last step that
     reads it, as eager frees a tensor when its last reference goes: without this a call would
@@ -817,6 +823,8 @@ class _Binder:
                         f"{op}: a {tuple(t.shape)} result exceeds the {cap} bytes planned for it; "
                         "the inputs are larger than the bounds the program was exported with"
                     )
+                if not t.is_contiguous():  # a kernel that lays out what it sizes (linalg's column-major):
+                    _compact(t)  # planned memory of a dynamic size is contiguous, as copies expect
 
         return call
 
@@ -832,7 +840,7 @@ class _Binder:
 
         def check():
             for o, shape in planned:
-                if tuple(slots[o].shape) != shape:
+                if slots[o] is not None and tuple(slots[o].shape) != shape:  # (None: an undefined result)
                     raise ProgramError(
                         f"{ins.kernel} wrote a {tuple(slots[o].shape)} output where the program planned {shape} "
                         f"(value {m.values[o].name!r}): the program's shapes disagree with its kernels, so its "
