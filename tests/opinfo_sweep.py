@@ -95,9 +95,17 @@ def float32_ops() -> list:
     """Every OpInfo op that supports float32 on the CPU, sorted by op_id."""
     from torch.testing._internal.common_methods_invocations import op_db
 
+    _thaw_backend_flags()
     with quiet():
         ops = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
     return sorted(ops, key=op_id)
+
+
+def _thaw_backend_flags() -> None:
+    """Importing PyTorch's test internals freezes torch.backends' flags (its own tests set them
+    only inside context managers); the rest of this suite sets them directly (TF32 off, say)."""
+    # (torch.backends is a module wrapper: the flag lives in its functions' globals)
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
 
 
 def ops_by_id() -> dict:

@@ -312,13 +312,14 @@ class Flatten(nn.Module):
         return (x * 2).reshape(x.shape[0] * 4, 8) + 1  # exported as aten.view
 
 
-def test_a_caller_layout_the_plan_cannot_view_keeps_the_generic_plan(emu):
-    """Bound per call, a transposed input makes `x * 2` follow its layout, so the traced view
-    does not fit: that shape keeps the generic plan (correct), with one warning, instead of
-    failing the call after computing it (found by review)."""
+def test_a_caller_layout_a_kernel_follows_is_laid_out_as_planned(emu):
+    """Bound per call, a transposed input makes `x * 2` follow its layout; planned memory of a
+    dynamic size is laid out contiguously after the kernel, so the traced view fits and that shape
+    gets a plan of its own (before: it kept the generic plan, with a warning)."""
     ep = torch.export.export(Flatten(), (torch.randn(4, 4, 8),), dynamic_shapes=({0: BATCH},))
     module = ferry.Module(ferry.compile(ep, None, ferry.CompileConfig(alloc_graph_input=False)))
-    with pytest.warns(RuntimeWarning, match="without a plan of their own"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "without a plan of their own"
         for i in range(3):
             x = torch.randn(3, 8, 4, generator=torch.Generator().manual_seed(i)).transpose(1, 2)
             torch.testing.assert_close(module(x), Flatten()(x))

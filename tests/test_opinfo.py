@@ -87,3 +87,10 @@ def test_a_refusal_names_the_op_only_as_an_op():
     assert sweep.names_op("aten.t.default", {"t"}) and not sweep.names_op("aten.transpose.int", {"t"})
     assert not sweep.names_op("dimension 0 of 'getitem' ...: keep ops like nonzero/unique out of the program", {"nonzero"})
     assert not sweep.names_op("output TensorArgument(name='getitem_3') is a USER_INPUT_MUTATION", {"native_batch_norm"})
+
+
+def test_loading_the_database_leaves_the_backend_flags_settable():
+    """PyTorch's test internals freeze torch.backends' flags on import; the other tests of this
+    suite (collected in the same process) set TF32 and cuDNN flags directly."""
+    sweep.float32_ops()
+    assert not torch.backends.flags_frozen()
