@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -147,7 +148,7 @@ def _traced(node: torch.fx.Node, device: Device, static: bool):
     try:
         with mode:
             args, kwargs = fake(list(node.args)), {k: fake(v) for k, v in node.kwargs.items()}
-            out = node.target(*args, **kwargs)
+            out = node.target(*args, **kwargs)  # type: ignore[operator]
     except Exception:  # noqa: BLE001 - an op fake tensors cannot run: the trace's shapes stand
         return None
     return list(out) if isinstance(out, (tuple, list)) else [out]
@@ -165,6 +166,5 @@ def _like(node: torch.fx.Node, traced: torch.Tensor, there) -> torch.Tensor:
         return traced
     if tuple(there.shape) == tuple(traced.shape):
         return traced
-    mode = detect_fake_mode([traced])
-    with mode:
+    with detect_fake_mode([traced]) or contextlib.nullcontext():
         return torch.empty(tuple(there.shape), dtype=traced.dtype, device=traced.device)

@@ -50,9 +50,10 @@ def _root(node) -> torch.fx.Node | None:
     seen = set()
     while isinstance(node, torch.fx.Node) and node not in seen:
         seen.add(node)
-        if is_copy_node(node) or (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-                                  and is_view(node.target)):
-            pos = 0 if is_copy_node(node) else view_source(node.target)
+        target = node.target
+        if is_copy_node(node) or (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+                                  and is_view(target)):
+            pos = 0 if is_copy_node(node) or not isinstance(target, torch._ops.OpOverload) else view_source(target)
             node = node.args[pos] if pos < len(node.args) else None
             continue
         return node

@@ -213,7 +213,8 @@ def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
 
     texts = texts_for_codegen(method)
     for index, ins in enumerate(method.instructions):
-        op = resolve_kernel(ins.kernel)  # (texts_for_codegen checked every instruction)
+        assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
+        op = resolve_kernel(ins.kernel)
         pos, kw = bind_aten(op, ins.args, lambda vid, index=index: ("c", texts[index, vid]) if (index, vid) in texts
                             else ref(vid))
         target = torch.ops.aten.reshape.default if op in LAYOUT_VIEWS else op  # bind.py's LAYOUT_VIEWS: why

@@ -41,10 +41,10 @@ def schema_alias(op: torch._ops.OpOverload) -> tuple[int | None, ...]:
         info = r.alias_info
         pos = None
         if info is not None and not info.is_write:
-            viewed = [i for i, a in enumerate(args) if a.alias_info is not None and not a.alias_info.is_write]
+            sets = {i: set(a.alias_info.before_set) for i, a in enumerate(args)
+                    if a.alias_info is not None and not a.alias_info.is_write}
             # a list of views (`Tensor(a)[]` of `Tensor(a -> *) self`) names its set on the elements
-            pos = next((i for i in viewed if set(args[i].alias_info.before_set) & set(info.before_set)),
-                       viewed[0] if viewed else None)
+            pos = next((i for i, s in sets.items() if s & set(info.before_set)), next(iter(sets), None))
         out.append(pos)
     return tuple(out)
 

@@ -671,8 +671,7 @@ class _Binder:
         """An out kernel its device has no kernel for (`narrow_copy.out` on CUDA; a program may be
         compiled where that is not known) runs as its functional twin, then a copy into `out`."""
         devices = {self.m.tensor(o).device.type for o in ins.outputs if isinstance(self.m.values[o], TensorValue)}
-        outs = [a.name for a in getattr(op, "_schema", None).arguments if a.is_out] if isinstance(
-            op, torch._ops.OpOverload) else []
+        outs = [a.name for a in op._schema.arguments if a.is_out] if isinstance(op, torch._ops.OpOverload) else []
         if len(devices) != 1 or "cpu" in devices or outs != ["out"] or has_device_kernel(op, next(iter(devices))):
             return op
         twin = functional_variant(op)
