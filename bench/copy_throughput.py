@@ -32,7 +32,7 @@ from common import bench_device, parse_args, result_name, table, time_host, torc
 import ferry  # noqa: E402
 from ferry.device import CPU, Device  # noqa: E402
 from ferry.runtime import DeviceMemoryBuffer, make_tensor  # noqa: E402
-from ferry.runtime.kernels import CopyKernel  # noqa: E402
+from ferry.runtime.stages.kernels import CopyKernel  # noqa: E402
 
 MiB = 1 << 20
 SIZES = (1 * MiB, 16 * MiB, 256 * MiB)
@@ -61,7 +61,7 @@ def ferry_copy(direction: str, host: torch.Tensor, dev: torch.Tensor, device: De
     copy = kernel.bind_static(src, out)  # what LoadedMethod binds for planned tensors
     if device.type != "cuda":
         return copy  # the runtime has no copy streams without CUDA
-    from ferry.runtime.streams import CUDA_API, CopyStreams
+    from ferry.runtime.devices.streams import CUDA_API, CopyStreams
 
     streams = CopyStreams(CUDA_API)
     run = streams.bind(("bench", direction), copy, devices, src.nbytes)

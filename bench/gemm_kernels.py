@@ -1,7 +1,7 @@
 """fp32 GEMMs with a bias and attention on CUDA, eager's fused kernels against the composed forms
 ferry may choose, at the shapes of BERT, ViT-B/16 and GPT-2; µs each, replayed from a CUDA graph
-(the GPU's time alone). The measurements behind runtime/gemm_choice.py and
-runtime/attention_choice.py.
+(the GPU's time alone). The measurements behind runtime/choices/gemm.py and
+runtime/choices/attention.py.
 
     python bench/gemm_kernels.py
 
@@ -107,7 +107,8 @@ def attention(batch, embed=768, heads=12, seq=197) -> dict:
 
 def _all_composed(x, weights, heads):
     """attention_choice's multi-head form with every part composed (the timing forced to favour them)."""
-    from ferry.runtime import attention_choice, kernel_timing
+    from ferry.runtime.choices import attention as attention_choice
+    from ferry.runtime.choices import timing as kernel_timing
 
     saved = kernel_timing.KEEP_IF_ABOVE, kernel_timing.MIN_SAVING_US
     kernel_timing.KEEP_IF_ABOVE, kernel_timing.MIN_SAVING_US = float("inf"), -float("inf")
@@ -127,7 +128,7 @@ ATTENTION = {  # (batch, heads, tokens, head_dim, causal)
 
 
 def sdpa(group, b, h, t, d, causal) -> dict:
-    from ferry.runtime.attention_choice import composed_attention
+    from ferry.runtime.choices.attention import composed_attention
 
     q, k, v = (torch.randn(b, h, t, d, device="cuda") for _ in range(3))
     mask = torch.ones(t, t, device="cuda", dtype=torch.bool).triu_(1) if causal else None

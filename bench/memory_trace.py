@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, write_json  # noqa: E402
 
 import ferry  # noqa: E402
-from ferry.runtime import run as run_module  # noqa: E402
+from ferry.runtime.stages import run as run_module  # noqa: E402
 from models import MODELS, _at_load_mib, _ferry_program, _fresh_gpu  # noqa: E402
 
 MiB = 2**20

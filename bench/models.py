@@ -59,7 +59,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, write_json  # noqa: E402
 
 import ferry  # noqa: E402
-from ferry.runtime import attention_choice, conv_choice, gemm_choice  # noqa: E402
+from ferry.runtime import gemm_choice  # noqa: E402
+from ferry.runtime.choices import attention as attention_choice
+from ferry.runtime.choices import conv as conv_choice
 
 # ---------------------------------------------------------------- the models
 

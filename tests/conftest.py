@@ -3,9 +3,9 @@
 `emu`: a fresh emulated device type "emu" (indices 0 and 1) registered for one test, whose
 work runs synchronously with the host. `emu_async`: the same, but its device work runs as a
 GPU's does — queued on simulated streams and run only when the host waits — so a missing
-host wait gives a wrong answer (runtime/simulated.py).
+host wait gives a wrong answer (runtime/devices/simulated.py).
 
-`fresh`: no kernel choices (runtime/kernel_timing.py) carried over from other tests. `timed`: any
+`fresh`: no kernel choices (runtime/choices/timing.py) carried over from other tests. `timed`: any
 device counts as a GPU and the timing of a kernel choice is faked: `timed.times` are the
 (eager µs, alternative µs) it returns, `timed.calls` counts the measurements. `count_calls(module,
 name)`: `module.name` wrapped for one test; returns the list of each call's positional arguments.
@@ -18,7 +18,11 @@ import contextlib
 import pytest
 import torch
 
-from ferry.runtime import attention_choice, conv_choice, emulated_device, gemm_choice, kernel_timing
+from ferry.runtime import emulated_device
+from ferry.runtime.choices import attention as attention_choice
+from ferry.runtime.choices import conv as conv_choice
+from ferry.runtime.choices import gemm as gemm_choice
+from ferry.runtime.choices import timing as kernel_timing
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 from ferry.alignment import default_alignment
 from ferry.device import Device
 from ferry.errors import AllocationError, DeviceError
-from ferry.runtime.allocator import (
+from ferry.runtime.devices.allocator import (
     DeviceAllocator,
     DeviceMemoryBuffer,
     allocate_aligned,

@@ -1,5 +1,5 @@
 """Attention runs as GEMMs and a softmax where the GPU measures that faster than eager's fused
-kernel, in plans captured as CUDA graphs only (runtime/attention_choice.py). On the CPU the
+kernel, in plans captured as CUDA graphs only (runtime/choices/attention.py). On the CPU the
 timing is faked (conftest's `timed`); the composed forms, the choice, its limits and the bound
 steps that use it are real, and results are checked against eager."""
 
@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import ferry
-from ferry.runtime import attention_choice, gemm_choice, kernel_timing
+from ferry.runtime.choices import attention as attention_choice
+from ferry.runtime.choices import gemm as gemm_choice
+from ferry.runtime.choices import timing as kernel_timing
 
 MHA = torch.ops.aten._native_multi_head_attention.default
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -217,7 +219,7 @@ def test_on_cuda_without_graphs_nothing_is_composed(fresh, full_fp32):
 
 
 def test_self_attention_is_one_value_of_the_call_or_one_fixed_tensor():
-    from ferry.runtime.bind import _one_value
+    from ferry.runtime.stages.bind import _one_value
 
     t, u = torch.zeros(2), torch.zeros(2)
     assert _one_value([("v", 3)] * 3) and not _one_value([("v", 3), ("v", 3), ("v", 4)])

@@ -1,5 +1,5 @@
 """A convolution of one image runs as one GEMM over its patches where the GPU measures that faster than cuDNN,
-in plans captured as CUDA graphs only (runtime/conv_choice.py). On the CPU the timing is faked
+in plans captured as CUDA graphs only (runtime/choices/conv.py). On the CPU the timing is faked
 (conftest's `timed`) and cuDNN is said to take the convolution; the GEMM form, the choice, its
 limits and the bound steps that use it are real, and results are checked against eager."""
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import ferry
-from ferry import fused_kernels
-from ferry.runtime import conv_choice, kernel_timing
+from ferry.ops import fused as fused_kernels
+from ferry.runtime.choices import conv as conv_choice
+from ferry.runtime.choices import timing as kernel_timing
 
 CONV_RELU, CONV_ADD_RELU = fused_kernels.CONV_RELU, fused_kernels.CONV_ADD_RELU
 

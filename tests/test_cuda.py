@@ -470,7 +470,7 @@ def test_two_gpus_capture_one_graph_each():
 def test_capture_that_fails_midway_falls_back_with_correct_results(monkeypatch):
     """An operation that is illegal during capture (a device synchronisation) aborts it: the
     call that tried still returns the right result, with a warning, and later calls run eagerly."""
-    import ferry.runtime.graphs as cuda_graphs
+    import ferry.runtime.devices.graphs as cuda_graphs
 
     eager = cuda_graphs.GraphSegment._eager
 
@@ -494,7 +494,7 @@ def test_an_empty_capture_is_never_replayed(monkeypatch):
     """Capturing on another GPU's stream records nothing (the work runs outside the capture,
     with undefined results for that one call). ferry detects the empty graph, warns, and never
     replays it: every later call runs eagerly and is correct."""
-    from ferry.runtime.streams import CopyStreams
+    from ferry.runtime.devices.streams import CopyStreams
 
     wrong = {}
     monkeypatch.setattr(CopyStreams, "capture_stream",
@@ -514,7 +514,7 @@ def test_an_empty_capture_is_never_replayed(monkeypatch):
 def test_planned_device_tensors_are_aligned_in_real_addresses(alignment):
     """cudaMalloc-like 256 B by default; a larger alignment is honoured in the address, not
     only in the offset within the buffer."""
-    from ferry.runtime.load import load_memory
+    from ferry.runtime.stages.load import load_memory
 
     model, example = transformer_block()
     program = _compile(model, example, config=ferry.CompileConfig(alignment=alignment))

@@ -304,7 +304,7 @@ class FakeDist:
 
 
 def _transport(work, timeout=5.0):
-    from ferry.runtime.transport import Groups, Transport
+    from ferry.runtime.parallel.transport import Groups, Transport
 
     return Transport(0, Groups("gloo", "control", {(0, 1): "nccl01", (1, 0): "nccl10"}), timeout, FakeDist(work))
 
@@ -321,7 +321,7 @@ def test_a_failed_gloo_transfer_is_a_peer_error_and_breaks_the_transport():
 
 
 def test_an_nccl_request_that_never_completes_times_out(monkeypatch):
-    from ferry.runtime import transport as module
+    from ferry.runtime.parallel import transport as module
 
     t = torch.randn(4)  # stands in for a GPU tensor: no staging
     monkeypatch.setattr(module._Twin, "empty", lambda self, fresh=False: t)
@@ -379,8 +379,8 @@ def test_a_rank_that_dies_over_nccl_ends_rank_0_within_the_timeout(tmp_path):
 def test_a_host_wait_stuck_behind_a_dead_peer_is_a_peer_error():
     """Device work queued behind a transfer that never completes: a host wait of a program over
     ranks gives up after the timeout with a PeerError instead of blocking forever."""
-    from ferry.runtime.simulated import SimulatedApi, _Mark
-    from ferry.runtime.streams import CopyStreams
+    from ferry.runtime.devices.simulated import SimulatedApi, _Mark
+    from ferry.runtime.devices.streams import CopyStreams
 
     api = SimulatedApi()
     blocked = api.Stream(0)
@@ -422,8 +422,8 @@ def test_closing_after_a_peer_failure_does_not_hang_on_an_nccl_abort_that_blocks
     import threading
     import time
 
-    from ferry import distributed as fd
-    from ferry.runtime.transport import Groups
+    from ferry.runtime.parallel import ranks as fd
+    from ferry.runtime.parallel.transport import Groups
 
     class Nccl:
         def __init__(self, blocks):
@@ -449,7 +449,7 @@ def test_closing_keeps_what_a_failed_abort_left_and_frees_memory_first_otherwise
     """Clean: the module's memory is closed first (that waits for a call still running), then
     the groups. After a peer failed and NCCL's abort did not finish: the memory is neither freed
     nor left to the garbage collector (a stuck transfer may still write into it)."""
-    from ferry import distributed as fd
+    from ferry.runtime.parallel import ranks as fd
 
     order: list = []
 

@@ -17,7 +17,7 @@ from torch import nn
 import ferry
 from ferry import ConfigError, InputError
 from ferry.runtime import emulated_device
-from ferry.runtime import method as method_module
+from ferry.runtime.stages import method as method_module
 from test_device_map import DAG_EXAMPLES, RandomDag, TinyLM
 
 BATCH, SEQ = torch.export.Dim("batch", max=8), torch.export.Dim("seq", max=32)

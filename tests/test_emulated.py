@@ -11,9 +11,9 @@ import torch
 
 from ferry.device import Device
 from ferry.errors import AllocationError, DeviceError
-from ferry.runtime import emulated as emulated_mod
-from ferry.runtime.allocator import DeviceMemoryBuffer, get_allocator, register_allocator
-from ferry.runtime.emulated import AllocationRecord, CopyRecord, EmulatedAllocator, emulated_device
+from ferry.runtime.devices import emulated as emulated_mod
+from ferry.runtime.devices.allocator import DeviceMemoryBuffer, get_allocator, register_allocator
+from ferry.runtime.devices.emulated import AllocationRecord, CopyRecord, EmulatedAllocator, emulated_device
 
 
 def random_bytes(n):
@@ -318,7 +318,7 @@ def test_explicit_registration_works_too():
         with DeviceMemoryBuffer.create(8, "emy:3") as buf:
             assert a.device_index_of(buf.memory) == 3
     finally:
-        from ferry.runtime.allocator import unregister_allocator
+        from ferry.runtime.devices.allocator import unregister_allocator
 
         assert unregister_allocator("emy") is a
     assert a.allocations == 1 and a.deallocations == 1

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import ferry
-from ferry.runtime import run as run_module
+from ferry.runtime.stages import run as run_module
 from models import fresh_inputs
 
 

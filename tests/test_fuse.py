@@ -609,7 +609,7 @@ def test_the_fused_kernels_refuse_a_residual_or_bias_that_does_not_fit():
         torch.ops.ferry.conv_add_relu(x, w, torch.randn(1, 4, 3, 3), b, *args)
     with pytest.raises(ValueError, match="z has shape"):
         torch.ops.ferry.conv_add_relu(x, w, torch.randn(4, 1, 1), b, *args)  # broadcasting is not the fused add
-    from ferry.fused_kernels import _check_args
+    from ferry.ops.fused import _check_args
     with pytest.raises(ValueError, match="do not fit"):
         _check_args(x, w, torch.randn(3), *args)
     with pytest.raises(ValueError, match="do not fit"):
@@ -671,7 +671,7 @@ def test_programs_may_not_name_the_unchecked_cudnn_fusions():
 
 
 def test_the_fused_kernels_refuse_another_device_and_leave_cudnn_under_deterministic_algorithms(monkeypatch):
-    from ferry.fused_kernels import _check_args, _check_z, _cudnn_takes
+    from ferry.ops.fused import _check_args, _check_z, _cudnn_takes
 
     x, w, b = torch.randn(1, 4, 6, 6), torch.randn(4, 4, 3, 3), torch.randn(4)
     args = ([1, 1], [1, 1], [1, 1], 1)

@@ -1,5 +1,5 @@
 """A biased fp32 GEMM runs as `mm` and then the bias where the GPU measures that faster than
-`addmm` (runtime/gemm_choice.py). On the CPU the timing is faked; the choice, its limits, its
+`addmm` (runtime/choices/gemm.py). On the CPU the timing is faked; the choice, its limits, its
 cache and the bound steps that use it are real, and results are checked against eager."""
 
 import math
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ferry
-from ferry.runtime import gemm_choice, kernel_timing
+from ferry.runtime.choices import gemm as gemm_choice
+from ferry.runtime.choices import timing as kernel_timing
 
 
 def operands(rows=6, inner=5, cols=7, dtype=torch.float32, meta=("mat1", "out")):

@@ -271,7 +271,7 @@ def test_views_are_rebuilt_as_reshapes_that_a_device_layout_cannot_break(inducto
     """Export records a `view` legal for the CPU trace's layouts; CUDA attention lays its result
     out otherwise, and ViT-B/16 and BERT failed to load with "view size is not compatible"."""
     from ferry.backends.inductor import graph_of
-    from ferry.runtime.load import load_memory
+    from ferry.runtime.stages.load import load_memory
 
     inner = load_program(inductor_program.segments[inductor_program.delegates[0].payload]).method("forward")
     views = sum(i.kernel in ("aten::view.default", "aten::_unsafe_view.default") for i in inner.instructions)

@@ -1,4 +1,4 @@
-"""The timing behind the kernel choices (runtime/kernel_timing.py), on a fake GPU whose events
+"""The timing behind the kernel choices (runtime/choices/timing.py), on a fake GPU whose events
 read a fake host clock: a run the host launches slower than the GPU's queued wait lasts is timed
 again behind a longer wait, so a form of many small launches is not timed at the host's pace; in
 a plan captured as CUDA graphs, each form is captured on the plan's capture stream and replayed,
@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from ferry.runtime import kernel_timing
+from ferry.runtime.choices import timing as kernel_timing
 
 
 @pytest.fixture
@@ -224,17 +224,19 @@ def test_faster_needs_a_tenth_and_two_microseconds():
 
 
 def test_the_summary_says_what_load_chose_of_each_kind(timed, monkeypatch):
-    from ferry import fused_kernels
-    from ferry.runtime import attention_choice, conv_choice, kernel_choices
+    from ferry.ops import fused
+    from ferry.runtime.choices import attention as attention_choice
+    from ferry.runtime.choices import conv as conv_choice
+    from ferry.runtime.choices import summary as kernel_choices
 
     assert kernel_choices.summary() == []
-    monkeypatch.setattr(fused_kernels, "_cudnn_takes", lambda *args: True)
+    monkeypatch.setattr(fused, "_cudnn_takes", lambda *args: True)
     q = torch.randn(1, 2, 5, 4)
     attention_choice.chosen(attention_choice.SDPA, [q, q, q], {}, False)
     conv = [torch.randn(1, 8, 3, 3), torch.randn(6, 8, 1, 1), torch.randn(6), [1, 1], [0, 0], [1, 1], 1]
-    conv_choice.chosen(fused_kernels.CONV_RELU, conv)
+    conv_choice.chosen(fused.CONV_RELU, conv)
     timed.times = (10.0, 9.5)
-    conv_choice.chosen(fused_kernels.CONV_RELU, [torch.randn(1, 8, 4, 4), *conv[1:]])
+    conv_choice.chosen(fused.CONV_RELU, [torch.randn(1, 8, 4, 4), *conv[1:]])
     assert kernel_choices.summary() == [
         "attention (captured plans): 1 of 1 timed at load are faster as GEMMs and a softmax (largest saving: "
         "attention 1x2x5x4 float32, 100.0 -> 40.0 µs)",

@@ -1,4 +1,4 @@
-"""The et_copy run-time kernels (ferry.runtime.kernels.CopyKernel), on the emulated device.
+"""The et_copy run-time kernels (ferry.runtime.stages.kernels.CopyKernel), on the emulated device.
 
 Mirrors the reference's portable-kernel tests (REFERENCE-BEHAVIORS H, I): one allocator call of
 exactly the tensor's bytes, device index from the device side, resize within the planned
@@ -13,9 +13,9 @@ import torch
 from ferry.device import CPU, Device
 from ferry.errors import DeviceError, FerryError, InputError
 from ferry.runtime import emulated_device
-from ferry.runtime.emulated import CopyRecord
-from ferry.runtime.kernels import CopyKernel
-from ferry.runtime.tensor import device_of, make_tensor
+from ferry.runtime.devices.emulated import CopyRecord
+from ferry.runtime.devices.tensor import device_of, make_tensor
+from ferry.runtime.stages.kernels import CopyKernel
 
 EMU0, EMU1 = Device("emu", 0), Device("emu", 1)
 
@@ -282,7 +282,7 @@ def test_kernel_reuse_moves_fresh_data_each_call(emu):
 def test_a_fast_path_is_checked_once_per_op_and_argument_metadata(monkeypatch):
     """Binding a model's identical layers, or a dynamic method at each new shape, asks the meta
     check once per signature; other shapes or expectations are checked again."""
-    from ferry.runtime import kernels
+    from ferry.runtime.stages import kernels
 
     cache: dict = {}
     monkeypatch.setattr(kernels, "_FAST_CHECKED", cache)

@@ -12,7 +12,7 @@ from torch import nn
 import ferry
 from ferry.errors import AllocationError, ProgramError
 from ferry.program import TensorValue, validate_program
-from ferry.runtime.load import load_memory
+from ferry.runtime.stages.load import load_memory
 from models import Add, Owners, fresh_inputs, small, transformer_block
 
 

@@ -2,7 +2,7 @@
 
 The asynchronous emulated device runs device work only when the host waits, so a part that
 overwrote memory the previous part's copies still read, or a host read of a result still in
-flight, gives a wrong answer here (runtime/simulated.py).
+flight, gives a wrong answer here (runtime/devices/simulated.py).
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import ferry
-import ferry.runtime.method as method_mod
+import ferry.runtime.stages.method as method_mod
 from ferry.errors import InternalError
 from ferry.examples import transformer_block
 from ferry.runtime import clone_to
-from ferry.runtime.schedule import HostWait, Schedule
-from ferry.runtime.simulated import SimulatedApi
-from ferry.runtime.streams import CopyStreams
+from ferry.runtime.devices.simulated import SimulatedApi
+from ferry.runtime.devices.streams import CopyStreams
+from ferry.runtime.stages.schedule import HostWait, Schedule
 from models import AddChain, PerAdd, fresh_inputs, small
 
 # ---------------------------------------------------------------- stream semantics
@@ -233,7 +233,7 @@ def test_each_capture_goes_to_its_capture_stream_once_prepared(emu_async, monkey
     """A segment's first run stays on the caller's stream; its capture goes to the capture
     stream, after the streams API prepared that stream (CUDA: cuBLAS's workspace made in a kept
     pool); the answers stay right in either order of running streams."""
-    import ferry.runtime.graphs as graphs_mod
+    import ferry.runtime.devices.graphs as graphs_mod
 
     eager, seen = graphs_mod.GraphSegment._eager, []
 
@@ -258,7 +258,7 @@ def test_each_capture_goes_to_its_capture_stream_once_prepared(emu_async, monkey
 def test_capture_that_fails_falls_back_with_correct_results(emu_async, monkeypatch):
     """A host synchronisation while capturing aborts the capture: that call is still right,
     with a warning, and later calls run eagerly."""
-    import ferry.runtime.graphs as graphs_mod
+    import ferry.runtime.devices.graphs as graphs_mod
 
     eager = graphs_mod.GraphSegment._eager
 

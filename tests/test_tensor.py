@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from ferry.device import CPU, Device
 from ferry.errors import AllocationError, DeviceError
-from ferry.runtime.allocator import DeviceMemoryBuffer
-from ferry.runtime.emulated import AllocationRecord, CopyRecord, emulated_device
-from ferry.runtime.tensor import buffer_of, clone_to, device_of, make_tensor
+from ferry.runtime.devices.allocator import DeviceMemoryBuffer
+from ferry.runtime.devices.emulated import AllocationRecord, CopyRecord, emulated_device
+from ferry.runtime.devices.tensor import buffer_of, clone_to, device_of, make_tensor
 
 DTYPES = [
     torch.float32,

@@ -12,7 +12,7 @@ from ferry.device import CPU
 from ferry.ops import writes
 from ferry.program.schema import KernelCall
 from ferry.runtime import clone_to, device_of
-from ferry.runtime.allocator import allocate_aligned
+from ferry.runtime.devices.allocator import allocate_aligned
 from models import fresh_inputs
 
 aten = torch.ops.aten
@@ -143,7 +143,7 @@ def test_an_out_kernel_the_device_lacks_runs_as_its_functional_twin(emu, monkeyp
     """`narrow_copy.out` has no CUDA kernel: the binder runs `narrow_copy` and copies into `out`
     (faked here: the emulated device is told it lacks every out kernel)."""
     from ferry.ops import variants
-    from ferry.runtime import bind
+    from ferry.runtime.stages import bind
 
     asked = []
 

@@ -11,14 +11,19 @@ import functools
 import re
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ferry.runtime.allocator import DeviceAllocator
+from typing import Protocol
 
 BUILTIN_DEVICE_TYPES = ("cpu", "cuda")
 
-_allocators: dict[str, DeviceAllocator] = {}
+
+class RegisteredAllocator(Protocol):
+    """What this table needs of an allocator (runtime/devices/allocator.py defines the rest)."""
+
+    device_type: str
+
+
+# a registry (the one table of device types), written only through runtime/devices/allocator.py
+_allocators: dict[str, RegisteredAllocator] = {}
 _allocators_lock = threading.Lock()
 
 # the canonical spelling, as program files store it: an optional 'rankN:' (a device of another
@@ -34,7 +39,7 @@ def registered_allocator(device_type: str):
 
 
 def _set_allocator(device_type: str, allocator) -> None:
-    """Write the table (ferry.runtime.allocator validates first); ValueError if taken."""
+    """Write the table (ferry.runtime.devices.allocator validates first); ValueError if taken."""
     with _allocators_lock:
         existing = _allocators.get(device_type)
         if existing is not None:
@@ -50,7 +55,7 @@ def _pop_allocator(device_type: str):
         return _allocators.pop(device_type, None)
 
 
-def _allocator_snapshot() -> dict[str, DeviceAllocator]:
+def _allocator_snapshot() -> dict[str, RegisteredAllocator]:
     with _allocators_lock:
         return dict(_allocators)
 

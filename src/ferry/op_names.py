@@ -28,7 +28,7 @@ _REFUSED_OPS = frozenset({"aten::from_file", "debugprims::load_tensor", "aten::s
                           "aten::_reshape_alias",  # a view torch does not bounds-check
                           # fused convolutions that check neither shapes nor devices (their one caller in
                           # torch checked them first): a program reaches them through ferry::conv_relu and
-                          # ferry::conv_add_relu, which check (ferry/fused_kernels.py)
+                          # ferry::conv_add_relu, which check (ferry/ops/fused.py)
                           "aten::cudnn_convolution_relu", "aten::cudnn_convolution_add_relu",
                           "aten::miopen_convolution_relu", "aten::miopen_convolution_add_relu"})
 _REFUSED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "symm_mem", "profiler",

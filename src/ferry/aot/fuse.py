@@ -36,7 +36,7 @@ import torch
 import torch.fx
 
 from ferry.aot import meta as M
-from ferry.fused_kernels import CONV_ADD_RELU, CONV_RELU
+from ferry.ops.fused import CONV_ADD_RELU, CONV_RELU
 
 __all__ = ["Rewrite", "fuse_for_inference", "fusion_notes"]
 
@@ -187,7 +187,7 @@ def _constant(gm, name: str, value: torch.Tensor, like: torch.fx.Node) -> torch.
 
 def _fuse_conv_relu(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """`relu(conv(x))` -> `ferry::conv_relu`, `relu(conv(x) + z)` -> `ferry::conv_add_relu`
-    (fused_kernels.py: one cuDNN call on CUDA where eager would run cuDNN). Only a 2-D
+    (ops/fused.py: one cuDNN call on CUDA where eager would run cuDNN). Only a 2-D
     convolution of static shape that nothing else reads, and a `z` of its result's exact shape,
     dtype and layout (no broadcast). The graph is functional here (lowering made it so): an
     in-place `relu_` or `+=` of the module is a `relu` or `add` by now."""

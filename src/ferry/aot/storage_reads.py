@@ -4,7 +4,7 @@
 reads from wherever the caller's storage starts, ferry from where the tensor's memory starts
 (its own planned copy, or a place in an arena). The two agree for a tensor that is its whole
 storage; the method records the inputs that must be one, and each call checks them
-(runtime/method.py), so a view into a larger storage is refused instead of read differently.
+(runtime/stages/method.py), so a view into a larger storage is refused instead of read differently.
 """
 
 from __future__ import annotations

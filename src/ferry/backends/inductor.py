@@ -12,7 +12,7 @@ on-disk cache makes a later load of the same graph fast. Inductor allocates its 
 they become the delegate's outputs (storage `runtime`: the method plans no memory for them;
 each is checked against its declared shape, dtype and device every call, and copied only when it
 shares memory with the delegate's inputs or constants or is laid out otherwise than declared:
-runtime/bind.py). An input laid out otherwise than compiled for is copied to that layout first.
+runtime/stages/bind.py). An input laid out otherwise than compiled for is copied to that layout first.
 
 Static shapes only: a partition with a dynamic size runs op by op (backend "torch"), with a
 warning at compile time and a note `ferry inspect` shows. A graph Inductor fails to compile
@@ -40,9 +40,9 @@ from ferry.ops.strings import safe_text
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
 from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
-from ferry.runtime.bind import LAYOUT_VIEWS
-from ferry.runtime.kernels import bind_aten, check_call, returns_list
-from ferry.runtime.load import Memory, load_memory
+from ferry.runtime.stages.bind import LAYOUT_VIEWS
+from ferry.runtime.stages.kernels import bind_aten, check_call, returns_list
+from ferry.runtime.stages.load import Memory, load_memory
 
 __all__ = ["InductorBackend", "graph_of"]
 

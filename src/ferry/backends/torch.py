@@ -20,7 +20,7 @@ from ferry.errors import ProgramError
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
 from ferry.program.schema import Buffer, TensorValue
-from ferry.runtime.method import LoadedMethod
+from ferry.runtime.stages.method import LoadedMethod
 
 
 class TorchBackend:

@@ -15,7 +15,7 @@ file and in the copy report. Each rank then keeps its own part at load (`project
   Gloo in host memory.
 
 The runtime (bind, schedule, streams, graphs) runs the result unchanged; only the two
-transfer steps are new (runtime/transport.py). The method's inputs and outputs, and every
+transfer steps are new (runtime/parallel/transport.py). The method's inputs and outputs, and every
 host op, belong to rank 0: other ranks run device stages only.
 """
 

@@ -1,6 +1,6 @@
 """ferry's runtime: device allocators, the emulated device, and tensor helpers."""
 
-from ferry.runtime.allocator import (
+from ferry.runtime.devices.allocator import (
     DeviceAllocator,
     DeviceMemoryBuffer,
     get_allocator,
@@ -9,8 +9,8 @@ from ferry.runtime.allocator import (
     registered_device_types,
     unregister_allocator,
 )
-from ferry.runtime.emulated import CopyRecord, EmulatedAllocator, emulated_device
-from ferry.runtime.tensor import buffer_of, clone_to, device_of, make_tensor
+from ferry.runtime.devices.emulated import CopyRecord, EmulatedAllocator, emulated_device
+from ferry.runtime.devices.tensor import buffer_of, clone_to, device_of, make_tensor
 
 __all__ = [
     "CopyRecord",

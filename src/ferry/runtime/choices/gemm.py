@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.runtime import kernel_timing as timing
+from ferry.runtime.choices import timing
 
 __all__ = ["GemmDecision", "biased_gemm", "decisions", "mm_then_add"]
 
@@ -30,7 +30,7 @@ class GemmDecision:
     plain GEMM and the elementwise work after it. `kind`: "addmm" (a bias: cublasLt's `addmm`
     against `mm` then the bias), or "conv3x3", "conv1x1 + residual", ... (cuDNN's fused
     convolution of one image, rows channels out, inner inputs of each (channels x kernel), over
-    cols pixels: runtime/conv_choice.py)."""
+    cols pixels: runtime/choices/conv.py)."""
 
     device: str
     dtype: str
@@ -51,7 +51,7 @@ _choices = timing.Choices()
 
 def decisions() -> list[GemmDecision]:
     """What this process measured: one entry per distinct biased GEMM a loaded program runs, or
-    that a composed multi-head attention would (runtime/attention_choice.py)."""
+    that a composed multi-head attention would (runtime/choices/attention.py)."""
     return _choices.values()
 
 

@@ -1,7 +1,7 @@
 """Shape buckets: a dynamic batch padded up to one of a few sizes, so that CUDA graphs are
 captured once per bucket, as serving engines capture one per batch size.
 
-A method with a dynamic batch binds a plan per shape it meets (runtime/method.py), and with
+A method with a dynamic batch binds a plan per shape it meets (runtime/stages/method.py), and with
 CUDA graphs each such plan captures its own. Serving traffic brings every batch size up to
 the bound; buckets keep the number of shapes, captures and graph pools to `len(buckets)`: a
 call is padded up to the smallest bucket that holds it, runs at that shape, and its results
@@ -16,9 +16,9 @@ import warnings
 import torch
 
 from ferry.errors import ConfigError, InputError
-from ferry.runtime.microbatch import batched_values
-from ferry.runtime.run import empty_on
-from ferry.runtime.tensor import device_of, pad_rows
+from ferry.runtime.devices.tensor import device_of, pad_rows
+from ferry.runtime.parallel.microbatch import batched_values
+from ferry.runtime.stages.run import empty_on
 
 __all__ = ["ShapeBuckets", "check_buckets"]
 

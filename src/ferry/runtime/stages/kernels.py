@@ -13,7 +13,7 @@ from ferry.device import Device
 from ferry.errors import DeviceError, InputError, ProgramError
 from ferry.layout import is_dense, same_strides
 from ferry.program.schema import DEFAULT_ARG
-from ferry.runtime.allocator import as_bytes, require_allocator
+from ferry.runtime.devices.allocator import as_bytes, require_allocator
 
 
 def copy_direction_check(direction: str, src: Device, dst: Device) -> None:

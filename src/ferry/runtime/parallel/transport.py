@@ -51,7 +51,7 @@ class Transport:
         self.pending: list[tuple] = []  # (request, what, poll, then): receives waited for at the end
         self.broken: str | None = None
 
-    # ---- binding (runtime/bind.py calls these once per transfer step)
+    # ---- binding (runtime/stages/bind.py calls these once per transfer step)
 
     def bind_send(self, get: Callable[[], torch.Tensor], peer: int, tag: int, cuda: int | None,
                   sync: Callable[[], None]):

@@ -40,11 +40,12 @@ from ferry.program.schema import (
     memory_owner,
     root_storage,
 )
-from ferry.runtime import attention_choice, conv_choice
-from ferry.runtime.gemm_choice import biased_gemm
-from ferry.runtime.kernel_timing import captured_plan, in_captured_plan
-from ferry.runtime.kernels import CopyKernel, _to_meta, bind_aten, check_call, fast_aten, fast_functional, returns_list
-from ferry.runtime.load import Memory
+from ferry.runtime.choices import attention as attention_choice
+from ferry.runtime.choices import conv as conv_choice
+from ferry.runtime.choices.gemm import biased_gemm
+from ferry.runtime.choices.timing import captured_plan, in_captured_plan
+from ferry.runtime.stages.kernels import CopyKernel, _to_meta, bind_aten, check_call, fast_aten, fast_functional, returns_list
+from ferry.runtime.stages.load import Memory
 
 __all__ = ["Bound", "CallIO", "Step", "bind_method"]
 
@@ -135,10 +136,10 @@ def bind_method(method: Method, memory: Memory, *, delegate, streams=None, page_
     the sizes and the (shape, strides) of every dynamic value at one shape of the call, as
     `record_shapes` took them from a call at that shape: the method is then bound as a static
     one (views of its planned memory at those shapes, sizes as constants). `transport` runs the
-    copies between ranks of a program split over processes (runtime/transport.py). `measure`:
-    the method is loading, so kernels chosen by timing (runtime/gemm_choice.py) may be timed now;
+    copies between ranks of a program split over processes (runtime/parallel/transport.py). `measure`:
+    the method is loading, so kernels chosen by timing (runtime/choices/gemm.py) may be timed now;
     a plan bound during a call uses only what was timed before. `captured`: the plan runs as CUDA
-    graphs, so kernels that are faster on the GPU but launch more (runtime/attention_choice.py,
+    graphs, so kernels that are faster on the GPU but launch more (runtime/choices/attention.py,
     conv_choice.py) may be chosen; the delegates bound meanwhile inherit it (False: as the plan
     being bound around this one, if any). A step whose segment is not captured after all (a
     capture that failed, a host sync beside it) runs the chosen form eagerly: right, not faster."""
@@ -553,7 +554,7 @@ class _Binder:
 
     def transfer_step(self, index: int, ins: KernelCall) -> Step:
         """A host step: the transport waits for the device, moves the planned tensor and waits
-        for the peer (program/ranks.py made it; runtime/transport.py runs it)."""
+        for the peer (program/ranks.py made it; runtime/parallel/transport.py runs it)."""
         m, transport = self.m, self.transport
         if transport is None:
             raise ProgramError(f"method {m.name!r} instruction {index}: {ins.kernel} needs the ranks of a "
@@ -727,7 +728,7 @@ class _Binder:
 
     def _chosen_gemm(self, op, pos, kw):
         """`mm` and then the bias added, for an `addmm.out` this GPU runs faster that way
-        (timed once per shape, at load: runtime/gemm_choice.py); None keeps the kernel named."""
+        (timed once per shape, at load: runtime/choices/gemm.py); None keeps the kernel named."""
         if op is not torch.ops.aten.addmm.out or len(pos) != 3 or "out" not in kw:
             return None
         scalars = [kw.get(k, ("c", 1)) for k in ("beta", "alpha")]
@@ -742,8 +743,8 @@ class _Binder:
     def _chosen_composed(self, op, pos, kw, outputs):
         """In a plan captured as CUDA graphs, a composed form of more, smaller kernels where this
         GPU runs it faster (timed once per shape, at load): attention as GEMMs and a softmax
-        (runtime/attention_choice.py), a convolution of one image as one GEMM over its patches
-        (runtime/conv_choice.py); else None."""
+        (runtime/choices/attention.py), a convolution of one image as one GEMM over its patches
+        (runtime/choices/conv.py); else None."""
         if not self.captured or (op not in attention_choice.OPS and op not in conv_choice.OPS):
             return None
         try:

@@ -13,7 +13,7 @@ import torch
 
 from ferry.device import CPU, Device
 from ferry.layout import contiguous_strides, is_dense
-from ferry.runtime.allocator import (
+from ferry.runtime.devices.allocator import (
     DeviceMemoryBuffer,
     as_bytes,
     registered_allocators,

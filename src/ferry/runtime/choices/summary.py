@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ferry.runtime import attention_choice, conv_choice, gemm_choice
+from ferry.runtime.choices import attention as attention_choice
+from ferry.runtime.choices import conv as conv_choice
+from ferry.runtime.choices import gemm as gemm_choice
 
 
 def summary() -> list[str]:

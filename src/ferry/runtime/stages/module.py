@@ -13,11 +13,11 @@ from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, Pro
 from ferry.program import Program, load_program
 from ferry.program.ranks import program_ranks
 from ferry.program.schema import MethodMeta
-from ferry.runtime.buckets import ShapeBuckets, check_buckets
-from ferry.runtime.limits import check_limits, load_bytes, parse_limits
-from ferry.runtime.method import LoadedMethod
-from ferry.runtime.microbatch import MicroBatches
-from ferry.runtime.run import caller_copy
+from ferry.runtime.devices.limits import check_limits, load_bytes, parse_limits
+from ferry.runtime.parallel.microbatch import MicroBatches
+from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
+from ferry.runtime.stages.method import LoadedMethod
+from ferry.runtime.stages.run import caller_copy
 
 
 class _DelegateHandle(Protocol):
@@ -102,7 +102,7 @@ class Module:
     m-1. Compile the program for one part (export with a batch of B/k rows, or a dynamic
     batch dimension): memory is planned for one micro-batch per stage. A call then takes up
     to k times the program's batch; a part that comes out short is padded, and outputs are
-    joined along dim 0 (runtime/microbatch.py). Rows must be independent, as in any pipeline.
+    joined along dim 0 (runtime/parallel/microbatch.py). Rows must be independent, as in any pipeline.
 
     A program exported with dynamic sizes (torch.export.Dim) binds a plan per shape it meets:
     the first call at a shape records every size, later calls at that shape run as fast as a

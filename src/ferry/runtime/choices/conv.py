@@ -13,15 +13,15 @@ an H200 idle when the image is small and the channels many; at batch 1 with TF32
     3x3, 64 channels at 56x56               cuDNN  17.5   im2col + GEMM 25.5 (cuDNN stays)
 
 No rule of shapes holds across GPUs, so each distinct convolution of ferry's fused ops
-(fused_kernels.py) is timed both ways when a method loads, and the GEMM kept where it saves at
-least 10% and 2 µs (runtime/kernel_timing.py).
+(ops/fused.py) is timed both ways when a method loads, and the GEMM kept where it saves at
+least 10% and 2 µs (runtime/choices/timing.py).
 
 Only in captured plans: the GEMM form launches up to five kernels for cuDNN's one, and without
 graphs that made ResNet-50 at batch 1 slower (bench/results/conv1x1_gemm_experiment.json). Only
 fp32 and fp64 where cuDNN would run it, without groups, and not where GEMMs may use TF32 while
 cuDNN may not (the result would be less precise than eager's). The patches are a tensor the
 call allocates (at most 2^24 elements, 64 MiB in fp32; from the graph's pool). Under deterministic algorithms cuDNN's
-call is not made at all (fused_kernels.py).
+call is not made at all (ops/fused.py).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from collections.abc import Callable
 
 import torch
 
-from ferry import fused_kernels
-from ferry.runtime import gemm_choice
-from ferry.runtime import kernel_timing as timing
-from ferry.runtime.gemm_choice import GemmDecision
+from ferry.ops import fused
+from ferry.runtime.choices import gemm as gemm_choice
+from ferry.runtime.choices import timing
+from ferry.runtime.choices.gemm import GemmDecision
 
 __all__ = ["OPS", "chosen", "conv_as_gemm", "decisions"]
 
-OPS = frozenset({fused_kernels.CONV_RELU, fused_kernels.CONV_ADD_RELU})
+OPS = frozenset({fused.CONV_RELU, fused.CONV_ADD_RELU})
 _DTYPES = (torch.float32, torch.float64)
 _MAX_PATCHES = 1 << 24  # elements of the patches' matrix (64 MiB in fp32, 128 in fp64); a 1x1 one has none
 
@@ -56,7 +56,7 @@ def conv_as_gemm(x, weight, bias, z=None, stride=(1, 1), padding=(0, 0), dilatio
     None): one GEMM of the weight over the image's patches, then the bias, the residual and the
     ReLU in place on its result."""
     co, ci, kh, kw = weight.shape
-    ho, wo = fused_kernels._result_shape(x, weight, stride, padding, dilation)[2:]
+    ho, wo = fused._result_shape(x, weight, stride, padding, dilation)[2:]
     if _pointwise(weight, stride, padding):
         patches = x.reshape(ci, ho * wo)  # a view where the layout allows, as planned
     else:
@@ -85,7 +85,7 @@ def chosen(op, args: list, measure: bool = True, device: torch.device | None = N
     """The GEMM form of a fused convolution op (its own signature) where this GPU runs it faster
     than cuDNN for arguments like these (real tensors, or meta tensors of the same shape, strides
     and dtype); otherwise None. `device`: the GPU it runs on, where every tensor may be a meta one."""
-    residual = op is fused_kernels.CONV_ADD_RELU
+    residual = op is fused.CONV_ADD_RELU
     if op not in OPS or len(args) != (8 if residual else 7):
         return None
     x, weight, z = args[0], args[1], args[2] if residual else None
@@ -107,9 +107,9 @@ def _one_image(x, weight, bias, z, stride, padding, dilation, groups) -> bool:
     tensors = [t for t in (x, weight, bias, z) if t is not None]
     if not all(isinstance(t, torch.Tensor) for t in tensors) or x.dim() != 4 or x.shape[0] != 1 or groups != 1:
         return False
-    if not fused_kernels.args_fit(x, weight, bias, stride, padding, dilation, groups):
+    if not fused.args_fit(x, weight, bias, stride, padding, dilation, groups):
         return False  # eager refuses it: the GEMM must not answer it
-    out = fused_kernels._result_shape(x, weight, stride, padding, dilation)
+    out = fused._result_shape(x, weight, stride, padding, dilation)
     small = _pointwise(weight, stride, padding) or math.prod(weight.shape[1:]) * out[2] * out[3] <= _MAX_PATCHES
     full_precision = x.dtype in _DTYPES and (z is None or z.dtype == x.dtype) and not (
         torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32)  # GEMMs no less precise
@@ -124,12 +124,12 @@ def _decide(device, op, args, residual) -> GemmDecision | None:
             x, weight = real[0], real[1]
             bias, z = (real[3], real[2]) if residual else (real[2], None)
             conv = real[-4:-1]
-            if not fused_kernels._cudnn_takes(x, weight, bias, *real[-4:]):
+            if not fused._cudnn_takes(x, weight, bias, *real[-4:]):
                 return None  # eager's convolution is not cuDNN's here: the op runs that, and stays
             times = timing.time_both(lambda: op(*real), lambda: conv_as_gemm(x, weight, bias, z, *conv))
         except torch.cuda.OutOfMemoryError:
             return None
     co, ci, kh, kw = weight.shape
-    pixels = math.prod(fused_kernels._result_shape(x, weight, *conv)[2:])
+    pixels = math.prod(fused._result_shape(x, weight, *conv)[2:])
     kind = f"conv{kh}x{kw}" + (" + residual" if residual else "")
     return GemmDecision(str(device), str(x.dtype).removeprefix("torch."), co, ci * kh * kw, pixels, *times, kind=kind)

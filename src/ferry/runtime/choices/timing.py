@@ -1,13 +1,13 @@
 """Timing two ways of running one op on the GPU a method loads on, and remembering the faster.
 
-Shared by the kernel choices made at load (runtime/gemm_choice.py, attention_choice.py,
+Shared by the kernel choices made at load (runtime/choices/gemm.py, attention_choice.py,
 conv_choice.py).
 Each choice is timed once per key (shapes, strides, dtype and the settings that change the kernels
 underneath), only while a method loads (`measure`), never while a CUDA graph is being captured
 (no host waits there), in a plan captured as graphs by replaying graphs of each form (as it will
 run), and on scratch tensors filled with a constant: planned memory is never
 written and the caller's random streams stay as they were. One lock for all: concurrent loads
-would otherwise time each other's kernels, and graph captures hold it too (runtime/graphs.py): a
+would otherwise time each other's kernels, and graph captures hold it too (runtime/devices/graphs.py): a
 host wait or an allocation of the timing while another thread captures would break its capture.
 """
 

@@ -1,8 +1,8 @@
 """A loaded method: the four runtime stages, wired together.
 
-load (runtime/load.py) allocates the memory; bind (runtime/bind.py) turns instructions into
-Steps; schedule (runtime/schedule.py) orders them, placing host waits and graph segments;
-run (runtime/run.py) walks the result. This class only connects them, checks a call's
+load (runtime/stages/load.py) allocates the memory; bind (runtime/stages/bind.py) turns instructions into
+Steps; schedule (runtime/stages/schedule.py) orders them, placing host waits and graph segments;
+run (runtime/stages/run.py) walks the result. This class only connects them, checks a call's
 inputs, re-binds a delegate's planned inputs and outputs into a new plan, and keeps the plans
 a method with dynamic sizes binds per shape (and micro-batches' plans).
 """
@@ -18,13 +18,13 @@ from ferry.device import CPU
 from ferry.errors import FerryError, InputError
 from ferry.layout import contiguous_strides
 from ferry.program.schema import Method, TensorValue
-from ferry.runtime.allocator import get_allocator
-from ferry.runtime.bind import bind_method, dynamic_values
-from ferry.runtime.load import load_memory
-from ferry.runtime.run import Plan
-from ferry.runtime.schedule import schedule
-from ferry.runtime.streams import CopyStreams
-from ferry.runtime.tensor import device_of
+from ferry.runtime.devices.allocator import get_allocator
+from ferry.runtime.devices.streams import CopyStreams
+from ferry.runtime.devices.tensor import device_of
+from ferry.runtime.stages.bind import bind_method, dynamic_values
+from ferry.runtime.stages.load import load_memory
+from ferry.runtime.stages.run import Plan
+from ferry.runtime.stages.schedule import schedule
 
 __all__ = ["LoadedMethod", "SHAPES_KEPT", "streams_api_for"]
 
@@ -114,7 +114,7 @@ class LoadedMethod:
         return len(self._by_shape)
 
     def _part_plan(self) -> Plan:
-        """The plan for micro-batches (runtime/microbatch.py), made on first use: the host inputs
+        """The plan for micro-batches (runtime/parallel/microbatch.py), made on first use: the host inputs
         and outputs planned for staging a call's copies are bound per call instead, to the
         part's rows of the caller's (page-locked) batch and of the joined result, so that a
         part never waits for the previous one to leave that staging memory."""

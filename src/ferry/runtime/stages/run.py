@@ -14,11 +14,11 @@ import torch
 
 from ferry.device import Device
 from ferry.errors import AllocationError, FerryError, ProgramError
-from ferry.runtime.allocator import DeviceMemoryBuffer
-from ferry.runtime.bind import Bound, Step, record_shapes
-from ferry.runtime.graphs import GraphSegment
-from ferry.runtime.schedule import HostWait, Run, Schedule, Segment
-from ferry.runtime.tensor import device_of, make_tensor, pad_rows
+from ferry.runtime.devices.allocator import DeviceMemoryBuffer
+from ferry.runtime.devices.graphs import GraphSegment
+from ferry.runtime.devices.tensor import device_of, make_tensor, pad_rows
+from ferry.runtime.stages.bind import Bound, Step, record_shapes
+from ferry.runtime.stages.schedule import HostWait, Run, Schedule, Segment
 
 __all__ = ["Plan", "caller_copy", "empty_on"]
 
@@ -62,7 +62,7 @@ class Plan:
                  record: tuple[int, ...] = (), in_flight: Schedule | None = None, transport=None):
         self.name, self.bound, self.io = name, bound, bound.io
         self.transport = transport  # copies between ranks, whose receives may finish at the end
-        # the dynamic values whose sizes a call records (a method bound per shape: runtime/method.py)
+        # the dynamic values whose sizes a call records (a method bound per shape: runtime/stages/method.py)
         self.record = record
         self.shapes: dict[int, object] | None = None
         self._recorded = frozenset(record)
@@ -74,7 +74,7 @@ class Plan:
         self.work = tuple(self._compile(sched, first_call=False))
         self.first_work = tuple(self._compile(first, first_call=True))
         # a micro-batch's: its copies are left in flight while the next one is issued (no host wait
-        # at the end; runtime/microbatch.py waits once, after the last), and it starts with the
+        # at the end; runtime/parallel/microbatch.py waits once, after the last), and it starts with the
         # previous one's copies in flight (its first host step waits for them)
         parts = in_flight if in_flight is not None else sched
         self.work_parts = tuple(self._compile(parts, first_call=False))

@@ -2,7 +2,7 @@
 stages of a program split over several devices overlap (stage s runs part m while stage s+1
 runs part m-1 on the next device).
 
-Nothing here schedules devices. The copy discipline of runtime/streams.py already orders a
+Nothing here schedules devices. The copy discipline of runtime/devices/streams.py already orders a
 copy after the work queued on both of its devices, and the work queued after it behind the
 copy. Issued back to back, part m+1's first stage therefore waits only for the copy that
 hands part m to the next device, and that copy waits for the next device to finish part
@@ -14,7 +14,7 @@ what keeps the host from blocking between parts:
   asynchronous (a copy from pageable memory blocks the host until it is done);
 * each part's outputs are written straight into its rows of the joined result (page-locked
   too), and the host waits once, after the last part, not after each; a part whose program
-  runs host code waits there (runtime/schedule.py, `pending`) for the previous part's copies,
+  runs host code waits there (runtime/stages/schedule.py, `pending`) for the previous part's copies,
   which may still read the host memory that code writes;
 * a part shorter than the program's batch (the last one, when the batch does not divide)
   is padded with copies of its own rows and its results sliced: the program's shapes and
@@ -34,8 +34,8 @@ from ferry.device import Device
 from ferry.errors import ConfigError, InputError
 from ferry.layout import contiguous_strides, dense_strides_like
 from ferry.program.schema import TensorValue
-from ferry.runtime.run import empty_on
-from ferry.runtime.tensor import pad_rows
+from ferry.runtime.devices.tensor import pad_rows
+from ferry.runtime.stages.run import empty_on
 
 __all__ = ["MicroBatches", "batched_values"]
 

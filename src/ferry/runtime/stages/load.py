@@ -19,8 +19,8 @@ from ferry.device import Device
 from ferry.errors import ProgramError
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.schema import CONST_KIND_TABLE, LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
-from ferry.runtime.allocator import DeviceMemoryBuffer, as_bytes, require_allocator
-from ferry.runtime.tensor import make_tensor
+from ferry.runtime.devices.allocator import DeviceMemoryBuffer, as_bytes, require_allocator
+from ferry.runtime.devices.tensor import make_tensor
 
 __all__ = ["Memory", "constant_tensor", "load_memory"]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -255,7 +256,7 @@ class DeviceAllocator:
     # ---- hooks
 
     def streams_api(self):
-        """The streams API of an asynchronous device (runtime/streams.py), or None: copies and
+        """The streams API of an asynchronous device (runtime/devices/streams.py), or None: copies and
         kernels on this device finish before the host goes on."""
         return None
 
@@ -334,7 +335,7 @@ def registered_device_types() -> tuple[str, ...]:
 def registered_allocators() -> tuple[DeviceAllocator, ...]:
     """A snapshot of every registered allocator, ordered by device type."""
     table = _device._allocator_snapshot()
-    return tuple(table[k] for k in sorted(table))
+    return tuple(cast(DeviceAllocator, table[k]) for k in sorted(table))  # (only register_allocator writes it)
 
 
 # ----------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 A device whose work runs asynchronously to the host (CUDA) hands the runtime a *streams API*:
 streams, events, graphs and "run this on device i". `CudaApi` is PyTorch's CUDA;
-`ferry.runtime.simulated.SimulatedApi` is a CPU fake that defers device work until the host
+`ferry.runtime.devices.simulated.SimulatedApi` is a CPU fake that defers device work until the host
 waits, so the same code — copy issuing here, scheduling, graph capture — runs in CI, and a
 host wait in the wrong place returns a wrong answer there instead of passing by luck.
 
@@ -11,7 +11,7 @@ the compute stream, where stream order alone is enough and two fewer events are 
 copy waits (on the device, via an event) for the compute work already queued on its device,
 and compute waits for the copy through an event: no full device synchronisation anywhere.
 The host waits only where host code is about to read a `_d2h_copy` result or overwrite
-memory a pending `_h2d_copy` still reads (the schedule says where: runtime/schedule.py).
+memory a pending `_h2d_copy` still reads (the schedule says where: runtime/stages/schedule.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ferry.device import Device
-from ferry.runtime import kernel_timing
+from ferry.runtime.choices import timing as kernel_timing
 
 SMALL_COPY_BYTES = 1 << 20
 
@@ -44,7 +44,7 @@ class CudaApi:
     @staticmethod
     def prepare_capture(stream) -> None:
         """Before graphs are captured on `stream`: its cuBLAS workspace made
-        where no module's closing can free it under a live graph (runtime/kernel_timing.py)."""
+        where no module's closing can free it under a live graph (runtime/choices/timing.py)."""
         kernel_timing.keep_workspace(stream)
 
     @staticmethod
@@ -203,7 +203,7 @@ class CopyStreams:
 
     def bound_waits(self, timeout: float, stuck: Callable[[], None]) -> None:
         """Host waits give up after `timeout` seconds and call `stuck` (which raises): a program
-        over ranks, whose device work may wait on a peer that died (runtime/transport.py)."""
+        over ranks, whose device work may wait on a peer that died (runtime/parallel/transport.py)."""
         self._bound = (timeout, stuck)
 
     def wait_host(self) -> None:

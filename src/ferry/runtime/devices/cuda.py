@@ -1,4 +1,4 @@
-"""CUDA: the allocator. (Streams, events and graphs: runtime/streams.py, which CUDA shares
+"""CUDA: the allocator. (Streams, events and graphs: runtime/devices/streams.py, which CUDA shares
 with the simulated device the tests run on.)
 
 Allocation goes through PyTorch's CUDA caching allocator (torch.empty on the device), not raw
@@ -15,8 +15,8 @@ import functools
 import torch
 
 from ferry.alignment import default_alignment
-from ferry.runtime.allocator import DeviceAllocator, get_allocator, register_allocator
-from ferry.runtime.streams import CUDA_API
+from ferry.runtime.devices.allocator import DeviceAllocator, get_allocator, register_allocator
+from ferry.runtime.devices.streams import CUDA_API
 
 MIN_ALIGNMENT = default_alignment("cuda")  # what cudaMalloc guarantees
 

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.runtime.allocator import (
+from ferry.runtime.devices.allocator import (
     DeviceAllocator,
     allocate_aligned,
     get_allocator,
     register_allocator,
     unregister_allocator,
 )
-from ferry.runtime.simulated import SimulatedApi
+from ferry.runtime.devices.simulated import SimulatedApi
 
 __all__ = ["AllocationRecord", "CopyRecord", "EmulatedAllocator", "emulated_device"]
 
@@ -75,7 +75,7 @@ class EmulatedAllocator(DeviceAllocator):
         log_limit: the most recent records `copies`, `allocated` and `freed` keep (None: all);
             the counters count everything either way, so a long run does not grow memory.
         asynchronous: run device work as a GPU does, after the host moves on (simulated
-            streams, events and graphs: runtime/simulated.py), so a missing host wait gives a
+            streams, events and graphs: runtime/devices/simulated.py), so a missing host wait gives a
             wrong answer here too.
 
     Counters (reset by ``reset_counters()``): ``allocations``, ``deallocations``,

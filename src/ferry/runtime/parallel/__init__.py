@@ -1,0 +1,1 @@
+"""Work over several devices and processes: micro-batches, transfers between ranks."""
