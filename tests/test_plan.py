@@ -426,3 +426,20 @@ def test_property_legacy_single_cpu_buffer(values):
     assert all(b.device == CPU for b in plan.buffers)
     if values:
         assert plan.lower_bounds == {CPU: lower_bound(values)}
+
+
+def test_in_place_candidates_are_taken_only_where_the_input_dies():
+    """The planner decides in-place writes from lifetimes: `b` over `a` (a is last read where b is
+    made) shares a's bytes, and `d` over `b` chains onto it; `c` over `a` (a still alive when c is
+    made), a size that differs, or another device are refused; "naive" shares nothing."""
+    from ferry.aot.plan import InPlace
+
+    cpu, emu = Device("cpu"), Device("emu", 0)
+    values = [PlanValue(0, 256, cpu, 0, 2), PlanValue(1, 256, cpu, 2, 4), PlanValue(2, 256, cpu, 1, 3),
+              PlanValue(3, 256, cpu, 4, 5), PlanValue(4, 128, cpu, 5, 6), PlanValue(5, 256, emu, 5, 6)]
+    offered = [InPlace(1, 0), InPlace(2, 0), InPlace(3, 1), InPlace(4, 3), InPlace(5, 3)]
+    plan = plan_memory(values, in_place=offered)
+    assert plan.in_place == {1: 0, 3: 0}
+    assert plan.entries[0] == plan.entries[1] == plan.entries[3]
+    assert plan.entries[2] != plan.entries[0] and plan.entries[4] != plan.entries[0]
+    assert plan_memory(values, algorithm="naive", in_place=offered).in_place == {}

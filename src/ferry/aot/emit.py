@@ -22,7 +22,7 @@ from ferry.aot import meta as M
 from ferry.aot.config import MethodOptions
 from ferry.aot.kernel_choice import KernelChoice, choose_kernel
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
-from ferry.aot.plan import PlanValue, plan_memory
+from ferry.aot.plan import InPlace, PlanValue, plan_memory
 from ferry.backend_registry import get_backend
 from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
@@ -454,22 +454,15 @@ class _MethodEmitter:
             outputs=self.outputs, buffers=[], mutable_buffers=self.mutable,
         )
         life = value_lifetimes(method)
-        over = self._in_place(method, life) if self.opts.memory_planning != "naive" else {}  # naive: no sharing
-        span: dict[int, tuple[int, int]] = {}  # one interval per group of values sharing bytes
-        for vid, (first, last) in life.items():
-            if self._planned(vid):
-                g = over.get(vid, vid)
-                f, la = span.get(g, (first, last))
-                span[g] = (min(f, first), max(la, last))
-        plan_values = [PlanValue(g, self.values[g].nbytes, self.values[g].device, f, la) for g, (f, la) in span.items()]
-        plan = plan_memory(plan_values, algorithm=self.opts.memory_planning, alignment=self.opts.alignment)
+        plan_values = [PlanValue(vid, self.values[vid].nbytes, self.values[vid].device, first, last)
+                       for vid, (first, last) in life.items() if self._planned(vid)]
+        plan = plan_memory(plan_values, algorithm=self.opts.memory_planning, alignment=self.opts.alignment,
+                           in_place=self._in_place_candidates(method))
         values = list(self.values)
         for vid, entry in plan.entries.items():
             values[vid] = dataclasses.replace(values[vid], plan=entry)
-        for vid, g in over.items():
-            values[vid] = dataclasses.replace(values[vid], plan=plan.entries[g])
-        if over:
-            self.kernel_choices["in place"] = (f"{len(over)} result(s) written over an input that dies there "
+        if plan.in_place:
+            self.kernel_choices["in place"] = (f"{len(plan.in_place)} result(s) written over an input that dies there "
                                                "(what eager's relu_ and += do)")
         for vid, v in enumerate(values):
             if isinstance(v, TensorValue):
@@ -482,14 +475,15 @@ class _MethodEmitter:
             kernel_choices=dict(sorted(self.kernel_choices.items())),
         )
 
-    def _in_place(self, method: Method, life: dict) -> dict[int, int]:
-        """value -> the first value of its group, whose bytes it takes: an out argument written
-        over an input that dies at that kernel (read as itself or through a `view` of all of it),
-        where the kernel reads each element before writing it (ops/aliasing.py:
-        overwrites_safely). Chains (relu after add) share one. program/dataflow.py checks the same."""
+    def _in_place_candidates(self, method: Method) -> list[InPlace]:
+        """Results a kernel may write over one of its inputs (read as itself or through a `view`
+        of all of it): the input is read once there, has the result's layout and device, and the
+        kernel reads each element before writing it (ops/aliasing.py: overwrites_safely). The
+        planner takes a candidate where the input dies at that kernel; program/dataflow.py checks
+        the same of a file."""
         keep = set(method.inputs) | set(method.outputs) | self.mutable_ids
-        group: dict[int, int] = {}
         views = whole_views(method)
+        out = []
         for k, op in self.out_ops.items():
             ins = method.instructions[k]
             if len(ins.outputs) != 1 or not self._planned(ins.outputs[0]):
@@ -498,14 +492,12 @@ class _MethodEmitter:
             roots = [memory_owner(self.values, t) for a in ins.args for t in tensor_ids(method, a)]
             for p, a in enumerate(ins.args):
                 r = whole_root(method, a, views) if a not in (DEFAULT_ARG, o) else None  # a itself, or a view of all of r
-                if (r is None or r in keep or not self._planned(r) or life.get(r, (0, -1))[1] != k
-                        or roots.count(r) != 1 or any(self.values[r].dynamic)):
+                if (r is None or r in keep or not self._planned(r) or roots.count(r) != 1 or any(self.values[r].dynamic)
+                        or layout(method, a) != layout(method, o) or self.values[r].device != self.values[o].device):
                     continue
-                if (layout(method, a) == layout(method, o) and self.values[r].device == self.values[o].device
-                        and overwrites_safely(op, p)):
-                    group[o] = group.get(r, r)
-                    break
-        return group
+                if overwrites_safely(op, p):
+                    out.append(InPlace(o, r))
+        return out
 
     def _planned(self, vid: int) -> bool:
         """Whether a memory-owning value gets a place in a planned buffer."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ferry.alignment import DEFAULT_ALIGNMENT, AlignmentSpec, alignment_for, resolve_alignment
 from ferry.device import CPU, Device
@@ -25,6 +25,7 @@ from ferry.program.schema import Buffer, PlanEntry
 __all__ = [
     "DEFAULT_ALIGNMENT",
     "ALGORITHMS",
+    "InPlace",
     "PlanValue",
     "MemoryPlan",
     "plan_memory",
@@ -47,14 +48,26 @@ class PlanValue:
 
 
 @dataclass(frozen=True)
+class InPlace:
+    """A kernel may write value `value` over the bytes of value `over` (same device and size): it
+    reads each element of `over` before writing it there (`relu_`, `+=`, a cache's slice write).
+    The planner takes it when `over` is read for the last time where `value` is made."""
+
+    value: int
+    over: int
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """Per value its (buffer, offset); per buffer its size and device; buffers[0] is the
     reserved constants slot. lower_bounds is the live-bytes peak per group, the size no
-    planner can beat (alignment ignored), kept for the compile report."""
+    planner can beat (alignment ignored), kept for the compile report. in_place: value -> the
+    first value of the chain whose bytes it was given (the candidates taken)."""
 
     entries: dict[int, PlanEntry]
     buffers: list[Buffer]
     lower_bounds: dict[Device, int]
+    in_place: dict[int, int] = field(default_factory=dict)
 
     def planned_bytes(self) -> dict[Device, int]:
         """Bytes the runtime will allocate per device (buffer 0 holds no planned value and
@@ -228,22 +241,52 @@ _ALGORITHMS = {"greedy": _plan_greedy, "naive": _plan_naive}
 # ---------------------------------------------------------------- entry point
 
 
+def _in_place_chains(values: Sequence[PlanValue], candidates: Sequence[InPlace]) -> dict[int, int]:
+    """value -> the first value of its chain, for the candidates whose `over` dies exactly where
+    `value` is made (in the order given; a value takes the first that fits). Chains (a relu after
+    an add) share one place."""
+    by_id = {v.id: v for v in values}
+    chain: dict[int, int] = {}
+    for c in candidates:
+        v, r = by_id.get(c.value), by_id.get(c.over)
+        if v is None or r is None or c.value in chain or c.value == c.over:
+            continue
+        if r.end == v.start and r.start < v.start and r.device == v.device and r.nbytes == v.nbytes:
+            chain[c.value] = chain.get(c.over, c.over)
+    return chain
+
+
+def _merged(values: Sequence[PlanValue], chain: dict[int, int]) -> list[PlanValue]:
+    """One value per chain, alive from its first member's start to its last member's end."""
+    span: dict[int, PlanValue] = {}
+    for v in values:
+        root = chain.get(v.id, v.id)
+        got = span.get(root)
+        span[root] = v if got is None else PlanValue(root, got.nbytes, got.device, min(got.start, v.start),
+                                                     max(got.end, v.end))
+    return [PlanValue(root, v.nbytes, v.device, v.start, v.end) for root, v in span.items()]
+
+
 def plan_memory(
     values: Sequence[PlanValue],
     *,
     algorithm: str = "greedy",
     alignment: AlignmentSpec = None,
+    in_place: Sequence[InPlace] = (),
 ) -> MemoryPlan:
     """Plan every value into one buffer per device (buffers[0] stays the constants slot).
 
     `alignment`: one int for every device, {device type or 'default': int}, or None for
-    ferry's defaults. Legacy mode (one host pool) is decided by placement: its values all
-    arrive here on the CPU."""
+    ferry's defaults. `in_place`: results a kernel may write over an input (taken where the
+    lifetimes allow; "naive" shares nothing). Legacy mode (one host pool) is decided by
+    placement: its values all arrive here on the CPU."""
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"unknown memory planning algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
     table = resolve_alignment(alignment)
     values = list(values)
     _validate(values)
+    chain = _in_place_chains(values, in_place) if algorithm != "naive" else {}
+    values = _merged(values, chain)
 
     groups: dict[Device, list[PlanValue]] = {}
     for v in values:
@@ -263,4 +306,6 @@ def plan_memory(
         for v in group:
             entries[v.id] = PlanEntry(buf, offsets[v.id])
         lower_bounds[device] = lower_bound(group)
-    return MemoryPlan(entries=entries, buffers=buffers, lower_bounds=lower_bounds)
+    for vid, root in chain.items():
+        entries[vid] = entries[root]
+    return MemoryPlan(entries=entries, buffers=buffers, lower_bounds=lower_bounds, in_place=chain)
