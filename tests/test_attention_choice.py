@@ -219,12 +219,13 @@ def test_on_cuda_without_graphs_nothing_is_composed(fresh, full_fp32):
 
 
 def test_self_attention_is_one_value_of_the_call_or_one_fixed_tensor():
-    from ferry.runtime.stages.bind import _one_value
+    from ferry.runtime.stages.refs import Fixed, PerCall
+    from ferry.runtime.stages.refs import one_value as _one_value
 
     t, u = torch.zeros(2), torch.zeros(2)
-    assert _one_value([("v", 3)] * 3) and not _one_value([("v", 3), ("v", 3), ("v", 4)])
-    assert _one_value([("c", t)] * 3) and not _one_value([("c", t), ("c", u), ("c", t)])
-    assert not _one_value([("c", t), ("v", 3), ("v", 3)]) and not _one_value([("c", 1)] * 3)
+    assert _one_value([PerCall(3)] * 3) and not _one_value([PerCall(3), PerCall(3), PerCall(4)])
+    assert _one_value([Fixed(t)] * 3) and not _one_value([Fixed(t), Fixed(u), Fixed(t)])
+    assert not _one_value([Fixed(t), PerCall(3), PerCall(3)]) and not _one_value([Fixed(1)] * 3)
 
 
 def test_nothing_is_timed_or_remembered_under_a_capture(timed, monkeypatch):

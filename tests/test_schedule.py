@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ferry.device import CPU, Device
-from ferry.runtime.stages.bind import Step
 from ferry.runtime.stages.schedule import HostWait, Run, Segment, schedule
+from ferry.runtime.stages.steps import Step
 
 G0, G1 = Device("cuda", 0), Device("cuda", 1)
 

@@ -143,7 +143,7 @@ def test_an_out_kernel_the_device_lacks_runs_as_its_functional_twin(emu, monkeyp
     """`narrow_copy.out` has no CUDA kernel: the binder runs `narrow_copy` and copies into `out`
     (faked here: the emulated device is told it lacks every out kernel)."""
     from ferry.ops import variants
-    from ferry.runtime.stages import bind
+    from ferry.runtime.stages import kernel_steps
 
     asked = []
 
@@ -151,7 +151,7 @@ def test_an_out_kernel_the_device_lacks_runs_as_its_functional_twin(emu, monkeyp
         asked.append((str(op), device_type))
         return device_type != "emu"
 
-    monkeypatch.setattr(bind, "has_device_kernel", lacks)
+    monkeypatch.setattr(kernel_steps, "has_device_kernel", lacks)
 
     class M(nn.Module):
         def forward(self, x):

@@ -40,9 +40,9 @@ from ferry.ops.strings import safe_text
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
 from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
-from ferry.runtime.stages.bind import LAYOUT_VIEWS
 from ferry.runtime.stages.kernels import bind_aten, check_call, returns_list
 from ferry.runtime.stages.load import Memory, load_memory
+from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, PerCall, Ref
 
 __all__ = ["InductorBackend", "graph_of"]
 
@@ -188,34 +188,34 @@ def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
     for i, vid in enumerate(method.inputs):
         env[vid] = graph.placeholder(f"input_{i}")
 
-    def ref(vid: int):
+    def ref(vid: int) -> Ref:
         if vid in env:
-            return ("v", vid)
+            return PerCall(vid)
         if memory.fixed[vid]:
             value = memory.slots[vid]
             if not isinstance(value, torch.Tensor):
-                return ("c", value)
+                return Fixed(value)
             root.register_buffer(f"constant_{vid}", value)
             env[vid] = graph.get_attr(f"constant_{vid}")
-            return ("v", vid)
+            return PerCall(vid)
         v = method.values[vid]
         if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
-            return ("l", list(v.value))  # type: ignore[call-overload]
+            return Listed(tuple(v.value))  # type: ignore[arg-type]
         raise ProgramError(f"method {method.name!r}: value {vid} is read before it is computed")
 
-    def resolve(r):
-        kind, x = r
-        if kind == "c":
-            return x
-        if kind == "v":
-            return env[x]
-        return [None if e is None else resolve(ref(e)) for e in x]
+    def resolve(r: Ref):
+        """The graph's argument for a reference: a constant, a node, or a list of nodes."""
+        if isinstance(r, Fixed):
+            return r.value
+        if isinstance(r, PerCall):
+            return env[r.vid]
+        return [None if e is None else resolve(ref(e)) for e in r.ids]
 
     texts = texts_for_codegen(method)
     for index, ins in enumerate(method.instructions):
         assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
         op = resolve_kernel(ins.kernel)
-        pos, kw = bind_aten(op, ins.args, lambda vid, index=index: ("c", texts[index, vid]) if (index, vid) in texts
+        pos, kw = bind_aten(op, ins.args, lambda vid, index=index: Fixed(texts[index, vid]) if (index, vid) in texts
                             else ref(vid))
         target = torch.ops.aten.reshape.default if op in LAYOUT_VIEWS else op  # bind.py's LAYOUT_VIEWS: why
         node = graph.call_function(target, tuple(resolve(r) for r in pos), {k: resolve(r) for k, r in kw.items()})

@@ -14,6 +14,7 @@ from ferry.errors import DeviceError, InputError, ProgramError
 from ferry.layout import is_dense, same_strides
 from ferry.program.schema import DEFAULT_ARG
 from ferry.runtime.devices.allocator import as_bytes, require_allocator
+from ferry.runtime.stages.refs import Fixed
 
 
 def copy_direction_check(direction: str, src: Device, dst: Device) -> None:
@@ -115,8 +116,8 @@ class CopyKernel:
 def bind_aten(op: torch._ops.OpOverload, arg_ids, const_of):
     """Split schema-ordered argument ids into positional and keyword parts once, at load.
 
-    Returns (positional ids-or-values, keyword ids-or-values); entries are ('v', id) for values
-    read at call time and ('c', python value) for constants."""
+    Returns (positional references, keyword references): what `const_of(value id)` makes of each
+    argument given (runtime/stages/refs.py), and `Fixed` defaults before a later positional one."""
     schema = op._schema
     if len(arg_ids) != len(schema.arguments):
         raise ProgramError(f"{op}: {len(arg_ids)} arguments given, the schema has {len(schema.arguments)}")
@@ -125,7 +126,7 @@ def bind_aten(op: torch._ops.OpOverload, arg_ids, const_of):
     for a, vid in zip(schema.arguments, arg_ids):
         if vid == DEFAULT_ARG:
             if not a.kwarg_only:
-                pending_defaults.append(("c", a.default_value if a.has_default_value() else None))
+                pending_defaults.append(Fixed(a.default_value if a.has_default_value() else None))
             continue
         ref = const_of(vid)
         if a.kwarg_only:

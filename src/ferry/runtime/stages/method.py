@@ -21,7 +21,7 @@ from ferry.program.schema import Method, TensorValue
 from ferry.runtime.devices.allocator import get_allocator
 from ferry.runtime.devices.streams import CopyStreams
 from ferry.runtime.devices.tensor import device_of
-from ferry.runtime.stages.bind import bind_method, dynamic_values
+from ferry.runtime.stages.bind import BindContext, bind_method, dynamic_values
 from ferry.runtime.stages.load import load_memory
 from ferry.runtime.stages.run import Plan
 from ferry.runtime.stages.schedule import schedule
@@ -80,10 +80,9 @@ class LoadedMethod:
     def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset(), shapes: dict | None = None,
               record: tuple[int, ...] = (), measure: bool = False) -> Plan:
         api = self.streams.api if self.streams is not None else None
-        bound = bind_method(self.method, self.memory, delegate=self._delegate, streams=self.streams,
-                            page_locked=api.page_locked if api is not None else None, io=io, per_call=per_call,
-                            shapes=shapes, transport=self.transport, measure=measure,
-                            captured=graphs)
+        ctx = BindContext(self._delegate, self.streams, api.page_locked if api is not None else None, self.transport,
+                          measure, graphs)
+        bound = bind_method(self.method, self.memory, ctx, io=io, per_call=per_call, shapes=shapes)
         kind = api.device_type if api is not None else None
         return Plan(self.name, bound, schedule(bound.steps, kind, graphs), schedule(bound.steps, kind), self.streams,
                     list(self.method.outputs), record, schedule(bound.steps, kind, graphs, pending=True),

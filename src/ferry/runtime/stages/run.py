@@ -17,8 +17,9 @@ from ferry.errors import AllocationError, FerryError, ProgramError
 from ferry.runtime.devices.allocator import DeviceMemoryBuffer
 from ferry.runtime.devices.graphs import GraphSegment
 from ferry.runtime.devices.tensor import device_of, make_tensor, pad_rows
-from ferry.runtime.stages.bind import Bound, Step, record_shapes
+from ferry.runtime.stages.frame import record_shapes
 from ferry.runtime.stages.schedule import HostWait, Run, Schedule, Segment
+from ferry.runtime.stages.steps import Bound, Step
 
 __all__ = ["Plan", "caller_copy", "empty_on"]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from ferry.device import Device
-from ferry.runtime.stages.bind import Step
+from ferry.runtime.stages.steps import Step
 
 __all__ = ["HostWait", "Run", "Schedule", "Segment", "schedule"]
 

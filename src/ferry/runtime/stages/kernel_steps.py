@@ -1,0 +1,316 @@
+"""Binding an ATen kernel: its fast paths, the forms chosen by timing at load, dynamic sizes,
+storage offsets counted from planned memory, kernels a device lacks, composites that may hand
+an input back, and the first call's check of the shapes the program planned."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from ferry.errors import InputError, ProgramError
+from ferry.op_names import resolve_kernel
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, composite_results, returns_inputs
+from ferry.ops.variants import functional_variant, has_device_kernel
+from ferry.program.lifetimes import tensor_ids
+from ferry.program.schema import DEFAULT_ARG, KernelCall, Method, TensorValue, memory_owner
+from ferry.runtime.choices import attention as attention_choice
+from ferry.runtime.choices import conv as conv_choice
+from ferry.runtime.choices.gemm import biased_gemm
+from ferry.runtime.stages.frame import members
+from ferry.runtime.stages.kernels import _to_meta, bind_aten, check_call, fast_aten, fast_functional, returns_list
+from ferry.runtime.stages.refs import (
+    LAYOUT_VIEWS,
+    Fixed,
+    Listed,
+    NoMeta,
+    Ref,
+    arguments,
+    first_only,
+    meta_of,
+    one_value,
+    resolve,
+)
+from ferry.runtime.stages.steps import Step
+
+__all__ = ["KernelSteps"]
+
+
+class KernelSteps:
+    """The binder's ATen kernel steps (a mixin of runtime/stages/bind.py's binder, which holds
+    the method, its slots and what is fixed)."""
+
+    m: Method
+    slots: list
+    fixed: list
+    shapes: dict | None
+    measure: bool
+    captured: bool
+
+    if TYPE_CHECKING:  # the binder's own (runtime/stages/bind.py)
+        def dynamic(self, v: TensorValue) -> bool: ...
+
+        def ref(self, vid: int): ...
+
+        def step(self, index: int, kind: str, name: str, ins, call, *, extra_devices=(), check=None) -> Step: ...
+
+    def kernel_step(self, index: int, ins: KernelCall) -> Step | None:
+        m = self.m
+        try:
+            op = resolve_kernel(ins.kernel)
+        except LookupError as e:
+            raise ProgramError(f"method {m.name!r} instruction {index}: {e}") from None
+        check_call(op, ins.args, ins.outputs, m.values, f"method {m.name!r} instruction {index}")
+        pos, kw = bind_aten(op, ins.args, self.ref)
+        pos, op = self._storage_offset_in_arena(op, ins, pos, index)
+        op = self._runnable_here(op, ins)
+        writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
+        if not writes_out and self._view_of_fixed(ins):
+            try:  # a view of fixed memory: made once, here
+                self._run_functional(op, pos, kw, ins.outputs, ins)()
+            except Exception as e:  # noqa: BLE001 - the program's own shapes do not allow this view
+                raise ProgramError(f"method {m.name!r} instruction {index} ({ins.kernel}): the view does not fit "
+                                   f"the program's values: {str(e).strip().splitlines()[0]}") from e
+            for o in ins.outputs:
+                self.fixed[o] = True
+            return None
+        tensors = [o for o in ins.outputs if isinstance(m.values[o], TensorValue)]
+        dynamic = [o for o in tensors if m.tensor(o).storage in ("planned", "output") and self.dynamic(m.tensor(o))]
+        gemm = self._chosen_gemm(op, pos, kw) if writes_out and not dynamic else None
+        if writes_out and dynamic:
+            call = self._dynamic_out(op, pos, kw, dynamic)
+        elif writes_out and all(isinstance(r, Fixed) for r in (*pos, *kw.values())):
+            args, kwargs = [r.value for r in pos], {k: r.value for k, r in kw.items()}
+            call = functools.partial(gemm or fast_aten(op, args, kwargs) or op, *args, **kwargs)
+        elif writes_out and first_only(pos, kw) is not None:  # one value of the call, first
+            fn, slots = gemm or self._fast_out(op, pos, kw) or op, self.slots
+            vid, rest, k = first_only(pos, kw)  # type: ignore[misc]
+            call = lambda: fn(slots[vid], *rest, **k)  # noqa: E731
+        elif writes_out:
+            args, fn = arguments(self.slots, pos, kw), gemm or self._fast_out(op, pos, kw) or op
+
+            def call():
+                a, k = args()
+                return fn(*a, **k)
+        else:
+            call = self._run_functional(op, pos, kw, ins.outputs, ins)
+        return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins))
+
+    def _storage_offset_in_arena(self, op, ins: KernelCall, pos: list, index: int):
+        """`as_strided`'s storage offset counts from the start of its input's memory, as in eager,
+        where that memory is a tensor of its own: ferry's memory may lie inside an arena (planned
+        memory, or a caller's planned tensor handed to a delegate), so the offset is moved by
+        where the memory owner starts. Returns (arguments, the op to call)."""
+        at = STORAGE_OFFSET_AT.get(ins.kernel)
+        if at is None or at >= len(pos) or (isinstance(pos[at], Fixed) and pos[at].value is None) or not ins.args:
+            return pos, op
+        owner = memory_owner(self.m.values, ins.args[0])
+        itemsize = self.m.tensor(ins.args[0]).torch_dtype.itemsize
+        offset = pos[at].value if isinstance(pos[at], Fixed) else None
+        if not isinstance(offset, int) or not isinstance(self.m.values[owner], TensorValue):
+            raise ProgramError(f"method {self.m.name!r} instruction {index} ({ins.kernel}): its storage offset must "
+                               "be a constant int")
+        if self.fixed[owner]:
+            base = self.slots[owner]
+            start = base.storage_offset() * base.element_size()
+            if start % itemsize:
+                raise ProgramError(f"method {self.m.name!r} instruction {index} ({ins.kernel}): its input starts "
+                                   f"at byte {start}, not at a multiple of its element size")
+            return [*pos[:at], Fixed(offset + start // itemsize), *pos[at + 1:]], op
+        slots = self.slots
+
+        def shifted(*args, **kwargs):  # the owner is a tensor of this call: where it starts, per call
+            base = slots[owner]
+            args = list(args)
+            args[at] += base.storage_offset() * base.element_size() // itemsize
+            return op(*args, **kwargs)
+
+        return pos, shifted
+
+    def _runnable_here(self, op, ins: KernelCall):
+        """An out kernel its device has no kernel for (`narrow_copy.out` on CUDA; a program may be
+        compiled where that is not known) runs as its functional twin, then a copy into `out`."""
+        devices = {self.m.tensor(o).device.type for o in ins.outputs if isinstance(self.m.values[o], TensorValue)}
+        outs = [a.name for a in op._schema.arguments if a.is_out] if isinstance(op, torch._ops.OpOverload) else []
+        if len(devices) != 1 or "cpu" in devices or outs != ["out"] or has_device_kernel(op, next(iter(devices))):
+            return op
+        twin = functional_variant(op)
+        if twin is None:
+            return op
+
+        def copied(*args, out, **kwargs):
+            result = twin(*args, **kwargs)
+            if out.shape != result.shape:  # (a dynamic size: `out` was emptied for this call's size)
+                out.resize_(result.shape)
+            return out.copy_(result)
+
+        return copied
+
+    def _run_functional(self, op, pos, kw, outputs, ins: KernelCall | None = None):
+        """A functional op (no out variant, or a view): its results become the output slots."""
+        slots = self.slots
+        if op in LAYOUT_VIEWS and not all(isinstance(r, Fixed) for r in pos):
+            op = torch.ops.aten.reshape.default  # see LAYOUT_VIEWS
+        fn = self._chosen_composed(op, pos, kw, outputs) or self._fast(op, pos, kw, outputs) or op
+        named = resolve_kernel(ins.kernel) if ins is not None else op  # (op may be a wrapper of it)
+        if ins is not None and returns_inputs(named):
+            fn = composite_results(fn, self._declared_sources(ins))
+        args = arguments(slots, pos, kw)
+        first = first_only(pos, kw)
+        one = len(outputs) == 1 and not returns_list(named)  # (a list of one tensor is a list)
+        if one and first is not None:  # the common case: one value of the call, first
+            (out,), (vid, rest, k) = outputs, first
+
+            def call():
+                slots[out] = fn(slots[vid], *rest, **k)
+        elif one:
+            (out,) = outputs
+
+            def call():
+                a, k = args()
+                slots[out] = fn(*a, **k)
+        else:
+            def call():
+                a, k = args()
+                for o, r in zip(outputs, fn(*a, **k)):
+                    slots[o] = r
+
+        return call
+
+    def _declared_sources(self, ins: KernelCall) -> list[int | None]:
+        """Per result, the position among the call's tensors (list members counted, in argument
+        order) of the input the program declares it a view of, or None for a result of its own."""
+        m = self.m
+        owners = [memory_owner(m.values, t) for a in ins.args for t in tensor_ids(m, a)]
+        bases = [v.alias_of if isinstance(v := m.values[o], TensorValue) else None for o in ins.outputs]
+        return [owners.index(b) if b is not None and b in owners else None for b in bases]
+
+    def _chosen_gemm(self, op, pos, kw):
+        """`mm` and then the bias added, for an `addmm.out` this GPU runs faster that way
+        (timed once per shape, at load: runtime/choices/gemm.py); None keeps the kernel named."""
+        if op is not torch.ops.aten.addmm.out or len(pos) != 3 or "out" not in kw:
+            return None
+        scalars = [kw.get(k, Fixed(1)) for k in ("beta", "alpha")]
+        if not all(isinstance(r, Fixed) for r in scalars):
+            return None
+        try:
+            bias, mat1, mat2, out = (self._given(r) for r in (*pos, kw["out"]))
+        except NoMeta:
+            return None
+        return biased_gemm(bias, mat1, mat2, out, scalars[0].value, scalars[1].value, measure=self.measure)
+
+    def _chosen_composed(self, op, pos, kw, outputs):
+        """In a plan captured as CUDA graphs, a composed form of more, smaller kernels where this
+        GPU runs it faster (timed once per shape, at load): attention as GEMMs and a softmax
+        (runtime/choices/attention.py), a convolution of one image as one GEMM over its patches
+        (runtime/choices/conv.py); else None."""
+        if not self.captured or (op not in attention_choice.OPS and op not in conv_choice.OPS):
+            return None
+        try:
+            args, kwargs = [self._given(r) for r in pos], {k: self._given(r) for k, r in kw.items()}
+        except NoMeta:
+            return None
+        out = self.m.values[outputs[0]] if outputs else None
+        device = out.device.to_torch() if isinstance(out, TensorValue) else None
+        if op in conv_choice.OPS:
+            return None if kwargs else conv_choice.chosen(op, args, measure=self.measure, device=device)
+        one_input = len(pos) >= 3 and one_value(pos[:3])
+        return attention_choice.chosen(op, args, kwargs, one_input, measure=self.measure, device=device)
+
+    def _given(self, ref):
+        """What is fixed as it is (a weight on its GPU), a meta tensor like it for a value of the call."""
+        return ref.value if isinstance(ref, Fixed) else self._meta(ref)
+
+    def _fast_out(self, op, pos, kw):
+        """fast_aten for an .out kernel whose arguments include values of the call."""
+        try:
+            args, kwargs = [self._meta(r) for r in pos], {k: self._meta(r) for k, r in kw.items()}
+        except NoMeta:
+            return None
+        return fast_aten(op, args, kwargs)
+
+    def _meta(self, ref: Ref):
+        if isinstance(ref, Fixed):
+            return _to_meta(ref.value)
+        if isinstance(ref, Listed):
+            return [None if e is None else meta_of(self.m, e, self.shapes) for e in ref.ids]
+        return meta_of(self.m, ref.vid, self.shapes)
+
+    def _fast(self, op, pos, kw, outputs):
+        """The C++ argument parser's entry for `op`, checked once on meta tensors shaped like this
+        instruction's values (falls back to the OpOverload)."""
+        m = self.m
+        if not all(isinstance(m.values[o], TensorValue) and not self.dynamic(m.tensor(o)) for o in outputs):
+            return None
+        try:
+            args, kwargs = [self._meta(r) for r in pos], {k: self._meta(r) for k, r in kw.items()}
+        except NoMeta:
+            return None
+        return fast_functional(op, args, kwargs, [(self.shape(o), m.tensor(o).torch_dtype) for o in outputs])
+
+    def shape(self, vid: int) -> tuple[int, ...]:
+        known = self.shapes.get(vid) if self.shapes is not None else None
+        return tuple(known[0]) if known is not None else self.m.tensor(vid).shape
+
+    def _view_of_fixed(self, ins: KernelCall) -> bool:
+        """A view that can be made once: of fixed memory of a fixed shape, with a fixed shape (a
+        view of a tensor whose size a call decides lies where that size puts it)."""
+        m = self.m
+        outs = [m.values[o] for o in ins.outputs]
+        if not outs or not all(isinstance(v, TensorValue) and v.storage == "view" and not self.dynamic(v) for v in outs):
+            return False
+        args = [t for a in ins.args if a != DEFAULT_ARG for t in [a, *members(m, a)]]
+        return all(self.fixed[a] and not (isinstance(v := m.values[a], TensorValue) and self.dynamic(v)) for a in args)
+
+    def _dynamic_out(self, op, pos, kw, dynamic_outs):
+        """Outputs with a dynamic dim are planned (or, a delegate's, handed in) at their bound or
+        at another call's size: shrink them to empty before the op so it sizes them (PyTorch
+        warns when an out= kernel resizes a tensor with elements), then check they stayed within
+        their plan."""
+        slots, m = self.slots, self.m
+        capacity = [(o, m.tensor(o).nbytes) for o in dynamic_outs]
+
+        def call():
+            for o, _ in capacity:
+                slots[o].resize_(0)
+            op(*[resolve(r, slots) for r in pos], **{n: resolve(r, slots) for n, r in kw.items()})
+            for o, cap in capacity:
+                t = slots[o]
+                if t.numel() * t.element_size() > cap:
+                    raise InputError(
+                        f"{op}: a {tuple(t.shape)} result exceeds the {cap} bytes planned for it; "
+                        "the inputs are larger than the bounds the program was exported with"
+                    )
+                if not t.is_contiguous():  # a kernel that lays out what it sizes (linalg's column-major):
+                    _compact(t)  # planned memory of a dynamic size is contiguous, as copies expect
+
+        return call
+
+    def _shape_check(self, ins: KernelCall):
+        """After the first call: planned outputs kept their planned shapes. Planning follows the
+        trace; a kernel that writes a larger output on some device than the trace said would write
+        past its slot, so the first call turns that into an error instead of a wrong result."""
+        m, slots = self.m, self.slots
+        planned = [(o, m.tensor(o).shape) for o in ins.outputs if isinstance(m.values[o], TensorValue)
+                   and m.tensor(o).storage in ("planned", "runtime") and not any(m.tensor(o).dynamic)]
+        if not planned:
+            return None
+
+        def check():
+            for o, shape in planned:
+                if slots[o] is not None and tuple(slots[o].shape) != shape:  # (None: an undefined result)
+                    raise ProgramError(
+                        f"{ins.kernel} wrote a {tuple(slots[o].shape)} output where the program planned {shape} "
+                        f"(value {m.values[o].name!r}): the program's shapes disagree with its kernels, so its "
+                        "memory plan is unsafe (an edited file, or a device whose kernel differs from the CPU "
+                        "trace: please report that to ferry)"
+                    )
+
+        return check
+
+
+def _compact(t: torch.Tensor) -> None:
+    """Lay `t` out contiguously over its own memory (a copy through a temporary)."""
+    values = t.clone(memory_format=torch.contiguous_format)
+    t.as_strided_(values.shape, values.stride(), t.storage_offset()).copy_(values)
