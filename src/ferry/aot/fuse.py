@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 import torch.fx
+from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from ferry.aot import meta as M
 from ferry.ops.fused import CONV_ADD_RELU, CONV_RELU
@@ -143,17 +144,13 @@ def _foldable(gm, conv, bn):
     bias_t = _attr(gm, bias) if bias is not None else None
     if weight is None or mean is None or var is None or (bias is not None and bias_t is None):
         return None
-    eps = float(bn.args[6])
-    scale = (var.double() + eps).rsqrt()
-    if gamma is not None:
-        scale = scale * gamma.double()
-    shift = -mean.double() * scale
-    if bias_t is not None:
-        shift = shift + bias_t.double() * scale
-    if beta is not None:
-        shift = shift + beta.double()
-    shape = (-1,) + (1,) * (weight.dim() - 1)
-    return (weight.double() * scale.reshape(shape)).to(weight.dtype), shift.to(weight.dtype)
+    def double(t):
+        return None if t is None else t.double()
+
+    # torch's own folding (what torch.ao's fusion uses), in float64, then back to the weight's dtype
+    w, b = fuse_conv_bn_weights(weight.double(), double(bias_t), mean.double(), var.double(), float(bn.args[6]),
+                                double(gamma), double(beta))
+    return w.detach().to(weight.dtype), b.detach().to(weight.dtype)
 
 
 def _attr(gm, node):
