@@ -31,7 +31,7 @@ import torch
 
 import ferry
 from ferry.examples import transformer_block
-from ferry.html import write_html
+from ferry.views import write_html
 
 model, inputs = transformer_block()
 program = ferry.compile(torch.export.export(model, inputs),

@@ -15,7 +15,6 @@ from ferry import OpSupportPartitioner, Partition, target_device
 from ferry.aot.compile import device_bytes
 from ferry.device import CPU, Device
 from ferry.examples import TransformerBlock, transformer_block
-from ferry.html import fmt_bytes, render_html, write_html
 from ferry.program import (
     DEFAULT_ARG,
     Buffer,
@@ -31,6 +30,7 @@ from ferry.program import (
 from ferry.program.dataflow import written_over
 from ferry.program.lifetimes import value_lifetimes
 from ferry.program.report import copy_report
+from ferry.views import fmt_bytes, render_html, write_html
 from test_device_map import TinyLM, ids
 
 CUDA0 = Device("cuda", 0)

@@ -223,14 +223,14 @@ def _read_device_map(text: str) -> dict:
 
 
 def _summary(program) -> str:
-    from ferry.inspect import program_summary
+    from ferry.views import program_summary
 
     return program_summary(program, instructions=False)
 
 
 def cmd_inspect(args) -> int:
     import ferry
-    from ferry.inspect import program_json, program_summary
+    from ferry.views import program_json, program_summary
 
     program = ferry.load_program(args.file, verify=args.verify)
     if args.verify:
@@ -238,7 +238,7 @@ def cmd_inspect(args) -> int:
     if args.method is not None and args.method not in program.methods:
         raise UserError(f"{args.file} has no method {args.method!r}; methods: {', '.join(program.methods)}")
     if args.html:
-        from ferry.html import write_html
+        from ferry.views import write_html
 
         write_html(program, args.html, method=args.method)
         print(f"wrote {args.html}")
