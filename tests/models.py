@@ -1,7 +1,9 @@
-"""Small shared test models, built with fixed seeds.
+"""Small shared test models, built with fixed seeds, and the helpers several test files share.
 
 Each builder returns (module, example_inputs); `fresh_inputs(example_inputs, seed)` makes new
 random inputs of the same shapes and dtypes, so tests never compare only on the export inputs.
+The helpers at the end compare with eager (`assert_like_eager`, `run_vs_eager`), round-trip a
+program through bytes (`roundtrip`) and build the skip_h2d/skip_d2h config (`skip_config`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import ferry
 import ferry.examples as ferry_examples
+from ferry.program.schema import TensorValue
+from ferry.runtime import clone_to
 
 
 def fresh_inputs(example_inputs, seed: int = 1234):
@@ -323,3 +328,69 @@ class Owners(nn.Module):
     def forward(self, x, y):
         s = x + y
         return s, s.t(), self.w, twice_plus(x, y)
+
+
+# ---------------------------------------------------------------------------------------------
+# comparing with eager, round trips, configs
+
+
+def assert_like_eager(got, want, **tolerance):
+    """A method's outputs (a list, a tuple or one tensor) equal eager's, output by output."""
+    want = list(want) if isinstance(want, (tuple, list)) else [want]
+    got = list(got) if isinstance(got, (tuple, list)) else [got]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tolerance)
+
+
+def roundtrip(program):
+    """`program` through `to_bytes -> load_program`: an equal program (devices of values and
+    buffers included) that saves to the same bytes; returns the loaded copy."""
+    data = program.to_bytes()
+    back = ferry.load_program(data)
+    assert back.methods == program.methods
+    assert back.delegates == program.delegates
+    assert [bytes(s) for s in back.segments] == [bytes(s) for s in program.segments]
+    for name, m in program.methods.items():
+        b = back.methods[name]
+        assert [v.device for v in b.values if isinstance(v, TensorValue)] == [
+            v.device for v in m.values if isinstance(v, TensorValue)]
+        assert [buf.device for buf in b.buffers] == [buf.device for buf in m.buffers]
+    assert back.to_bytes() == data, "saving a loaded program gives the same bytes"
+    return back
+
+
+def run_vs_eager(program, model, example_inputs, seeds=(1, 2), atol=1e-5, rtol=1e-4):
+    """Run `program` on fresh inputs (moved to the device of each input) and compare with eager."""
+    module = ferry.Module(program)
+    meta = module.method_meta("forward")
+    for seed in seeds:
+        inputs = fresh_inputs(example_inputs, seed)
+        args = [t if meta.input_meta(i).device.is_cpu else clone_to(t, meta.input_meta(i).device)
+                for i, t in enumerate(inputs)]
+        assert_like_eager(module.run_method("forward", args), model(*inputs), atol=atol, rtol=rtol)
+    return module
+
+
+def skip_config(h2d=False, d2h=False, **kw):
+    """A CompileConfig whose method inputs (h2d) or outputs (d2h) stay on their device."""
+    return ferry.CompileConfig(
+        propagate_device=ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=h2d, skip_d2h_for_method_outputs=d2h),
+        **kw,
+    )
+
+
+def loaded_method(module, name: str = "forward"):
+    """The method `module` loaded in its first set of memory: its graphs and its plans per shape."""
+    # internal: ferry.Module has no public view of the graphs it captured or the shape plans it keeps
+    return module._methods[name]
+
+
+def loaded_bytes(emu, program) -> int:
+    """The bytes a Module of `program` holds on the emulated device once `forward` is loaded
+    (the Module is closed again)."""
+    module = ferry.Module(program)
+    module.load_method()
+    used = emu.live_bytes
+    module.close()
+    return used

@@ -26,7 +26,6 @@ from ferry.inspect import program_summary
 from ferry.program.dataflow import written_over
 from ferry.program.lifetimes import value_lifetimes
 from ferry.program.schema import DEFAULT_ARG, ConstValue, KernelCall, TensorValue
-from ferry.runtime import clone_to
 from models import (
     Add,
     AddChain,
@@ -37,7 +36,11 @@ from models import (
     SharedOutput,
     TwoLinears,
     WithParams,
+    assert_like_eager,
     fresh_inputs,
+    roundtrip,
+    run_vs_eager,
+    skip_config,
     small,
     small_cnn,
     transformer_block,
@@ -46,14 +49,6 @@ from models import (
 CPU, CUDA0, CUDA1, EMU0 = Device("cpu", 0), Device("cuda", 0), Device("cuda", 1), Device("emu", 0)
 COPY_KERNELS = {"et_copy::_h2d_copy.out", "et_copy::_d2h_copy.out", "et_copy::_d2d_copy.out"}
 DEFAULT_ALIGN = {"cpu": 64}  # everything else: 256
-
-
-
-def skip_cfg(h2d=False, d2h=False, **kw):
-    return ferry.CompileConfig(
-        propagate_device=ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=h2d, skip_d2h_for_method_outputs=d2h),
-        **kw,
-    )
 
 
 @functools.cache
@@ -183,21 +178,6 @@ def check_plan(m, alignment=None, naive=False):
         assert m.lower_bounds[str(d)] <= size
 
 
-def roundtrip(program):
-    data = program.to_bytes()
-    back = ferry.load_program(data)
-    assert back.methods == program.methods
-    assert back.delegates == program.delegates
-    assert [bytes(s) for s in back.segments] == [bytes(s) for s in program.segments]
-    for name, m in program.methods.items():
-        b = back.methods[name]
-        assert [v.device for v in b.values if isinstance(v, TensorValue)] == [
-            v.device for v in m.values if isinstance(v, TensorValue)]
-        assert [buf.device for buf in b.buffers] == [buf.device for buf in m.buffers]
-    assert back.to_bytes() == data, "saving a loaded program gives the same bytes"
-    return back
-
-
 def check(program, alignment=None, naive=False):
     for m in program.methods.values():
         check_plan(m, alignment, naive)
@@ -214,23 +194,6 @@ def compile_checked(ep, partitioner=None, config=None):
     c = config or ferry.CompileConfig()
     check(program, c.alignment, c.memory_planning == "naive")
     return program
-
-
-def run_vs_eager(program, model, example_inputs, seeds=(1, 2), on=None, atol=1e-5, rtol=1e-4):
-    """Run `program` on fresh inputs (moved to the device of each input) and compare with eager."""
-    module = ferry.Module(program)
-    meta = module.method_meta("forward")
-    for seed in seeds:
-        inputs = fresh_inputs(example_inputs, seed)
-        args = [t if meta.input_meta(i).device.is_cpu else clone_to(t, meta.input_meta(i).device)
-                for i, t in enumerate(inputs)]
-        got = module.run_method("forward", args)
-        want = model(*inputs)
-        want = list(want) if isinstance(want, (tuple, list)) else [want]
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, atol=atol, rtol=rtol)
-    return module
 
 
 # ------------------------------------------------------------------ planning through compile
@@ -321,7 +284,7 @@ def test_inputs_returned_as_outputs_and_views(emu, alloc_in, alloc_out):
 @pytest.mark.parametrize("h2d,d2h", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("alloc", [True, False])
 def test_inputs_outputs_on_device_never_planned(h2d, d2h, alloc):
-    config = skip_cfg(h2d, d2h, alloc_graph_input=alloc, alloc_graph_output=alloc)
+    config = skip_config(h2d, d2h, alloc_graph_input=alloc, alloc_graph_output=alloc)
     program = compile_checked(exported("add"), ferry.OpSupportPartitioner("cuda:0"), config)
     m = program.methods["forward"]
     ins, outs = [m.values[v] for v in m.inputs], [m.values[v] for v in m.outputs]
@@ -336,7 +299,7 @@ def test_inputs_outputs_on_device_never_planned(h2d, d2h, alloc):
 
 def test_skip_flags_run_on_the_emulated_device(emu):
     model, inputs = Add(), small((2, 2))
-    program = compile_checked(torch.export.export(model, inputs), ferry.OpSupportPartitioner("emu:0"), skip_cfg(True, True))
+    program = compile_checked(torch.export.export(model, inputs), ferry.OpSupportPartitioner("emu:0"), skip_config(True, True))
     m = program.methods["forward"]
     assert all(m.values[v].device == EMU0 and m.values[v].plan is None for v in [*m.inputs, *m.outputs])
     run_vs_eager(program, model, inputs)
@@ -503,10 +466,9 @@ def test_bounded_dynamic_dim_is_planned_at_its_bound(emu, on_device):
     module = ferry.Module(program)
     for n in (3, 16, 1, 7):
         x = torch.randn(n, 8)
-        got, want = module.run_method("forward", [x]), model(x)
+        got = module.run_method("forward", [x])
         assert got[0].shape == (n, 4)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+        assert_like_eager(got, model(x), atol=1e-5, rtol=1e-4)
     with pytest.raises(ferry.InputError, match="<=16"):
         module.run_method("forward", [torch.randn(17, 8)])
 

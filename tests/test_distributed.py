@@ -384,6 +384,7 @@ def test_a_host_wait_stuck_behind_a_dead_peer_is_a_peer_error():
 
     api = SimulatedApi()
     blocked = api.Stream(0)
+    # internal: nothing public makes a receive that never completes: its mark and the host wait on it are queued by hand
     api._queue(blocked, ("wait", _Mark()))  # a receive whose peer never sends
     done = api.Event()
     done.record(blocked)
@@ -438,6 +439,7 @@ def test_closing_after_a_peer_failure_does_not_hang_on_an_nccl_abort_that_blocks
     monkeypatch.setattr(fd, "_ABORT_WAIT", 0.05)
     monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda g=None: destroyed.append(g))
     start = time.monotonic()
+    # internal: leaving the groups is the step that must not hang, tested on its own
     assert not fd._leave(Groups("gloo", "control", {(0, 1): Nccl(blocks=True)}), False, clean=False)
     assert time.monotonic() - start < 1 and destroyed == []
     fine = Nccl(blocks=False)
@@ -459,6 +461,7 @@ def test_closing_keeps_what_a_failed_abort_left_and_frees_memory_first_otherwise
 
     def fake(leave_ok):
         m = object.__new__(fd.Module)
+        # internal: a Module built without a job, its state set by hand, so close() runs without processes
         m.closed, m.rank, m._groups, m._owns_group = False, 1, "groups", False
         m.module, m.transport = Local(), type("T", (), {"broken": None})()
         return m

@@ -18,6 +18,7 @@ import ferry
 from ferry import ConfigError, InputError
 from ferry.runtime import emulated_device
 from ferry.runtime.stages import method as method_module
+from models import loaded_method
 from test_device_map import DAG_EXAMPLES, RandomDag, TinyLM
 
 BATCH, SEQ = torch.export.Dim("batch", max=8), torch.export.Dim("seq", max=32)
@@ -71,7 +72,7 @@ def test_an_encoder_at_many_sizes_in_random_order_equals_eager(emu_any, device, 
             x = torch.randn(b, s, 32, generator=torch.Generator().manual_seed(i))
             torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
     assert "Resize" not in err[0] and "resized" not in err[0], err[0]
-    assert module._methods["forward"].shape_plans() == len(set(calls))  # one plan per shape, built once
+    assert loaded_method(module).shape_plans() == len(set(calls))  # one plan per shape, built once
 
 
 class Scale(nn.Module):
@@ -89,7 +90,7 @@ def test_no_resize_warning_when_a_delegate_writes_its_output_at_a_new_size(emu_a
             x = torch.randn(n, 16)
             torch.testing.assert_close(module(x), Scale()(x))
     assert "Resize" not in err[0], err[0]
-    m = module._methods["forward"]
+    m = loaded_method(module)
     assert m.shape_plans() == 4
     if graphs:
         assert sum(g.graph is not None for g in m.graphs) == 2  # the shapes called three times
@@ -108,7 +109,7 @@ def test_later_calls_at_a_shape_run_the_plan_bound_for_it(emu):
     model = encoder()
     module = ferry.Module(compiled(model, (torch.randn(4, 16, 32),), {0: BATCH}))
     loaded_first = module(torch.randn(3, 16, 32))  # noqa: F841 - the first call at 3 rows
-    m = module._methods["forward"]
+    m = loaded_method(module)
     generic = m.plan
     x = torch.randn(3, 16, 32)
     torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
@@ -142,7 +143,7 @@ def test_only_the_last_shapes_keep_a_plan(emu, monkeypatch):
     for i, b in enumerate([1, 2, 3, 1, 2, 3, 3, 1]):
         x = torch.randn(b, 16, 32, generator=torch.Generator().manual_seed(i))
         torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
-    assert module._methods["forward"].shape_plans() == 2
+    assert loaded_method(module).shape_plans() == 2
 
 
 def test_a_call_beyond_the_bound_is_refused_and_the_module_stays_usable(emu):
@@ -177,7 +178,7 @@ def test_buckets_capture_one_graph_set_per_bucket_and_slice_results(emu_async):
             got = module(x)
             assert got.shape == (b, 16, 32)
             torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
-    m = module._methods["forward"]
+    m = loaded_method(module)
     assert m.shape_plans() == 3
     assert m.graphs and all(g.graph is not None for g in m.graphs)
 
@@ -191,7 +192,7 @@ def test_a_call_beyond_the_buckets_runs_without_graphs_and_warns_once(emu_async)
             x = torch.randn(b, 16, 32, generator=torch.Generator().manual_seed(i))
             torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
     assert len([w for w in record if "bucket" in str(w.message)]) == 1
-    assert module._methods["forward"].graphs == []
+    assert loaded_method(module).graphs == []
 
 
 @pytest.mark.parametrize("buckets", [[0, 2], "1,2", [], 4, [2.0], [True]])
@@ -232,7 +233,7 @@ def test_dynamic_sizes_on_a_gpu_equal_eager(full_fp32, graphs):
             x = torch.randn(b, s, 32, generator=torch.Generator().manual_seed(i))
             torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
     assert "Resize" not in err[0], err[0]
-    m = module._methods["forward"]
+    m = loaded_method(module)
     if graphs:
         assert m.shape_plans() <= 4 and any(g.graph is not None for g in m.graphs)
 
@@ -278,9 +279,10 @@ def test_a_padded_call_hands_back_its_rows_of_a_fresh_output_without_a_copy(emu)
     again, _ = module(x2)
     torch.testing.assert_close(doubled, x1 * 2)
     torch.testing.assert_close(again, x2 * 2)
+    # internal: the bucket's padded copy of the inputs is where the first call at the bucket pads them
     padded = next(iter(module._instances[0].buckets["forward"]._padded.values()))  # the first call at the bucket
     assert torch.equal(padded[:7], x1) and torch.equal(padded[7], x1[0])
-    m = module._methods["forward"]  # later ones: padded as they are copied into planned memory, one copy
+    m = loaded_method(module)  # later ones: padded as they are copied into planned memory, one copy
     planned = m.last_plan.bound.slots[m.method.inputs[0]]
     assert m.last_plan is not m.plan and planned.shape == (8, 16)
     assert torch.equal(planned[:5], x2) and torch.equal(planned[5:], x2[:3])

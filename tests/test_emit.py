@@ -27,7 +27,9 @@ from models import (
     SharedOutput,
     TwoLinears,
     WithParams,
-    fresh_inputs,
+    export,
+    roundtrip,
+    run_vs_eager,
     small,
     small_cnn,
     transformer_block,
@@ -36,30 +38,6 @@ from models import (
 
 CPU, CUDA0, EMU0 = Device("cpu", 0), Device("cuda", 0), Device("emu", 0)
 aten = torch.ops.aten
-
-
-
-def export(model, inputs):
-    return torch.export.export(model, tuple(inputs))
-
-
-def roundtrip(program):
-    back = ferry.load_program(program.to_bytes())
-    assert back.methods == program.methods and back.delegates == program.delegates
-    assert [bytes(s) for s in back.segments] == [bytes(s) for s in program.segments]
-    return back
-
-
-def run_vs_eager(program, model, inputs, seeds=(1, 2)):
-    module = ferry.Module(roundtrip(program))
-    for seed in seeds:
-        args = fresh_inputs(inputs, seed)
-        got = module.run_method("forward", list(args))
-        want = model(*args)
-        want = list(want) if isinstance(want, (tuple, list)) else [want]
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
 def tensors(m, device=None):
@@ -153,7 +131,7 @@ def test_cpu_only_model_has_no_device_information():
     assert not program.delegates
     assert not any(i.kernel.startswith("et_copy::") for i in m.instructions)
     check_out_variants(program)
-    run_vs_eager(program, WithParams(), small((3, 8), n=1))
+    run_vs_eager(roundtrip(program), WithParams(), small((3, 8), n=1))
 
 
 # ------------------------------------------------------------------ out variants outside delegates
@@ -182,7 +160,7 @@ def test_functional_ops_become_out_variants(emu, name, build, partitioner):
         "defaults plan every value an out kernel writes and is read; the rest are functional results"
     if partitioner is not None:
         assert any(isinstance(i, KernelCall) and i.kernel.startswith("et_copy::") for i in m.instructions)
-    run_vs_eager(program, model, inputs)
+    run_vs_eager(roundtrip(program), model, inputs)
 
 
 class Factories(nn.Module):
@@ -204,7 +182,7 @@ def test_factory_ops_and_casts_use_out_variants():
     assert "aten::_to_copy.default" in kernels and "(measured)" in program.method("forward").kernel_choices[
         "aten::_to_copy.default"]
     assert any(k.startswith("aten::arange.") and is_out_kernel(k) for k in kernels)
-    run_vs_eager(program, model, inputs)
+    run_vs_eager(roundtrip(program), model, inputs)
 
 
 class Views(nn.Module):
@@ -232,7 +210,7 @@ def test_views_become_aliases_with_no_plan():
     assert aliases and all(v.plan is None for v in aliases)
     for vid in m.inputs:  # views of an input alias that input
         assert any(v.alias_of == vid for v in aliases)
-    run_vs_eager(program, model, inputs)
+    run_vs_eager(roundtrip(program), model, inputs)
     # inspect shows views as such
     assert "[view]" in program_summary(program)
 
@@ -260,7 +238,7 @@ def test_op_without_out_variant_stays_functional(emu):
                    or is_view(resolve_kernel(i.kernel)) or i.kernel in m.kernel_choices for i in others)
         assert "    ferry_test::twice_plus.default: no out variant" in program_summary(program)
         assert "ferry_test::twice_plus.default" in program_json(program)["methods"]["forward"]["runtime_allocating_ops"]
-        run_vs_eager(program, model, inputs, seeds=(1, 2, 3))
+        run_vs_eager(roundtrip(program), model, inputs, seeds=(1, 2, 3))
 
 
 # ------------------------------------------------------------------ out_variant / is_view on ops
@@ -341,7 +319,7 @@ def test_shared_constant_stored_once():
     model = Tied()
     program = ferry.compile(export(model, small((3, 4), n=1)))
     assert len(program.segments) == 1
-    run_vs_eager(program, model, small((3, 4), n=1))
+    run_vs_eager(roundtrip(program), model, small((3, 4), n=1))
 
 
 def test_delegate_payload_is_a_program_on_the_delegate_device():

@@ -207,7 +207,7 @@ def test_copy_running_past_the_allocation_is_rejected(emu):
     view = big[48:]
     with pytest.raises(ValueError):  # the public method sees the view is only 16 bytes
         emu.copy_host_to_device(view, host, 32, 0)
-    # the backend check itself: 32 bytes from 48 bytes into a 64-byte allocation
+    # internal: the backend hook itself, past the public method's check: 32 bytes from 48 bytes into 64
     with pytest.raises(ValueError, match="32 bytes at .* run past the end of the 64-byte emu:0 allocation"):
         emu._copy_h2d(view, host[:32], 32, 0)
     assert emu.copies == []

@@ -289,7 +289,7 @@ def test_one_attention_module_called_twice_is_fused_per_call(emu):
 def test_a_constant_mask_that_would_grow_the_result_is_left_to_fail_as_in_eager():
     """Eager raises when a mask has more leading dimensions than the attention weights; dropping
     an all-true one would have returned a result instead."""
-    from ferry.aot.fuse import _fits
+    from ferry.aot.fuse import _fits  # internal: the rule for dropping a mask, checked on its own
 
     q = torch.empty(3, 6, 8)
     assert _fits(torch.ones(2, 3, 6, 6, dtype=torch.bool), q, q) is None
@@ -609,7 +609,7 @@ def test_the_fused_kernels_refuse_a_residual_or_bias_that_does_not_fit():
         torch.ops.ferry.conv_add_relu(x, w, torch.randn(1, 4, 3, 3), b, *args)
     with pytest.raises(ValueError, match="z has shape"):
         torch.ops.ferry.conv_add_relu(x, w, torch.randn(4, 1, 1), b, *args)  # broadcasting is not the fused add
-    from ferry.ops.fused import _check_args
+    from ferry.ops.fused import _check_args  # internal: the fit check on its own, beside the op's errors
     with pytest.raises(ValueError, match="do not fit"):
         _check_args(x, w, torch.randn(3), *args)
     with pytest.raises(ValueError, match="do not fit"):
@@ -671,6 +671,7 @@ def test_programs_may_not_name_the_unchecked_cudnn_fusions():
 
 
 def test_the_fused_kernels_refuse_another_device_and_leave_cudnn_under_deterministic_algorithms(monkeypatch):
+    # internal: the checks and the cuDNN rule on their own, with devices and settings faked
     from ferry.ops.fused import _check_args, _check_z, _cudnn_takes
 
     x, w, b = torch.randn(1, 4, 6, 6), torch.randn(4, 4, 3, 3), torch.randn(4)

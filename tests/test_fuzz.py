@@ -13,24 +13,21 @@ A few hundred mutants run in CI; FERRY_FUZZ_MUTANTS=10000 runs more.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
-import struct
 from collections import Counter
 
 import pytest
 import torch
 
 import ferry
+from edits import header_of, json_paths, metadata_of, parent_of, rebuild
 from ferry.errors import FerryError
 from ferry.examples import transformer_block
 from models import fresh_inputs
 
 MUTANTS = int(os.environ.get("FERRY_FUZZ_MUTANTS", "300"))
 LIMIT = 64 << 20  # bytes per device a mutant may make the runtime allocate
-_HEADER = struct.Struct("<8sIIQQ")
 _KERNELS = ["aten::add.out", "aten::mul.out", "aten::relu.default", "aten::layer_norm.default",
             "aten::__class__.__init__", "load_library::__call__.__self__", "et_copy::_h2d_copy.out", "aten::view.default"]
 
@@ -44,39 +41,8 @@ def _bases():
     }
 
 
-def _split(data: bytes):
-    magic, version, flags, meta_len, area = _HEADER.unpack_from(data)
-    return (magic, version, flags), json.loads(data[32:32 + meta_len]), data[area:]
-
-
-def _join(header, meta, tail, recompute: bool, original: bytes) -> bytes:
-    magic, version, flags = header
-    raw = json.dumps(meta).encode()
-    digest = hashlib.sha256(raw).digest() if recompute else original[32 + _HEADER.unpack_from(original)[3]:][:32]
-    area = -(-(64 + len(raw)) // 64) * 64
-    return _HEADER.pack(magic, version, flags, len(raw), area) + raw + digest + bytes(area - 64 - len(raw)) + tail
-
-
-def _leaves(x, path=()):
-    if isinstance(x, dict):
-        for k, v in x.items():
-            yield from _leaves(v, path + (k,))
-    elif isinstance(x, list):
-        for i, v in enumerate(x):
-            yield from _leaves(v, path + (i,))
-    else:
-        yield path, x
-
-
-def _set(meta, path, value):
-    node = meta
-    for p in path[:-1]:
-        node = node[p]
-    node[path[-1]] = value
-
-
 def _mutate_meta(rng: random.Random, meta):
-    leaves = list(_leaves(meta))
+    leaves = [(path, x) for path, x in json_paths(meta) if not isinstance(x, (dict, list))]
     path, old = rng.choice(leaves)
     if isinstance(old, bool):
         new = not old
@@ -88,7 +54,7 @@ def _mutate_meta(rng: random.Random, meta):
         new = rng.choice(_KERNELS + ["", "load", "float64", "cuda:7", "emu:3", "planned", "runtime", old[::-1]])
     else:
         new = rng.choice([0, [], {}, "x"])
-    _set(meta, path, new)
+    parent_of(meta, path)[path[-1]] = new
     if rng.random() < 0.2:  # reorder, repeat or drop an instruction
         ins = meta["methods"][0]["instructions"]
         if ins:
@@ -98,19 +64,20 @@ def _mutate_meta(rng: random.Random, meta):
 
 def _mutant(rng: random.Random, data: bytes) -> tuple[bytes, bool]:
     """(file, recomputed): a mutated file, and whether its metadata checksum was recomputed."""
-    header, meta, tail = _split(data)
+    magic, version, flags, _, area = header_of(data)
+    meta, tail = metadata_of(data), data[area:]
     what = rng.random()
     if what < 0.1:  # header
-        header = (header[0], rng.choice([1, 2, 3, 0]), rng.choice([0, 1, 3]))
-        return _join(header, meta, tail, True, data), True
+        header = (magic, rng.choice([1, 2, 3, 0]), rng.choice([0, 1, 3]))
+        return rebuild(data, meta, header=header), True
     if what < 0.3 and tail:  # segment bytes: corruption a checksum must catch
         b = bytearray(tail)
         for _ in range(rng.randint(1, 4)):
             b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
-        return _join(header, meta, bytes(b), False, data), False
+        return rebuild(data, meta, header=(magic, version, flags), checksum="kept", segments=bytes(b)), False
     recompute = rng.random() < 0.7
     _mutate_meta(rng, meta)
-    return _join(header, meta, tail, recompute, data), recompute
+    return rebuild(data, meta, header=(magic, version, flags), checksum=recompute or "kept"), recompute
 
 
 def _run(data: bytes, x: torch.Tensor):

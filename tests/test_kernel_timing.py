@@ -85,6 +85,7 @@ def fake_gpu(monkeypatch):
             return self.capture.pool()
 
     def empty_cache():  # how many timing graphs (not the kept workspace graphs) are still alive
+        # internal: the workspace graphs kept per stream are what an emptied cache must spare
         kept = set(kernel_timing._workspace_graphs.values())
         emptied.append(sum(1 for g in list(alive) if g not in kept))
 
@@ -155,6 +156,7 @@ def test_in_a_captured_plan_each_form_is_replayed_from_a_graph_on_its_capture_st
     assert first.pool_arg is None and second.pool_arg == first.pool()  # one pool for the two forms
     assert workspace_1.stream is stream and workspace_1.pool_arg is None  # made before the forms are captured
     assert workspace_2.pool_arg == workspace_1.pool()  # made again in the same pool, which stays alive
+    # internal: which workspace graph stays alive is what this checks
     assert [g.capture for g in kernel_timing._workspace_graphs.values()] == [workspace_2]
     assert kernel.emptied == [0, 0]  # after each timing, its graphs gone: their pool is handed back
     assert {g.mode for g in kernel.graphs} == {"thread_local"}  # another thread's host wait breaks nothing
@@ -194,6 +196,7 @@ def test_a_decision_timed_by_replay_is_not_reused_where_the_plan_times_on_a_stre
     choices, made = kernel_timing.Choices(), []
 
     def decide():
+        # internal: whether the bound plan times by replay is the key part this test checks
         made.append(kernel_timing._replays())
         return len(made)
 

@@ -41,66 +41,27 @@ def host_random(*shape):
 # one allocator call of exactly the tensor's bytes
 
 
-def test_h2d_one_copy_of_16_bytes_to_index_0(emu):
-    src = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    out = dev_tensor(emu, (4,))
+@pytest.mark.parametrize("direction, src_dev, dst_dev, shape, record", [
+    pytest.param("h2d", CPU, EMU0, (4,), CopyRecord("h2d", 16, 0), id="h2d-one-copy-of-16-bytes-to-index-0"),
+    pytest.param("h2d", CPU, EMU0, (2, 3), CopyRecord("h2d", 24, 0), id="h2d-2x3-is-24-bytes"),
+    pytest.param("d2h", EMU0, CPU, (4,), CopyRecord("d2h", 16, 0), id="d2h-mirror-one-copy-from-source-index"),
+    pytest.param("h2d", CPU, EMU1, (4,), CopyRecord("h2d", 16, 1), id="h2d-index-comes-from-the-destination"),
+    pytest.param("d2h", EMU1, CPU, (2, 2), CopyRecord("d2h", 16, 1), id="d2h-index-comes-from-the-source"),
+    pytest.param("d2d", EMU0, EMU1, (3, 2), CopyRecord("d2d", 24, 1, src_index=0), id="d2d-is-one-device-to-device-copy"),
+])
+def test_one_allocator_copy_of_exactly_the_tensors_bytes(emu, direction, src_dev, dst_dev, shape, record):
+    """Random values copied by one allocator call of the tensor's bytes, to the device index of the
+    device side (the destination's for h2d and d2d), into `out` itself, allocating nothing."""
+    values = host_random(*shape)
+    src = values if src_dev.is_cpu else dev_tensor(emu, shape, index=src_dev.index, values=values)
+    out = torch.full(shape, float("nan")) if dst_dev.is_cpu else dev_tensor(emu, shape, index=dst_dev.index)
     emu.reset_counters()
-    result = CopyKernel("h2d", CPU, EMU0, 16)(src, out)
+    result = CopyKernel(direction, src_dev, dst_dev, record.nbytes)(src, out)
     assert result is out
-    assert emu.copies == [CopyRecord("h2d", 16, 0)]
+    assert emu.copies == [record]
     assert emu.allocations == 0
-    assert torch.equal(out, src)
-    assert device_of(out) == EMU0
-
-
-def test_h2d_random_values_and_2x3_is_24_bytes(emu):
-    src = host_random(2, 3)
-    out = dev_tensor(emu, (2, 3))
-    emu.reset_counters()
-    CopyKernel("h2d", CPU, EMU0, 24)(src, out)
-    assert emu.copies == [CopyRecord("h2d", 24, 0)]
-    assert torch.equal(out, src)
-
-
-def test_d2h_mirror_one_copy_from_source_index(emu):
-    values = host_random(4)
-    src = dev_tensor(emu, (4,), values=values)
-    out = torch.full((4,), float("nan"))
-    emu.reset_counters()
-    result = CopyKernel("d2h", EMU0, CPU, 16)(src, out)
-    assert result is out
-    assert emu.copies == [CopyRecord("d2h", 16, 0)]
     assert torch.equal(out, values)
-    assert device_of(out) == CPU
-
-
-def test_h2d_index_comes_from_the_destination(emu):
-    src = host_random(4)
-    out = dev_tensor(emu, (4,), index=1)
-    emu.reset_counters()
-    CopyKernel("h2d", CPU, EMU1, 16)(src, out)
-    assert emu.copies == [CopyRecord("h2d", 16, 1)]
-    assert torch.equal(out, src)
-
-
-def test_d2h_index_comes_from_the_source(emu):
-    values = host_random(2, 2)
-    src = dev_tensor(emu, (2, 2), index=1, values=values)
-    out = torch.zeros(2, 2)
-    emu.reset_counters()
-    CopyKernel("d2h", EMU1, CPU, 16)(src, out)
-    assert emu.copies == [CopyRecord("d2h", 16, 1)]
-    assert torch.equal(out, values)
-
-
-def test_d2d_is_one_device_to_device_copy(emu):
-    values = host_random(3, 2)
-    src = dev_tensor(emu, (3, 2), index=0, values=values)
-    out = dev_tensor(emu, (3, 2), index=1)
-    emu.reset_counters()
-    CopyKernel("d2d", EMU0, EMU1, 24)(src, out)
-    assert emu.copies == [CopyRecord("d2d", 24, 1, src_index=0)]
-    assert torch.equal(out, values)
+    assert device_of(out) == dst_dev
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.int32, torch.int64, torch.bool])

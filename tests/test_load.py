@@ -13,7 +13,7 @@ import ferry
 from ferry.errors import AllocationError, ProgramError
 from ferry.program import TensorValue, validate_program
 from ferry.runtime.stages.load import load_memory
-from models import Add, Owners, fresh_inputs, small, transformer_block
+from models import Add, Owners, fresh_inputs, loaded_bytes, small, transformer_block
 
 
 def _planned(program, method="forward"):
@@ -145,10 +145,7 @@ def test_delegates_work_in_one_arena_per_device(emu):
 def test_a_memory_limit_is_checked_before_anything_is_allocated(emu):
     model, example = transformer_block()
     program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0"))
-    m = ferry.Module(program)
-    m.load_method()
-    used = emu.live_bytes
-    m.close()
+    used = loaded_bytes(emu, program)
     emu.reset_counters()
     for limit in (used - 1, {"emu:0": used - 1}, {"emu": "1KiB"}):
         with pytest.raises(AllocationError, match=r"needs [\d,]+ bytes on emu:0, over the limit .* nothing was allocated"):

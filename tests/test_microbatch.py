@@ -16,7 +16,7 @@ from torch import nn
 import ferry
 from ferry import ConfigError, InputError
 from ferry.runtime import emulated_device
-from models import gpt2_lm
+from models import gpt2_lm, loaded_method
 from test_device_map import DAG_EXAMPLES, RandomDag, TinyLM, ids, split_map
 
 
@@ -53,7 +53,7 @@ def test_graphs_are_captured_per_stage_and_replayed_for_every_part(emu_async, gr
     for seed in range(4):
         x = ids(seed, (5, 10))  # 2 + 2 + 1 (padded to the program's 2 rows)
         torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
-    captured = [g for g in module._instances[0].methods["forward"].graphs if g.graph is not None]
+    captured = [g for g in loaded_method(module).graphs if g.graph is not None]
     if graphs:  # one graph per stage (the delegate on each device); the copies run eagerly
         assert len(captured) == 2 and all("delegate" in g.label for g in captured)
     else:
@@ -67,6 +67,7 @@ def test_the_host_waits_once_per_call_not_once_per_part(emu_async, monkeypatch):
     module = ferry.Module(program, microbatches=4)
     module(ids(1, (8, 10)))  # the first call runs its first part with the checks
     api = emu_async.streams_api()
+    # internal: the simulated device's one host-wait entry point counts the work queued before each wait
     start, queued_at_waits, real = api.launched, [], api._host_wait
     monkeypatch.setattr(api, "_host_wait", lambda done: (queued_at_waits.append(api.launched - start), real(done))[1])
     x = ids(2, (8, 10))
@@ -84,7 +85,7 @@ def test_a_dynamic_batch_splits_evenly_without_padding(emu_any):
         x = ids(rows, (rows, 10))
         torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
     # parts of 8, 4 + 3, 2 + 1 and 1 + 1 rows: each part shape is bound once, as a call's is
-    assert module._instances[0].methods["forward"].shape_plans() == 5
+    assert loaded_method(module).shape_plans() == 5
     with pytest.raises(InputError, match="at most 16 rows"):
         module(ids(0, (17, 10)))
 

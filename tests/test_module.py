@@ -655,7 +655,7 @@ def test_nested_and_quantized_inputs_are_input_errors():
 def test_the_fast_input_check_accepts_only_what_the_full_check_accepts():
     """Fixed-shape CUDA inputs are checked by a few comparisons per call (runtime/stages/method.py);
     anything unusual falls through to the full check and its clear errors."""
-    from ferry.runtime.stages.method import _is_expected
+    from ferry.runtime.stages.method import _is_expected  # internal: the fast check is what this compares with the full one
 
     where, shape = torch.device("cpu"), torch.Size([2, 3])
     t = torch.randn(2, 3)

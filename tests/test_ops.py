@@ -123,6 +123,7 @@ def test_ops_appear_in_exported_graphs():
 
 def test_reload_reuses_the_ops():
     before = {name: (packet(name).default, packet(name).out) for name in NAMES}
+    # internal: the torch.library registration object is what a reload must keep
     lib = ferry.ops.copies._lib
     try:
         importlib.reload(ferry.ops.copies)

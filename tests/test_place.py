@@ -70,6 +70,15 @@ def check_matches_eager(lp, model, n_inputs=2, shape=(2, 3), seed=11):
         torch.testing.assert_close(got, want)
 
 
+def placed_like_eager(model, partitioner, copies, **flags):
+    """The graph of `model` placed by `partitioner`, checked to make exactly `copies` ({direction:
+    count}) and to run like eager."""
+    lp = placed(model, partitioner, **flags)
+    assert count_copies(lp.graph_module) == copies
+    check_matches_eager(lp, model)
+    return lp.graph_module
+
+
 # ---------------------------------------------------------------------------------------------
 # target device
 
@@ -96,15 +105,12 @@ def test_bad_index_in_compile_spec():
 
 
 def test_no_target_device_stays_on_cpu_with_zero_copies():
-    m = AddChain()
-    lp = placed(m, Fixed(Partition(["add"], [("max_value", b"4")]), Partition(["add_1"])))
-    gm = lp.graph_module
+    gm = placed_like_eager(AddChain(), Fixed(Partition(["add"], [("max_value", b"4")]), Partition(["add_1"])),
+                           copies={"h2d": 0, "d2h": 0, "d2d": 0})
     assert len(delegate_nodes(gm)) == 2
-    assert count_copies(gm) == {"h2d": 0, "d2h": 0, "d2d": 0}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "call_function"):
             assert get_device(n) == CPU, n
-    check_matches_eager(lp, m)
 
 
 def test_call_delegate_without_a_lowered_module_is_a_clear_error():
@@ -134,10 +140,7 @@ def test_call_delegate_with_get_attr_of_a_plain_module_is_a_clear_error():
 
 
 def test_single_add_copies_order_and_devices():
-    m = Add()
-    lp = placed(m, OpSupportPartitioner("cuda:0"))
-    gm = lp.graph_module
-    assert count_copies(gm) == {"h2d": 2, "d2h": 1, "d2d": 0}
+    gm = placed_like_eager(Add(), OpSupportPartitioner("cuda:0"), copies={"h2d": 2, "d2h": 1, "d2d": 0})
     ops = [n for n in gm.graph.nodes if n.op != "get_attr"]
     kinds = []
     for n in ops:
@@ -165,7 +168,6 @@ def test_single_add_copies_order_and_devices():
     assert d2h.args[0] is item and get_device(d2h) == CPU
     assert outputs(gm) == [d2h]
     assert get_device(x) == CPU and get_device(y) == CPU
-    check_matches_eager(lp, m)
 
 
 def test_index_of_target_is_kept():
@@ -176,10 +178,7 @@ def test_index_of_target_is_kept():
 
 
 def test_chain_on_one_device_has_no_copy_between_delegates():
-    m = AddChain()
-    lp = placed(m, PerAdd("cuda:0"))
-    gm = lp.graph_module
-    assert count_copies(gm) == {"h2d": 2, "d2h": 1, "d2d": 0}
+    gm = placed_like_eager(AddChain(), PerAdd("cuda:0"), copies={"h2d": 2, "d2h": 1, "d2d": 0})
     d0, d1 = delegate_nodes(gm)
     (z,) = d0.users
     assert z in d1.args  # the device value flows straight in
@@ -187,14 +186,10 @@ def test_chain_on_one_device_has_no_copy_between_delegates():
     # y is read by both delegates through one shared h2d
     y_copy = [c for c in copy_nodes(gm, "h2d") if c.args[0].name == "y"]
     assert len(y_copy) == 1 and {u for u in y_copy[0].users} == {d0, d1}
-    check_matches_eager(lp, m)
 
 
 def test_cross_device_is_one_d2d_and_no_round_trip():
-    m = AddChain()
-    lp = placed(m, PerAdd("cuda:0", "cuda:1"))
-    gm = lp.graph_module
-    assert count_copies(gm) == {"h2d": 3, "d2h": 1, "d2d": 1}
+    gm = placed_like_eager(AddChain(), PerAdd("cuda:0", "cuda:1"), copies={"h2d": 3, "d2h": 1, "d2d": 1})
     d0, d1 = delegate_nodes(gm)
     (z,) = d0.users
     (d2d,) = copy_nodes(gm, "d2d")
@@ -205,15 +200,11 @@ def test_cross_device_is_one_d2d_and_no_round_trip():
     for c in copy_nodes(gm, "h2d"):
         assert c.args[0].op == "placeholder"
     assert sorted(str(get_device(c)) for c in copy_nodes(gm, "h2d")) == ["cuda:0", "cuda:0", "cuda:1"]
-    check_matches_eager(lp, m)
 
 
 def test_fan_out_shares_one_h2d_per_input():
-    m = FanOut()
-    lp = placed(m, PerAdd("cuda:0"))
-    gm = lp.graph_module
+    gm = placed_like_eager(FanOut(), PerAdd("cuda:0"), copies={"h2d": 2, "d2h": 1, "d2d": 0})
     assert len(delegate_nodes(gm)) == 4
-    assert count_copies(gm) == {"h2d": 2, "d2h": 1, "d2d": 0}
     a, b = placeholders(gm)
     h2d = copy_nodes(gm, "h2d")
     assert sorted(c.args[0].name for c in h2d) == ["a", "b"]
@@ -221,14 +212,10 @@ def test_fan_out_shares_one_h2d_per_input():
         assert len(c.users) == 2  # t and u (a) / t and w (b)
         assert all(u.target is call_delegate for u in c.users)
     assert list(a.users) == [h2d[0]] and list(b.users) == [h2d[1]]
-    check_matches_eager(lp, m)
 
 
 def test_output_that_feeds_a_delegate_and_a_cpu_op_has_one_shared_d2h():
-    m = SharedOutput()
-    lp = placed(m, PerAdd("cuda:0"))
-    gm = lp.graph_module
-    assert count_copies(gm) == {"h2d": 2, "d2h": 2, "d2d": 0}
+    gm = placed_like_eager(SharedOutput(), PerAdd("cuda:0"), copies={"h2d": 2, "d2h": 2, "d2d": 0})
     d0, d1 = delegate_nodes(gm)
     (a,) = d0.users
     assert d1 in a.users  # device-side consumer reads it directly
@@ -239,7 +226,6 @@ def test_output_that_feeds_a_delegate_and_a_cpu_op_has_one_shared_d2h():
     assert users == {relu[0], gm.graph.output_node()}
     assert outputs(gm)[0] is a_d2h[0]
     assert get_device(relu[0]) == CPU
-    check_matches_eager(lp, m)
 
 
 def test_same_value_returned_twice_is_copied_once():
@@ -323,10 +309,8 @@ def test_legacy_mode_inserts_no_copies_and_places_every_value_in_host_memory():
     planner then ignores devices; ferry places values where their memory is (the host), so
     emit and the planner read one fact and decide nothing again. The delegates keep their
     target device and move their own data."""
-    m = AddChain()
-    lp = placed(m, PerAdd("cuda:0"), enable_non_cpu_memory_planning=False)
-    gm = lp.graph_module
-    assert count_copies(gm) == {"h2d": 0, "d2h": 0, "d2d": 0}
+    gm = placed_like_eager(AddChain(), PerAdd("cuda:0"), enable_non_cpu_memory_planning=False,
+                           copies={"h2d": 0, "d2h": 0, "d2d": 0})
     d0, d1 = delegate_nodes(gm)
     for d in (d0, d1):
         assert get_device(d) == CPU
@@ -337,7 +321,6 @@ def test_legacy_mode_inserts_no_copies_and_places_every_value_in_host_memory():
             assert get_device(u) == CPU
     x, y = placeholders(gm)
     assert get_device(x) == CPU and get_device(y) == CPU
-    check_matches_eager(lp, m)
 
 
 def test_legacy_mode_leaves_cpu_ops_on_cpu():
@@ -359,49 +342,37 @@ def test_skip_flags_with_legacy_mode_fail_at_construction(flag):
 
 
 def test_skip_h2d():
-    m = Add()
-    lp = placed(m, OpSupportPartitioner("cuda:0"), skip_h2d_for_method_inputs=True)
-    gm = lp.graph_module
-    assert count_copies(gm) == {"h2d": 0, "d2h": 1, "d2d": 0}
+    gm = placed_like_eager(Add(), OpSupportPartitioner("cuda:0"), skip_h2d_for_method_inputs=True,
+                           copies={"h2d": 0, "d2h": 1, "d2d": 0})
     x, y = placeholders(gm)
     assert get_device(x) == CUDA0 and get_device(y) == CUDA0
     (d,) = delegate_nodes(gm)
     assert list(d.args[1:]) == [x, y]
-    check_matches_eager(lp, m)
 
 
 def test_skip_d2h():
-    m = Add()
-    lp = placed(m, OpSupportPartitioner("cuda:0"), skip_d2h_for_method_outputs=True)
-    gm = lp.graph_module
-    assert count_copies(gm) == {"h2d": 2, "d2h": 0, "d2d": 0}
+    gm = placed_like_eager(Add(), OpSupportPartitioner("cuda:0"), skip_d2h_for_method_outputs=True,
+                           copies={"h2d": 2, "d2h": 0, "d2d": 0})
     (out,) = outputs(gm)
     assert out.target is operator.getitem and get_device(out) == CUDA0
-    check_matches_eager(lp, m)
 
 
 def test_skip_both():
-    m = AddChain()
-    lp = placed(m, PerAdd("cuda:0"), skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True)
-    gm = lp.graph_module
-    assert count_copies(gm) == {"h2d": 0, "d2h": 0, "d2d": 0}
+    gm = placed_like_eager(AddChain(), PerAdd("cuda:0"), skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True,
+                           copies={"h2d": 0, "d2h": 0, "d2d": 0})
     assert all(get_device(p) == CUDA0 for p in placeholders(gm))
     assert all(get_device(o) == CUDA0 for o in outputs(gm))
-    check_matches_eager(lp, m)
 
 
 def test_skip_h2d_input_also_read_by_a_cpu_op():
-    m = InputToCpuAndDelegate()
-    lp = placed(m, PerAdd("cuda:0"), skip_h2d_for_method_inputs=True)
-    gm = lp.graph_module
+    gm = placed_like_eager(InputToCpuAndDelegate(), PerAdd("cuda:0"), skip_h2d_for_method_inputs=True,
+                           copies={"h2d": 0, "d2h": 2, "d2d": 0})
     x, y = placeholders(gm)
     assert get_device(x) == CUDA0 and get_device(y) == CUDA0
-    assert count_copies(gm) == {"h2d": 0, "d2h": 2, "d2d": 0}
     (sin,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.sin.default]
     (src,) = sin.all_input_nodes
     assert O.is_copy_node(src) and O.COPY_DIRECTION[src.target] == "d2h" and src.args[0] is x
     assert get_device(sin) == CPU
-    check_matches_eager(lp, m)
 
 
 def test_skip_h2d_input_only_read_by_cpu_ops_stays_on_cpu():
@@ -505,13 +476,10 @@ def test_skip_h2d_parameters_absorbed_not_placed():
 
 
 def test_skip_d2h_output_also_read_on_cpu():
-    m = SharedOutput()
-    lp = placed(m, PerAdd("cuda:0"), skip_d2h_for_method_outputs=True)
-    gm = lp.graph_module
+    gm = placed_like_eager(SharedOutput(), PerAdd("cuda:0"), skip_d2h_for_method_outputs=True,
+                           copies={"h2d": 2, "d2h": 1, "d2d": 0})  # one for relu only
     a, b, c = outputs(gm)
     assert get_device(a) == CUDA0 and get_device(b) == CUDA0 and get_device(c) == CPU
-    assert count_copies(gm) == {"h2d": 2, "d2h": 1, "d2d": 0}  # one for relu only
-    check_matches_eager(lp, m)
 
 
 # ---------------------------------------------------------------------------------------------

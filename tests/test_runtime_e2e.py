@@ -36,18 +36,13 @@ from models import (
     TwoLinears,
     WithParams,
     fresh_inputs,
+    skip_config,
     small,
     small_cnn,
     transformer_block,
 )
 
 EMU0 = Device("emu", 0)
-
-
-def cfg(skip_h2d=False, skip_d2h=False):
-    return ferry.CompileConfig(
-        propagate_device=ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=skip_h2d, skip_d2h_for_method_outputs=skip_d2h)
-    )
 
 
 class Twice(nn.Module):
@@ -101,23 +96,23 @@ CASES = {
     "params-and-buffer": Case(lambda: (WithParams(), (torch.randn(3, 8),)), emu_all(exclude=["aten.relu"]), None),
     "two-linears-two-devices": Case(lambda: (TwoLinears(), (torch.randn(3, 4),)), lambda: ByModulePath({"a": "emu:0", "b": "emu:1"}), None),
     "mutable-buffer": Case(lambda: (RunningSum(), small(n=1)), emu_all(), None, {"h2d": 1, "d2h": 1, "d2d": 0}),
-    "skip-h2d": Case(_pair(Add), emu_all(), cfg(skip_h2d=True), {"h2d": 0, "d2h": 1, "d2d": 0}),
-    "skip-d2h": Case(_pair(Add), emu_all(), cfg(skip_d2h=True), {"h2d": 2, "d2h": 0, "d2d": 0}),
-    "skip-both": Case(_pair(AddChain), lambda: PerAdd("emu:0"), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
-    "skip-both-two-devices": Case(_pair(AddChain), lambda: PerAdd("emu:0", "emu:1"), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 2}),
-    "skip-both-input-returned": Case(_pair(PassThrough), emu_all(), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
+    "skip-h2d": Case(_pair(Add), emu_all(), skip_config(h2d=True), {"h2d": 0, "d2h": 1, "d2d": 0}),
+    "skip-d2h": Case(_pair(Add), emu_all(), skip_config(d2h=True), {"h2d": 2, "d2h": 0, "d2d": 0}),
+    "skip-both": Case(_pair(AddChain), lambda: PerAdd("emu:0"), skip_config(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
+    "skip-both-two-devices": Case(_pair(AddChain), lambda: PerAdd("emu:0", "emu:1"), skip_config(True, True), {"h2d": 0, "d2h": 0, "d2d": 2}),
+    "skip-both-input-returned": Case(_pair(PassThrough), emu_all(), skip_config(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
     "input-returned": Case(_pair(PassThrough), emu_all(), None, {"h2d": 2, "d2h": 1, "d2d": 0}),
-    "skip-h2d-input-read-on-cpu": Case(_pair(InputToCpuAndDelegate), lambda: PerAdd("emu:0"), cfg(skip_h2d=True), {"h2d": 0, "d2h": 2, "d2d": 0}),
-    "skip-h2d-input-on-two-devices": Case(_pair(TwoDevices, n=3), lambda: PerAdd("emu:0", "emu:1"), cfg(skip_h2d=True), {"h2d": 0, "d2h": 2, "d2d": 1}),
-    "skip-d2h-output-read-on-cpu": Case(_pair(SharedOutput), lambda: PerAdd("emu:0"), cfg(skip_d2h=True), {"h2d": 2, "d2h": 1, "d2d": 0}),
-    "skip-h2d-params-absorbed": Case(lambda: (WithParams(), (torch.randn(3, 8),)), emu_all(), cfg(skip_h2d=True), {"h2d": 0, "d2h": 1, "d2d": 0}),
-    "skip-both-mutable-buffer": Case(lambda: (RunningSum(), small(n=1)), emu_all(), cfg(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
+    "skip-h2d-input-read-on-cpu": Case(_pair(InputToCpuAndDelegate), lambda: PerAdd("emu:0"), skip_config(h2d=True), {"h2d": 0, "d2h": 2, "d2d": 0}),
+    "skip-h2d-input-on-two-devices": Case(_pair(TwoDevices, n=3), lambda: PerAdd("emu:0", "emu:1"), skip_config(h2d=True), {"h2d": 0, "d2h": 2, "d2d": 1}),
+    "skip-d2h-output-read-on-cpu": Case(_pair(SharedOutput), lambda: PerAdd("emu:0"), skip_config(d2h=True), {"h2d": 2, "d2h": 1, "d2d": 0}),
+    "skip-h2d-params-absorbed": Case(lambda: (WithParams(), (torch.randn(3, 8),)), emu_all(), skip_config(h2d=True), {"h2d": 0, "d2h": 1, "d2d": 0}),
+    "skip-both-mutable-buffer": Case(lambda: (RunningSum(), small(n=1)), emu_all(), skip_config(True, True), {"h2d": 0, "d2h": 0, "d2d": 0}),
     "cnn-relu-on-cpu": Case(small_cnn, emu_all(exclude=["aten.relu"]), None),
     "cnn-all-delegated": Case(small_cnn, emu_all(), None, {"h2d": 1, "d2h": 1, "d2d": 0}),
     "cnn-cpu-only": Case(small_cnn, lambda: None, None, {"h2d": 0, "d2h": 0, "d2d": 0}),
     "transformer-gelu-on-cpu": Case(transformer_block, emu_all(exclude=["aten.gelu"]), None),
     "transformer-all-on-emu1": Case(transformer_block, lambda: ferry.OpSupportPartitioner("emu:1"), None, {"h2d": 1, "d2h": 1, "d2d": 0}),
-    "transformer-softmax-on-cpu-skip-both": Case(transformer_block, emu_all(exclude=["aten.softmax"]), cfg(True, True)),
+    "transformer-softmax-on-cpu-skip-both": Case(transformer_block, emu_all(exclude=["aten.softmax"]), skip_config(True, True)),
     "transformer-cpu-only": Case(transformer_block, lambda: None, None, {"h2d": 0, "d2h": 0, "d2d": 0}),
 }
 
@@ -322,28 +317,25 @@ def test_skip_d2h_allocates_exactly_the_outputs_per_call(emu):
 # two methods: a device hand-off with no host copy
 
 
-class Prefill(nn.Module):
-    def __init__(self):
+class Projected(nn.Module):
+    """`then(h, x)` of h, a Linear(8, 8) of x whose weights come from `seed`."""
+
+    def __init__(self, seed, then):
         super().__init__()
-        torch.manual_seed(1)
-        self.proj = nn.Linear(8, 8)
+        torch.manual_seed(seed)
+        self.proj, self.then = nn.Linear(8, 8), then
 
     def forward(self, x):
-        return torch.tanh(self.proj(x)) + x
+        return self.then(self.proj(x), x)
 
 
-class Decode(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(2)
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, h):
-        return self.proj(h) * h
+def prefill_and_decode():
+    """The models of two methods: prefill is tanh(W x) + x, decode is (V h) * h."""
+    return Projected(1, lambda h, x: torch.tanh(h) + x).eval(), Projected(2, lambda h, x: h * x).eval()
 
 
 def test_prefill_output_feeds_decode_on_the_device_without_host_copies(emu):
-    prefill, decode = Prefill().eval(), Decode().eval()
+    prefill, decode = prefill_and_decode()
     x0 = torch.randn(2, 8)
     eps = {"prefill": torch.export.export(prefill, (x0,)), "decode": torch.export.export(decode, (prefill(x0),))}
     config = ferry.CompileConfig(
@@ -388,7 +380,7 @@ def test_prefill_output_feeds_decode_on_the_device_without_host_copies(emu):
 
 def test_two_methods_share_nothing_at_run_time(emu):
     """Running one method does not disturb the other's planned memory."""
-    prefill, decode = Prefill().eval(), Decode().eval()
+    prefill, decode = prefill_and_decode()
     x0 = torch.randn(2, 8)
     program = ferry.compile(
         {"prefill": torch.export.export(prefill, (x0,)), "decode": torch.export.export(decode, (x0.clone(),))},

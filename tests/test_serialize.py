@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from edits import header_of, json_paths, metadata_of, parent_of, rebuild
 from ferry.device import CPU, Device
 from ferry.errors import ProgramError
 from ferry.program import (
@@ -38,7 +39,6 @@ from ferry.program import (
 from ferry.program import format as ser
 from ferry.program.schema import CONST_KINDS
 
-HEADER = struct.Struct("<8sIIQQ")
 CUDA0, CUDA1 = Device("cuda", 0), Device("cuda", 1)
 
 
@@ -174,26 +174,6 @@ def assert_same_program(a: Program, b: Program) -> None:
     assert repr(a.delegates) == repr(b.delegates)
     assert list(a.methods) == list(b.methods)
     assert [bytes(s) for s in a.segments] == [bytes(s) for s in b.segments]
-
-
-def header_of(data: bytes):
-    return HEADER.unpack_from(data, 0)
-
-
-def metadata_of(data: bytes) -> dict:
-    _, _, _, meta_len, _ = header_of(data)
-    return json.loads(data[32 : 32 + meta_len])
-
-
-def rebuild(data: bytes, meta: object, *, raw: bytes | None = None, checksum: bool = True) -> bytes:
-    """A file with `meta` (or raw metadata bytes) and the original segment area of `data`, its
-    metadata checksum recomputed (as someone who edits a file on purpose would), or not."""
-    area = header_of(data)[4]
-    meta_bytes = raw if raw is not None else json.dumps(meta).encode()
-    new_area = -(-(32 + len(meta_bytes) + 32) // 64) * 64
-    head = HEADER.pack(ser.MAGIC, ser.FORMAT_VERSION, ser.FLAG_CHECKSUMS, len(meta_bytes), new_area)
-    digest = hashlib.sha256(meta_bytes).digest() if checksum else bytes(32)
-    return head + meta_bytes + digest + bytes(new_area - 64 - len(meta_bytes)) + data[area:]
 
 
 def load_or_none(data) -> Program | None:
@@ -635,16 +615,6 @@ def test_fuzz_header_size_fields(base, field, value):
     assert (prog is None) == (new != old)
 
 
-def _paths(node, prefix=()):
-    yield prefix
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _paths(v, prefix + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _paths(v, prefix + (i,))
-
-
 REPLACEMENTS = [
     -1, -(2**63), -(2**64), 2**63, 2**64, 10**30, 0, 1, 2, 63, 64, 65, 1.5, -0.0, 1e308, "x", "", "nan", "inf",
     "cuda:0", "float32", None, True, False, [], {}, [0], [[0, 0]], {"type": "tensor"}, {"a": 1},
@@ -663,15 +633,12 @@ REPLACEMENTS = [
 def test_fuzz_json_edits(base, edits):
     meta = metadata_of(base)
     for pick, op, new in edits:
-        paths = list(_paths(meta))
+        paths = [path for path, _ in json_paths(meta)]
         path = paths[pick % len(paths)]
         if not path:
             meta = copy.deepcopy(new) if op == "replace" else meta
             continue
-        parent = meta
-        for key in path[:-1]:
-            parent = parent[key]
-        key = path[-1]
+        parent, key = parent_of(meta, path), path[-1]
         if op == "replace":
             parent[key] = copy.deepcopy(new)
         elif op == "delete":

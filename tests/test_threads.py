@@ -9,6 +9,7 @@ import torch
 
 import ferry
 from ferry.examples import transformer_block
+from models import loaded_bytes
 
 
 def _hammer(module, model, example, threads: int, calls: int):
@@ -49,10 +50,7 @@ def test_eight_threads_share_one_module(emu, concurrency):
 def test_concurrency_allocates_a_set_of_memory_each(emu):
     model, example = transformer_block()
     program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0"))
-    single = ferry.Module(program)
-    single.load_method()
-    one = emu.live_bytes
-    single.close()
+    one = loaded_bytes(emu, program)
     assert emu.live_bytes == 0
     triple = ferry.Module(program, concurrency=3)
     triple.load_method()
