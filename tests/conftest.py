@@ -19,10 +19,8 @@ import pytest
 import torch
 
 from ferry.runtime import emulated_device
-from ferry.runtime.choices import attention as attention_choice
-from ferry.runtime.choices import conv as conv_choice
-from ferry.runtime.choices import gemm as gemm_choice
-from ferry.runtime.choices import timing as kernel_timing
+from ferry.choices import timing as kernel_timing
+from ferry.choices.decisions import DECISIONS
 
 
 @pytest.fixture
@@ -57,9 +55,11 @@ def full_fp32():
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    for module in (gemm_choice, attention_choice, conv_choice):
-        monkeypatch.setattr(module, "_choices", kernel_timing.Choices())
+def fresh():
+    """No kernel decision of an earlier test: the one cache (ferry.choices.decisions) emptied."""
+    DECISIONS.forget()
+    yield
+    DECISIONS.forget()
 
 
 @pytest.fixture
@@ -67,12 +67,12 @@ def timed(monkeypatch, fresh):
     class Timer:
         times, calls = (100.0, 40.0), 0
 
-        def __call__(self, eager, other):
+        def __call__(self, eager, other, stream=None):
             eager(), other()  # both are run, as the real timing does
             Timer.calls += 1
             return Timer.times
 
-    monkeypatch.setattr(kernel_timing, "gpu_of", kernel_timing.device_of)
+    monkeypatch.setattr(kernel_timing, "gpu_of", lambda operands, device=None: device or kernel_timing.real_device(operands))
     monkeypatch.setattr(kernel_timing, "on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kernel_timing, "time_both", Timer())
     return Timer

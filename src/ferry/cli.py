@@ -331,8 +331,8 @@ def _open(program, args):
 
 
 def _timed_runs(module, program, args) -> int:
+    from ferry.choices import summary as kernel_choices
     from ferry.program.report import copy_report
-    from ferry.runtime.choices import summary as kernel_choices
 
     meta = module.method_meta(args.method)
     inputs = _random_inputs(meta, args.microbatches or 1) if args.inputs == "random" else _npz_inputs(args.inputs, meta)

@@ -18,12 +18,12 @@ import sympy
 import torch
 import torch.fx
 
-from ferry.aot import meta as M
+from ferry import node_meta as M
 from ferry.aot.config import MethodOptions
-from ferry.aot.kernel_choice import KernelChoice, choose_kernel
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
 from ferry.aot.plan import InPlace, PlanValue, plan_memory
 from ferry.backend_registry import get_backend
+from ferry.choices.out_kernels import choose_kernel, kernel_for
 from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
 from ferry.layout import is_dense
@@ -324,15 +324,14 @@ class _MethodEmitter:
         vals = list(val) if isinstance(val, (tuple, list)) else [val]
         dev = self.device_of(node)
         outs = tuple(self.tensor_value(node, v, dev) for v in vals)
-        choice = (KernelChoice(op, True, "compiled with the rest of the graph") if self.opts.functional_kernels
-                  else choose_kernel(op, node, dev.type))
-        if choice.functional:
+        choice = None if self.opts.functional_kernels else choose_kernel(op, node, dev.type)
+        if choice is None or choice.pick == "functional":
             self.runtime_alloc.update(outs)
             self.allocating_ops.append(kernel_name(op))
-            self.kernel_choices.setdefault(kernel_name(op), choice.reason)
+            self.kernel_choices.setdefault(kernel_name(op), choice.why if choice else "compiled with the rest of the graph")
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}, dev), outs))
         else:
-            out_op = choice.op
+            out_op = kernel_for(op, choice)
             out_names = [a.name for a in out_op._schema.arguments if a.is_out]
             args = self.schema_args(out_op, node, dict(zip(out_names, outs)))
             self.out_ops[len(self.instructions)] = out_op
@@ -411,7 +410,7 @@ class _MethodEmitter:
         # (after the payload: an op inside that ferry refuses is named by the backend's emit first)
         outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
         self.b.delegates.append(Delegate(backend.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
-        if getattr(backend, "returns_outputs", False) and self.opts.device_placement:
+        if backend.returns_outputs and self.opts.device_placement:
             # compiled code makes its own results: planning them too would hold each twice and copy
             self.runtime_alloc.update(outs)
             name = f"delegate {index} ({backend.backend_id})"
@@ -423,11 +422,10 @@ class _MethodEmitter:
     def _scratch(self, backend, payload, index: int) -> tuple[int, ...]:
         """The delegate's working memory, as values of this method: planned in the arena of their
         device, alive only while the delegate runs (legacy mode: the delegate keeps its own)."""
-        needs = getattr(backend, "memory_needs", None)
-        if needs is None or not self.opts.device_placement:
+        if not self.opts.device_placement:
             return ()
         out = []
-        for j, buf in enumerate(needs(payload)):
+        for j, buf in enumerate(backend.memory_needs(payload)):
             self.values.append(TensorValue("uint8", (buf.size,), buf.device, name=f"delegate_{index}_memory_{j}"))
             out.append(len(self.values) - 1)
         return tuple(out)

@@ -11,7 +11,7 @@ import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from ferry.aot import meta as M
+from ferry import node_meta as M
 from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_device
 from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
 from ferry.device import Device

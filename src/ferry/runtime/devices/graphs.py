@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ferry.runtime.choices import timing as kernel_timing
+from ferry import capture as shared_capture
 
 
 class _Graph(Protocol):
@@ -86,7 +86,7 @@ class GraphSegment:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 stream = self.streams.capture_stream(self.index)
-                with kernel_timing.LOCK, self.api.device(self.index):  # a kernel timed meanwhile would break it
+                with shared_capture.LOCK, self.api.device(self.index):  # a kernel timed meanwhile would break it
                     self.api.prepare_capture(stream)
                     with self.api.capture(graph, stream):
                         self._eager()
