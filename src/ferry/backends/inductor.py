@@ -30,8 +30,9 @@ import warnings
 import torch
 import torch.fx
 
-from ferry.aot.emit import ProgramBuilder, emit_method
+from ferry.aot.emit import emit_method
 from ferry.aot.place import delegate_target_device
+from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
 from ferry.backends.torch import payload_load_bytes
 from ferry.device import CPU

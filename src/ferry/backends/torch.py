@@ -12,9 +12,10 @@ import dataclasses
 
 import torch
 
-from ferry.aot.emit import ProgramBuilder, emit_method
+from ferry.aot.emit import emit_method
 from ferry.aot.fuse import fuse_for_inference, fusion_notes
 from ferry.aot.place import delegate_target_device
+from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
 from ferry.device import CPU
 from ferry.errors import ProgramError
