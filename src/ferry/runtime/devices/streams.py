@@ -44,7 +44,7 @@ class CudaApi:
     @staticmethod
     def prepare_capture(stream) -> None:
         """Before graphs are captured on `stream`: its cuBLAS workspace made
-        where no module's closing can free it under a live graph (runtime/choices/timing.py)."""
+        where no module's closing can free it under a live graph (ferry/capture.py)."""
         shared_capture.keep_workspace(stream)
 
     @staticmethod

@@ -67,7 +67,7 @@ class BindContext:
     streams:      a CopyStreams issuing copies on an asynchronous device, or None
     page_locked:  whether a host tensor is page-locked (None: ask the tensor)
     transport:    the copies between ranks of a program split over processes (runtime/parallel/transport.py)
-    measure:      the method is loading, so kernels chosen by timing (runtime/choices/) may be timed now; a
+    measure:      the method is loading, so kernels chosen by timing (ferry/choices/) may be timed now; a
                   plan bound during a call uses only what was timed before
     capture:      the captured plan this one runs in (itself, where it runs as CUDA graphs; a delegate's,
                   its caller's): then kernels faster on the GPU that launch more (attention, convolutions
