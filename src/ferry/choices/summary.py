@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ferry.choices.decisions import DECISIONS, Decision
 
-__all__ = ["summary"]
+__all__ = ["details", "summary"]
 
 
 def summary(decisions: list[Decision] | None = None) -> list[str]:
@@ -15,6 +15,14 @@ def summary(decisions: list[Decision] | None = None) -> list[str]:
     made = DECISIONS.values(timed=True) if decisions is None else decisions
     families = list(dict.fromkeys(d.family for d in made))
     return [_line(family, [d for d in made if d.family == family]) for family in families]
+
+
+def details(decisions: list[Decision] | None = None) -> list[str]:
+    """One line per decision timed at load: where, the forms and their times, the pick and why."""
+    made = DECISIONS.values(timed=True) if decisions is None else decisions
+    return [f"{d.family} {d.shape} on {d.device}: "
+            + ", ".join(f"{form} {us:.1f} µs" for form, us in zip(d.forms, d.times_us))
+            + f" -> {d.pick} ({d.why})" for d in made]
 
 
 def _line(family: str, made: list[Decision]) -> str:
