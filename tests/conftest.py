@@ -5,7 +5,7 @@ work runs synchronously with the host. `emu_async`: the same, but its device wor
 GPU's does — queued on simulated streams and run only when the host waits — so a missing
 host wait gives a wrong answer (runtime/devices/simulated.py).
 
-`fresh`: no kernel choices (runtime/choices/timing.py) carried over from other tests. `timed`: any
+`fresh`: no kernel decisions (ferry/choices/decisions.py) carried over from other tests. `timed`: any
 device counts as a GPU and the timing of a kernel choice is faked: `timed.times` are the
 (eager µs, alternative µs) it returns, `timed.calls` counts the measurements. `count_calls(module,
 name)`: `module.name` wrapped for one test; returns the list of each call's positional arguments.
@@ -18,9 +18,9 @@ import contextlib
 import pytest
 import torch
 
-from ferry.runtime import emulated_device
 from ferry.choices import timing as kernel_timing
 from ferry.choices.decisions import DECISIONS
+from ferry.runtime import emulated_device
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import ferry
+from ferry.backend_registry import NOT_CAPTURED
 from ferry.runtime.stages import run as run_module
 from models import fresh_inputs
 
@@ -138,7 +139,7 @@ def test_only_the_delegates_fresh_outputs_on_the_declared_device_are_made_by_it(
         calls = [ins for ins in method.instructions if not hasattr(ins, "kernel")]
         assert len(calls) == len(fresh)
         for ins, want in zip(calls, fresh):
-            handle = module._init_delegate(ins.delegate, [])
+            handle = module._init_delegate(ins.delegate, [], NOT_CAPTURED)  # loaded on its own
             declared = [method.values[v] for v in ins.outputs]
             assert all(v.storage == "output" and str(v.device) == "emu:0" for v in declared)
             assert [handle.makes_output(i, v) for i, v in enumerate(declared)] == want

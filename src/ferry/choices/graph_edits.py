@@ -33,7 +33,7 @@ def constant(gm, name: str, value: torch.Tensor, like: torch.fx.Node) -> torch.f
     while hasattr(gm, target):
         target += "_"
     gm.register_buffer(target, value)
-    node = gm.graph.getattr(target)
+    node = gm.graph.get_attr(target)
     device = M.get_device(like)
     if device is not None:
         M.set_device(node, device)
