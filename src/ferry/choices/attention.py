@@ -7,10 +7,10 @@ memory-efficient kernel, which is slow at short sequences on an H200: ViT-B/16's
 tokens take 28.9 µs there, q @ kᵀ, the softmax and @ v 18.7. With a causal mask, at 64 tokens or
 at ViT's batch 4 the fused kernel is the faster (`bench/gemm_kernels.py`). The fused op of
 `nn.MultiheadAttention` (`_native_multi_head_attention`) also runs its two projections as
-`addmm`, whose kernels cuBLAS picks slowly at some shapes (runtime/choices/gemm.py). No rule of
+`addmm`, whose kernels cuBLAS picks slowly at some shapes (choices/gemm.py). No rule of
 shapes holds across GPUs, so each distinct attention is timed both ways when a method loads, on
 the GPU it loads on, and the composed form is kept where it saves at least 10% and 2 µs
-(runtime/choices/timing.py), by replaying graphs of each form on the plan's capture stream: a
+(choices/timing.py), by replaying graphs of each form on the plan's capture stream: a
 stream leaves a gap after each launch that a replay does not (nn.MultiheadAttention at ViT-B/16's
 batch 1, composed against fused: 84.7 against 90.7 µs on a stream, 74.1 against 89.1 replayed,
 `bench/gemm_kernels.py`).

@@ -16,7 +16,7 @@ an H200 idle when the image is small and the channels many; at batch 1 with TF32
 
 No rule of shapes holds across GPUs, so each distinct convolution of ferry's fused ops
 (ops/fused.py) is timed both ways when a method loads, and the GEMM kept where it saves at
-least 10% and 2 µs (runtime/choices/timing.py).
+least 10% and 2 µs (choices/timing.py).
 
 Only in captured plans: the GEMM form launches up to five kernels for cuDNN's one, and without
 graphs that made ResNet-50 at batch 1 slower (bench/results/conv1x1_gemm_experiment.json). Only
