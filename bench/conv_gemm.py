@@ -1,7 +1,7 @@
 """ResNet's convolutions of one image on CUDA: cuDNN (as eager runs them, the fused call ferry's
 ops make, and channels-last) against ferry's GEMM over the image's patches
-(`conv_choice.conv_as_gemm`: im2col, one GEMM, the bias and the ReLU in place), µs each replayed
-from a CUDA graph, TF32 off. The measurements behind runtime/choices/conv.py.
+(`ferry.choices.conv.conv_as_gemm`: im2col, one GEMM, the bias and the ReLU in place), µs each replayed
+from a CUDA graph, TF32 off. The measurements behind ferry/choices/conv.py.
 
     python bench/conv_gemm.py
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, write_json  # noqa: E402
 from gemm_kernels import graph_us  # noqa: E402
 
-from ferry.runtime.choices.conv import conv_as_gemm  # noqa: E402
+from ferry.choices.conv import conv_as_gemm  # noqa: E402
 
 # (in, out, image side, kernel, stride, padding, times in ResNet-50, times in ResNet-18)
 SHAPES = [(3, 64, 224, 7, 2, 3, 1, 1),

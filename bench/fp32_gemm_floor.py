@@ -78,7 +78,7 @@ def one_gemm(m, k, n, triton: bool) -> dict:
 
 def layer(x, p):
     """One encoder layer as ferry runs it in a captured plan at batch 1 (attention composed)."""
-    from ferry.runtime.choices.attention import composed_attention
+    from ferry.choices.attention import composed_attention
 
     h = F.layer_norm(x, (WIDTH,), p["ln1_w"], p["ln1_b"])
     qkv = torch.addmm(p["in_b"], h, p["in_w"].t())

@@ -1,7 +1,7 @@
 """fp32 GEMMs with a bias and attention on CUDA, eager's fused kernels against the composed forms
 ferry may choose, at the shapes of BERT, ViT-B/16 and GPT-2; µs each, replayed from a CUDA graph
-(the GPU's time alone). The measurements behind runtime/choices/gemm.py and
-runtime/choices/attention.py.
+(the GPU's time alone). The measurements behind ferry/choices/gemm.py and
+ferry/choices/attention.py.
 
     python bench/gemm_kernels.py
 
@@ -11,7 +11,7 @@ out (in, out) instead of transposed). Last, ViT's attention block: the fused
 `_native_multi_head_attention` against its GEMMs and `scaled_dot_product_attention` run apart,
 and against ferry's composed form with every part composed (attention_choice's). Then
 `scaled_dot_product_attention` (fp32: the memory-efficient kernel) against q @ kᵀ, softmax, @ v
-(`attention_choice.composed_attention`; causal ones with the mask applied to the scores, as
+(`ferry.choices.attention.composed_attention`; causal ones with the mask applied to the scores, as
 eager's math would: ferry keeps the fused kernel for those).
 """
 
@@ -107,14 +107,16 @@ def attention(batch, embed=768, heads=12, seq=197) -> dict:
 
 def _all_composed(x, weights, heads):
     """attention_choice's multi-head form with every part composed (the timing forced to favour them)."""
-    from ferry.runtime.choices import attention as attention_choice
-    from ferry.runtime.choices import timing as kernel_timing
+    from ferry.choices import attention as attention_choice
+    from ferry.choices import timing as kernel_timing
+    from ferry.choices.decisions import Site
 
     saved = kernel_timing.KEEP_IF_ABOVE, kernel_timing.MIN_SAVING_US
     kernel_timing.KEEP_IF_ABOVE, kernel_timing.MIN_SAVING_US = float("inf"), -float("inf")
     try:
-        fn = attention_choice.chosen(torch.ops.aten._native_multi_head_attention.default,
-                                     [x, x, x, x.shape[2], heads, *weights], {"need_weights": False}, True)
+        fn = attention_choice.form(torch.ops.aten._native_multi_head_attention.default,
+                                   [x, x, x, x.shape[2], heads, *weights], {"need_weights": False},
+                                   Site(x.device, measure=True, captured=True))
     finally:
         kernel_timing.KEEP_IF_ABOVE, kernel_timing.MIN_SAVING_US = saved
     assert fn is not None and fn.parts == (True, True, True)
@@ -128,7 +130,7 @@ ATTENTION = {  # (batch, heads, tokens, head_dim, causal)
 
 
 def sdpa(group, b, h, t, d, causal) -> dict:
-    from ferry.runtime.choices.attention import composed_attention
+    from ferry.choices.attention import composed_attention
 
     q, k, v = (torch.randn(b, h, t, d, device="cuda") for _ in range(3))
     mask = torch.ones(t, t, device="cuda", dtype=torch.bool).triu_(1) if causal else None

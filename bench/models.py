@@ -59,9 +59,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, write_json  # noqa: E402
 
 import ferry  # noqa: E402
-from ferry.runtime import gemm_choice  # noqa: E402
-from ferry.runtime.choices import attention as attention_choice
-from ferry.runtime.choices import conv as conv_choice
+from ferry.choices.decisions import DECISIONS  # noqa: E402
 
 # ---------------------------------------------------------------- the models
 
@@ -405,10 +403,7 @@ def _one_runner(name, batch, io, runner, model, x, want, device, built, workspac
            "compile_s": build_s, "load_s": setup, "rel_err": err, "at_load_mib": _at_load_mib(module, device),
            "file_mib": file_mib}
     if module is not None and runner in ("ferry", "ferry-graphs"):  # what its GEMMs and attention run as
-        row["gemms"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in gemm_choice.decisions()]
-        row["attention"] = [dataclasses.asdict(d) | {"use_composed": d.use_composed}
-                            for d in attention_choice.decisions()]
-        row["conv"] = [dataclasses.asdict(d) | {"use_gemm": d.use_gemm} for d in conv_choice.decisions()]
+        row["decisions"] = [dataclasses.asdict(d) | {"taken": d.taken} for d in DECISIONS.values(timed=True)]
     return row, call, module
 
 

@@ -5,7 +5,7 @@ work runs synchronously with the host. `emu_async`: the same, but its device wor
 GPU's does — queued on simulated streams and run only when the host waits — so a missing
 host wait gives a wrong answer (runtime/devices/simulated.py).
 
-`fresh`: no kernel choices (runtime/choices/timing.py) carried over from other tests. `timed`: any
+`fresh`: no kernel decisions (ferry/choices/decisions.py) carried over from other tests. `timed`: any
 device counts as a GPU and the timing of a kernel choice is faked: `timed.times` are the
 (eager µs, alternative µs) it returns, `timed.calls` counts the measurements. `count_calls(module,
 name)`: `module.name` wrapped for one test; returns the list of each call's positional arguments.
@@ -18,11 +18,9 @@ import contextlib
 import pytest
 import torch
 
+from ferry.choices import timing as kernel_timing
+from ferry.choices.decisions import DECISIONS
 from ferry.runtime import emulated_device
-from ferry.runtime.choices import attention as attention_choice
-from ferry.runtime.choices import conv as conv_choice
-from ferry.runtime.choices import gemm as gemm_choice
-from ferry.runtime.choices import timing as kernel_timing
 
 
 @pytest.fixture
@@ -57,9 +55,11 @@ def full_fp32():
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    for module in (gemm_choice, attention_choice, conv_choice):
-        monkeypatch.setattr(module, "_choices", kernel_timing.Choices())
+def fresh():
+    """No kernel decision of an earlier test: the one cache (ferry.choices.decisions) emptied."""
+    DECISIONS.forget()
+    yield
+    DECISIONS.forget()
 
 
 @pytest.fixture
@@ -67,12 +67,12 @@ def timed(monkeypatch, fresh):
     class Timer:
         times, calls = (100.0, 40.0), 0
 
-        def __call__(self, eager, other):
+        def __call__(self, eager, other, stream=None):
             eager(), other()  # both are run, as the real timing does
             Timer.calls += 1
             return Timer.times
 
-    monkeypatch.setattr(kernel_timing, "gpu_of", kernel_timing.device_of)
+    monkeypatch.setattr(kernel_timing, "gpu_of", lambda operands, device=None: device or kernel_timing.real_device(operands))
     monkeypatch.setattr(kernel_timing, "on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kernel_timing, "time_both", Timer())
     return Timer

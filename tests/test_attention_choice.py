@@ -1,7 +1,8 @@
 """Attention runs as GEMMs and a softmax where the GPU measures that faster than eager's fused
-kernel, in plans captured as CUDA graphs only (runtime/choices/attention.py). On the CPU the
-timing is faked (conftest's `timed`); the composed forms, the choice, its limits and the bound
-steps that use it are real, and results are checked against eager."""
+kernel, in plans captured as CUDA graphs only (ferry/choices/attention.py, asked through
+ferry/choices/hook.py). On the CPU the timing is faked (conftest's `timed`); the composed forms,
+the choice, its limits and the bound steps that use it are real, and results are checked against
+eager."""
 
 import math
 
@@ -9,13 +10,31 @@ import pytest
 import torch
 
 import ferry
-from ferry.runtime.choices import attention as attention_choice
-from ferry.runtime.choices import gemm as gemm_choice
-from ferry.runtime.choices import timing as kernel_timing
+from ferry.choices import attention as attention_choice
+from ferry.choices import gemm as gemm_choice
+from ferry.choices import hook
+from ferry.choices import timing as kernel_timing
+from ferry.choices.decisions import DECISIONS, Decisions, Site
 from models import loaded_method
 
 MHA = torch.ops.aten._native_multi_head_attention.default
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
+CAPTURED = Site(measure=True, captured=True)  # a method loading whose plan runs as CUDA graphs
+
+
+def chosen(op, args, kwargs, site=CAPTURED):
+    """What the binder's hook answers for `op(*args, **kwargs)`."""
+    return hook.choose(op, list(args), kwargs, site)
+
+
+def attentions():
+    """The attentions this process decided (each alone, and multi-head ones whole)."""
+    return [d for d in DECISIONS.values() if d.family in ("attention", "multi-head attention")]
+
+
+def queries(d):
+    """The query length of an attention decision, from its shape ("{b}x{h}x{t}x{s}x{d} float32")."""
+    return int(d.shape.split()[0].split("x")[2])
 
 
 def qkv(b=2, h=3, t=5, s=None, d=4, dtype=torch.float32):
@@ -47,7 +66,7 @@ def test_composed_multi_head_attention_equals_eager(timed, batch):
     """Every part composed (the fake timing favours each): in-projection as mm + bias, attention as
     GEMMs and a softmax, out-projection as mm + bias."""
     args = mha_args(b=batch)
-    fn = attention_choice.chosen(MHA, args, {"need_weights": False}, self_attention=True)
+    fn = chosen(MHA, args, {"need_weights": False})
     assert fn is not None and fn.parts == (True, True, True)
     want = MHA(*args, need_weights=False)[0]
     got, weights = fn(*args, need_weights=False)
@@ -56,33 +75,35 @@ def test_composed_multi_head_attention_equals_eager(timed, batch):
 
 
 def test_attention_is_composed_only_where_measured_faster_by_a_margin(timed):
-    assert attention_choice.chosen(SDPA, list(qkv()), {}, False) is attention_choice.composed_attention
+    assert chosen(SDPA, qkv(), {}) is attention_choice.composed_attention
     timed.times = (100.0, 95.0)  # under 10% faster: the fused kernel stays
-    assert attention_choice.chosen(SDPA, list(qkv(t=6)), {}, False) is None
+    assert chosen(SDPA, qkv(t=6), {}) is None
     timed.times = (6.5, 5.0)  # 23% faster but 1.5 µs: less than the launches cost
-    assert attention_choice.chosen(SDPA, list(qkv(t=8)), {}, False) is None
-    made = {(d.queries, d.use_composed) for d in attention_choice.decisions()}
+    assert chosen(SDPA, qkv(t=8), {}) is None
+    made = {(queries(d), d.taken) for d in attentions()}
     assert made == {(5, True), (6, False), (8, False)}
     assert timed.calls == 3
 
 
 def test_each_attention_is_measured_once_and_only_while_loading(timed):
-    assert attention_choice.chosen(SDPA, list(qkv()), {}, False, measure=False) is None  # bound during a call
+    in_a_call = Site(measure=False, captured=True)
+    assert chosen(SDPA, qkv(), {}, in_a_call) is None  # bound during a call
     assert timed.calls == 0
     for _ in range(3):
-        attention_choice.chosen(SDPA, list(qkv()), {}, False)
+        chosen(SDPA, qkv(), {})
     assert timed.calls == 1
-    assert attention_choice.chosen(SDPA, list(qkv()), {}, False, measure=False) is attention_choice.composed_attention
-    attention_choice.chosen(SDPA, list(qkv()), {"scale": 0.5}, False)  # another scale is another kernel's call
+    assert chosen(SDPA, qkv(), {}, in_a_call) is attention_choice.composed_attention
+    chosen(SDPA, qkv(), {"scale": 0.5})  # another scale is another kernel's call
     assert timed.calls == 2
 
 
 @pytest.mark.parametrize("case", ["mask", "dropout", "causal", "gqa", "bf16", "3-D", "large", "deterministic",
-                                  "no real tensor", "tf32"])
+                                  "no real tensor", "tf32", "not captured"])
 def test_what_attention_is_never_composed(case, timed, monkeypatch):
     """A mask, dropout or causal mask is the fused kernel's (rows all masked differ between the
     two); half precision would round the scores before the softmax, and so would TF32 GEMMs in
-    fp32; large scores would be a large tensor; deterministic algorithms get eager's kernel."""
+    fp32; large scores would be a large tensor; deterministic algorithms get eager's kernel; a plan
+    not captured as CUDA graphs would wait on the composed form's launches."""
     if case == "deterministic":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     q, k, v = qkv(dtype=torch.bfloat16 if case == "bf16" else torch.float32,
@@ -96,24 +117,32 @@ def test_what_attention_is_never_composed(case, timed, monkeypatch):
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = case == "tf32"
     try:
-        assert attention_choice.chosen(SDPA, [q, k, v], kwargs, False) is None
+        assert chosen(SDPA, [q, k, v], kwargs, Site(measure=True, captured=case != "not captured")) is None
         if case == "tf32":  # fp64 has no TF32 path: still composed
-            assert attention_choice.chosen(SDPA, [t.double() for t in (q, k, v)], kwargs, False) is not None
+            assert chosen(SDPA, [t.double() for t in (q, k, v)], kwargs) is not None
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
     assert timed.calls == (1 if case == "tf32" else 0)
 
 
-@pytest.mark.parametrize("case", ["cross-attention", "need weights", "mask", "fp16", "no bias"])
-def test_what_multi_head_attention_is_never_composed(case, timed):
+@pytest.mark.parametrize("case", ["cross-attention", "need weights", "mask", "fp16", "no bias", "deterministic",
+                                  "not captured"])
+def test_what_multi_head_attention_is_never_composed(case, timed, monkeypatch):
+    """Only self-attention (query, key and value one value: the same object), without its
+    weights or a mask, in full precision, with both biases; never under deterministic algorithms,
+    nor in a plan not captured as CUDA graphs."""
+    if case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     args = mha_args(dtype=torch.float16 if case == "fp16" else torch.float32)
     kwargs = {"need_weights": case == "need weights"}
     if case == "mask":
         kwargs["mask"] = torch.zeros(5, 5, dtype=torch.bool)
     if case == "no bias":
         args[6] = None
-    assert attention_choice.chosen(MHA, args, kwargs, self_attention=case != "cross-attention") is None
-    assert attention_choice.decisions() == []
+    if case == "cross-attention":  # key and value equal to the query, but other values
+        args[1], args[2] = args[0].clone(), args[0].clone()
+    assert chosen(MHA, args, kwargs, Site(measure=True, captured=case != "not captured")) is None
+    assert attentions() == [] and timed.calls == 0
 
 
 class SelfAttention(torch.nn.Module):
@@ -153,12 +182,12 @@ def test_bound_steps_compose_attention_only_in_captured_plans(model_type, graphs
     program = ferry.compile(torch.export.export(model, (torch.randn(2, 6, 32),)), ferry.OpSupportPartitioner("emu:0"))
     module = ferry.Module(program, cuda_graphs=graphs)
     module.load_method()
-    measured = attention_choice.decisions()
+    measured = attentions()
     assert bool(measured) == graphs
     if graphs:
         # the multi-head form is timed whole, after its attention alone
         want = {"multi-head attention", "attention"} if model_type is SelfAttention else {"attention"}
-        assert {d.op for d in measured} == want and all(d.use_composed for d in measured)
+        assert {d.family for d in measured} == want and all(d.taken for d in measured)
     ran.clear()
     for _ in range(4):
         x = torch.randn(2, 6, 32)
@@ -171,12 +200,12 @@ def test_a_multi_head_decision_is_keyed_by_its_parts(timed, monkeypatch):
     """The multi-head form is timed with the parts chosen for it: projections measured the other
     way (another process, another GPU) make another decision, not a stale one."""
     args, kwargs = mha_args(), {"need_weights": False}
-    assert attention_choice.chosen(MHA, args, kwargs, True).parts == (True, True, True)
+    assert chosen(MHA, args, kwargs).parts == (True, True, True)
     assert timed.calls == 4  # two GEMMs, the attention, then the whole
-    assert attention_choice.chosen(MHA, args, kwargs, True) is not None and timed.calls == 4
-    monkeypatch.setattr(gemm_choice, "_choices", kernel_timing.Choices())
+    assert chosen(MHA, args, kwargs) is not None and timed.calls == 4
+    monkeypatch.setattr(gemm_choice, "DECISIONS", Decisions())  # the GEMMs not decided yet, the rest known
     timed.times = (40.0, 100.0)  # now the fused kernels are the faster
-    assert attention_choice.chosen(MHA, args, kwargs, True) is None
+    assert chosen(MHA, args, kwargs) is None
     assert timed.calls == 7  # the GEMMs again, and the whole with eager's projections; the attention is known
 
 
@@ -202,9 +231,9 @@ def test_on_cuda_attention_is_measured_and_results_equal_eager(model_type, kerne
         x = torch.randn(1, 197, 768)
         with torch.no_grad():
             torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
-    made = attention_choice.decisions()
-    assert made and all(d.device == "cuda:0" and d.eager_us > 0 and d.composed_us > 0 for d in made)
-    assert kernel == "measured" or all(d.use_composed for d in made)
+    made = attentions()
+    assert made and all(d.device == "cuda:0" and len(d.times_us) == 2 and min(d.times_us) > 0 for d in made)
+    assert kernel == "measured" or all(d.taken for d in made)
     graphs = loaded_method(module).graphs
     assert len(graphs) >= 1 and not any(g.failed for g in graphs)
 
@@ -217,34 +246,58 @@ def test_on_cuda_without_graphs_nothing_is_composed(fresh, full_fp32):
     x = torch.randn(1, 197, 768)
     with torch.no_grad():
         torch.testing.assert_close(module(x), model.cuda()(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
-    assert attention_choice.decisions() == []
+    assert attentions() == []
 
 
-def test_self_attention_is_one_value_of_the_call_or_one_fixed_tensor():
-    from ferry.runtime.stages.refs import Fixed, PerCall
-    from ferry.runtime.stages.refs import one_value as _one_value
-
-    t, u = torch.zeros(2), torch.zeros(2)
-    assert _one_value([PerCall(3)] * 3) and not _one_value([PerCall(3), PerCall(3), PerCall(4)])
-    assert _one_value([Fixed(t)] * 3) and not _one_value([Fixed(t), Fixed(u), Fixed(t)])
-    assert not _one_value([Fixed(t), PerCall(3), PerCall(3)]) and not _one_value([Fixed(1)] * 3)
+def test_self_attention_is_one_object_for_query_key_and_value(timed):
+    """The binder gives one value of the call as one object (a meta tensor like it) and a fixed
+    tensor as itself: multi-head attention is self-attention where query, key and value are that
+    one object, not where they are equal ones."""
+    args, kwargs = mha_args(), {"need_weights": False}
+    x, rest = args[0], args[3:]
+    value = x.to("meta")  # one value of the call
+    assert chosen(MHA, [value, value, value, *rest], kwargs) is not None
+    assert chosen(MHA, [value, x.to("meta"), value, *rest], kwargs) is None  # two values of one shape
+    assert chosen(MHA, [x, x, x, *rest], kwargs) is not None  # one fixed tensor
+    assert chosen(MHA, [x, value, value, *rest], kwargs) is None  # a fixed tensor and a value of the call
+    assert timed.calls == 4  # timed once (two GEMMs, the attention, the whole); the rest known or refused
 
 
 def test_nothing_is_timed_or_remembered_under_a_capture(timed, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert attention_choice.chosen(SDPA, list(qkv()), {}, False) is None
-    assert attention_choice.chosen(MHA, mha_args(), {"need_weights": False}, True) is None
-    assert timed.calls == 0 and attention_choice.decisions() == []
+    assert chosen(SDPA, qkv(), {}) is None
+    assert chosen(MHA, mha_args(), {"need_weights": False}) is None
+    assert timed.calls == 0 and DECISIONS.values() == []
 
 
-def test_a_captured_plan_is_inherited_by_what_it_binds_meanwhile():
-    """A delegate's own plan is bound inside its caller's bind, as not captured: it runs in the
-    caller's graphs, so it is treated as captured."""
-    assert not kernel_timing.in_captured_plan()
-    with kernel_timing.captured_plan(True):
-        with kernel_timing.captured_plan(False):
-            assert kernel_timing.in_captured_plan()
-    with kernel_timing.captured_plan(False):
-        assert not kernel_timing.in_captured_plan()
-    assert not kernel_timing.in_captured_plan()
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_captured_plan_is_handed_to_the_delegates_it_binds(graphs, timed, emu_async, monkeypatch):
+    """A delegate's own plan is bound inside its caller's (the torch backend's nested method), as
+    not captured itself: it runs in the caller's graphs, so the caller hands it CallerPlan(captured,
+    the caller's streams), and its attention is asked for as in a captured plan and timed at load."""
+    from ferry.backend_registry import CallerPlan
+
+    asked = []
+
+    def form(op, args, kwargs, site):
+        asked.append(site)
+        return attention_choice.form(op, args, kwargs, site)
+
+    monkeypatch.setitem(hook.FAMILIES, SDPA, form)
+    model = Sdpa().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(2, 6, 32),)), ferry.OpSupportPartitioner("emu:0"))
+    assert len(program.delegates) == 1
+    module = ferry.Module(program, cuda_graphs=graphs)
+    module.load_method()
+    outer = module._methods["forward"]
+    (handle,) = module._instances[0].delegates.values()
+    assert outer.streams is not None
+    assert handle.method.caller == (CallerPlan(True, outer.streams) if graphs else CallerPlan())
+    assert asked and any(site.measure for site in asked)  # asked while loading, then as its plan is bound again
+    assert all(site.captured == graphs and site.streams is (outer.streams if graphs else None) for site in asked)
+    assert [d.family for d in attentions()] == (["attention"] if graphs else [])  # timed once, at load
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)
+    assert all(site.captured == graphs for site in asked)

@@ -9,7 +9,7 @@ import torch
 
 import ferry
 from ferry import CompileConfig, CompileError, OpSupportPartitioner, PropagateDeviceConfig
-from ferry.aot.meta import get_device
+from ferry.node_meta import get_device
 from models import Add, AddChain, count_copies, export, fresh_inputs, small
 
 

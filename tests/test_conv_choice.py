@@ -1,5 +1,5 @@
 """A convolution of one image runs as one GEMM over its patches where the GPU measures that faster than cuDNN,
-in plans captured as CUDA graphs only (runtime/choices/conv.py). On the CPU the timing is faked
+in plans captured as CUDA graphs only (ferry/choices/conv.py, asked through ferry/choices/hook.py). On the CPU the timing is faked
 (conftest's `timed`) and cuDNN is said to take the convolution; the GEMM form, the choice, its
 limits and the bound steps that use it are real, and results are checked against eager."""
 
@@ -9,18 +9,31 @@ import pytest
 import torch
 
 import ferry
+from ferry.choices import conv as conv_choice
+from ferry.choices import hook
+from ferry.choices import timing as kernel_timing
+from ferry.choices.decisions import DECISIONS, Site
 from ferry.ops import fused as fused_kernels
-from ferry.runtime.choices import conv as conv_choice
-from ferry.runtime.choices import timing as kernel_timing
 
 CONV_RELU, CONV_ADD_RELU = fused_kernels.CONV_RELU, fused_kernels.CONV_ADD_RELU
+CAPTURED = Site(measure=True, captured=True)  # a method loading whose plan runs as CUDA graphs
+
+
+def chosen(op, args, site=CAPTURED):
+    """What the binder's hook answers for the fused convolution `op(*args)`."""
+    return hook.choose(op, list(args), {}, site)
+
+
+def convolutions():
+    """The convolutions of one image this process decided."""
+    return [d for d in DECISIONS.values() if d.family == "convolution of one image"]
 
 
 @pytest.fixture
 def cudnn(monkeypatch):
     """cuDNN 'takes' every convolution: the choice is then made as on a GPU."""
     # internal: whether cuDNN would run a convolution has no public switch
-    monkeypatch.setattr(fused_kernels, "_cudnn_takes", lambda *args: True)
+    monkeypatch.setattr(fused_kernels, "cudnn_takes", lambda *args: True)
 
 
 def conv_args(ci=8, co=6, h=5, w=4, batch=1, kernel=1, residual=False, dtype=torch.float32,
@@ -83,64 +96,68 @@ def test_the_gemm_form_equals_eager(conv, dtype, residual):
 def test_every_convolution_of_one_image_is_timed(conv, timed, cudnn):
     kernel, stride, padding, dilation = CONVS[conv]
     args = conv_args(h=11, w=9, kernel=kernel, stride=stride, padding=padding, dilation=dilation)
-    fn = conv_choice.chosen(CONV_RELU, args)
+    fn = chosen(CONV_RELU, args)
     assert fn is not None and timed.calls == 1
     torch.testing.assert_close(fn(*args), eager(args, False), rtol=1e-5, atol=1e-4)
-    (made,) = conv_choice.decisions()
+    (made,) = convolutions()
     kh, kw = kernel_size(kernel)
     out = conv_shape(args[0], args[1], stride, padding, dilation)
-    assert (made.kind, made.rows, made.inner, made.cols) == (f"conv{kh}x{kw}", 6, 8 * kh * kw, out[2] * out[3])
+    assert made.shape == f"{kh}x{kw}, 6x{8 * kh * kw}x{out[2] * out[3]} float32"  # out x inner x pixels
+    assert made.op == "ferry::conv_relu" and made.forms == ("cuDNN", "one GEMM over patches") and made.taken
 
 
 def test_the_gemm_is_chosen_only_where_measured_faster_by_a_margin(timed, cudnn):
-    assert conv_choice.chosen(CONV_RELU, conv_args()) is not None
-    assert conv_choice.chosen(CONV_ADD_RELU, conv_args(residual=True)) is not None  # another decision
+    assert chosen(CONV_RELU, conv_args()) is not None
+    assert chosen(CONV_ADD_RELU, conv_args(residual=True)) is not None  # another decision
     timed.times = (100.0, 95.0)
-    assert conv_choice.chosen(CONV_RELU, conv_args(h=7)) is None
+    assert chosen(CONV_RELU, conv_args(h=7)) is None
     timed.times = (6.5, 5.0)
-    assert conv_choice.chosen(CONV_RELU, conv_args(h=9)) is None
-    made = {(d.cols, d.kind == "conv1x1 + residual", d.use_gemm) for d in conv_choice.decisions()}
-    assert made == {(20, False, True), (20, True, True), (28, False, False), (36, False, False)}
+    assert chosen(CONV_RELU, conv_args(h=9)) is None
+    made = {(d.shape, d.taken) for d in convolutions()}
+    assert made == {("1x1, 6x8x20 float32", True), ("1x1 + residual, 6x8x20 float32", True),
+                    ("1x1, 6x8x28 float32", False), ("1x1, 6x8x36 float32", False)}
     assert timed.calls == 4
     for _ in range(2):
-        conv_choice.chosen(CONV_RELU, conv_args())
+        chosen(CONV_RELU, conv_args())
     assert timed.calls == 4
 
 
 def test_only_a_loading_method_times(timed, cudnn):
-    assert conv_choice.chosen(CONV_RELU, conv_args(), measure=False) is None
+    in_a_call = Site(measure=False, captured=True)
+    assert chosen(CONV_RELU, conv_args(), in_a_call) is None
     assert timed.calls == 0
-    conv_choice.chosen(CONV_RELU, conv_args())
-    assert conv_choice.chosen(CONV_RELU, conv_args(), measure=False) is not None and timed.calls == 1
+    chosen(CONV_RELU, conv_args())
+    assert chosen(CONV_RELU, conv_args(), in_a_call) is not None and timed.calls == 1
 
 
 def test_a_1x1_convolution_needs_no_patches_and_is_never_too_large(timed, cudnn, monkeypatch):
     monkeypatch.setattr(conv_choice, "_MAX_PATCHES", 1)  # internal: the patch limit, lowered to reach it
     args = conv_args()
-    fn = conv_choice.chosen(CONV_RELU, args)
+    fn = chosen(CONV_RELU, args)
     assert fn is not None
     torch.testing.assert_close(fn(*args), eager(args, False))
     strided = conv_args(stride=(2, 2))  # strided: its patches are a tensor, over the limit here
-    assert conv_choice.chosen(CONV_RELU, strided) is None
+    assert chosen(CONV_RELU, strided) is None
 
 
 def test_each_stride_padding_and_dilation_is_timed_apart(timed, cudnn):
     for stride, padding, dilation in [((1, 1), (1, 1), (1, 1)), ((2, 2), (1, 1), (1, 1)), ((1, 1), (2, 2), (1, 1)),
                                       ((1, 1), (2, 2), (2, 2)), ((1, 1), (1, 1), (1, 1))]:
         args = conv_args(h=11, w=9, kernel=3, stride=stride, padding=padding, dilation=dilation)
-        fn = conv_choice.chosen(CONV_RELU, args)
+        fn = chosen(CONV_RELU, args)
         torch.testing.assert_close(fn(*args), eager(args, False), rtol=1e-5, atol=1e-4)
     assert timed.calls == 4  # the last is the first again
 
 
 @pytest.mark.parametrize("case", ["batch 2", "stride 0", "negative padding", "dilation 0", "kernel too large", "empty kernel",
                                   "groups", "bf16", "channels last", "tf32 GEMM only", "deterministic", "not cuDNN's",
-                                  "no real tensor", "too many patches"])
+                                  "no real tensor", "too many patches", "not captured"])
 def test_what_is_never_a_gemm(case, timed, monkeypatch):
-    """Only what the one GEMM computes exactly: one image, without groups, contiguous, in full
+    """Only in a plan captured as CUDA graphs (else its launches cost more than cuDNN's one), and
+    only what the one GEMM computes exactly: one image, without groups, contiguous, in full
     precision; never less precise than eager's convolution, never in place of a convolution eager
     does not give cuDNN, and never for arguments eager refuses (the GEMM must not answer those)."""
-    monkeypatch.setattr(fused_kernels, "_cudnn_takes", lambda *args: case != "not cuDNN's")
+    monkeypatch.setattr(fused_kernels, "cudnn_takes", lambda *args: case != "not cuDNN's")
     args = conv_args(batch=2 if case == "batch 2" else 1, kernel=7 if case == "kernel too large" else 3,
                      dtype=torch.bfloat16 if case == "bf16" else torch.float32)
     if case == "stride 0":
@@ -166,10 +183,10 @@ def test_what_is_never_a_gemm(case, timed, monkeypatch):
     if case == "tf32 GEMM only":
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = True, False
     try:
-        assert conv_choice.chosen(CONV_RELU, args) is None
+        assert chosen(CONV_RELU, args, Site(measure=True, captured=case != "not captured")) is None
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-    assert conv_choice.decisions() == []
+    assert convolutions() == [] and timed.calls == 0
 
 
 class Bottleneck(torch.nn.Module):
@@ -196,8 +213,8 @@ def test_bound_steps_run_the_gemm_only_in_captured_plans(graphs, timed, cudnn, e
     program = ferry.compile(torch.export.export(model, (torch.randn(1, 32, 6, 5),)), ferry.OpSupportPartitioner("emu:0"))
     module = ferry.Module(program, cuda_graphs=graphs)
     module.load_method()
-    assert {(d.kind, d.use_gemm) for d in conv_choice.decisions()} == (
-        {("conv1x1", True), ("conv3x3", True), ("conv1x1 + residual", True)} if graphs else set())
+    assert {(d.shape.split(",")[0], d.taken) for d in convolutions()} == (
+        {("1x1", True), ("3x3", True), ("1x1 + residual", True)} if graphs else set())
     calls.clear()
     for _ in range(3):
         x = torch.randn(1, 32, 6, 5)
@@ -224,9 +241,9 @@ def test_on_cuda_the_convolutions_are_measured_and_equal_eager(kernel, fresh, fu
         x = torch.randn(1, 2048, 7, 7)
         with torch.no_grad():
             torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
-    made = conv_choice.decisions()
-    assert len(made) == 3 and all(d.device == "cuda:0" and d.eager_us > 0 and d.gemm_us > 0 for d in made)
-    assert kernel == "measured" or all(d.use_gemm for d in made)
+    made = convolutions()
+    assert len(made) == 3 and all(d.device == "cuda:0" and len(d.times_us) == 2 and min(d.times_us) > 0 for d in made)
+    assert kernel == "measured" or all(d.taken for d in made)
 
 
 def test_the_gemm_form_takes_a_layout_other_than_the_planned_one(timed, cudnn):
@@ -234,7 +251,7 @@ def test_the_gemm_form_takes_a_layout_other_than_the_planned_one(timed, cudnn):
     GPU may lay its result out differently from the trace): the same result as eager's."""
     meta = conv_args(residual=True)
     meta[0], meta[2] = meta[0].to("meta"), meta[2].to("meta")
-    fn = conv_choice.chosen(CONV_ADD_RELU, meta)
+    fn = chosen(CONV_ADD_RELU, meta)
     assert fn is not None
     args = conv_args(residual=True)
     args[0] = args[0].transpose(2, 3).contiguous().transpose(2, 3)

@@ -14,7 +14,7 @@ import torch
 
 import ferry
 import ferry.examples
-from ferry.aot.emit import tensor_bytes
+from ferry.aot.values import tensor_bytes
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -1,5 +1,6 @@
-"""Delegates get eager's inference shortcuts (aot/fuse.py): nn.MultiheadAttention as one fused
-op, batch norms folded into convolutions; each checked against eager with fresh inputs."""
+"""Delegates get eager's inference shortcuts (aot/fuse.py runs the op families' patterns, ferry/choices/):
+nn.MultiheadAttention as one fused op, batch norms folded into convolutions; each checked against
+eager with fresh inputs."""
 
 import copy
 
@@ -289,7 +290,7 @@ def test_one_attention_module_called_twice_is_fused_per_call(emu):
 def test_a_constant_mask_that_would_grow_the_result_is_left_to_fail_as_in_eager():
     """Eager raises when a mask has more leading dimensions than the attention weights; dropping
     an all-true one would have returned a result instead."""
-    from ferry.aot.fuse import _fits  # internal: the rule for dropping a mask, checked on its own
+    from ferry.choices.attention import _fits  # internal: the rule for dropping a mask, checked on its own
 
     q = torch.empty(3, 6, 8)
     assert _fits(torch.ones(2, 3, 6, 6, dtype=torch.bool), q, q) is None
@@ -672,7 +673,7 @@ def test_programs_may_not_name_the_unchecked_cudnn_fusions():
 
 def test_the_fused_kernels_refuse_another_device_and_leave_cudnn_under_deterministic_algorithms(monkeypatch):
     # internal: the checks and the cuDNN rule on their own, with devices and settings faked
-    from ferry.ops.fused import _check_args, _check_z, _cudnn_takes
+    from ferry.ops.fused import _check_args, _check_z, cudnn_takes
 
     x, w, b = torch.randn(1, 4, 6, 6), torch.randn(4, 4, 3, 3), torch.randn(4)
     args = ([1, 1], [1, 1], [1, 1], 1)
@@ -682,14 +683,14 @@ def test_the_fused_kernels_refuse_another_device_and_leave_cudnn_under_determini
         _check_z((1, 4, 6, 6), torch.empty(1, 4, 6, 6, device="meta"), x.device)
     # as on a GPU where eager would run cuDNN: only the determinism settings decide
     monkeypatch.setattr(torch._C, "_select_conv_backend", lambda *a: torch._C._ConvBackend.Cudnn)
-    assert _cudnn_takes(x, w, b, *args)
+    assert cudnn_takes(x, w, b, *args)
     torch.use_deterministic_algorithms(True)
     try:
-        assert not _cudnn_takes(x, w, b, *args)  # eager's deterministic convolution, then add and ReLU
+        assert not cudnn_takes(x, w, b, *args)  # eager's deterministic convolution, then add and ReLU
     finally:
         torch.use_deterministic_algorithms(False)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
-    assert not _cudnn_takes(x, w, b, *args)
+    assert not cudnn_takes(x, w, b, *args)
 
 
 # ---- copies that change nothing

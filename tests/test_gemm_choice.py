@@ -1,6 +1,7 @@
 """A biased fp32 GEMM runs as `mm` and then the bias where the GPU measures that faster than
-`addmm` (runtime/choices/gemm.py). On the CPU the timing is faked; the choice, its limits, its
-cache and the bound steps that use it are real, and results are checked against eager."""
+`addmm` (ferry/choices/gemm.py, asked through ferry/choices/hook.py). On the CPU the timing is
+faked; the choice, its limits, its cache and the bound steps that use it are real, and results are
+checked against eager."""
 
 import math
 import threading
@@ -9,8 +10,14 @@ import pytest
 import torch
 
 import ferry
-from ferry.runtime.choices import gemm as gemm_choice
-from ferry.runtime.choices import timing as kernel_timing
+from ferry.choices import gemm as gemm_choice
+from ferry.choices import hook
+from ferry.choices import timing as kernel_timing
+from ferry.choices.decisions import DECISIONS, Site
+
+ADDMM_OUT = torch.ops.aten.addmm.out
+LOADING = Site(measure=True)  # a method loading: a new shape may be timed
+IN_A_CALL = Site(measure=False)  # a plan bound during a call: only what load decided
 
 
 def operands(rows=6, inner=5, cols=7, dtype=torch.float32, meta=("mat1", "out")):
@@ -19,13 +26,29 @@ def operands(rows=6, inner=5, cols=7, dtype=torch.float32, meta=("mat1", "out"))
     return [t.to("meta") if name in meta else t for name, t in made.items()]
 
 
+def chosen(bias, mat1, mat2, out, beta=1, alpha=1, site=LOADING):
+    """What the binder's hook answers for `addmm.out(bias, mat1, mat2, beta=, alpha=, out=)`."""
+    kwargs = {"out": out} | ({"beta": beta} if beta != 1 else {}) | ({"alpha": alpha} if alpha != 1 else {})
+    return hook.choose(ADDMM_OUT, [bias, mat1, mat2], kwargs, site)
+
+
+def gemms():
+    """The biased GEMMs this process decided."""
+    return [d for d in DECISIONS.values() if d.family == "biased GEMM"]
+
+
+def dims(d):
+    """(rows, inner, cols) of a GEMM decision, from its shape ("6x5x7 float32")."""
+    return tuple(int(n) for n in d.shape.split()[0].split("x"))
+
+
 def test_split_is_chosen_only_where_measured_faster_by_a_margin(timed):
-    assert gemm_choice.biased_gemm(*operands()) is gemm_choice.mm_then_add  # 40 against 100 µs
+    assert chosen(*operands()) is gemm_choice.mm_then_add  # 40 against 100 µs
     timed.times = (100.0, 95.0)  # under 10% faster: eager's addmm stays
-    assert gemm_choice.biased_gemm(*operands(rows=9)) is None
+    assert chosen(*operands(rows=9)) is None
     timed.times = (6.5, 5.0)  # 23% faster but 1.5 µs: less than the second launch costs
-    assert gemm_choice.biased_gemm(*operands(rows=10)) is None
-    made = {(d.rows, d.use_gemm) for d in gemm_choice.decisions()}
+    assert chosen(*operands(rows=10)) is None
+    made = {(dims(d)[0], d.taken) for d in gemms()}
     assert made == {(6, True), (9, False), (10, False)}
 
 
@@ -33,17 +56,17 @@ def test_the_serving_batches_split_gemms_are_timed(timed):
     """BERT batch 8's and ViT-B/16 batch 4's 3072 -> 768 GEMMs gained most from the split (H200:
     155 against 119 µs, 176 against 101): the size limit must leave them timed."""
     for rows in (1024, 788):
-        assert gemm_choice.biased_gemm(*operands(rows=rows, inner=3072, cols=768)) is gemm_choice.mm_then_add
+        assert chosen(*operands(rows=rows, inner=3072, cols=768)) is gemm_choice.mm_then_add
     assert timed.calls == 2
 
 
 def test_each_shape_and_layout_is_measured_once(timed):
     for _ in range(3):
-        gemm_choice.biased_gemm(*operands())
+        chosen(*operands())
     assert timed.calls == 1
     bias, mat1, mat2, out = operands()
-    gemm_choice.biased_gemm(bias, mat1, mat2.contiguous(), out)  # another layout of the weight
-    gemm_choice.biased_gemm(*operands(inner=3))
+    chosen(bias, mat1, mat2.contiguous(), out)  # another layout of the weight
+    chosen(*operands(inner=3))
     assert timed.calls == 3
 
 
@@ -64,7 +87,7 @@ def test_what_is_never_split(case, timed, monkeypatch):
         bias = bias.expand(out.shape)
     if case == "mixed dtypes":
         mat1 = mat1.double()
-    assert gemm_choice.biased_gemm(bias, mat1, mat2, out, beta, alpha) is None
+    assert chosen(bias, mat1, mat2, out, beta, alpha) is None
     assert timed.calls == 0
 
 
@@ -72,72 +95,71 @@ def test_measuring_never_writes_the_real_output(timed):
     """A planned output is bound as a real tensor: the measurement writes a stand-in instead."""
     bias, mat1, mat2, out = operands(meta=())
     out.fill_(7.0)
-    gemm_choice.biased_gemm(bias, mat1, mat2, out)
+    chosen(bias, mat1, mat2, out)
     assert timed.calls == 1 and bool((out == 7.0).all())
 
 
 def test_a_decision_made_before_a_capture_holds_during_it(timed, monkeypatch):
     """A shape measured outside a capture keeps its kernel inside one; a shape first met under a
     capture is not timed there (no host waits), and not remembered as addmm's."""
-    assert gemm_choice.biased_gemm(*operands()) is gemm_choice.mm_then_add
+    assert chosen(*operands()) is gemm_choice.mm_then_add
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert gemm_choice.biased_gemm(*operands()) is gemm_choice.mm_then_add
-    assert gemm_choice.biased_gemm(*operands(rows=3)) is None
-    # internal: decisions() leaves out a remembered None, which is what this must not find
-    assert len(gemm_choice._choices.decided) == 1  # the shape met under the capture is not remembered
+    assert chosen(*operands()) is gemm_choice.mm_then_add
+    assert chosen(*operands(rows=3)) is None
+    assert len(gemms()) == 1  # the shape met under the capture is not remembered (so it is timed below)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert gemm_choice.biased_gemm(*operands(rows=3)) is gemm_choice.mm_then_add
+    assert chosen(*operands(rows=3)) is gemm_choice.mm_then_add
     assert timed.calls == 2
 
 
 def test_only_a_loading_method_times(timed):
     """A plan bound during a call (a new shape, micro-batches) uses what load measured and times
     nothing: no host wait or allocation inside a call."""
-    assert gemm_choice.biased_gemm(*operands(), measure=False) is None
-    assert timed.calls == 0 and gemm_choice.decisions() == []
-    gemm_choice.biased_gemm(*operands())
-    assert gemm_choice.biased_gemm(*operands(), measure=False) is gemm_choice.mm_then_add
+    assert chosen(*operands(), site=IN_A_CALL) is None
+    assert timed.calls == 0 and gemms() == []
+    chosen(*operands())
+    assert chosen(*operands(), site=IN_A_CALL) is gemm_choice.mm_then_add
     assert timed.calls == 1
 
 
 def test_settings_that_change_cublas_kernels_are_measured_apart(timed):
-    gemm_choice.biased_gemm(*operands())
+    chosen(*operands())
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = not before
     try:
-        gemm_choice.biased_gemm(*operands())
+        chosen(*operands())
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     assert timed.calls == 2
 
 
 def test_concurrent_loads_measure_each_shape_once(timed):
-    threads = [threading.Thread(target=gemm_choice.biased_gemm, args=operands()) for _ in range(8)]
+    threads = [threading.Thread(target=chosen, args=operands()) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert timed.calls == 1 and len(gemm_choice.decisions()) == 1
+    assert timed.calls == 1 and len(gemms()) == 1
 
 
 def test_without_a_gpu_nothing_is_measured(fresh, monkeypatch):
     monkeypatch.setattr(kernel_timing, "time_both", lambda *a: pytest.fail("timed on the CPU"))
-    assert gemm_choice.biased_gemm(*operands()) is None
-    assert gemm_choice.decisions() == []
+    assert chosen(*operands()) is None
+    assert gemms() == []
 
 
 def test_no_memory_to_measure_keeps_addmm_and_other_errors_surface(timed, monkeypatch):
-    def no_memory(eager, gemm):
+    def no_memory(eager, gemm, stream=None):
         raise torch.cuda.OutOfMemoryError("no scratch")
     monkeypatch.setattr(kernel_timing, "time_both", no_memory)
-    assert gemm_choice.biased_gemm(*operands()) is None
+    assert chosen(*operands()) is None
 
-    def broken(eager, gemm):
+    def broken(eager, gemm, stream=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(kernel_timing, "time_both", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):  # an earlier kernel's fault: not hidden
-        gemm_choice.biased_gemm(*operands(rows=3))
+        chosen(*operands(rows=3))
 
 
 def test_mm_then_add_equals_addmm():
@@ -174,7 +196,7 @@ def test_bound_steps_run_the_split_and_equal_eager(io, timed, emu, count_calls):
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-6)
     assert len(ran) == 6 and {tuple(args[1].shape) for args in ran} == {(15, 16), (15, 48)}
-    assert {(d.rows, d.inner, d.cols) for d in gemm_choice.decisions()} == {(15, 16, 48), (15, 48, 16)}
+    assert {dims(d) for d in gemms()} == {(15, 16, 48), (15, 48, 16)}
 
 
 class Wide(torch.nn.Module):
@@ -206,10 +228,11 @@ def test_on_cuda_each_gemm_is_measured_and_results_equal_eager(graphs, kernel, f
         x = torch.randn(1, 128, 768)
         with torch.no_grad():
             torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
-    made = {(d.rows, d.inner, d.cols): d for d in gemm_choice.decisions()}
+    made = {dims(d): d for d in gemms()}
     assert set(made) == {(128, 768, 3072), (128, 3072, 768)}
-    assert all(d.eager_us > 0 and d.gemm_us > 0 and d.device == "cuda:0" for d in made.values())
-    assert kernel == "measured" or all(d.use_gemm for d in made.values())
+    assert all(len(d.times_us) == 2 and min(d.times_us) > 0 and d.device == "cuda:0" for d in made.values())
+    assert all(d.forms == ("addmm", "mm + bias") and d.op == "aten::addmm.out" for d in made.values())
+    assert kernel == "measured" or all(d.taken for d in made.values())
 
 
 @pytest.mark.cuda
@@ -218,8 +241,8 @@ def test_on_cuda_nothing_is_timed_while_a_graph_is_captured(fresh):
     bias, mat1, mat2, out = (t.cuda() for t in operands(meta=()))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert gemm_choice.biased_gemm(bias, mat1, mat2, out) is None
-    assert gemm_choice.decisions() == []
+        assert chosen(bias, mat1, mat2, out) is None
+    assert gemms() == []
 
 
 

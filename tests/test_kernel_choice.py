@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 import ferry
-from ferry.aot.kernel_choice import choose_kernel, out_is_wrapper
 from ferry.aot.lower import functional_aten
+from ferry.choices import out_kernels
+from ferry.choices.decisions import DECISIONS
+from ferry.choices.out_kernels import choose_kernel, kernel_for, out_is_wrapper
 from ferry.inspect import program_summary
 from ferry.program import KernelCall
 from models import PermutedRelu, fresh_inputs, small_cnn, transformer_block
@@ -32,20 +34,24 @@ class Conv(nn.Module):
         return torch.tanh(self.c(x)) + 1
 
 
-def test_measurement_tells_a_wrapper_from_a_real_out_kernel():
+def test_measurement_tells_a_wrapper_from_a_real_out_kernel(fresh, count_calls):
     conv = _node(Conv(), (torch.randn(1, 3, 8, 8),), aten.conv2d.default)
-    assert choose_kernel(aten.conv2d.default, conv).functional  # no out variant at all
+    assert choose_kernel(aten.conv2d.default, conv).pick == "functional"  # no out variant at all
     x = torch.randn(4, 4)
     clone = torch.fx.Graph()
     ph = clone.placeholder("x")
     ph.meta["val"] = x
     node = clone.call_function(aten.clone.default, (ph,))
     node.meta["val"] = x
+    measured = count_calls(out_kernels, "_measure")
     assert out_is_wrapper(aten.clone.out, node), "clone.out computes a clone, then copies it"
+    assert out_is_wrapper(aten.clone.out, node) and len(measured) == 1  # measured once per overload
+    (made,) = [d for d in DECISIONS.values() if d.family == "out kernel" and d.op == "aten::clone.out"]
+    assert made.pick == "functional" and not made.times_us and "temporary" in made.why
     add = clone.call_function(aten.add.Tensor, (ph, ph))
     add.meta["val"] = x
     choice = choose_kernel(aten.add.Tensor, add)
-    assert not choice.functional and choice.op is aten.add.out
+    assert choice.pick == "out" and kernel_for(aten.add.Tensor, choice) is aten.add.out
 
 
 def test_wrappers_run_functionally_and_nothing_is_copied_twice():
@@ -112,7 +118,8 @@ def test_linear_over_a_batch_of_rows_runs_functionally_on_cuda_only():
     flat = _node(nn.Linear(8, 4), (torch.randn(5, 8),), aten.linear.default)
     no_bias = _node(nn.Linear(8, 4, bias=False), (torch.randn(2, 5, 8),), aten.linear.default)
     on_cuda = choose_kernel(aten.linear.default, batched, "cuda")
-    assert on_cuda.functional and "addmm" in on_cuda.reason
-    assert not choose_kernel(aten.linear.default, batched, "cpu").functional
-    assert not choose_kernel(aten.linear.default, flat, "cuda").functional
-    assert not choose_kernel(aten.linear.default, no_bias, "cuda").functional
+    assert on_cuda.pick == "functional" and "addmm" in on_cuda.why
+    assert kernel_for(aten.linear.default, on_cuda) is aten.linear.default
+    assert choose_kernel(aten.linear.default, batched, "cpu").pick == "out"
+    assert choose_kernel(aten.linear.default, flat, "cuda").pick == "out"
+    assert choose_kernel(aten.linear.default, no_bias, "cuda").pick == "out"

@@ -1,4 +1,4 @@
-"""The timing behind the kernel choices (runtime/choices/timing.py), on a fake GPU whose events
+"""The timing behind the kernel choices (ferry/choices/timing.py), on a fake GPU whose events
 read a fake host clock: a run the host launches slower than the GPU's queued wait lasts is timed
 again behind a longer wait, so a form of many small launches is not timed at the host's pace; in
 a plan captured as CUDA graphs, each form is captured on the plan's capture stream and replayed,
@@ -11,7 +11,10 @@ import weakref
 import pytest
 import torch
 
-from ferry.runtime.choices import timing as kernel_timing
+from ferry import capture as shared_capture
+from ferry.choices import hook
+from ferry.choices import timing as kernel_timing
+from ferry.choices.decisions import DECISIONS, Site
 
 
 @pytest.fixture
@@ -85,8 +88,7 @@ def fake_gpu(monkeypatch):
             return self.capture.pool()
 
     def empty_cache():  # how many timing graphs (not the kept workspace graphs) are still alive
-        # internal: the workspace graphs kept per stream are what an emptied cache must spare
-        kept = set(kernel_timing._workspace_graphs.values())
+        kept = set(shared_capture.KEPT_WORKSPACES.values())
         emptied.append(sum(1 for g in list(alive) if g not in kept))
 
     current = ["default"]
@@ -112,13 +114,13 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
-    monkeypatch.setattr(kernel_timing, "_workspace_graphs", {})
+    monkeypatch.setattr(shared_capture, "KEPT_WORKSPACES", {})
     kernel.graphs, kernel.Stream, kernel.capturing, kernel.emptied = graphs, Stream, capturing, emptied
     return kernel, sleeps
 
 
 class CudaStreams:
-    """A plan's CopyStreams as kernel_timing sees them: a CUDA API and one capture stream per GPU."""
+    """A plan's CopyStreams as a Site sees them: a CUDA API and one capture stream per GPU."""
 
     def __init__(self, stream):
         self.api = type("Api", (), {"device_type": "cuda"})()
@@ -147,17 +149,17 @@ def test_in_a_captured_plan_each_form_is_replayed_from_a_graph_on_its_capture_st
     kernel, sleeps = fake_gpu
     stream = kernel.Stream()
     streams = CudaStreams(stream)
-    with kernel_timing.captured_plan(True, streams):
-        assert kernel_timing.time_both(kernel(3.0), kernel(2.0), reps=4) == pytest.approx((3.0, 2.0))
-        kernel_timing.time_both(kernel(3.0), kernel(2.0))
+    site = Site(captured=True, streams=streams)
+    assert site.replays
+    assert kernel_timing.time_both(kernel(3.0), kernel(2.0), site.replay_stream(), reps=4) == pytest.approx((3.0, 2.0))
+    kernel_timing.time_both(kernel(3.0), kernel(2.0), site.replay_stream())
     assert sleeps == [] and streams.asked == [0, 0]  # no queued waits: replays run back to back
     workspace_1, first, second, workspace_2, *_ = kernel.graphs
     assert first.stream is stream and second.stream is stream and first.recorded == [3.0] * 4
     assert first.pool_arg is None and second.pool_arg == first.pool()  # one pool for the two forms
     assert workspace_1.stream is stream and workspace_1.pool_arg is None  # made before the forms are captured
     assert workspace_2.pool_arg == workspace_1.pool()  # made again in the same pool, which stays alive
-    # internal: which workspace graph stays alive is what this checks
-    assert [g.capture for g in kernel_timing._workspace_graphs.values()] == [workspace_2]
+    assert [g.capture for g in shared_capture.KEPT_WORKSPACES.values()] == [workspace_2]
     assert kernel.emptied == [0, 0]  # after each timing, its graphs gone: their pool is handed back
     assert {g.mode for g in kernel.graphs} == {"thread_local"}  # another thread's host wait breaks nothing
 
@@ -170,8 +172,8 @@ def test_a_form_that_cannot_be_captured_is_timed_on_the_stream(fake_gpu):
             raise RuntimeError("operation not permitted when stream is capturing")
         kernel(5.0)()
 
-    with kernel_timing.captured_plan(True, CudaStreams(kernel.Stream())):
-        eager_us, other_us = kernel_timing.time_both(kernel(1.0), host_sync)
+    stream = Site(captured=True, streams=CudaStreams(kernel.Stream())).replay_stream()
+    eager_us, other_us = kernel_timing.time_both(kernel(1.0), host_sync, stream)
     assert eager_us == pytest.approx(1.0) and other_us == math.inf  # never chosen: the plan's capture would fail
     assert sleeps  # eager's form timed behind queued waits
 
@@ -185,39 +187,43 @@ def test_running_out_of_memory_in_a_timing_graph_is_the_callers_to_see(fake_gpu)
         if kernel.capturing:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    with kernel_timing.captured_plan(True, CudaStreams(kernel.Stream())):
-        with pytest.raises(torch.cuda.OutOfMemoryError):
-            kernel_timing.time_both(kernel(1.0), needs_too_much)
+    stream = Site(captured=True, streams=CudaStreams(kernel.Stream())).replay_stream()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        kernel_timing.time_both(kernel(1.0), needs_too_much, stream)
 
 
-def test_a_decision_timed_by_replay_is_not_reused_where_the_plan_times_on_a_stream(monkeypatch):
-    """A replay times a form of many launches faster than a stream does: the two are kept apart."""
-    monkeypatch.setattr(kernel_timing, "capturing", lambda device: False)
-    choices, made = kernel_timing.Choices(), []
+def test_a_decision_timed_by_replay_is_not_reused_where_the_plan_times_on_a_stream(timed, monkeypatch):
+    """A replay times a form of many launches faster than a stream does: the two are kept apart
+    (here a biased GEMM, asked through the hook as the binder asks)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    streams, stream, made = CudaStreams(None), object(), []
+    streams.stream = stream
 
-    def decide():
-        # internal: whether the bound plan times by replay is the key part this test checks
-        made.append(kernel_timing._replays())
-        return len(made)
+    def time_both(eager, other, replay_stream=None):
+        made.append(replay_stream)
+        return timed.times
 
-    cpu = torch.device("cpu")
-    assert choices.get(("shape",), cpu, True, decide) == 1
-    with kernel_timing.captured_plan(True, CudaStreams(None)):
-        assert choices.get(("shape",), cpu, True, decide) == 2
-        assert choices.get(("shape",), cpu, False, decide) == 2
-        with kernel_timing.captured_plan(True):  # a delegate bound inside: the outer plan's streams
-            assert choices.get(("shape",), cpu, True, decide) == 2
-    with kernel_timing.captured_plan(True):  # graphs, but no streams of their own: timed on a stream
-        assert choices.get(("shape",), cpu, True, decide) == 1
-    assert made == [False, True]
+    monkeypatch.setattr(kernel_timing, "time_both", time_both)
+    bias, mat1, mat2, out = torch.randn(7), torch.randn(6, 5), torch.randn(5, 7), torch.empty(6, 7)
+
+    def split(site):
+        return hook.choose(torch.ops.aten.addmm.out, [bias, mat1, mat2], {"out": out}, site) is not None
+
+    assert split(Site(measure=True))  # a plan on a stream
+    assert split(Site(measure=True, captured=True, streams=streams))  # replayed on the plan's capture stream
+    assert split(Site(measure=False, captured=True, streams=streams))  # known: not timed again
+    assert split(Site(measure=True, captured=True))  # graphs, but no streams of their own: timed on a stream
+    assert made == [None, stream] and streams.asked == [0]
+    assert len(DECISIONS.values(timed=True)) == 2
 
 
 def test_a_plan_on_another_device_type_is_timed_on_the_stream(fake_gpu):
     kernel, sleeps = fake_gpu
     emulated = CudaStreams(kernel.Stream())
     emulated.api.device_type = "emu"
-    with kernel_timing.captured_plan(True, emulated):
-        kernel_timing.time_both(kernel(1.0), kernel(2.0))
+    site = Site(captured=True, streams=emulated)
+    assert not site.replays and site.replay_stream() is None
+    kernel_timing.time_both(kernel(1.0), kernel(2.0), site.replay_stream())
     assert sleeps and kernel.graphs == [] and emulated.asked == []
 
 
@@ -227,22 +233,24 @@ def test_faster_needs_a_tenth_and_two_microseconds():
 
 
 def test_the_summary_says_what_load_chose_of_each_kind(timed, monkeypatch):
+    from ferry.choices import summary as kernel_choices
     from ferry.ops import fused
-    from ferry.runtime.choices import attention as attention_choice
-    from ferry.runtime.choices import conv as conv_choice
-    from ferry.runtime.choices import summary as kernel_choices
 
     assert kernel_choices.summary() == []
-    monkeypatch.setattr(fused, "_cudnn_takes", lambda *args: True)
+    monkeypatch.setattr(fused, "cudnn_takes", lambda *args: True)
+    captured = Site(measure=True, captured=True)
     q = torch.randn(1, 2, 5, 4)
-    attention_choice.chosen(attention_choice.SDPA, [q, q, q], {}, False)
+    hook.choose(torch.ops.aten.scaled_dot_product_attention.default, [q, q, q], {}, captured)
     conv = [torch.randn(1, 8, 3, 3), torch.randn(6, 8, 1, 1), torch.randn(6), [1, 1], [0, 0], [1, 1], 1]
-    conv_choice.chosen(fused.CONV_RELU, conv)
+    hook.choose(fused.CONV_RELU, conv, {}, captured)
     timed.times = (10.0, 9.5)
-    conv_choice.chosen(fused.CONV_RELU, [torch.randn(1, 8, 4, 4), *conv[1:]])
+    hook.choose(fused.CONV_RELU, [torch.randn(1, 8, 4, 4), *conv[1:]], {}, captured)
+    timed.times = (30.0, 20.0)
+    hook.choose(torch.ops.aten.addmm.out, [torch.randn(7), torch.randn(6, 5), torch.randn(5, 7)],
+                {"out": torch.empty(6, 7)}, captured)
     assert kernel_choices.summary() == [
-        "attention (captured plans): 1 of 1 timed at load are faster as GEMMs and a softmax (largest saving: "
-        "attention 1x2x5x4 float32, 100.0 -> 40.0 µs)",
-        "convolutions of one image (captured plans): 1 of 2 timed at load are faster as one GEMM over its patches "
-        "(largest saving: "
-        "6x8x9 float32, 100.0 -> 40.0 µs)"]
+        "attention: 1 of 1 timed at load are faster as GEMMs and a softmax (largest saving: "
+        "1x2x5x5x4 float32, 100.0 -> 40.0 µs)",
+        "convolution of one image: 1 of 2 timed at load are faster as one GEMM over patches (largest saving: "
+        "1x1, 6x8x9 float32, 100.0 -> 40.0 µs)",
+        "biased GEMM: 1 of 1 timed at load are faster as mm + bias (largest saving: 6x5x7 float32, 30.0 -> 20.0 µs)"]

@@ -9,7 +9,7 @@ import torch
 
 import ferry
 from ferry import LoweredBackendModule, LoweredProgram, OpSupportPartitioner, Partition, to_backend
-from ferry.aot import meta as M
+from ferry import node_meta as M
 from ferry.aot.lower import call_delegate, is_delegate_node
 from models import (
     Add,

@@ -256,6 +256,69 @@ def test_unknown_backend_at_load_frees_everything(emu):
     assert torch.equal(mod(x, y), x + y)
 
 
+def test_only_a_declared_backend_is_registered(monkeypatch):
+    """A backend says what it can do by subclassing ferry.backends.Backend (its defaults say "no");
+    an object that merely has the methods is refused."""
+    from ferry import backend_registry
+    from ferry.backends import Backend, register_backend, registered_backends
+
+    monkeypatch.setattr(backend_registry, "_backends", dict(backend_registry._backends))
+
+    class Undeclared:
+        backend_id = "undeclared"
+
+        def preprocess(self, lowered, options, range_constraints=None):
+            return b""
+
+        def init(self, payload, compile_specs, **kwargs):
+            raise AssertionError("never loaded")
+
+    with pytest.raises(TypeError, match="not a ferry backend"):
+        register_backend(Undeclared())
+    assert "undeclared" not in registered_backends()
+
+    class Declared(Backend):
+        backend_id = "declared"
+
+    register_backend(Declared())
+    assert "declared" in registered_backends()
+    assert not Declared.returns_outputs and Declared().memory_needs(b"") == [] and Declared().load_bytes(b"", True) == {}
+
+
+def test_a_backend_whose_init_returns_no_delegate_handle_is_a_backend_error(emu, monkeypatch):
+    """What init returns must declare what a handle can do (ferry.backends.DelegateHandle): an
+    object with an execute of its own is refused at load with a ferry error, not called."""
+    import dataclasses
+
+    from ferry import backend_registry
+    from ferry.backends import Backend, register_backend
+
+    monkeypatch.setattr(backend_registry, "_backends", dict(backend_registry._backends))
+    executed = []
+
+    class Undeclared:
+        def execute(self, inputs, outputs):
+            executed.append(1)
+
+        def close(self):
+            pass
+
+    class Bare(Backend):
+        backend_id = "bare"
+
+        def init(self, payload, compile_specs, **kwargs):
+            return Undeclared()
+
+    register_backend(Bare())
+    x0 = torch.randn(2, 3)
+    program = roundtrip(ferry.compile(export(Add(), (x0, x0.clone())), ferry.OpSupportPartitioner("emu:0")))
+    program.delegates[0] = dataclasses.replace(program.delegates[0], backend_id="bare")
+    mod = ferry.Module(program)
+    with pytest.raises(ferry.BackendError, match="not a ferry.backends.DelegateHandle"):
+        mod.load_method()
+    assert executed == [] and emu.live_bytes == 0
+
+
 def test_failure_during_execute_frees_the_call_and_the_module_stays_usable(emu):
     """A copy fails mid-call: a ferry error, this call's device outputs are freed, the next call works."""
     x0 = torch.randn(2, 3)

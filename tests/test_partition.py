@@ -10,7 +10,7 @@ import torch
 import ferry
 from ferry import CompileError, Device, OpSupportPartitioner, Partition, target_device
 from ferry.aot.lower import to_backend
-from ferry.aot.meta import get_device
+from ferry.node_meta import get_device
 from models import (
     AddChain,
     ByModulePath,

@@ -10,11 +10,11 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import ferry
 from ferry import CompileError, Device, OpSupportPartitioner, Partition, PropagateDevicePass, to_backend
+from ferry import node_meta as M
 from ferry import ops as O
-from ferry.aot import meta as M
 from ferry.aot.lower import call_delegate
-from ferry.aot.meta import get_device
 from ferry.aot.place import lowered_module_of
+from ferry.node_meta import get_device
 from models import (
     Add,
     AddChain,

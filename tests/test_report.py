@@ -7,7 +7,7 @@ import torch
 
 import ferry
 from ferry import CompileConfig, CopyReport, OpSupportPartitioner, PropagateDeviceConfig
-from ferry.aot.meta import get_device
+from ferry.node_meta import get_device
 from ferry.program.report import CopyRow
 from ferry.program.schema import KernelCall
 from models import (

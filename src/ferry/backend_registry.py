@@ -1,32 +1,111 @@
-"""Delegate backends, keyed by backend id: the table compile and load both consult.
+"""Delegate backends: what a backend and the handle it loads can do, declared once, and the
+table of backends, keyed by id, that compile and load both consult.
 
 A backend has two halves: `preprocess(lowered, options, range_constraints) -> bytes` runs at
 compile time and turns a lowered subgraph into the payload stored in the program file;
-`init(payload, compile_specs) -> handle` runs at load and returns an object whose
+`init(payload, compile_specs, ...) -> DelegateHandle` runs at load, and the handle's
 `execute(inputs, outputs)` writes the delegate's results into the planned output tensors.
+What more a backend or a handle can do is declared by the attributes and methods of the base
+classes below, whose defaults say "no"; ferry never asks an object what it happens to have.
 The built-in backends register themselves when `ferry` is imported (ferry/backends/).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from ferry.errors import BackendError
 
-__all__ = ["get_backend", "register_backend", "registered_backends"]
+__all__ = ["NOT_CAPTURED", "Backend", "CallerPlan", "DelegateHandle", "get_backend", "register_backend", "registered_backends"]
+
+
+@dataclass(frozen=True)
+class CallerPlan:
+    """What a delegate loaded or bound inside a caller's plan takes from it.
+
+    captured: the caller's plan runs as CUDA graphs, which the delegate's steps run inside, so
+              kernel forms that launch more may be chosen for it (ferry/choices/)
+    streams:  the CopyStreams on whose capture streams the caller's graphs are captured (kernel
+              choices are timed by replaying graphs there), or None
+    """
+
+    captured: bool = False
+    streams: Any = None
+
+
+NOT_CAPTURED = CallerPlan()  # a plan not captured, or loaded on its own
+
+
+class DelegateHandle:
+    """A loaded delegate. Subclasses implement `execute`; the rest are declared capabilities."""
+
+    returns_outputs = False  # execute(inputs, None) returns results of its own (compiled code)
+
+    def execute(self, inputs: list, outputs: list | None) -> list | None:
+        raise NotImplementedError
+
+    def bind_static(self, inputs: list, outputs: list, caller: CallerPlan) -> Callable[[], object] | None:
+        """The caller passes the same planned tensors every call: a zero-argument call bound to
+        them once, or None (this handle binds nothing ahead)."""
+        return None
+
+    def makes_output(self, position: int, declared) -> bool:
+        """`execute` given None for output `position` makes a fresh tensor the caller may keep, as
+        the program declares it (`declared`, a TensorValue)."""
+        return False
+
+    def storages(self) -> set[int]:
+        """Addresses of the memory of its constants (a result viewing one is copied by the caller)."""
+        return set()
+
+    def close(self) -> None:
+        """Free what it holds; a closed handle is not called again."""
+
+
+class Backend:
+    """A delegate backend. Subclasses set `backend_id` and implement `preprocess` and `init`."""
+
+    backend_id = ""
+    returns_outputs = False  # its handles return results of their own: the method plans none for them
+
+    def preprocess(self, lowered, options, range_constraints=None) -> bytes:
+        raise NotImplementedError
+
+    def init(self, payload: bytes, compile_specs, *, pin_host: bool = True, memory: list | None = None,
+             caller: CallerPlan = NOT_CAPTURED) -> DelegateHandle:
+        """The handle of a payload. `memory`: tensors for the buffers `memory_needs` named,
+        planned by the caller (None: it allocates its own)."""
+        raise NotImplementedError
+
+    def memory_needs(self, payload: bytes) -> list:
+        """The buffers (program.schema.Buffer) the delegate works in, which the caller plans in its
+        own arenas; none by default (it allocates what it needs)."""
+        return []
+
+    def load_bytes(self, payload: bytes, given_memory: bool) -> dict:
+        """Bytes `init` allocates per device (the weights it uploads; its buffers unless
+        `given_memory`), for memory limits checked before loading; unknown by default."""
+        return {}
+
 
 _lock = threading.Lock()
-_backends: dict[str, object] = {}
+_backends: dict[str, Backend] = {}  # registry: backend id -> backend
 
 
-def register_backend(backend) -> None:
+def register_backend(backend: Backend) -> None:
+    if not isinstance(backend, Backend):
+        raise TypeError(f"{type(backend).__name__} is not a ferry backend: subclass ferry.backends.Backend "
+                        "(it declares what a backend can do) and register an instance")
     with _lock:
         if backend.backend_id in _backends:
             raise ValueError(f"a backend with id {backend.backend_id!r} is already registered")
         _backends[backend.backend_id] = backend
 
 
-def get_backend(backend_id: str):
+def get_backend(backend_id: str) -> Backend:
     with _lock:
         b = _backends.get(backend_id)
     if b is None:

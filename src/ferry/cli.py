@@ -331,8 +331,8 @@ def _open(program, args):
 
 
 def _timed_runs(module, program, args) -> int:
+    from ferry.choices import summary as kernel_choices
     from ferry.program.report import copy_report
-    from ferry.runtime.choices import summary as kernel_choices
 
     meta = module.method_meta(args.method)
     inputs = _random_inputs(meta, args.microbatches or 1) if args.inputs == "random" else _npz_inputs(args.inputs, meta)
@@ -352,6 +352,8 @@ def _timed_runs(module, program, args) -> int:
           f"median {statistics.median(times):.3f} ms, p90 {p90:.3f} ms")
     for line in kernel_choices.summary():
         print(f"  kernels chosen at load, {line}")
+    for line in kernel_choices.details() if args.decisions else ():
+        print(f"    {line}")
     for i, o in enumerate(outs):
         print(f"  output {i}: {str(o.dtype).removeprefix('torch.')}{list(o.shape)}")
     print(_printable(str(copy_report(program, args.method))))
@@ -412,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cuda-graphs", action="store_true", help="capture each device segment as a CUDA graph")
     r.add_argument("--microbatches", type=_positive_int, default=None, metavar="K",
                    help="pipeline K parts per call (random inputs: K times the program's batch)")
+    r.add_argument("--decisions", action="store_true",
+                   help="print every kernel decision timed at load (forms, times, the pick and why)")
     r.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="a program over ranks (under torchrun): seconds a rank waits for another before it fails")
     r.set_defaults(func=cmd_run)

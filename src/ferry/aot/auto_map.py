@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ferry.aot import meta as M
-from ferry.aot.meta import module_path
+from ferry import node_meta as M
 from ferry.device import Device
 from ferry.errors import CompileError, ConfigError
+from ferry.node_meta import module_path
 from ferry.program.footprint import parse_bytes
 
 PEAK_FLOPS = 50e12

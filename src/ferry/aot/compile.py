@@ -11,10 +11,11 @@ import torch
 from ferry.aot.auto_map import parse_budgets
 from ferry.aot.config import CompileConfig, MethodOptions
 from ferry.aot.device_map import DeviceMapPartitioner
-from ferry.aot.emit import ProgramBuilder, emit_method
+from ferry.aot.emit import emit_method
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
 from ferry.aot.storage_reads import storage_inputs
+from ferry.aot.values import ProgramBuilder
 from ferry.device import Device
 from ferry.errors import CompileError, ConfigError
 from ferry.program import Program

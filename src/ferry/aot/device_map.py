@@ -38,10 +38,10 @@ from collections.abc import Mapping
 import torch
 
 from ferry.aot.auto_map import Choice, auto_device_map, parse_budgets
-from ferry.aot.meta import module_path
 from ferry.aot.partition import DEFAULT_BACKEND, AtenOpSupport, Partition, target_device
 from ferry.device import Device
 from ferry.errors import ConfigError
+from ferry.node_meta import module_path
 
 
 def parse_device_map(device_map) -> dict[str, Device]:

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
-from ferry.aot import meta as M
+from ferry import node_meta as M
 from ferry.device import Device
 from ferry.errors import CompileError
 

@@ -7,26 +7,23 @@ listed in the method's report because they allocate at run time.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import operator
 import warnings
-from dataclasses import dataclass, field
 from typing import cast
 
-import sympy
 import torch
 import torch.fx
 
-from ferry.aot import meta as M
+from ferry import node_meta as M
 from ferry.aot.config import MethodOptions
-from ferry.aot.kernel_choice import KernelChoice, choose_kernel
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
 from ferry.aot.plan import InPlace, PlanValue, plan_memory
+from ferry.aot.values import ProgramBuilder, eager_strides, upper_bound
 from ferry.backend_registry import get_backend
+from ferry.choices.out_kernels import choose_kernel, kernel_for
 from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
-from ferry.layout import is_dense
 from ferry.op_names import kernel_name, resolve_kernel
 from ferry.ops.aliasing import is_view, overwrites_safely, traced_alias, unannotated, view_source
 from ferry.program.dataflow import layout, whole_root, whole_views
@@ -45,69 +42,6 @@ from ferry.program.schema import (
 )
 
 _SIZE_OPS = ("add", "sub", "mul", "floordiv", "mod", "neg")
-
-
-@dataclass
-class ProgramBuilder:
-    """Segments and delegates shared by all methods of one program."""
-
-    segments: list = field(default_factory=list)
-    delegates: list[Delegate] = field(default_factory=list)
-    _segment_of: dict = field(default_factory=dict)
-
-    def add_segment(self, data: bytes) -> int:
-        self.segments.append(data)
-        return len(self.segments) - 1
-
-    def constant_segment(self, tensor: torch.Tensor) -> int:
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
-        if tensor.numel() and key in self._segment_of:
-            return self._segment_of[key]
-        seg = self.add_segment(tensor_bytes(tensor))
-        if tensor.numel():
-            self._segment_of[key] = seg
-        return seg
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The tensor's elements as raw bytes, in row-major order (no numpy needed)."""
-    t = t.detach().cpu().contiguous()
-    if t.numel() == 0:
-        return b""
-    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
-
-
-def _upper_bound(dim, range_constraints, what: str) -> tuple[int, bool]:
-    if isinstance(dim, int):
-        return dim, False
-    expr = dim.node.expr
-    if isinstance(expr, (int, sympy.Integer)):
-        return int(expr), False
-    subs = {}
-    for sym in expr.free_symbols:
-        if str(sym).startswith("u"):  # an unbacked symbol: known only once the data is seen
-            raise CompileError(
-                f"{what} is a data-dependent size ({sym}); ferry plans memory ahead of time and needs static "
-                "or bounded shapes: keep ops like nonzero/unique out of the program"
-            )
-        vr = range_constraints.get(sym) or next((v for k, v in range_constraints.items() if str(k) == str(sym)), None)
-        upper = None if vr is None else vr.upper
-        if upper is None or not getattr(upper, "is_finite", True) or str(upper) in ("oo", "int_oo"):
-            raise CompileError(
-                f"{what} has a dynamic dimension {sym} with no upper bound, so its memory cannot be planned; "
-                f"export with a bounded dimension, e.g. torch.export.Dim('{sym}', max=1024)"
-            )
-        subs[sym] = int(upper)
-    return int(expr.subs(subs)), True
-
-
-def _eager_strides(val: torch.Tensor) -> tuple[int, ...]:
-    """The layout eager gives `val` when it is a dense permutation other than contiguous (so a
-    view eager allows on it stays legal here); () for contiguous or anything else."""
-    strides, shape = M.static_ints(val.stride()), M.static_ints(val.shape)
-    if strides is None or shape is None or M.surely(val.is_contiguous()) or not is_dense(shape, strides):
-        return ()  # (symbolic strides: laid out contiguously)
-    return strides
 
 
 class _MethodEmitter:
@@ -161,10 +95,10 @@ class _MethodEmitter:
                                "tensor; ferry programs hold dense (strided) tensors only: pass it dense (.to_dense())")
         shape, dynamic = [], []
         for i, d in enumerate(val.shape):
-            s, dyn = _upper_bound(d, self.rc, f"dimension {i} of {node.name!r}")
+            s, dyn = upper_bound(d, self.rc, f"dimension {i} of {node.name!r}")
             shape.append(s)
             dynamic.append(dyn)
-        strides = () if any(dynamic) or "constant" in kw else _eager_strides(val)
+        strides = () if any(dynamic) or "constant" in kw else eager_strides(val)
         v = TensorValue(dtype_name(val.dtype), tuple(shape), device, dynamic=tuple(dynamic) if any(dynamic) else (),
                         name=node.name, strides=strides, **kw)
         self.values.append(v)
@@ -172,7 +106,7 @@ class _MethodEmitter:
 
     def symint_value(self, node, val) -> int:
         """A size computed each call (its planned upper bound recorded as the value)."""
-        bound, _ = _upper_bound(val, self.rc, f"size {node.name!r}")
+        bound, _ = upper_bound(val, self.rc, f"size {node.name!r}")
         self.values.append(ConstValue("symint", bound))
         return len(self.values) - 1
 
@@ -324,15 +258,14 @@ class _MethodEmitter:
         vals = list(val) if isinstance(val, (tuple, list)) else [val]
         dev = self.device_of(node)
         outs = tuple(self.tensor_value(node, v, dev) for v in vals)
-        choice = (KernelChoice(op, True, "compiled with the rest of the graph") if self.opts.functional_kernels
-                  else choose_kernel(op, node, dev.type))
-        if choice.functional:
+        choice = None if self.opts.functional_kernels else choose_kernel(op, node, dev.type)
+        if choice is None or choice.pick == "functional":
             self.runtime_alloc.update(outs)
             self.allocating_ops.append(kernel_name(op))
-            self.kernel_choices.setdefault(kernel_name(op), choice.reason)
+            self.kernel_choices.setdefault(kernel_name(op), choice.why if choice else "compiled with the rest of the graph")
             self.instructions.append(KernelCall(kernel_name(op), self.schema_args(op, node, {}, dev), outs))
         else:
-            out_op = choice.op
+            out_op = kernel_for(op, choice)
             out_names = [a.name for a in out_op._schema.arguments if a.is_out]
             args = self.schema_args(out_op, node, dict(zip(out_names, outs)))
             self.out_ops[len(self.instructions)] = out_op
@@ -411,7 +344,7 @@ class _MethodEmitter:
         # (after the payload: an op inside that ferry refuses is named by the backend's emit first)
         outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
         self.b.delegates.append(Delegate(backend.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
-        if getattr(backend, "returns_outputs", False) and self.opts.device_placement:
+        if backend.returns_outputs and self.opts.device_placement:
             # compiled code makes its own results: planning them too would hold each twice and copy
             self.runtime_alloc.update(outs)
             name = f"delegate {index} ({backend.backend_id})"
@@ -423,11 +356,10 @@ class _MethodEmitter:
     def _scratch(self, backend, payload, index: int) -> tuple[int, ...]:
         """The delegate's working memory, as values of this method: planned in the arena of their
         device, alive only while the delegate runs (legacy mode: the delegate keeps its own)."""
-        needs = getattr(backend, "memory_needs", None)
-        if needs is None or not self.opts.device_placement:
+        if not self.opts.device_placement:
             return ()
         out = []
-        for j, buf in enumerate(needs(payload)):
+        for j, buf in enumerate(backend.memory_needs(payload)):
             self.values.append(TensorValue("uint8", (buf.size,), buf.device, name=f"delegate_{index}_memory_{j}"))
             out.append(len(self.values) - 1)
         return tuple(out)

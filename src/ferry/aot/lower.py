@@ -5,13 +5,14 @@ from __future__ import annotations
 import operator
 import warnings
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from ferry.aot import meta as M
+from ferry import node_meta as M
 from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_device
 from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
 from ferry.device import Device
@@ -320,59 +321,22 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
     check_symbolic_shapes(ep.graph_module)
     constants = _annotate(ep)
     partitions = list(partitioner.partition(ep)) if partitioner is not None else []
-    old = ep.graph
-    nodes = list(old.nodes)
+    nodes = list(ep.graph.nodes)
     groups = _check_partitions(partitions, {n.name: n for n in nodes})
     for p, group in zip(partitions, groups):
         device = _spec_device(p)
         if device is not None:
             fit_to_device(group, device)
-    group_of = {n: gi for gi, g in enumerate(groups) for n in g}
-    unit_of = {n: ("p", group_of[n]) if n in group_of else ("n", n) for n in nodes}
-
-    # order units (plain nodes and whole partitions) topologically, stable by first position
     pos = {n: i for i, n in enumerate(nodes)}
-    first: dict[tuple[str, object], int] = {}
-    for n in nodes:
-        first.setdefault(unit_of[n], pos[n])
-    deps: dict[tuple[str, object], set[tuple[str, object]]] = {u: set() for u in first}
-    for n in nodes:
-        for inp in n.all_input_nodes:
-            if unit_of[inp] != unit_of[n]:
-                deps[unit_of[n]].add(unit_of[inp])
-    order = _stable_topo(deps, first, partitions)
-
-    root = torch.nn.Module()
-    g = torch.fx.Graph()
+    root, g = torch.nn.Module(), torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for unit in order:
-        if unit[0] == "n":
-            n = unit[1]
-            env[n] = g.node_copy(n, lambda x: env[x])
-            continue
-        gi = unit[1]
-        members = set(groups[gi])
-        inputs, outputs = [], []
-        for n in groups_sorted(groups[gi], pos):
-            for inp in n.all_input_nodes:
-                if inp not in members and inp not in inputs:
-                    inputs.append(inp)
-            if any(u not in members for u in n.users) and n not in outputs:
-                outputs.append(n)
-        absorbed = [x for x in inputs if x.op == "placeholder" and x.name in constants and not M.input_info(x).mutable]
-        runtime_inputs = [x for x in inputs if x not in absorbed]
-        sub = _subgraph(groups_sorted(groups[gi], pos), runtime_inputs, absorbed, outputs, constants)
-        p = partitions[gi]
-        lowered = LoweredBackendModule(p.backend_id, p.compile_specs, sub)
-        attr = f"lowered_module_{len(list(root.children()))}"
-        root.add_module(attr, lowered)
-        get = g.get_attr(attr)
-        call = g.call_function(call_delegate, (get, *[env[x] for x in runtime_inputs]))
-        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-        for k, o in enumerate(outputs):
-            item = g.call_function(operator.getitem, (call, k))
-            item.meta.update({key: o.meta[key] for key in ("val", "tensor_meta") if key in o.meta})
-            env[o] = item
+    for kind, unit in _unit_order(nodes, groups, partitions):
+        if kind == "n":
+            node = cast(torch.fx.Node, unit)
+            env[node] = g.node_copy(node, lambda x: env[x])
+        else:
+            gi = cast(int, unit)
+            _emit_delegate_call(root, g, env, groups_sorted(groups[gi], pos), partitions[gi], constants)
     # constants every consumer of which was absorbed into delegates are gone from the graph
     for n in list(g.nodes):
         if n.op == "placeholder" and n.name in constants and not n.users and not M.input_info(n).mutable:
@@ -381,6 +345,46 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
     g.lint()
     gm = torch.fx.GraphModule(root, g)
     return LoweredProgram(gm, constants, dict(ep.range_constraints), dict(getattr(partitioner, "last_map", None) or {}))
+
+
+def _unit_order(nodes: list, groups: list, partitions: list) -> list[tuple[str, object]]:
+    """Units (plain nodes ("n", node) and whole partitions ("p", index)) in a topological order,
+    stable by first position."""
+    group_of = {n: gi for gi, g in enumerate(groups) for n in g}
+    unit_of = {n: ("p", group_of[n]) if n in group_of else ("n", n) for n in nodes}
+    first: dict[tuple[str, object], int] = {}
+    for i, n in enumerate(nodes):
+        first.setdefault(unit_of[n], i)
+    deps: dict[tuple[str, object], set[tuple[str, object]]] = {u: set() for u in first}
+    for n in nodes:
+        for inp in n.all_input_nodes:
+            if unit_of[inp] != unit_of[n]:
+                deps[unit_of[n]].add(unit_of[inp])
+    return _stable_topo(deps, first, partitions)
+
+
+def _emit_delegate_call(root: torch.nn.Module, g: torch.fx.Graph, env: dict, members_in_order: list,
+                        p: Partition, constants: dict) -> None:
+    """One partition as a lowered module called by one call_delegate node, its outputs getitems."""
+    members = set(members_in_order)
+    inputs, outputs = [], []
+    for n in members_in_order:
+        for inp in n.all_input_nodes:
+            if inp not in members and inp not in inputs:
+                inputs.append(inp)
+        if any(u not in members for u in n.users) and n not in outputs:
+            outputs.append(n)
+    absorbed = [x for x in inputs if x.op == "placeholder" and x.name in constants and not M.input_info(x).mutable]
+    runtime_inputs = [x for x in inputs if x not in absorbed]
+    sub = _subgraph(members_in_order, runtime_inputs, absorbed, outputs, constants)
+    attr = f"lowered_module_{len(list(root.children()))}"
+    root.add_module(attr, LoweredBackendModule(p.backend_id, p.compile_specs, sub))
+    call = g.call_function(call_delegate, (g.get_attr(attr), *[env[x] for x in runtime_inputs]))
+    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    for k, o in enumerate(outputs):
+        item = g.call_function(operator.getitem, (call, k))
+        item.meta.update({key: o.meta[key] for key in ("val", "tensor_meta") if key in o.meta})
+        env[o] = item
 
 
 def _spec_device(p: Partition) -> Device | None:

@@ -14,8 +14,8 @@ import torch
 import torch.fx
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from ferry import node_meta as M
 from ferry import ops
-from ferry.aot import meta as M
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
 from ferry.aot.partition import TARGET_DEVICE
 from ferry.device import CPU, Device

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ferry.aot import meta as M
+from ferry import node_meta as M
 from ferry.aot.lower import is_delegate_node
 from ferry.op_names import kernel_name
 from ferry.ops import is_copy_node

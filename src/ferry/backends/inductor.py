@@ -30,8 +30,10 @@ import warnings
 import torch
 import torch.fx
 
-from ferry.aot.emit import ProgramBuilder, emit_method
+from ferry.aot.emit import emit_method
 from ferry.aot.place import delegate_target_device
+from ferry.aot.values import ProgramBuilder
+from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
 from ferry.backends.torch import payload_load_bytes
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
@@ -47,7 +49,7 @@ from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, PerCall, Ref
 __all__ = ["InductorBackend", "graph_of"]
 
 
-class InductorBackend:
+class InductorBackend(Backend):
     backend_id = "inductor"
     returns_outputs = True  # its results are Inductor's own tensors: the method plans none for them
 
@@ -75,7 +77,8 @@ class InductorBackend:
     def load_bytes(self, payload, given_memory: bool) -> dict:
         return payload_load_bytes(payload, given_memory)  # the constants it uploads (nothing is planned)
 
-    def init(self, payload, compile_specs, pin_host: bool = True, memory=None):
+    def init(self, payload, compile_specs, *, pin_host: bool = True, memory=None,
+             caller: CallerPlan = NOT_CAPTURED) -> DelegateHandle:
         program = load_program(payload)
         method = localized(program.method("forward"))
         mem = load_memory(program.segments, method, pin_host=False)
@@ -109,7 +112,7 @@ def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
                            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
 
 
-class _Compiled:
+class _Compiled(DelegateHandle):
     returns_outputs = True
 
     def __init__(self, fn, memory: Memory, method: Method):

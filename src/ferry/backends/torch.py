@@ -12,9 +12,11 @@ import dataclasses
 
 import torch
 
-from ferry.aot.emit import ProgramBuilder, emit_method
+from ferry.aot.emit import emit_method
 from ferry.aot.fuse import fuse_for_inference, fusion_notes
 from ferry.aot.place import delegate_target_device
+from ferry.aot.values import ProgramBuilder
+from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
 from ferry.device import CPU
 from ferry.errors import ProgramError
 from ferry.program import Program, load_program, program_to_bytes
@@ -23,7 +25,7 @@ from ferry.program.schema import Buffer, TensorValue
 from ferry.runtime.stages.method import LoadedMethod
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     backend_id = "torch"
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
@@ -42,14 +44,15 @@ class TorchBackend:
     def load_bytes(self, payload, given_memory: bool) -> dict:
         return payload_load_bytes(payload, given_memory)
 
-    def init(self, payload, compile_specs, pin_host: bool = True, memory=None):
+    def init(self, payload, compile_specs, *, pin_host: bool = True, memory=None,
+             caller: CallerPlan = NOT_CAPTURED) -> DelegateHandle:
         """`memory`: tensors for the buffers `memory_needs` named, planned by the caller; without
         them the delegate allocates its own."""
         program = load_program(payload)
         # the delegate's steps run inside one step of the caller, already on its device's stream;
         # a delegate of another rank's stage runs in that rank's process, on its devices
         nested = LoadedMethod(program, localized(program.method("forward")), _no_nested_delegates,
-                              asynchronous=False, memory=memory)
+                              asynchronous=False, memory=memory, caller=caller)
         return _Handle(nested)
 
 
@@ -67,11 +70,11 @@ def payload_load_bytes(payload, given_memory: bool) -> dict:
     return need
 
 
-def _no_nested_delegates(index, memory=()):
+def _no_nested_delegates(index, memory=(), caller=None):
     raise ProgramError("a torch-backend payload must not contain delegates")
 
 
-class _Handle:
+class _Handle(DelegateHandle):
     def __init__(self, method):
         self.method = method
         self._host_io = None
@@ -104,14 +107,14 @@ class _Handle:
                 and v.dtype == declared.dtype and v.layout_strides == declared.layout_strides
                 and self._host_io is not True)
 
-    def bind_static(self, inputs, outputs):
+    def bind_static(self, inputs, outputs, caller: CallerPlan):
         """The caller passes the same planned tensors (and sizes) every call: bind them once and
         return the zero-argument call, or None when this delegate must move its own data (legacy
         mode) or has dynamic sizes no call at these shapes has recorded yet."""
         m = self.method.method
         if self._needs_host_io(inputs) or not all(isinstance(m.values[v], TensorValue) for v in m.outputs):
             return None
-        run = self.method.rebind(inputs, outputs)
+        run = self.method.rebind(inputs, outputs, caller)
         if run is not None:
             self._host_io = False
         return run

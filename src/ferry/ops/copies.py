@@ -125,7 +125,7 @@ def _aten_out(op: str, src_cuda: bool, dst_cuda: bool):
     return kernel
 
 
-_mode = threading.local()
+_mode = threading.local()  # registry (per thread): whether aten_mode() is on
 
 
 @contextlib.contextmanager

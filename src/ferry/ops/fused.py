@@ -56,7 +56,7 @@ def _check_z(shape, z, device) -> None:
                          f"{tuple(shape)} on {device}")
 
 
-def _result_shape(x, weight, stride, padding, dilation) -> tuple[int, ...]:
+def result_shape(x, weight, stride, padding, dilation) -> tuple[int, ...]:
     spatial = [(size + 2 * p - d * (k - 1) - 1) // s + 1
                for size, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
     return (x.shape[0], weight.shape[0], *spatial)
@@ -70,7 +70,7 @@ def args_fit(x, weight, bias, stride, padding, dilation, groups) -> bool:
                 or min(stride) < 1 or min(dilation) < 1 or min(padding) < 0
                 or (bias is not None and tuple(bias.shape) != (o,))
                 or x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype)
-                or min(_result_shape(x, weight, stride, padding, dilation)) < 1)
+                or min(result_shape(x, weight, stride, padding, dilation)) < 1)
 
 
 def _check_args(x, weight, bias, stride, padding, dilation, groups) -> None:
@@ -82,7 +82,7 @@ def _check_args(x, weight, bias, stride, padding, dilation, groups) -> None:
                          f"padding {list(padding)}, dilation {list(dilation)}, groups {groups}")
 
 
-def _cudnn_takes(x, weight, bias, stride, padding, dilation, groups) -> bool:
+def cudnn_takes(x, weight, bias, stride, padding, dilation, groups) -> bool:
     """cuDNN is what eager's convolution would run here (not the depthwise or the slow
     fallback kernels eager picks for some shapes and dtypes), so the fused call is the same
     convolution with its epilogue. The fused path has no 1-D or 3-D form. Arguments a
@@ -95,14 +95,14 @@ def _cudnn_takes(x, weight, bias, stride, padding, dilation, groups) -> bool:
 
 
 def _conv_relu_cuda(x, weight, bias, stride, padding, dilation, groups):
-    if _cudnn_takes(x, weight, bias, stride, padding, dilation, groups):
+    if cudnn_takes(x, weight, bias, stride, padding, dilation, groups):
         return aten.cudnn_convolution_relu.default(x, weight, bias, stride, padding, dilation, groups)
     return _conv_relu(x, weight, bias, stride, padding, dilation, groups)
 
 
 def _conv_add_relu_cuda(x, weight, z, bias, stride, padding, dilation, groups):
-    if z.dtype == x.dtype and _cudnn_takes(x, weight, bias, stride, padding, dilation, groups):
-        _check_z(_result_shape(x, weight, stride, padding, dilation), z, x.device)
+    if z.dtype == x.dtype and cudnn_takes(x, weight, bias, stride, padding, dilation, groups):
+        _check_z(result_shape(x, weight, stride, padding, dilation), z, x.device)
         return aten.cudnn_convolution_add_relu.default(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
     return _conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups)
 

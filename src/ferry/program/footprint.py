@@ -74,7 +74,6 @@ def load_bytes(program, method: Method, stage_io: bool = False) -> dict[Device, 
     for ins in method.instructions:
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate]
-            counted = getattr(get_backend(d.backend_id), "load_bytes", None)
-            for device, n in (counted(program.segments[d.payload], bool(ins.scratch)) if counted else {}).items():
+            for device, n in get_backend(d.backend_id).load_bytes(program.segments[d.payload], bool(ins.scratch)).items():
                 add(device, n)
     return need

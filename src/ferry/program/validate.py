@@ -13,7 +13,7 @@ from typing import cast
 
 from ferry.errors import ProgramError
 from ferry.layout import is_dense
-from ferry.program import codec
+from ferry.program import codec, fields
 from ferry.program.dataflow import check_dataflow
 from ferry.program.schema import (
     CONST_KIND_TABLE,
@@ -48,16 +48,16 @@ def check_types(program: object) -> None:
     """Every record has the types the file format describes (program/codec.py)."""
     if not all(hasattr(program, a) for a in ("methods", "delegates", "segments")):
         raise ProgramError(f"expected a ferry Program, got {type(program).__name__}")
-    codec.Seq(codec.ANY).check(program.segments, "program segments")  # type: ignore[attr-defined]
-    codec.Seq(codec.DELEGATE).check(program.delegates, "program delegates")  # type: ignore[attr-defined]
+    fields.Seq(codec.ANY).check(program.segments, "program segments")  # type: ignore[attr-defined]
+    fields.Seq(codec.DELEGATE).check(program.delegates, "program delegates")  # type: ignore[attr-defined]
     methods = program.methods  # type: ignore[attr-defined]
     if not isinstance(methods, dict):
         raise ProgramError(f"program methods must be a dict of name -> Method, got {type(methods).__name__}")
     for key, m in methods.items():
-        codec.Str(nonempty=True).check(key, "method name")
+        fields.Str(nonempty=True).check(key, "method name")
         codec.METHOD.check(m, f"method {key!r}")
         if m.name != key:
-            raise ProgramError(f"method stored under {key!r} is named {codec.show(m.name)}")
+            raise ProgramError(f"method stored under {key!r} is named {fields.show(m.name)}")
 
 
 def check_semantics(program) -> None:
@@ -84,7 +84,7 @@ class _MethodChecks:
         if not m.buffers:
             raise ProgramError(f"{self.pre} has no buffers; buffer 0 (reserved for constants) must exist")
         for b, buf in enumerate(m.buffers):
-            codec.Int(1).check(buf.alignment, f"{self.pre} buffer {b} alignment")
+            fields.Int(1).check(buf.alignment, f"{self.pre} buffer {b} alignment")
             if buf.alignment & (buf.alignment - 1):
                 raise ProgramError(f"{self.pre} buffer {b} alignment {buf.alignment} is not a power of two")
         for i, v in enumerate(m.values):
@@ -118,7 +118,7 @@ class _MethodChecks:
     def vid(self, x: int, what: str, allow_default: bool = False) -> int:
         lo = DEFAULT_ARG if allow_default else 0
         if not lo <= x < self.n:
-            raise ProgramError(f"{self.pre} {what}: value id {codec.show(x)} is out of range (method has {self.n} values)")
+            raise ProgramError(f"{self.pre} {what}: value id {fields.show(x)} is out of range (method has {self.n} values)")
         return x
 
     def tensor_id(self, x: int, what: str) -> int:

@@ -4,7 +4,7 @@ A captured segment runs eagerly on its first call (lazy initialisation such as c
 handles stays out of the graph), is captured on the second and replayed from then on. Before
 each capture the streams API prepares the capture stream (`prepare_capture`; on CUDA, its cuBLAS
 workspace, whose address a graph bakes in, made in a graph pool kept for the process:
-runtime/choices/timing.py). Made in the segment's own pool, a workspace another module's
+ferry/capture.py). Made in the segment's own pool, a workspace another module's
 captures later found there would be freed under their graphs by
 `torch._C._cuda_clearCublasWorkspaces` (torch.compile's reduce-overhead mode calls it) once this
 module closed; made outside any pool, under this one's (tried: replays then fail with
@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ferry.runtime.choices import timing as kernel_timing
+from ferry import capture as shared_capture
 
 
 class _Graph(Protocol):
@@ -86,7 +86,7 @@ class GraphSegment:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 stream = self.streams.capture_stream(self.index)
-                with kernel_timing.LOCK, self.api.device(self.index):  # a kernel timed meanwhile would break it
+                with shared_capture.LOCK, self.api.device(self.index):  # a kernel timed meanwhile would break it
                     self.api.prepare_capture(stream)
                     with self.api.capture(graph, stream):
                         self._eager()

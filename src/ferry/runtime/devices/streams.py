@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from ferry import capture as shared_capture
 from ferry.device import Device
-from ferry.runtime.choices import timing as kernel_timing
 
 SMALL_COPY_BYTES = 1 << 20
 
@@ -44,8 +44,8 @@ class CudaApi:
     @staticmethod
     def prepare_capture(stream) -> None:
         """Before graphs are captured on `stream`: its cuBLAS workspace made
-        where no module's closing can free it under a live graph (runtime/choices/timing.py)."""
-        kernel_timing.keep_workspace(stream)
+        where no module's closing can free it under a live graph (ferry/capture.py)."""
+        shared_capture.keep_workspace(stream)
 
     @staticmethod
     def enqueue(stream, fn: Callable[[], object], touches_host: bool = False):

@@ -37,7 +37,7 @@ __all__ = ["Module"]
 
 _STOP, _CALL = 0, 1
 _ABORT_WAIT = 5.0  # seconds closing waits for NCCL to abort after a peer failed
-_ABANDONED: list = []  # what a failed NCCL abort left: freeing it could race the stuck transfer
+_ABANDONED: list = []  # registry: what a failed NCCL abort left: freeing it could race the stuck transfer
 _IDLE = timedelta(days=365)  # a serving rank waits this long for rank 0's next call
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ferry.backend_registry import NOT_CAPTURED, CallerPlan
 from ferry.device import Device
 from ferry.errors import BackendError, ProgramError
 from ferry.layout import same_strides
@@ -32,7 +33,6 @@ from ferry.program.schema import (
     Method,
     TensorValue,
 )
-from ferry.runtime.choices.timing import captured_plan, in_captured_plan
 from ferry.runtime.stages.frame import (
     call_io,
     dynamic_values,
@@ -63,17 +63,18 @@ SYM_OPS = {
 class BindContext:
     """What binding a method needs besides the method and its memory, fixed for the plan.
 
-    delegate:     `delegate(i, memory)` gives delegate i's handle (its working memory planned by the caller)
+    delegate:     `delegate(i, memory, capture)` gives delegate i's handle (its working memory planned by the caller)
     streams:      a CopyStreams issuing copies on an asynchronous device, or None
     page_locked:  whether a host tensor is page-locked (None: ask the tensor)
     transport:    the copies between ranks of a program split over processes (runtime/parallel/transport.py)
-    measure:      the method is loading, so kernels chosen by timing (runtime/choices/) may be timed now; a
+    measure:      the method is loading, so kernels chosen by timing (ferry/choices/) may be timed now; a
                   plan bound during a call uses only what was timed before
-    captured:     the plan runs as CUDA graphs, so kernels faster on the GPU that launch more (attention,
-                  convolutions of one image) may be chosen. The delegates bound meanwhile inherit it
-                  through runtime/choices/timing.py's `captured_plan` (they are loaded by their backends,
-                  which this context does not reach). A step whose segment is not captured after all (a
-                  failed capture, a host sync beside it) runs the chosen form eagerly: right, not faster.
+    capture:      the captured plan this one runs in (itself, where it runs as CUDA graphs; a delegate's,
+                  its caller's): then kernels faster on the GPU that launch more (attention, convolutions
+                  of one image) may be chosen, timed by replay on its capture streams. Delegates loaded
+                  or bound meanwhile are handed it (backend_registry.CallerPlan). A step whose segment is
+                  not captured after all (a failed capture, a host sync beside it) runs the chosen form
+                  eagerly: right, not faster.
     """
 
     delegate: Callable
@@ -81,7 +82,7 @@ class BindContext:
     page_locked: Callable[[torch.Tensor], bool] | None = None
     transport: Any = None
     measure: bool = False
-    captured: bool = False
+    capture: CallerPlan = NOT_CAPTURED
 
 
 def bind_method(method: Method, memory: Memory, ctx: BindContext, *, io: dict[int, torch.Tensor] | None = None,
@@ -92,17 +93,16 @@ def bind_method(method: Method, memory: Memory, ctx: BindContext, *, io: dict[in
     (shape, strides) of every dynamic value at one shape of the call, as `record_shapes` took
     them from a call at that shape: the method is then bound as a static one (views of its
     planned memory at those shapes, sizes as constants)."""
-    with captured_plan(ctx.captured, ctx.streams):
-        slots, fixed = list(memory.slots), list(memory.fixed)
-        for vid, t in (io or {}).items():
-            slots[vid], fixed[vid] = t, True
-        for vid in per_call:
-            slots[vid], fixed[vid] = None, False
-        fresh = fix_shapes(method, slots, fixed, shapes) if shapes is not None else own_dynamic(method, slots, fixed)
-        fix_lists(method, slots, fixed)
-        b = _Binder(method, slots, fixed, dataclasses.replace(ctx, captured=in_captured_plan()), shapes)
-        steps = [b.instruction(i, ins) for i, ins in enumerate(method.instructions)] + b.writebacks()
-        return Bound(tuple(with_releases(method, steps, fixed)), slots, tuple(fixed), call_io(method, memory, fixed, fresh))
+    slots, fixed = list(memory.slots), list(memory.fixed)
+    for vid, t in (io or {}).items():
+        slots[vid], fixed[vid] = t, True
+    for vid in per_call:
+        slots[vid], fixed[vid] = None, False
+    fresh = fix_shapes(method, slots, fixed, shapes) if shapes is not None else own_dynamic(method, slots, fixed)
+    fix_lists(method, slots, fixed)
+    b = _Binder(method, slots, fixed, ctx, shapes)
+    steps = [b.instruction(i, ins) for i, ins in enumerate(method.instructions)] + b.writebacks()
+    return Bound(tuple(with_releases(method, steps, fixed)), slots, tuple(fixed), call_io(method, memory, fixed, fresh))
 
 
 # what kind of step an instruction is (the binder's `<kind>_step` makes it), first match wins
@@ -128,7 +128,8 @@ def _device_sync(streams, device: Device) -> Callable[[], None]:
 class _Binder(KernelSteps):
     def __init__(self, method: Method, slots: list, fixed: list, ctx: BindContext, shapes: dict | None = None):
         self.m, self.slots, self.fixed, self.ctx = method, slots, fixed, ctx
-        self.transport, self.measure, self.captured, self.delegate = ctx.transport, ctx.measure, ctx.captured, ctx.delegate
+        self.transport, self.measure, self.delegate = ctx.transport, ctx.measure, ctx.delegate
+        self.capture, self.captured = ctx.capture, ctx.capture.captured
         self.streams = ctx.streams
         self.page_locked = ctx.page_locked or (lambda t: t.is_pinned())
         self.shapes = shapes  # bound at one call's shapes: every dynamic value's size is known
@@ -173,15 +174,14 @@ class _Binder(KernelSteps):
 
     def delegate_step(self, index: int, ins: DelegateCall) -> Step:
         slots = self.slots
-        handle = self.delegate(ins.delegate, [slots[s] for s in ins.scratch])
+        handle = self.delegate(ins.delegate, [slots[s] for s in ins.scratch], self.capture)
         args, outs = list(ins.args), list(ins.outputs)
         run = None
         if outs and self.m.tensor(outs[0]).storage == "runtime":  # dataflow.py: then all of them are
             run = self._returned_outputs(ins, handle)
-        elif all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs) and hasattr(handle, "bind_static"):
-            run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs])  # planned I/O, bound once
-        made = [i for i, o in enumerate(outs) if self._fresh(o) and hasattr(handle, "makes_output")
-                and handle.makes_output(i, self.m.tensor(o))]
+        elif all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs):
+            run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs], self.capture)  # planned I/O
+        made = [i for i, o in enumerate(outs) if self._fresh(o) and handle.makes_output(i, self.m.tensor(o))]
         if run is None and made:
             run = self._made_outputs(handle, args, outs, made)
             step = self.step(index, "delegate", f"delegate {ins.delegate}", ins, run)
@@ -212,14 +212,14 @@ class _Binder(KernelSteps):
         otherwise is copied to the declared layout; one sharing memory with the delegate's
         inputs or constants is copied too (compiled code may return a view of either, and the
         plan may reuse an input's bytes, or the caller write into what it is given)."""
-        if not getattr(handle, "returns_outputs", False):
+        if not handle.returns_outputs:
             raise ProgramError(f"delegate {ins.delegate}: the program expects it to return its outputs, but its "
                                "backend writes into memory it is given")
         slots, args, outs = self.slots, list(ins.args), list(ins.outputs)
         declared = [self.m.tensor(o) for o in outs]
         want = [(v.shape, v.torch_dtype, v.device.to_torch()) for v in declared]
         strides = [v.layout_strides for v in declared]
-        kept: set[int] = getattr(handle, "storages", set)()  # the delegate's constants
+        kept = handle.storages()  # the delegate's constants
 
         def run():
             inputs = [slots[a] for a in args]

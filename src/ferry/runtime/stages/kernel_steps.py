@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ferry.backend_registry import CallerPlan
+from ferry.choices import hook
+from ferry.choices.decisions import Site
 from ferry.errors import InputError, ProgramError
 from ferry.op_names import resolve_kernel
 from ferry.ops.aliasing import STORAGE_OFFSET_AT, composite_results, returns_inputs
 from ferry.ops.variants import functional_variant, has_device_kernel
 from ferry.program.lifetimes import tensor_ids
 from ferry.program.schema import DEFAULT_ARG, KernelCall, Method, TensorValue, memory_owner
-from ferry.runtime.choices import attention as attention_choice
-from ferry.runtime.choices import conv as conv_choice
-from ferry.runtime.choices.gemm import biased_gemm
 from ferry.runtime.stages.frame import members
 from ferry.runtime.stages.kernels import _to_meta, bind_aten, check_call, fast_aten, fast_functional, returns_list
 from ferry.runtime.stages.refs import (
@@ -25,11 +25,11 @@ from ferry.runtime.stages.refs import (
     Fixed,
     Listed,
     NoMeta,
+    PerCall,
     Ref,
     arguments,
     first_only,
     meta_of,
-    one_value,
     resolve,
 )
 from ferry.runtime.stages.steps import Step
@@ -46,7 +46,7 @@ class KernelSteps:
     fixed: list
     shapes: dict | None
     measure: bool
-    captured: bool
+    capture: CallerPlan
 
     if TYPE_CHECKING:  # the binder's own (runtime/stages/bind.py)
         def dynamic(self, v: TensorValue) -> bool: ...
@@ -77,7 +77,7 @@ class KernelSteps:
             return None
         tensors = [o for o in ins.outputs if isinstance(m.values[o], TensorValue)]
         dynamic = [o for o in tensors if m.tensor(o).storage in ("planned", "output") and self.dynamic(m.tensor(o))]
-        gemm = self._chosen_gemm(op, pos, kw) if writes_out and not dynamic else None
+        gemm = self._chosen(op, pos, kw, ins.outputs) if writes_out and not dynamic else None
         if writes_out and dynamic:
             call = self._dynamic_out(op, pos, kw, dynamic)
         elif writes_out and all(isinstance(r, Fixed) for r in (*pos, *kw.values())):
@@ -152,7 +152,7 @@ class KernelSteps:
         slots = self.slots
         if op in LAYOUT_VIEWS and not all(isinstance(r, Fixed) for r in pos):
             op = torch.ops.aten.reshape.default  # see LAYOUT_VIEWS
-        fn = self._chosen_composed(op, pos, kw, outputs) or self._fast(op, pos, kw, outputs) or op
+        fn = self._chosen(op, pos, kw, outputs) or self._fast(op, pos, kw, outputs) or op
         named = resolve_kernel(ins.kernel) if ins is not None else op  # (op may be a wrapper of it)
         if ins is not None and returns_inputs(named):
             fn = composite_results(fn, self._declared_sources(ins))
@@ -186,41 +186,32 @@ class KernelSteps:
         bases = [v.alias_of if isinstance(v := m.values[o], TensorValue) else None for o in ins.outputs]
         return [owners.index(b) if b is not None and b in owners else None for b in bases]
 
-    def _chosen_gemm(self, op, pos, kw):
-        """`mm` and then the bias added, for an `addmm.out` this GPU runs faster that way
-        (timed once per shape, at load: runtime/choices/gemm.py); None keeps the kernel named."""
-        if op is not torch.ops.aten.addmm.out or len(pos) != 3 or "out" not in kw:
+    def _chosen(self, op, pos, kw, outputs):
+        """The form the op's family picks for this instruction (ferry/choices/hook.py: timed once
+        per shape, at load), or None for the kernel named. Arguments are given as they are where
+        fixed (a weight on its GPU) and as meta tensors like them for values of the call; one
+        value is one object (multi-head attention over one input is self-attention)."""
+        if not hook.wants(op):
             return None
-        scalars = [kw.get(k, Fixed(1)) for k in ("beta", "alpha")]
-        if not all(isinstance(r, Fixed) for r in scalars):
-            return None
+        metas: dict[int, object] = {}
         try:
-            bias, mat1, mat2, out = (self._given(r) for r in (*pos, kw["out"]))
-        except NoMeta:
-            return None
-        return biased_gemm(bias, mat1, mat2, out, scalars[0].value, scalars[1].value, measure=self.measure)
-
-    def _chosen_composed(self, op, pos, kw, outputs):
-        """In a plan captured as CUDA graphs, a composed form of more, smaller kernels where this
-        GPU runs it faster (timed once per shape, at load): attention as GEMMs and a softmax
-        (runtime/choices/attention.py), a convolution of one image as one GEMM over its patches
-        (runtime/choices/conv.py); else None."""
-        if not self.captured or (op not in attention_choice.OPS and op not in conv_choice.OPS):
-            return None
-        try:
-            args, kwargs = [self._given(r) for r in pos], {k: self._given(r) for k, r in kw.items()}
+            args, kwargs = [self._given(r, metas) for r in pos], {k: self._given(r, metas) for k, r in kw.items()}
         except NoMeta:
             return None
         out = self.m.values[outputs[0]] if outputs else None
         device = out.device.to_torch() if isinstance(out, TensorValue) else None
-        if op in conv_choice.OPS:
-            return None if kwargs else conv_choice.chosen(op, args, measure=self.measure, device=device)
-        one_input = len(pos) >= 3 and one_value(pos[:3])
-        return attention_choice.chosen(op, args, kwargs, one_input, measure=self.measure, device=device)
+        return hook.choose(op, args, kwargs, Site(device, self.measure, self.capture.captured, self.capture.streams))
 
-    def _given(self, ref):
-        """What is fixed as it is (a weight on its GPU), a meta tensor like it for a value of the call."""
-        return ref.value if isinstance(ref, Fixed) else self._meta(ref)
+    def _given(self, ref, metas: dict):
+        """What is fixed as it is (a weight on its GPU), a meta tensor like it for a value of the
+        call (made once per value: `metas`)."""
+        if isinstance(ref, Fixed):
+            return ref.value
+        if isinstance(ref, PerCall):
+            if ref.vid not in metas:
+                metas[ref.vid] = self._meta(ref)
+            return metas[ref.vid]
+        return self._meta(ref)
 
     def _fast_out(self, op, pos, kw):
         """fast_aten for an .out kernel whose arguments include values of the call."""

@@ -146,7 +146,7 @@ def _to_meta(x):
     return x
 
 
-_FAST_CHECKED: dict = {}  # (op, argument signature) -> the parser entry, or None
+_FAST_CHECKED: dict = {}  # registry (a bounded cache): (op, argument signature) -> the parser entry, or None
 _FAST_CHECKED_MAX = 8192
 
 

@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import torch
 
+from ferry.backend_registry import NOT_CAPTURED, CallerPlan
 from ferry.device import CPU
 from ferry.errors import FerryError, InputError
 from ferry.layout import contiguous_strides
@@ -45,8 +46,9 @@ def streams_api_for(method: Method):
 
 class LoadedMethod:
     def __init__(self, program, method: Method, delegate, *, pin_host: bool = True, cuda_graphs: bool = False,
-                 asynchronous: bool = True, memory=None, transport=None):
+                 asynchronous: bool = True, memory=None, transport=None, caller: CallerPlan = NOT_CAPTURED):
         self.method, self.name = method, method.name
+        self.caller = caller  # a delegate's method: the plan it runs inside
         self.transport = transport
         self._delegate = delegate
         api = streams_api_for(method) if asynchronous else None
@@ -78,10 +80,12 @@ class LoadedMethod:
                                for vid in method.outputs]
 
     def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset(), shapes: dict | None = None,
-              record: tuple[int, ...] = (), measure: bool = False) -> Plan:
+              record: tuple[int, ...] = (), measure: bool = False, caller: CallerPlan | None = None) -> Plan:
         api = self.streams.api if self.streams is not None else None
+        caller = caller or self.caller
+        inside = CallerPlan(True, self.streams) if graphs and not caller.captured else caller  # the outermost's streams
         ctx = BindContext(self._delegate, self.streams, api.page_locked if api is not None else None, self.transport,
-                          measure, graphs)
+                          measure, inside)
         bound = bind_method(self.method, self.memory, ctx, io=io, per_call=per_call, shapes=shapes)
         kind = api.device_type if api is not None else None
         return Plan(self.name, bound, schedule(bound.steps, kind, graphs), schedule(bound.steps, kind), self.streams,
@@ -132,7 +136,7 @@ class LoadedMethod:
     def constant_outputs(self) -> frozenset[int]:
         return self.plan.io.constant_outputs
 
-    def rebind(self, inputs, outputs):
+    def rebind(self, inputs, outputs, caller: CallerPlan):
         """Tensors a delegate's caller passes the same on every call (its planned inputs and
         outputs): a new plan bound to them like to planned memory (no per-call binding, fast
         kernel paths). Returns the zero-argument call."""
@@ -147,7 +151,7 @@ class LoadedMethod:
             shapes = self._sizes.get(_shape_key(inputs))
             if shapes is None:
                 return None
-        plan = self._plan(io, False, shapes=shapes)
+        plan = self._plan(io, False, shapes=shapes, caller=caller)
         copy_back = [(t, vid) for vid, t in zip(m.outputs, outputs) if vid not in io]
         return lambda: plan.run_bound(copy_back)
 

@@ -6,9 +6,8 @@ import os
 import queue
 import threading
 import warnings
-from typing import Protocol
 
-from ferry.backend_registry import get_backend
+from ferry.backend_registry import NOT_CAPTURED, CallerPlan, DelegateHandle, get_backend
 from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, ProgramError
 from ferry.program import Program, load_program
 from ferry.program.ranks import program_ranks
@@ -20,12 +19,6 @@ from ferry.runtime.stages.method import LoadedMethod
 from ferry.runtime.stages.run import caller_copy
 
 
-class _DelegateHandle(Protocol):
-    """What a backend's init returns (backend_registry.py); the Module frees it with close()."""
-
-    def close(self) -> None: ...
-
-
 class _Instance:
     """One set of planned memory: the loaded methods and their delegates. One call at a time."""
 
@@ -34,7 +27,7 @@ class _Instance:
         self.methods: dict[str, LoadedMethod] = {}
         self.microbatches: dict[str, MicroBatches] = {}
         self.buckets: dict[str, ShapeBuckets] = {}
-        self.delegates: dict[int, _DelegateHandle] = {}
+        self.delegates: dict[int, DelegateHandle] = {}
 
     def load(self, name: str) -> LoadedMethod:
         loaded = self.methods.get(name)
@@ -43,9 +36,9 @@ class _Instance:
         mod = self.module
         created: list[int] = []
 
-        def delegate(index: int, memory=()):
+        def delegate(index: int, memory=(), caller: CallerPlan = NOT_CAPTURED):
             if index not in self.delegates:
-                self.delegates[index] = mod._init_delegate(index, list(memory))
+                self.delegates[index] = mod._init_delegate(index, list(memory), caller)
                 created.append(index)
             return self.delegates[index]
 
@@ -187,19 +180,21 @@ class Module:
                 for inst in taken:
                     self._free.put(inst)
 
-    def _init_delegate(self, index: int, memory: list):
+    def _init_delegate(self, index: int, memory: list, caller: CallerPlan):
         """`memory`: the delegate's working memory, planned in the method's arenas."""
         d = self.program.delegates[index]
         backend = get_backend(d.backend_id)
         payload = self.program.segments[d.payload]
         try:
-            if memory:
-                return backend.init(payload, d.compile_specs, memory=memory)
-            return backend.init(payload, d.compile_specs)
+            handle = backend.init(payload, d.compile_specs, memory=memory or None, caller=caller)
         except FerryError:
             raise
         except Exception as e:
             raise BackendError(f"backend {d.backend_id!r} failed to initialise delegate {index}: {e}") from e
+        if not isinstance(handle, DelegateHandle):
+            raise BackendError(f"backend {d.backend_id!r} returned a {type(handle).__name__} for delegate {index}, "
+                               "not a ferry.backends.DelegateHandle (subclass it: it declares what a handle can do)")
+        return handle
 
     # ---------------------------------------------------------------- run
 

@@ -1,4 +1,4 @@
-"""Which kernel computes an op: its `.out` overload into planned memory, or the functional one.
+"""The compile-time choice of every op: its `.out` overload into planned memory, or the functional kernel.
 
 An `.out` overload is worth it only when it is a real kernel writing its result in place.
 Many are wrappers PyTorch generates (`convolution.out`, `native_layer_norm.out`, `clone.out`,
@@ -27,72 +27,75 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.fx
 
+from ferry import node_meta as M
 from ferry import ops
-from ferry.aot import meta as M
+from ferry.choices.decisions import DECISIONS, Decision
+from ferry.choices.gemm import functional_linear
 from ferry.op_names import kernel_name
 from ferry.ops import writes
 from ferry.ops.variants import out_variant
 
-__all__ = ["KernelChoice", "choose_kernel", "out_is_wrapper"]
+__all__ = ["FORMS", "choose_kernel", "kernel_for", "out_is_wrapper"]
 
 _MEASURE_ELEMENTS = 1 << 22  # inputs larger than this are not materialised to measure
 
 
-@dataclass(frozen=True)
-class KernelChoice:
-    op: torch._ops.OpOverload  # the overload an instruction calls
-    functional: bool  # True: the result is allocated by the kernel, not planned
-    reason: str = ""
+FAMILY = "out kernel"
+FORMS = ("functional", "out")  # eager's kernel allocates its result; the .out overload writes planned memory
 
 
-def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node, device_type: str = "cpu") -> KernelChoice:
+def choose_kernel(op: torch._ops.OpOverload, node: torch.fx.Node, device_type: str = "cpu") -> Decision:
+    """Whether `op` at `node` runs as its `.out` overload into planned memory or functionally,
+    and why (`kernel_for` gives the overload an instruction calls)."""
     out = out_variant(op)
+    why = _functional_because(op, out, node, device_type)
+    return Decision(FAMILY, kernel_name(op), _shape(node), FORMS, (), "functional" if why else "out",
+                    why or "writes its result into planned memory", device_type)
+
+
+def kernel_for(op: torch._ops.OpOverload, decision: Decision) -> torch._ops.OpOverload:
+    out = out_variant(op)
+    return out if decision.pick == "out" and out is not None else op
+
+
+def _functional_because(op, out, node: torch.fx.Node, device_type: str) -> str:
+    """Why `op` runs functionally, or "" where its `.out` overload is the one to run."""
     if out is None:
-        return KernelChoice(op, True, "no out variant: allocates its result each call")
-    if op in ops.FUNCTIONAL_COPIES:
-        return KernelChoice(out, False)  # ferry's own copies write in place
-    if op is torch.ops.aten.linear.default and _batched(node) and device_type in _FOLDING_DEVICES:
-        return KernelChoice(op, True, "over a batch of rows the functional kernel runs one GEMM with the bias fused "
-                                      "(addmm); linear.out runs the GEMM, then adds the bias (measured)")
-    if op in writes.OUT_KERNELS:  # ferry's own kernels (ops/writes.py): no clone of a whole storage
-        return KernelChoice(out, False)
+        return "no out variant: allocates its result each call"
+    if op in ops.FUNCTIONAL_COPIES or op in writes.OUT_KERNELS:
+        return ""  # ferry's own copies and kernels (ops/writes.py) write in place, no clone of a whole storage
+    if why := functional_linear(op, node, device_type):
+        return why
     if not _contiguous(node.meta.get("val")):
-        return KernelChoice(op, True, "eager gives its result a non-contiguous layout: computed as eager does, "
-                                      "so every view eager allows stays legal")
+        return ("eager gives its result a non-contiguous layout: computed as eager does, so every view eager "
+                "allows stays legal")
     if op not in _GEMMS and not all(_contiguous(a.meta.get("val")) for a in node.all_input_nodes):
         # measured on ViT: linear.out over a transposed input runs one small GEMM per row (bmm
         # with a broadcast weight, 2.4x slower end to end) where eager's functional linear
         # copies the input once and runs one large GEMM
-        return KernelChoice(op, True, "an input has a non-contiguous layout, for which eager's functional kernel "
-                                      "picks a faster algorithm than the .out overload (measured)")
+        return ("an input has a non-contiguous layout, for which eager's functional kernel picks a faster "
+                "algorithm than the .out overload (measured)")
     if _scratches_in_out(out, node):
-        return KernelChoice(op, True, f"{kernel_name(out)} uses its out tensor as scratch larger than its result "
-                                      "(measured): planned memory would be written past its end")
+        return (f"{kernel_name(out)} uses its out tensor as scratch larger than its result (measured): planned "
+                "memory would be written past its end")
     if out_is_wrapper(out, node):
-        return KernelChoice(op, True, f"{kernel_name(out)} computes into a temporary and copies (measured): "
-                                      "the functional kernel's result is used in place")
-    return KernelChoice(out, False)
+        return (f"{kernel_name(out)} computes into a temporary and copies (measured): the functional kernel's "
+                "result is used in place")
+    return ""
+
+
+def _shape(node: torch.fx.Node) -> str:
+    val = node.meta.get("val")
+    return "x".join(map(str, val.shape)) if isinstance(val, torch.Tensor) else ""
 
 
 # GEMMs take transposed operands as BLAS does, in their .out kernels as in the functional ones:
 # the same algorithm whatever the layout (aot/fuse.py gives them a transposed weight)
 _GEMMS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
-
-# where linear.out's GEMM-then-add was measured slower than the functional addmm (an H200: two
-# kernels and an extra pass); on the CPU the difference was within noise, and .out keeps the
-# result in planned memory
-_FOLDING_DEVICES = {"cuda"}
-
-
-def _batched(node: torch.fx.Node) -> bool:
-    x = node.args[0] if node.args else None
-    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.dim() >= 3 and len(node.args) > 2 and node.args[2] is not None
 
 
 def _contiguous(val) -> bool:
@@ -115,18 +118,13 @@ def out_is_wrapper(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
     return _measured_wrapper(out, node)
 
 
-_scratch: dict[tuple, bool] = {}
-
-
 def _scratches_in_out(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
     """Does `out` use an out tensor as scratch larger than its result (`mse_loss.out` writes the
     elementwise loss into `out`, then its mean)? Run once per overload and constant arguments,
     with outputs exactly their size that cannot grow: such a kernel fails to resize them."""
-    key = (out, repr([_shape_or_value(a) for a in node.args]),
+    key = ("out kernel scratch", out, repr([_shape_or_value(a) for a in node.args]),
            repr(sorted((k, _shape_or_value(v)) for k, v in node.kwargs.items())))
-    if key not in _scratch:
-        _scratch[key] = _resizes_out(out, node)
-    return _scratch[key]
+    return _measured(key, out, node, _resizes_out, "uses its out tensor as scratch")
 
 
 def _shape_or_value(a):
@@ -175,13 +173,19 @@ def _has_backend_kernel(op: torch._ops.OpOverload) -> bool:
         return False
 
 
-_measured: dict[torch._ops.OpOverload, bool] = {}
-
-
 def _measured_wrapper(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
-    if out not in _measured:
-        _measured[out] = _measure(out, node)
-    return _measured[out]
+    return _measured(("out kernel wrapper", out), out, node, _measure, "computes into a temporary and copies")
+
+
+def _measured(key: tuple, out, node: torch.fx.Node, measure, what: str) -> bool:
+    """A fact about an `.out` overload measured once per key (kept in the one cache of decisions)."""
+    def decide() -> Decision:
+        found = measure(out, node)
+        return Decision(FAMILY, kernel_name(out), key[-1] if len(key) > 2 else "", FORMS, (),
+                        "functional" if found else "out", what if found else f"measured: it does not ({what})")
+
+    decision = DECISIONS.get(key, decide)
+    return decision is not None and decision.pick == "functional"
 
 
 def _measure(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:

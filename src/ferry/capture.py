@@ -1,0 +1,71 @@
+"""What every CUDA graph capture in the process shares: one lock, the cuBLAS workspace kept
+alive, and capturing calls on a side stream.
+
+One lock for all: a kernel timed at load (ferry/choices/timing.py) while another thread
+captures a plan's graphs (runtime/devices/graphs.py) would break that capture with its host
+waits and allocations. It is re-entrant: a capture holds it, and a plan bound inside may ask
+for kernel decisions, which take it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["LOCK", "capture", "keep_workspace", "on_side_stream"]
+
+LOCK = threading.RLock()
+
+# registry: capture stream -> the graph that made its cuBLAS workspace (see keep_workspace);
+# kept for the life of the process, one pool per capture stream (torch has 32 per device)
+KEPT_WORKSPACES: dict = {}
+
+
+@contextlib.contextmanager
+def on_side_stream(stream):
+    """Work on `stream`, ordered after the work queued on the current stream and before its later work."""
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
+
+
+def capture(fn: Callable, reps: int, pool=None):
+    """`reps` calls of `fn` captured on the current stream. Thread-local: a module already loaded
+    may run in another thread meanwhile, and its host waits must neither fail nor break this."""
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        for _ in range(reps):
+            fn()
+    finally:
+        graph.capture_end()
+    return graph
+
+
+def keep_workspace(stream) -> None:
+    """Make the cuBLAS workspace of `stream` (one per stream, 32 MiB on an H200) inside a graph
+    kept for the life of the process. A graph bakes that workspace's address in; made inside a
+    timing graph, it would live in that graph's pool, which is freed after the timing, and
+    `torch._C._cuda_clearCublasWorkspaces` (torch.compile's reduce-overhead mode calls it) would
+    then hand its memory to anyone while the plan's own graphs still use it. In a kept pool, freed
+    memory is reused only by the workspace made again there. Called again before every timing and
+    every capture of a plan's graphs (a few µs): the workspace may have been cleared since."""
+    with LOCK, torch.cuda.device(stream.device):
+        kept = KEPT_WORKSPACES.get(stream)
+        a = torch.ones(16, 16, device=stream.device)
+        bias = torch.ones(16, device=stream.device)
+
+        def gemms():
+            torch.mm(a, a)
+            torch.addmm(bias, a, a)  # cublasLt's path, where its workspace is separate
+
+        gemms()  # cuBLAS's handles made first, outside any capture (cublasCreate fails inside one)
+        with on_side_stream(stream):
+            graph = capture(gemms, 1, kept.pool() if kept is not None else None)
+        KEPT_WORKSPACES[stream] = graph  # the pool lives on in it

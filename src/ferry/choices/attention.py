@@ -1,0 +1,404 @@
+"""The attention family. At compile time: `nn.MultiheadAttention`'s traced ops as eager's fused
+inference op, and masks known at compile time dropped or made `is_causal`. At load: which kernels
+run attention on CUDA in a plan captured as CUDA graphs: eager's fused ones, or GEMMs and a softmax.
+
+In fp32 (flash attention takes half precision only) `scaled_dot_product_attention` runs the
+memory-efficient kernel, which is slow at short sequences on an H200: ViT-B/16's 12 heads of 197
+tokens take 28.9 µs there, q @ kᵀ, the softmax and @ v 18.7. With a causal mask, at 64 tokens or
+at ViT's batch 4 the fused kernel is the faster (`bench/gemm_kernels.py`). The fused op of
+`nn.MultiheadAttention` (`_native_multi_head_attention`) also runs its two projections as
+`addmm`, whose kernels cuBLAS picks slowly at some shapes (choices/gemm.py). No rule of
+shapes holds across GPUs, so each distinct attention is timed both ways when a method loads, on
+the GPU it loads on, and the composed form is kept where it saves at least 10% and 2 µs
+(choices/timing.py), by replaying graphs of each form on the plan's capture stream: a
+stream leaves a gap after each launch that a replay does not (nn.MultiheadAttention at ViT-B/16's
+batch 1, composed against fused: 84.7 against 90.7 µs on a stream, 74.1 against 89.1 replayed,
+`bench/gemm_kernels.py`).
+
+Only in plans captured as CUDA graphs: the composed forms launch three kernels for one
+(attention) and up to eight for four (multi-head attention), and without graphs a small call
+waits on the host's launches, not on the GPU. Only fp32 and fp64 (in half precision the scores
+would be rounded before the softmax; with TF32 GEMMs allowed, fp64 only: eager's fp32 kernel is
+more precise than one TF32 pass), without a mask, dropout or a causal mask; multi-head
+attention only as self-attention, without its weights. Under deterministic algorithms eager's
+kernels run.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx
+
+from ferry import node_meta as M
+from ferry.choices import timing
+from ferry.choices.decisions import DECISIONS, Decision, Site
+from ferry.choices.gemm import biased_gemm, blas_settings
+from ferry.choices.graph_edits import Rewrite, attr
+
+__all__ = ["OPS", "PATTERNS", "composed_attention", "form"]
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+MHA = aten._native_multi_head_attention.default
+OPS = frozenset({SDPA, MHA})
+FORMS = ("fused", "GEMMs and a softmax")
+_CHECK_ELEMENTS = 1 << 22  # the largest activation a numerical check materialises
+# what the traced ops of one nn.MultiheadAttention (self-attention, packed projections) may be
+_MHA_OPS = {aten.linear.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+            aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+            aten.squeeze.dims, aten.squeeze.default, aten.clone.default, aten.select.int, aten.split.Tensor,
+            aten.split_with_sizes.default, aten.unbind.int, aten.expand.default, aten.t.default,
+            aten.mm.default, aten.addmm.default, SDPA, operator.getitem}
+_MHA_CLASS = "torch.nn.modules.activation.MultiheadAttention"
+_DTYPES = (torch.float32, torch.float64)
+_MAX_SCORES = 1 << 24  # elements of q @ kᵀ (64 MiB in fp32): the composed form makes them a tensor
+
+
+def composed_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """`scaled_dot_product_attention` without a mask, dropout or grouped heads: one batched GEMM
+    for the scores, scaled after it (eager's math scales q and k before: equal to rounding), a
+    softmax, one batched GEMM for the result. For one sequence (batch 1) the scale is the GEMM's
+    own (its alpha) and the result is written as eager's fused kernel lays it out, (batch,
+    queries, heads, dim) in memory, so the transpose and reshape models make of it are views, not
+    a copy (ViT-B/16's, timed at load: 18.1 µs against 19.9 before, bench/results/models_M.json)."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if q.shape[0] != 1:
+        scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+        return torch.matmul(torch.softmax(scores, -1), v)
+    (_, h, t, d), s = q.shape, k.shape[2]
+    scores = torch.baddbmm(q.new_empty(h, t, s), q[0], k[0].transpose(1, 2), beta=0, alpha=scale)
+    out = q.new_empty(1, t, h, d).transpose(1, 2)
+    torch.bmm(torch.softmax(scores, -1), v[0], out=out[0])
+    return out
+
+
+def form(op, args: list, kwargs: dict, site: Site) -> Callable | None:
+    """The load-time hook (choices/hook.py): in a captured plan, the composed form of `op` where
+    this GPU runs it faster than eager's fused kernel for arguments like these (real tensors, or
+    meta tensors of the same shape, strides and dtype); otherwise None. Multi-head attention only
+    as self-attention: query, key and value one value (the same object)."""
+    if not site.captured:
+        return None
+    if op is SDPA:
+        return _attention(args, kwargs, site)
+    if op is MHA and len(args) >= 3 and args[0] is args[1] is args[2]:
+        return _multi_head(args, kwargs, site)
+    return None
+
+
+def _attention(args, kwargs, site: Site) -> Callable | None:
+    params = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:])) | kwargs
+    q, k, v = (args + [None] * 3)[:3]
+    tensors = (q, k, v)
+    if params.get("attn_mask") is not None or params.get("dropout_p", 0.0) or params.get("is_causal", False):
+        return None
+    if params.get("enable_gqa", False) or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+        return None
+    if q.dtype not in _DTYPES or len({t.dtype for t in tensors}) != 1 or k.shape != v.shape:
+        return None
+    if q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return None  # one-pass TF32 GEMMs: less precise than eager's fp32 kernel (3 x TF32 on sm80+)
+    (b, h, t, d), s = q.shape, k.shape[2]
+    if k.shape[:2] != (b, h) or k.shape[3] != d or b * h * t * s > _MAX_SCORES:
+        return None
+    device = timing.gpu_of(tensors, site.device)
+    if device is None:
+        return None
+    scale = params.get("scale")
+    key = ("attention", str(device), q.dtype, *blas_settings(), site.replays, scale,
+           *((tuple(x.shape), x.stride()) for x in tensors))
+    decision = DECISIONS.get(key, lambda: _decide_attention(device, tensors, scale, site), timing.may_time(site, device))
+    return composed_attention if decision is not None and decision.taken else None
+
+
+def _decide_attention(device, tensors, scale, site: Site) -> Decision | None:
+    with timing.on(device), torch.no_grad():
+        try:
+            q, k, v = (timing.scratch(t, device) for t in tensors)
+            times = timing.time_both(lambda: SDPA(q, k, v, scale=scale), lambda: composed_attention(q, k, v, scale=scale),
+                                     site.replay_stream())
+        except torch.cuda.OutOfMemoryError:  # eager's kernel stays; any other error is the caller's to see
+            return None
+    (b, h, t, d), s = q.shape, k.shape[2]
+    return timing.decision("attention", str(SDPA.name()), f"{b}x{h}x{t}x{s}x{d}", device, q.dtype, FORMS, times)
+
+
+_MHA_PARAMS = ("query", "key", "value", "embed_dim", "num_head", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias",
+               "mask", "need_weights", "average_attn_weights", "mask_type")
+
+
+def _multi_head(args, kwargs, site: Site) -> Callable | None:
+    p = dict(zip(_MHA_PARAMS, args)) | kwargs
+    x, e, heads = p.get("query"), p.get("embed_dim"), p.get("num_head")
+    weights = [p.get(n) for n in ("qkv_weight", "qkv_bias", "proj_weight", "proj_bias")]
+    if p.get("mask") is not None or p.get("need_weights", True) or not isinstance(x, torch.Tensor) or x.dim() != 3:
+        return None
+    if not all(isinstance(w, torch.Tensor) for w in weights) or not isinstance(heads, int) or heads < 1:
+        return None
+    b, t, width = x.shape
+    expected = [(3 * e, e), (3 * e,), (e, e), (e,)]
+    if width != e or e % heads or [tuple(w.shape) for w in weights] != expected:
+        return None
+    if x.dtype not in _DTYPES or any(w.dtype != x.dtype for w in weights) or b * heads * t * t > _MAX_SCORES:
+        return None
+    device = timing.gpu_of((x, *weights), site.device)
+    if device is None:
+        return None
+    site = Site(device, site.measure, site.captured, site.streams)
+    composed = _composed_multi_head(x, weights, heads, site)
+    key = ("multi-head attention", str(device), x.dtype, *blas_settings(), site.replays, tuple(x.shape),
+           x.stride(), heads, *(w.stride() for w in weights), composed.parts)
+    decision = DECISIONS.get(key, lambda: _decide_multi_head(device, x, weights, heads, composed, site),
+                             timing.may_time(site, device))
+    return composed if decision is not None and decision.taken else None
+
+
+def _composed_multi_head(x, weights, heads, site: Site):
+    """Self-attention as its projections, each GEMM as gemm_choice measures it faster, and the
+    attention as this module measures it faster; `.parts` says which were chosen."""
+    (b, t, e), (w_in, b_in, w_out, b_out) = x.shape, weights
+    rows = torch.empty((b * t, e), dtype=x.dtype, device="meta")
+    qkv = torch.empty((b * t, 3 * e), dtype=x.dtype, device="meta")
+    split_in = biased_gemm(b_in, rows, w_in.t(), qkv, site) is not None
+    split_out = biased_gemm(b_out, rows, w_out.t(), rows, site) is not None
+    q, k, v = _heads(qkv, b, t, heads)
+    attend = _attention([q, k, v], {}, site) or SDPA
+    project_in, project_out = _gemm(split_in), _gemm(split_out)
+
+    def multi_head(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias, proj_weight, proj_bias, *_, **__):
+        n, length, width = query.shape
+        qkv = project_in(qkv_bias, query.reshape(n * length, width), qkv_weight.t())
+        y = attend(*_heads(qkv, n, length, num_head)).transpose(1, 2).reshape(n * length, width)
+        return project_out(proj_bias, y, proj_weight.t()).view(n, length, width), None  # no weights, as eager's
+
+    multi_head.parts = (split_in, attend is not SDPA, split_out)  # type: ignore[attr-defined]
+    return multi_head
+
+
+def _heads(qkv, batch, length, heads):
+    """q, k and v of (batch, heads, length, head_dim), as views of the in-projection's rows."""
+    width = qkv.shape[1] // 3
+    return qkv.view(batch, length, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _gemm(split: bool):
+    if split:
+        return lambda bias, mat1, mat2: torch.mm(mat1, mat2).add_(bias)
+    return torch.addmm
+
+
+def _decide_multi_head(device: torch.device, x, weights, heads, composed, site: Site) -> Decision | None:
+    e = x.shape[2]
+    with timing.on(device), torch.no_grad():
+        try:
+            q = timing.scratch(x, device)
+            w = [timing.scratch(t, device) for t in weights]
+            times = timing.time_both(lambda: MHA(q, q, q, e, heads, *w, need_weights=False),
+                                     lambda: composed(q, q, q, e, heads, *w, need_weights=False),
+                                     site.replay_stream())
+        except torch.cuda.OutOfMemoryError:
+            return None
+    b, t = x.shape[:2]
+    return timing.decision("multi-head attention", str(MHA.name()), f"{b}x{heads}x{t}x{t}x{e // heads}", device,
+                           x.dtype, FORMS, times)
+
+
+# ---------------------------------------------------------------- compile time
+
+
+def fuse_attention(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    done = []
+    for path, members in _attention_modules(gm).items():
+        region = _attention_region(gm, members)
+        if region is None or not _same_result(gm, members, region):
+            continue
+        x, weights, heads, out = region
+        with gm.graph.inserting_before(out):
+            fused = gm.graph.call_function(aten._native_multi_head_attention.default,
+                                           (x, x, x, x.meta["val"].shape[2], heads, *weights),
+                                           {"need_weights": False})
+            first = gm.graph.call_function(operator.getitem, (fused, 0))
+        val = out.meta["val"].new_empty(out.meta["val"].shape)  # the fused kernel's result is contiguous
+        fused.meta.update({k: v for k, v in out.meta.items() if k != "val"})
+        fused.meta["val"] = (val, val.new_empty((0,)))
+        first.meta.update({k: v for k, v in out.meta.items() if k != "val"})
+        first.meta["val"] = val
+        out.replace_all_uses_with(first)
+        for node in reversed(members):
+            gm.graph.erase_node(node)
+        done.append(Rewrite("attention", f"{path} ({len(members)} ops)"))
+    return done
+
+
+def _attention_modules(gm) -> dict[str, list[torch.fx.Node]]:
+    """The call_function nodes of each call of an nn.MultiheadAttention (exactly that class: a
+    subclass may do more), by the module stack's key for that call, in graph order."""
+    found: dict[str, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for key, (_path, kind) in (node.meta.get("nn_module_stack") or {}).items():
+            name = kind if isinstance(kind, str) else f"{kind.__module__}.{kind.__qualname__}"
+            if name == _MHA_CLASS:
+                found.setdefault(key, []).append(node)
+                break
+    return found
+
+
+def _attention_region(gm, members):
+    """(x, [in_w, in_b, out_w, out_b], heads, output node) when `members` is self-attention
+    over one input with packed projections and no mask; None otherwise."""
+    if any(n.target not in _MHA_OPS for n in members):
+        return None  # anything else is not what the fused kernel computes
+    inside = set(members)
+    inputs = []
+    for n in members:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outs = [n for n in members if any(u not in inside for u in n.users)]
+    sdpa = [n for n in members if n.target is SDPA]
+    if len(outs) != 1 or len(sdpa) != 1 or len(inputs) != 5 or _has_mask_or_dropout(sdpa[0]):
+        return None
+    acts = [a for a in inputs if a.op != "get_attr"]
+    if len(acts) != 1:
+        return None
+    x, out = acts[0], outs[0]
+    xv, ov = x.meta.get("val"), out.meta.get("val")
+    if not (isinstance(xv, torch.Tensor) and isinstance(ov, torch.Tensor) and xv.dim() == 3):
+        return None
+    shape = M.static_ints(xv.shape)
+    if shape is None or M.static_ints(ov.shape) != shape:
+        return None  # dynamic sizes: the numerical check needs concrete ones
+    embed = shape[2]
+    shapes = {tuple(attr(gm, a).shape): a for a in inputs if a.op == "get_attr" and attr(gm, a) is not None}
+    want = [(3 * embed, embed), (3 * embed,), (embed, embed), (embed,)]
+    if any(s not in shapes for s in want):
+        return None
+    q = sdpa[0].args[0].meta.get("val")
+    q_shape = M.static_ints(q.shape) if isinstance(q, torch.Tensor) else None
+    if q_shape is None or len(q_shape) != 4:
+        return None
+    return x, [shapes[s] for s in want], q_shape[1], out
+
+
+def _has_mask_or_dropout(sdpa) -> bool:
+    args = list(sdpa.args[3:]) + [sdpa.kwargs.get(k) for k in ("attn_mask", "dropout_p", "is_causal", "scale")]
+    return any(a not in (None, 0, 0.0, False) for a in args)
+
+
+def _same_result(gm, members, region) -> bool:
+    """Run the traced ops and the fused op on one random input with the real weights."""
+    x, weights, heads, out = region
+    xv = x.meta["val"]
+    shape = M.static_ints(xv.shape)  # static: _attention_region checked
+    if shape is None or math.prod(shape) > _CHECK_ELEMENTS or not xv.dtype.is_floating_point:
+        return False
+    values = {w: attr(gm, w).cpu() for w in weights}
+    gen = torch.Generator().manual_seed(0)
+    values[x] = torch.randn(shape, generator=gen).to(xv.dtype)
+    try:
+        with torch.no_grad():
+            for n in members:
+                args = torch.fx.node.map_arg(n.args, values.__getitem__)
+                kwargs = torch.fx.node.map_arg(n.kwargs, values.__getitem__)
+                values[n] = n.target(*args, **kwargs)
+            fused = aten._native_multi_head_attention.default(values[x], values[x], values[x], shape[2], heads,
+                                                              *(values[w] for w in weights), need_weights=False)[0]
+    except Exception:  # noqa: BLE001 - an op the check cannot run here: keep the traced ops
+        return False
+    want = values[out]
+    full = xv.dtype in (torch.float32, torch.float64)
+    rtol, atol = (1e-4, 1e-5) if full else (2e-2, 2e-2)  # half precision rounds after every op
+    return fused.shape == want.shape and torch.allclose(fused.float(), want.float(), rtol=rtol,
+                                                        atol=atol * float(want.abs().max()) + 1e-6)
+
+
+# ---------------------------------------------------------------- attention masks known at compile time
+
+_SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def simplify_attention_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not SDPA:
+            continue
+        kwargs = {**dict(zip(_SDPA_PARAMS, node.args[3:])), **node.kwargs}
+        mask = kwargs.get("attn_mask")
+        value = _constant_value(gm, mask, {}) if isinstance(mask, torch.fx.Node) else None
+        if value is None or value.dtype != torch.bool:
+            continue
+        shapes = _fits(value, *(a.meta.get("val") for a in node.args[:2]))
+        if shapes is None:
+            continue
+        q, k = shapes
+        if bool(value.all()):
+            kind = "mask dropped"
+        elif not kwargs.get("is_causal") and _is_causal(value, q, k):
+            kwargs["is_causal"], kind = True, "mask causal"
+        else:
+            continue
+        kwargs["attn_mask"] = None
+        node.args, node.kwargs = tuple(node.args[:3]), kwargs
+        done.append(Rewrite(kind, node.name))
+    return done
+
+
+def _is_causal(mask: torch.Tensor, q: tuple, k: tuple) -> bool:
+    rows, cols = q[-2], k[-2]
+    if rows != cols or mask.dim() < 2 or tuple(mask.shape[-2:]) != (rows, cols):
+        return False
+    return bool((mask == torch.ones(rows, cols, dtype=torch.bool).tril()).all())
+
+
+def _fits(mask: torch.Tensor, q, k):
+    """(q, k) as static shapes when `mask` broadcasts to the attention weights' shape without
+    growing it (else eager raises, and so must ferry); None otherwise."""
+    qs = M.static_ints(q.shape) if isinstance(q, torch.Tensor) else None
+    ks = M.static_ints(k.shape) if isinstance(k, torch.Tensor) else None
+    if qs is None or ks is None or mask.dim() > len(qs):
+        return None
+    weights = (*qs[:-1], ks[-2])
+    try:
+        return (qs, ks) if torch.broadcast_shapes(tuple(mask.shape), weights) == weights else None
+    except RuntimeError:
+        return None
+
+
+def _small(val) -> bool:
+    """A traced result of static shape small enough to compute at compile time."""
+    shape = M.static_ints(val.shape) if isinstance(val, torch.Tensor) else None
+    return shape is not None and math.prod(shape) <= _CHECK_ELEMENTS
+
+
+def _constant_value(gm, node, memo: dict):
+    """The value of `node` when it depends on constants alone (evaluated on the CPU), else None."""
+    if node in memo:
+        return memo[node]
+    memo[node] = None
+    if node.op == "get_attr":
+        memo[node] = attr(gm, node)
+    elif (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+          and torch.Tag.nondeterministic_seeded not in node.target.tags and _small(node.meta.get("val"))):
+        inputs = [_constant_value(gm, a, memo) for a in node.all_input_nodes]
+        if all(isinstance(v, torch.Tensor) for v in inputs):
+            values = dict(zip(node.all_input_nodes, inputs))
+            args = torch.fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = dict(torch.fx.node.map_arg(node.kwargs, values.__getitem__))
+            if "device" in kwargs:
+                kwargs["device"] = torch.device("cpu")
+            try:
+                result = node.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - not computable here: left to run time
+                result = None
+            if isinstance(result, torch.Tensor) and result.numel() <= _CHECK_ELEMENTS:
+                memo[node] = result
+    return memo[node]
+
+
+PATTERNS = (fuse_attention, simplify_attention_masks)

@@ -1,0 +1,159 @@
+"""Timing two ways of running one op on the GPU a method loads on, for the kernel choices made
+at load (choices/gemm.py, attention.py, conv.py).
+
+Each choice is timed once per key (shapes, strides, dtype and the settings that change the kernels
+underneath), only while a method loads (`Site.measure`), never while a CUDA graph is being captured
+(no host waits there), in a plan captured as graphs by replaying graphs of each form (as it will
+run), and on scratch tensors filled with a constant: planned memory is never written and the
+caller's random streams stay as they were. Timing holds the capture lock (ferry/capture.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ferry.capture import capture, keep_workspace, on_side_stream
+from ferry.choices.decisions import Decision, Site
+
+__all__ = ["capturing", "decision", "faster", "gpu_of", "may_time", "on", "real_device", "scratch", "time_both"]
+
+KEEP_IF_ABOVE = 0.9  # the alternative's time over eager's: above this, eager's kernel stays
+MIN_SAVING_US = 2.0  # about what a second launch costs the host
+_QUEUE_CYCLES = 500_000  # GPU cycles (about 0.25 ms on an H200) the GPU waits while a timed run is queued
+_MAX_QUEUE_CYCLES = _QUEUE_CYCLES * 4**4  # about 64 ms: a host slower than that times at its pace
+
+
+def may_time(site: Site, device: torch.device) -> bool:
+    """A new choice may be timed here: a method is loading and no graph is being captured on `device`."""
+    return site.measure and not capturing(device)
+
+
+def decision(family: str, op: str, shape: str, device: torch.device, dtype: torch.dtype, forms: tuple[str, str],
+             times: tuple[float, float]) -> Decision:
+    """The decision between eager's form (first) and another, timed: the other where `faster`."""
+    pick = forms[1] if faster(*times) else forms[0]
+    why = (f"{forms[1]} saves {times[0] - times[1]:.1f} µs of {times[0]:.1f}" if pick != forms[0]
+           else f"{forms[1]} saves less than {1 - KEEP_IF_ABOVE:.0%} and {MIN_SAVING_US:g} µs")
+    return Decision(family, op, f"{shape} {str(dtype).removeprefix('torch.')}", forms, times, pick, why, str(device))
+
+
+def faster(eager_us: float, other_us: float) -> bool:
+    """The alternative is kept only where it saves at least 10% and 2 µs."""
+    return other_us <= KEEP_IF_ABOVE * eager_us and eager_us - other_us >= MIN_SAVING_US
+
+
+def gpu_of(operands, device: torch.device | None = None) -> torch.device | None:
+    """The CUDA device the operands are on (`device` where the caller knows it: every operand
+    may be a meta tensor), or None."""
+    device = device or real_device(operands)
+    return device if device is not None and device.type == "cuda" else None
+
+
+def real_device(operands) -> torch.device | None:
+    """The one device of the real tensors among `operands` (meta ones take theirs), or None."""
+    real = {t.device for t in operands if t.device.type != "meta"}
+    return next(iter(real)) if len(real) == 1 else None
+
+
+def capturing(device: torch.device) -> bool:
+    """A graph is being captured on `device`'s current stream: nothing is timed, or remembered."""
+    with on(device):
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def on(device: torch.device):
+    return torch.cuda.device(device)
+
+
+def scratch(t: torch.Tensor, device: torch.device, written: bool = False) -> torch.Tensor:
+    """A real operand that is only read, as it is (a weight); a stand-in of the same layout for a
+    meta one or the one written. Filled with a constant: the caller's random streams stay as they were."""
+    if t.device.type != "meta" and not written:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).fill_(0.5)
+
+
+def time_both(first: Callable, second: Callable, stream=None, reps: int = 10, rounds: int = 3) -> tuple[float, float]:
+    """The GPU time of each (µs per call, the best of `rounds` runs of `reps` calls), the two
+    taken in turn. In a plan captured as CUDA graphs, as its graphs run them: captured on its
+    capture stream and replayed (a stream leaves a gap between launches that a replay does not:
+    nn.MultiheadAttention composed at ViT-B/16's batch 1, 84.7 µs on a stream, 74.1 replayed).
+    Otherwise on the current stream (`_on_stream`). `stream`: the plan's capture stream
+    (`Site.replay_stream`), or None."""
+    _warm_up((first, second))
+    if stream is None:
+        eager_us, other_us = _on_stream((first, second), reps, rounds)
+        return eager_us, other_us
+    try:
+        return _replayed((first, second), stream, reps, rounds)
+    except torch.cuda.OutOfMemoryError:
+        raise  # the caller's to handle: eager's kernel stays
+    except RuntimeError:  # a form that cannot be captured: the plan's capture would fail with it
+        torch.cuda.synchronize()
+        return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays
+
+
+def _warm_up(fns) -> None:
+    for fn in fns * 3:  # kernels loaded, cuBLAS's handles and the current stream's workspace made
+        fn()
+
+
+def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
+    keep_workspace(stream)
+    try:
+        with on_side_stream(stream):
+            return _replay_times(fns, reps, rounds)  # its graphs are gone when it returns
+    finally:
+        # their pool's memory is cached for no one else (a released graph pool is reused by no
+        # later capture): handed back, as torch.cuda.graph does before each capture. Without it
+        # ResNet-50's reserved peak with graphs rose from 188 to 496 MiB.
+        torch.cuda.empty_cache()
+
+
+def _replay_times(fns, reps: int, rounds: int) -> tuple[float, float]:
+    # one pool for the forms: their results are discarded and they replay one after the
+    # other, so each may reuse the others' memory (a pool each took a set of segments each:
+    # ResNet-50's reserved peak at load +40 MiB)
+    graphs = [capture(fns[0], reps)]
+    graphs += [capture(fn, reps, graphs[0].pool()) for fn in fns[1:]]
+    for graph in graphs:
+        graph.replay()  # the first replay uploads the graph
+    best = [math.inf] * len(graphs)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for i, graph in enumerate(graphs):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
+    return best[0], best[1]
+
+
+def _on_stream(fns, reps: int, rounds: int) -> tuple[float, ...]:
+    """Each run is queued behind a kernel that keeps the GPU busy, so the events time the
+    kernels back to back, not how fast Python launches them. Where the GPU had finished that
+    wait before the host had queued the whole run (its start event already done), the run is
+    timed again behind a longer wait: a composed form of many small launches would otherwise be
+    timed at the host's pace."""
+    best = [math.inf] * len(fns)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = _QUEUE_CYCLES
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            while True:
+                torch.cuda._sleep(cycles)
+                start.record()
+                for _ in range(reps):
+                    fn()
+                end.record()
+                queued_in_time = not start.query()  # the GPU still in its wait: nothing ran yet
+                end.synchronize()
+                if queued_in_time or cycles >= _MAX_QUEUE_CYCLES:
+                    break
+                cycles *= 4
+            best[i] = min(best[i], start.elapsed_time(end) * 1e3 / reps)
+    return tuple(best)
