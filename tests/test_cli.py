@@ -356,3 +356,16 @@ def test_run_prints_the_kernel_choices_made_at_load(compiled, timed):
                      r"\(largest saving: \d+x\d+x\d+ float32, 100\.0 -> 40\.0 µs\)", out)
     assert line and line.group(1) == line.group(2) and int(line.group(2)) >= 2, out
     assert "attention:" not in out  # no graphs: no attention (nor multi-head attention) is timed
+
+
+def test_run_decisions_lists_every_timed_choice(compiled, timed):
+    """`--decisions` prints one line per decision timed at load, with both forms' times and the pick."""
+    timed.times = (30.0, 29.0)  # the split saves too little: eager's addmm is kept
+    rc, out, err = call(["run", compiled[0], "--repeat", "2", "--decisions"])
+    assert rc == 0, err
+    lines = re.findall(r"biased GEMM (\d+)x(\d+)x(\d+) float32 on \S+: addmm 30\.0 µs, mm \+ bias 29\.0 µs -> addmm "
+                       r"\(mm \+ bias saves less than 10% and 2 µs\)", out)
+    summary = re.search(r"biased GEMM: 0 of (\d+) timed at load", out)
+    assert summary and len(lines) == int(summary.group(1)) >= 2, out
+    rc, out, err = call(["run", compiled[0], "--repeat", "2"])
+    assert rc == 0 and " -> addmm (" not in out  # only asked for
