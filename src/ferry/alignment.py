@@ -14,13 +14,14 @@ offsets aligned within the buffer are aligned in real addresses too.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Union
 
 __all__ = [
     "DEFAULT_ALIGNMENT", "AlignmentSpec", "alignment_for", "check_alignment", "default_alignment", "resolve_alignment",
 ]
 
-DEFAULT_ALIGNMENT: Mapping[str, int] = {"cpu": 64, "default": 256}
+DEFAULT_ALIGNMENT: Mapping[str, int] = MappingProxyType({"cpu": 64, "default": 256})
 
 AlignmentSpec = Union[int, Mapping[str, int], None]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import warnings
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import cast
 
 import torch
@@ -94,12 +95,12 @@ class LoweredProgram:
         return result[0] if len(result) == 1 else tuple(result)
 
 
-_INPUT_KINDS = {
+_INPUT_KINDS = MappingProxyType({
     InputKind.USER_INPUT: M.USER_INPUT,
     InputKind.PARAMETER: M.PARAMETER,
     InputKind.BUFFER: M.BUFFER,
     InputKind.CONSTANT_TENSOR: M.CONSTANT,
-}
+})
 
 
 # checks of what tracing saw on the CPU (dtype, device): placement changes the device, so they

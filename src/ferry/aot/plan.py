@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from ferry.alignment import DEFAULT_ALIGNMENT, AlignmentSpec, alignment_for, resolve_alignment
 from ferry.device import CPU, Device
@@ -235,7 +236,7 @@ def _plan_greedy(values: Sequence[PlanValue], align: int) -> tuple[dict[int, int
     return offsets, _align_up(top, align)
 
 
-_ALGORITHMS = {"greedy": _plan_greedy, "naive": _plan_naive}
+_ALGORITHMS = MappingProxyType({"greedy": _plan_greedy, "naive": _plan_naive})
 
 
 # ---------------------------------------------------------------- entry point

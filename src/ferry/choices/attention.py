@@ -48,11 +48,11 @@ OPS = frozenset({SDPA, MHA})
 FORMS = ("fused", "GEMMs and a softmax")
 _CHECK_ELEMENTS = 1 << 22  # the largest activation a numerical check materialises
 # what the traced ops of one nn.MultiheadAttention (self-attention, packed projections) may be
-_MHA_OPS = {aten.linear.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+_MHA_OPS = frozenset({aten.linear.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
             aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
             aten.squeeze.dims, aten.squeeze.default, aten.clone.default, aten.select.int, aten.split.Tensor,
             aten.split_with_sizes.default, aten.unbind.int, aten.expand.default, aten.t.default,
-            aten.mm.default, aten.addmm.default, SDPA, operator.getitem}
+            aten.mm.default, aten.addmm.default, SDPA, operator.getitem})
 _MHA_CLASS = "torch.nn.modules.activation.MultiheadAttention"
 _DTYPES = (torch.float32, torch.float64)
 _MAX_SCORES = 1 << 24  # elements of q @ kᵀ (64 MiB in fp32): the composed form makes them a tensor

@@ -4,7 +4,8 @@ returns a callable of the op's own signature, or None where eager's kernel stays
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -14,7 +15,8 @@ from ferry.choices.decisions import Site
 __all__ = ["FAMILIES", "choose", "wants"]
 
 # op -> its family's form hook; a table built once from what the families declare
-FAMILIES: dict[object, Callable] = {op: family.form for family in (gemm, conv, attention) for op in family.OPS}
+FAMILIES: Mapping[object, Callable] = MappingProxyType(
+    {op: family.form for family in (gemm, conv, attention) for op in family.OPS})
 
 
 def wants(op) -> bool:

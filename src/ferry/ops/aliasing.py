@@ -20,6 +20,8 @@ Two sources, because the schemas tell only part of it:
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import torch.fx
@@ -197,10 +199,10 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 # ops whose `storage_offset` argument indexes their input's storage, not its elements (as_strided:
 # it may read any element of the storage, not only the input's)
-STORAGE_OFFSET_AT: dict[str, int] = {
+STORAGE_OFFSET_AT: Mapping[str, int] = MappingProxyType({
     "aten::as_strided.default": 3, "aten::as_strided_copy.default": 3, "aten::as_strided_scatter.default": 4,
     "ferry::as_strided_scatter.out": 4,
-}
+})
 
 
 # ---------------------------------------------------------------- writing over an input

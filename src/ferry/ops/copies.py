@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from types import MappingProxyType
 
 import torch
 
@@ -19,10 +20,10 @@ from ferry.op_names import kernel_name
 NAMESPACE = "et_copy"
 COPY_OPS = ("_h2d_copy", "_d2h_copy", "_d2d_copy")
 
-_SCHEMAS = {
+_SCHEMAS = MappingProxyType({
     "": "{name}(Tensor self) -> Tensor",
     "out": "{name}.out(Tensor self, *, Tensor(a!) out) -> Tensor(a!)",
-}
+})
 
 # Keep a reference: the registrations live as long as this object. On importlib.reload the
 # module dict survives, so the library made by the first import is reused; making a new one
@@ -169,13 +170,13 @@ h2d_copy = torch.ops.et_copy._h2d_copy
 d2h_copy = torch.ops.et_copy._d2h_copy
 d2d_copy = torch.ops.et_copy._d2d_copy
 
-FUNCTIONAL_COPIES = {h2d_copy.default, d2h_copy.default, d2d_copy.default}
-OUT_COPIES = {h2d_copy.out, d2h_copy.out, d2d_copy.out}
-COPY_DIRECTION = {
+FUNCTIONAL_COPIES = frozenset({h2d_copy.default, d2h_copy.default, d2d_copy.default})
+OUT_COPIES = frozenset({h2d_copy.out, d2h_copy.out, d2d_copy.out})
+COPY_DIRECTION = MappingProxyType({
     h2d_copy.default: "h2d", d2h_copy.default: "d2h", d2d_copy.default: "d2d",
     h2d_copy.out: "h2d", d2h_copy.out: "d2h", d2d_copy.out: "d2d",
-}
-FUNCTIONAL_COPY_FOR = {"h2d": h2d_copy.default, "d2h": d2h_copy.default, "d2d": d2d_copy.default}
+})
+FUNCTIONAL_COPY_FOR = MappingProxyType({"h2d": h2d_copy.default, "d2h": d2h_copy.default, "d2d": d2d_copy.default})
 # the same table by the kernel names programs store ("et_copy::_h2d_copy.out" -> "h2d")
 COPY_KERNELS = {kernel_name(op): direction for op, direction in COPY_DIRECTION.items()}
 OUT_COPY_KERNELS = {kernel_name(op): COPY_DIRECTION[op] for op in OUT_COPIES}

@@ -21,16 +21,18 @@ Schemas (namespace `ferry`):
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 __all__ = ["CONV_ADD_RELU", "CONV_RELU"]
 
 _NAMESPACE = "ferry"
 _ARGS = "SymInt[] stride, SymInt[] padding, SymInt[] dilation, SymInt groups"
-_SCHEMAS = {
+_SCHEMAS = MappingProxyType({
     "conv_relu": f"conv_relu(Tensor input, Tensor weight, Tensor? bias, {_ARGS}) -> Tensor",
     "conv_add_relu": f"conv_add_relu(Tensor input, Tensor weight, Tensor z, Tensor? bias, {_ARGS}) -> Tensor",
-}
+})
 aten = torch.ops.aten
 
 

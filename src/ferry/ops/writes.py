@@ -25,13 +25,15 @@ Schemas (namespace `ferry`), each the ATen op's arguments plus `out`:
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 __all__ = ["OUT_KERNELS"]
 
 _NAMESPACE = "ferry"
 _OUT = "*, Tensor(a!) out) -> Tensor(a!)"
-_SCHEMAS = {
+_SCHEMAS = MappingProxyType({
     "copy": f"copy.out(Tensor self, Tensor src, bool non_blocking=False, {_OUT}",
     "slice_scatter": f"slice_scatter.out(Tensor self, Tensor src, int dim=0, SymInt? start=None, SymInt? end=None, "
                      f"SymInt step=1, {_OUT}",
@@ -39,7 +41,7 @@ _SCHEMAS = {
     "diagonal_scatter": f"diagonal_scatter.out(Tensor self, Tensor src, int offset=0, int dim1=0, int dim2=1, {_OUT}",
     "as_strided_scatter": f"as_strided_scatter.out(Tensor self, Tensor src, SymInt[] size, SymInt[] stride, "
                           f"SymInt? storage_offset=None, {_OUT}",
-}
+})
 aten = torch.ops.aten
 
 
@@ -117,8 +119,8 @@ def _span(shape, stride, offset: int) -> tuple[int, int]:
     return low, high
 
 
-_KERNELS = {"copy": _copy, "slice_scatter": _slice_scatter, "select_scatter": _select_scatter,
-            "diagonal_scatter": _diagonal_scatter, "as_strided_scatter": _as_strided_scatter}
+_KERNELS = MappingProxyType({"copy": _copy, "slice_scatter": _slice_scatter, "select_scatter": _select_scatter,
+            "diagonal_scatter": _diagonal_scatter, "as_strided_scatter": _as_strided_scatter})
 
 # Keep a reference: the registrations live as long as this object (see ops/copies.py).
 _lib = globals().get("_lib") or torch.library.Library(_NAMESPACE, "FRAGMENT")

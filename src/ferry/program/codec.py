@@ -11,6 +11,7 @@ fit, storage that agrees with plan and alias) are semantic checks: program/valid
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 from ferry.errors import ProgramError
 from ferry.program.fields import (
@@ -50,7 +51,7 @@ from ferry.program.schema import (
     TensorValue,
 )
 
-_SPECIAL_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+_SPECIAL_FLOATS = MappingProxyType({"inf": math.inf, "-inf": -math.inf, "nan": math.nan})
 
 
 # ---------------------------------------------------------------- constants

@@ -15,6 +15,7 @@ import re
 import struct
 from collections.abc import Iterator
 from itertools import accumulate
+from types import MappingProxyType
 
 from ferry.errors import ProgramError
 from ferry.program import codec
@@ -32,7 +33,7 @@ _TOP_KEYS = ("methods", "delegates", "segments", "segment_sha256")
 # header flag: a SHA-256 of the metadata follows it (version 2 writers always set it)
 FLAG_CHECKSUMS = 1
 _DIGEST = 32
-_OLD_VERSIONS = {1: "it predates storage kinds and buffer alignment in the file"}
+_OLD_VERSIONS = MappingProxyType({1: "it predates storage kinds and buffer alignment in the file"})
 
 
 def _align(n: int) -> int:
@@ -88,7 +89,7 @@ def file_chunks(methods, delegates, segments) -> Iterator[bytes | memoryview]:
 
 _JSON_STRING_RE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NON_BRACKET_RE = re.compile(r"[^\[\]{}]+")
-_BRACKET_DELTA = {"[": 1, "{": 1, "]": -1, "}": -1}
+_BRACKET_DELTA = MappingProxyType({"[": 1, "{": 1, "]": -1, "}": -1})
 
 
 _LONG_INT_RE = re.compile(rf"(?<![.0-9])-?[0-9]{{{_MAX_INT_DIGITS + 1}}}")

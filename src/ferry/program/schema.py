@@ -8,8 +8,9 @@ a planned tensor has a (buffer, offset) in one of the method's per-device buffer
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, TypeGuard, Union
 
 import torch
@@ -58,7 +59,7 @@ class PlanEntry:
 
 # Who owns a tensor's memory: written once by emit, read by the runtime, inspect and the
 # picture. kind -> (what inspect calls it, what it means)
-STORAGE_KINDS: dict[str, tuple[str, str]] = {
+STORAGE_KINDS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "planned": ("planned", "a fixed place in a buffer allocated at load"),
     "constant": ("constant", "bytes of the program file (weights), read-only"),
     "input": ("caller-owned", "the caller's tensor, passed in each call"),
@@ -66,7 +67,7 @@ STORAGE_KINDS: dict[str, tuple[str, str]] = {
     "runtime": ("allocated at run time", "returned by a kernel with no out variant, each call"),
     "scratch": ("scratch", "an out argument nobody reads: a resizable tensor made at load"),
     "view": ("view", "a view of another value (alias_of); owns no memory"),
-}
+})
 
 
 @dataclass(frozen=True)

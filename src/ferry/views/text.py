@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import MappingProxyType
 
 from ferry.errors import FerryError
 from ferry.program import Program, load_program
@@ -15,8 +16,8 @@ from ferry.views.facts import device_memory, fmt_bytes, owner, plan_of
 __all__ = ["program_json", "program_summary"]
 
 # the short tag an instruction listing shows per storage kind (planned values show their place)
-_SHORT = {"constant": "const", "input": "caller", "output": "caller", "runtime": "run time", "scratch": "scratch",
-          "view": "view"}
+_SHORT = MappingProxyType({"constant": "const", "input": "caller", "output": "caller", "runtime": "run time",
+                           "scratch": "scratch", "view": "view"})
 
 
 def _value(m: Method, vid: int) -> str:

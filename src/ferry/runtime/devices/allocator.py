@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import cast
 
 import torch
@@ -36,11 +37,11 @@ __all__ = [
     "unregister_allocator",
 ]
 
-_DIRECTIONS = {
+_DIRECTIONS = MappingProxyType({
     "h2d": "host-to-device",
     "d2h": "device-to-host",
     "d2d": "device-to-device",
-}
+})
 
 
 # ----------------------------------------------------------------------------------------

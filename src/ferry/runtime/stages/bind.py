@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -53,10 +54,10 @@ __all__ = ["LAYOUT_VIEWS", "STEP_KINDS", "BindContext", "Bound", "CallIO", "Step
            "record_shapes"]
 
 # kernels of the sizes arithmetic torch.export records with Python operators
-SYM_OPS = {
+SYM_OPS = MappingProxyType({
     "ferry::sym_add": operator.add, "ferry::sym_sub": operator.sub, "ferry::sym_mul": operator.mul,
     "ferry::sym_floordiv": operator.floordiv, "ferry::sym_mod": operator.mod, "ferry::sym_neg": operator.neg,
-}
+})
 
 
 @dataclass(frozen=True)
@@ -106,13 +107,13 @@ def bind_method(method: Method, memory: Memory, ctx: BindContext, *, io: dict[in
 
 
 # what kind of step an instruction is (the binder's `<kind>_step` makes it), first match wins
-STEP_KINDS: dict[str, Callable[[object], bool]] = {
+STEP_KINDS: Mapping[str, Callable[[object], bool]] = MappingProxyType({
     "delegate": lambda ins: isinstance(ins, DelegateCall),
     "copy": lambda ins: getattr(ins, "kernel", None) in OUT_COPY_KERNELS,
     "size": lambda ins: getattr(ins, "kernel", None) in SYM_OPS,
     "transfer": lambda ins: getattr(ins, "kernel", None) in (SEND, RECV),
     "kernel": lambda ins: True,
-}
+})
 
 
 def _device_sync(streams, device: Device) -> Callable[[], None]:

@@ -7,6 +7,8 @@ registered allocators: exactly one allocator copy call of exactly the tensor's b
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from ferry.device import Device
@@ -226,7 +228,7 @@ def fast_functional(op: torch._ops.OpOverload, args: list, kwargs: dict, expect:
 
 
 # which constant kinds (or a tensor) an argument of each schema type may be
-_KINDS_FOR = {
+_KINDS_FOR = MappingProxyType({
     "Tensor": {"tensor", "float", "int", "bool", "scalar", "symint"},  # numbers become 0-dim tensors
     "int": {"int", "symint", "dtype", "layout", "memory_format", "bool"},  # ScalarType, Layout, ... are ints
     "float": {"float", "int", "symint"},
@@ -239,7 +241,7 @@ _KINDS_FOR = {
     "List[bool]": {"bools"},
     "List[Tensor]": {"tensors"},
     "List[Optional[Tensor]]": {"opt_tensors", "tensors"},
-}
+})
 
 
 def _accepts(type_str: str) -> set[str] | None:
