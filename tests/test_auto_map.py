@@ -59,7 +59,8 @@ def test_budgets_parse_like_accelerate():
 
 @pytest.mark.parametrize("bad, message", [
     (None, "needs max_memory"), ({}, "needs max_memory"), ({"cuda:0": "lots"}, "size like '20GiB'"),
-    ({"tpu:0": "1GB"}, "unknown device type"), ({"cuda:0": -1}, ">= 0"),
+    ({"tpu:0": "1GB"}, "unknown device type"), ({"cuda:0": -1}, "between 0 bytes and 1 EiB"),
+    ({"cuda:0": "9" * 400 + "GiB"}, "size like '20GiB'"), ({"cuda:0": "9" * 30 + "GiB"}, "between 0 bytes and 1 EiB"),
 ])
 def test_bad_budgets_are_config_errors(bad, message):
     with pytest.raises(ConfigError, match=message):

@@ -369,3 +369,26 @@ def test_run_decisions_lists_every_timed_choice(compiled, timed):
     assert summary and len(lines) == int(summary.group(1)) >= 2, out
     rc, out, err = call(["run", compiled[0], "--repeat", "2"])
     assert rc == 0 and " -> addmm (" not in out  # only asked for
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "F", "--microbatches", str(10**30)],
+    ["run", "F", "--repeat", "1" * 200],
+    ["run", "F", "--warmup", "-1"],
+    ["compile", "ferry.examples:transformer_block", "-o", "X", "--device-map", "[" * 100_000 + "]" * 100_000],
+    ["compile", "ferry.examples:transformer_block", "-o", "X", "--device-map", "{" + '"a":{' * 50_000 + "}" * 50_001],
+    ["compile", "ferry.examples:transformer_block", "-o", "X", "--device-map", "auto", "--max-memory",
+     "emu:0=" + "9" * 400 + "GiB"],
+])
+def test_absurd_flags_are_one_line_and_exit_2(argv, compiled):
+    argv = [compiled[0] if a == "F" else a for a in argv]
+    rc, out, err = call(argv)
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-500:]
+
+
+def test_random_inputs_larger_than_memory_are_refused_before_allocating(compiled, monkeypatch):
+    import ferry.cli
+
+    monkeypatch.setattr(ferry.cli, "_host_bytes", lambda: 1 << 20)  # a 1 MiB machine
+    rc, out, err = call(["run", compiled[0], "--microbatches", "1000", "--repeat", "1"])
+    assert rc == 2 and "more than half of this machine's memory" in err, err

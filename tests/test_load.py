@@ -161,6 +161,28 @@ def test_a_memory_limit_is_checked_before_anything_is_allocated(emu):
         ferry.Module(program, max_memory="lots")
 
 
+@pytest.mark.parametrize("limit", ["9" * 400, "9" * 30 + "GiB", 2**61, -1, "1e400GiB", True, {"emu:0": "9" * 400}])
+def test_an_absurd_memory_limit_is_a_config_error(emu, limit):
+    """Sizes past 1 EiB, negative ones and huge digit strings are a ConfigError in one line, not an
+    OverflowError from float arithmetic."""
+    program = ferry.compile(torch.export.export(Add(), small()), ferry.OpSupportPartitioner("emu:0"))
+    with pytest.raises(ferry.ConfigError) as info:
+        ferry.Module(program, max_memory=limit)
+    assert len(str(info.value)) < 200 and "\n" not in str(info.value)
+
+
+def test_a_misspelled_device_in_a_memory_limit_is_refused(emu):
+    """A key that names no device of the program would mean no cap at all: it is refused, listing
+    the program's devices; the right key (or its type, or '*') caps."""
+    program = ferry.compile(torch.export.export(Add(), small()), ferry.OpSupportPartitioner("emu:0"))
+    for key in ("emu:1", "cuda:0", "emu0", "gpu"):
+        with pytest.raises(ferry.ConfigError, match=r"does not use; its devices: cpu:0, emu:0"):
+            ferry.Module(program, max_memory={key: "1GiB"})
+    for key in ("emu:0", "emu", "cpu", "*"):
+        with pytest.raises(AllocationError, match="over the limit"):
+            ferry.Module(program, max_memory={key: 1}).load_method()
+
+
 def test_a_huge_buffer_in_a_file_is_refused_under_a_limit(emu):
     program = ferry.compile(torch.export.export(Add(), small()))
     m = program.method("forward")

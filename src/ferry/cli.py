@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -48,23 +49,25 @@ def _stage(name: str):
     return _Timer()
 
 
+_MAX_COUNT = 1_000_000  # calls, parts: more is a mistake, not a request
+
+
 def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return n
+    return _count(text, 1)
 
 
 def _non_negative_int(text: str) -> int:
+    return _count(text, 0)
+
+
+def _count(text: str, least: int) -> int:
     try:
-        n = int(text)
+        n = int(text) if len(text) <= 20 else least - 1
     except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+        n = least - 1
+    if not least <= n <= _MAX_COUNT:
+        kind = "a positive" if least else "a non-negative"
+        raise argparse.ArgumentTypeError(f"must be {kind} integer of at most {_MAX_COUNT:,}, got {text[:40]!r}")
     return n
 
 
@@ -217,6 +220,8 @@ def _read_device_map(text: str) -> dict:
         got = json.loads(source)
     except json.JSONDecodeError as e:
         raise UserError(f"--device-map: not valid JSON: {e}") from None
+    except RecursionError:
+        raise UserError("--device-map: JSON nested too deeply (a map is one object of module path -> device)") from None
     if not isinstance(got, dict):
         raise UserError(f"--device-map must be a JSON object {{module path: device}}, got {type(got).__name__}")
     return got
@@ -254,10 +259,13 @@ def _random_inputs(meta, parts: int = 1):
     """Random inputs of the method's shapes (`parts` times its batch, for micro-batches)."""
     import torch
 
+    shapes = [(meta.input_meta(i), _parts_shape(meta.input_meta(i).shape, parts)) for i in range(meta.num_inputs())]
+    total = sum(math.prod(shape) * im.dtype.itemsize for im, shape in shapes)
+    if total > _host_bytes() // 2:
+        raise UserError(f"random inputs for {parts} micro-batch(es) would take {total:,} bytes, more than half of this "
+                        "machine's memory: pass fewer --microbatches, or inputs of your own (--inputs FILE.npz)")
     inputs = []
-    for i in range(meta.num_inputs()):
-        im = meta.input_meta(i)
-        shape = (im.shape[0] * parts, *im.shape[1:]) if parts > 1 and len(im.shape) else im.shape
+    for im, shape in shapes:
         if im.dtype.is_floating_point:
             t = torch.randn(shape, dtype=im.dtype)
         elif im.dtype == torch.bool:
@@ -270,6 +278,18 @@ def _random_inputs(meta, parts: int = 1):
             t = clone_to(t, im.device)
         inputs.append(t)
     return inputs
+
+
+def _parts_shape(shape, parts: int) -> tuple:
+    return (shape[0] * parts, *shape[1:]) if parts > 1 and len(shape) else tuple(shape)
+
+
+def _host_bytes() -> int:
+    """Physical memory of this machine (no limit where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 def _npz_inputs(path, meta):

@@ -13,9 +13,12 @@ from types import MappingProxyType
 
 from ferry.backend_registry import get_backend
 from ferry.device import Device
+from ferry.errors import ConfigError
 from ferry.program.schema import DelegateCall, Method, TensorValue
 
-__all__ = ["limit_for", "load_bytes", "parse_bytes", "parse_limits"]
+__all__ = ["MAX_BYTES", "limit_for", "load_bytes", "parse_bytes", "parse_limits", "unknown_limit_keys"]
+
+MAX_BYTES = 2**60  # one exbibyte: a size above it is a mistake, not a budget
 
 _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
@@ -25,15 +28,25 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*\Z")
 def parse_bytes(value: int | str, what: str = "memory limit") -> int:
     """4096, "512MB", "20GiB" -> bytes."""
     if isinstance(value, bool):
-        raise ValueError(f"{what} must be a number of bytes or a size like '20GiB', got {value!r}")
+        raise ConfigError(f"{what} must be a number of bytes or a size like '20GiB', got {_short(value)}")
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what} must be >= 0, got {value}")
-        return value
-    m = _SIZE.match(value) if isinstance(value, str) else None
+        return _in_range(value, what)
+    m = _SIZE.match(value) if isinstance(value, str) and len(value) <= 64 else None
     if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what} must be a number of bytes or a size like '20GiB', got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise ConfigError(f"{what} must be a number of bytes or a size like '20GiB', got {_short(value)}")
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    return _in_range(int(number) if number <= MAX_BYTES else MAX_BYTES + 1, what)
+
+
+def _in_range(n: int, what: str) -> int:
+    if not 0 <= n <= MAX_BYTES:
+        raise ConfigError(f"{what} must be between 0 bytes and 1 EiB, got {_short(n)}")
+    return n
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def parse_limits(limits: int | str | Mapping | None) -> dict[str, int] | None:
@@ -46,8 +59,19 @@ def parse_limits(limits: int | str | Mapping | None) -> dict[str, int] | None:
     out = {}
     for key, value in limits.items():
         name = str(key).strip().lower()
-        out[name if ":" not in name else str(Device.parse(name))] = parse_bytes(value, f"memory limit for {key!r}")
+        try:
+            device = name if ":" not in name else str(Device.parse(name))
+        except ValueError as e:
+            raise ConfigError(f"max_memory key {_short(key)}: {e}") from None
+        out[device] = parse_bytes(value, f"memory limit for {_short(key)}")
     return out
+
+
+def unknown_limit_keys(limits: Mapping[str, int], devices) -> list[str]:
+    """Keys of `limits` that name no device among `devices` (nor their types): a misspelled key
+    would otherwise mean no cap at all."""
+    known = {"*"} | {str(d) for d in devices} | {d.type for d in devices}
+    return sorted(k for k in limits if k not in known)
 
 
 def limit_for(limits: dict[str, int], device: Device) -> int | None:

@@ -8,15 +8,29 @@ import threading
 import warnings
 
 from ferry.backend_registry import NOT_CAPTURED, CallerPlan, DelegateHandle, get_backend
+from ferry.device import CPU
 from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, ProgramError
 from ferry.program import Program, load_program
+from ferry.program.footprint import unknown_limit_keys
 from ferry.program.ranks import program_ranks
-from ferry.program.schema import MethodMeta
+from ferry.program.schema import MethodMeta, TensorValue
 from ferry.runtime.devices.limits import check_limits, load_bytes, parse_limits
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
 from ferry.runtime.stages.method import LoadedMethod
 from ferry.runtime.stages.run import caller_copy
+
+
+def _check_limit_keys(limits: dict[str, int] | None, program: Program) -> None:
+    """A `max_memory` key that names no device of the program is a mistake (a misspelled key
+    would silently mean no cap): refused, listing the devices the program uses."""
+    if not limits:
+        return
+    devices = {CPU} | {v.device for m in program.methods.values() for v in m.values if isinstance(v, TensorValue)}
+    unknown = unknown_limit_keys(limits, devices)
+    if unknown:
+        raise ConfigError(f"max_memory names {', '.join(map(repr, unknown))}, which this program does not use; its "
+                          f"devices: {', '.join(sorted(map(str, devices)))} (or a type such as 'cuda', or '*')")
 
 
 class _Instance:
@@ -136,6 +150,7 @@ class Module:
         self.microbatches, self.shape_buckets = microbatches, shape_buckets
         self.program = program
         self.max_memory = parse_limits(max_memory)
+        _check_limit_keys(self.max_memory, program)
         self.outputs = outputs
         self.pin_host_memory = pin_host_memory
         self.cuda_graphs = cuda_graphs
