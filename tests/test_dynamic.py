@@ -455,3 +455,40 @@ def test_a_call_after_a_smaller_one_takes_its_own_size(emu, kind, device):
         for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             assert g.shape == w.shape
             torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class _TwoBatches(torch.nn.Module):
+    def forward(self, a, b, c):
+        return a * 2 + b, c.sum(0)
+
+
+def _two_batches_program():
+    batch, other = torch.export.Dim("batch", max=16), torch.export.Dim("other", max=16)
+    example = (torch.randn(4, 3), torch.randn(4, 3), torch.randn(6, 2))
+    ep = torch.export.export(_TwoBatches(), example, dynamic_shapes=({0: batch}, {0: batch}, {0: other}))
+    return ferry.compile(ep)
+
+
+def test_inputs_that_disagree_on_one_dynamic_size_are_an_input_error():
+    """Two inputs exported with one Dim: sizes that disagree are an InputError naming both, on a
+    first call and after a call at another shape; the module stays usable and equal to eager."""
+    program = ferry.load_program(_two_batches_program().to_bytes())  # the groups survive the file
+    assert program.method("forward").equal_sizes == [[[0, 0], [1, 0]]]  # c's own Dim is not grouped
+    module = ferry.Module(program)
+    with pytest.raises(ferry.InputError, match=r"input 0 dim 0 is 4, input 1 dim 0 is 5"):
+        module(torch.randn(4, 3), torch.randn(5, 3), torch.randn(6, 2))
+    for n in (3, 7):
+        a, b, c = torch.randn(n, 3), torch.randn(n, 3), torch.randn(n + 2, 2)
+        got = module(a, b, c)
+        want = _TwoBatches()(a, b, c)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+    with pytest.raises(ferry.InputError, match=r"input 0 dim 0 is 7, input 1 dim 0 is 3"):
+        module(torch.randn(7, 3), torch.randn(3, 3), torch.randn(2, 2))
+
+
+def test_a_file_naming_a_static_dim_as_one_dynamic_size_is_refused():
+    program = _two_batches_program()
+    program.method("forward").equal_sizes = [[[0, 1], [1, 0]]]  # dim 1 of input 0 is static
+    with pytest.raises(ferry.ProgramError, match=r"equal_sizes names \[0, 1\], not a dynamic dim"):
+        ferry.load_program(program.to_bytes())

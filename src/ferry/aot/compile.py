@@ -14,7 +14,7 @@ from ferry.aot.device_map import DeviceMapPartitioner
 from ferry.aot.emit import emit_method
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
-from ferry.aot.storage_reads import storage_inputs
+from ferry.aot.storage_reads import equal_sizes, storage_inputs
 from ferry.aot.values import ProgramBuilder
 from ferry.device import Device
 from ferry.errors import CompileError, ConfigError
@@ -97,6 +97,7 @@ def _compile(eps, partitioner, options, budgets) -> Program:
         method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
                              placed.range_constraints)
         method.storage_inputs = storage_inputs(placed.graph_module)
+        method.equal_sizes = equal_sizes(placed.graph_module)
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}
         method.max_memory = {str(d): n for d, n in (budgets or {}).items()}
         methods[name] = method

@@ -18,7 +18,22 @@ from ferry.op_names import kernel_name
 from ferry.ops import is_copy_node
 from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_source
 
-__all__ = ["storage_inputs"]
+__all__ = ["equal_sizes", "storage_inputs"]
+
+
+def equal_sizes(gm: torch.fx.GraphModule) -> list[list[list[int]]]:
+    """Groups of [input position, dim] that export traced as one dynamic size (one symbol): a
+    call must give them equal sizes. Only groups of two or more; a dim that is an expression of
+    a size (2 * s0) is not listed."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
+    groups: dict[str, list[list[int]]] = {}
+    for i, node in enumerate(inputs):
+        val = node.meta.get("val")
+        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is not None and getattr(expr, "is_Symbol", False):
+                groups.setdefault(str(expr), []).append([i, d])
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def storage_inputs(gm: torch.fx.GraphModule) -> list[int]:

@@ -178,7 +178,8 @@ METHOD = Record(Method, (
     ("inputs", Seq(ID)), ("outputs", Seq(ID)), ("buffers", Seq(BUFFER)), ("mutable_buffers", Seq(MUTABLE_BUFFER)),
     ("lower_bounds", StrKeyed(Int())), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrKeyed(Str())),
     ("device_map", StrKeyed(Str())), ("max_memory", StrKeyed(Int())), ("storage_inputs", Seq(ID)),
-), optional=("device_map", "max_memory", "storage_inputs"))
+    ("equal_sizes", Seq(Seq(Seq(Int(), max_len=2), max_len=MAX_RANK * 1024), max_len=1 << 16)),
+), optional=("device_map", "max_memory", "storage_inputs", "equal_sizes"))
 
 
 class _SpecPairs(Field):

@@ -311,6 +311,7 @@ class Method:
     # positions of the inputs an op reads through their storage (as_strided with a storage offset,
     # in this method or a delegate): a call must pass each as a tensor that is its whole storage
     storage_inputs: list[int] = field(default_factory=list)
+    equal_sizes: list[list[list[int]]] = field(default_factory=list)  # [input, dim] pairs one dynamic size
 
     def tensor(self, vid: int) -> TensorValue:
         v = self.values[vid]

@@ -104,6 +104,7 @@ class _MethodChecks:
         for x in m.storage_inputs:
             if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < len(m.inputs):
                 raise ProgramError(f"{self.pre} storage_inputs names input {x!r}; it has {len(m.inputs)} inputs")
+        self.equal_sizes()
         self.io_storage()
         for j, mb in enumerate(m.mutable_buffers):
             self.tensor_id(mb.value, f"mutable buffer {j} value")
@@ -221,6 +222,16 @@ class _MethodChecks:
                 self.vid(a, f"{label} argument {j}", allow_default=not isinstance(ins, DelegateCall))
             for j, o in enumerate(ins.outputs):
                 self.vid(o, f"{label} output {j}")
+
+    def equal_sizes(self) -> None:
+        """Each [input, dim] of `equal_sizes` names a dynamic dim of a tensor input."""
+        m = self.m
+        for group in m.equal_sizes:
+            for pair in group:
+                ok = len(pair) == 2 and 0 <= pair[0] < len(m.inputs)
+                v = m.values[m.inputs[pair[0]]] if ok else None
+                if not (isinstance(v, TensorValue) and 0 <= pair[1] < len(v.dynamic) and v.dynamic[pair[1]]):
+                    raise ProgramError(f"{self.pre} equal_sizes names {pair!r}, not a dynamic dim of a tensor input")
 
     def io_storage(self) -> None:
         """Caller-owned inputs are method inputs: nothing else could fill them."""

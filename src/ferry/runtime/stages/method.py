@@ -170,6 +170,12 @@ class LoadedMethod:
                 raise InputError(f"input {i} of {self.name!r} is read through its storage (as_strided with a storage "
                                  "offset), which counts from the start of the tensor: pass a contiguous tensor that "
                                  "owns its storage (x.contiguous().clone()), not a view into a larger one")
+        for group in self.method.equal_sizes:  # dims export traced as one dynamic size
+            sizes = [inputs[i].shape[d] for i, d in group]
+            if len(set(sizes)) > 1:
+                named = ", ".join(f"input {i} dim {d} is {n}" for (i, d), n in zip(group, sizes))
+                raise InputError(f"inputs of {self.name!r} disagree on one dynamic size: {named}; the program was "
+                                 "exported with these dims equal (one torch.export.Dim)")
 
     def execute(self, inputs, bind_outputs=None, graphs: bool = True, finish: bool = True, part: bool = False) -> list:
         """One call. `graphs=False`: a new shape gets a plan without CUDA graphs (a shape the
