@@ -250,7 +250,8 @@ def test_unknown_backend_at_load_frees_everything(emu):
     mod = ferry.Module(program)
     with pytest.raises(ferry.BackendError, match="no-such-backend"):
         mod.load_method()
-    assert emu.allocations == emu.deallocations >= 1 and emu.live_bytes == 0
+    # refused while checking the delegate calls, before anything was allocated
+    assert emu.allocations == emu.deallocations and emu.live_bytes == 0
     program.delegates[0] = good  # fixed: the same module loads and runs
     x, y = fresh_inputs((x0, x0), 3)
     assert torch.equal(mod(x, y), x + y)

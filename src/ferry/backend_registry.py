@@ -80,6 +80,10 @@ class Backend:
         planned by the caller (None: it allocates its own)."""
         raise NotImplementedError
 
+    def check_call(self, payload: bytes, args: list, outputs: list) -> None:
+        """Raise ProgramError where a call's arguments or results (program values) disagree with
+        what the payload takes and returns; nothing is checked by default (an opaque payload)."""
+
     def memory_needs(self, payload: bytes) -> list:
         """The buffers (program.schema.Buffer) the delegate works in, which the caller plans in its
         own arenas; none by default (it allocates what it needs)."""

@@ -34,7 +34,7 @@ from ferry.aot.emit import emit_method
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
-from ferry.backends.torch import payload_load_bytes
+from ferry.backends.torch import check_payload_call, payload_load_bytes
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
@@ -52,6 +52,9 @@ __all__ = ["InductorBackend", "graph_of"]
 class InductorBackend(Backend):
     backend_id = "inductor"
     returns_outputs = True  # its results are Inductor's own tensors: the method plans none for them
+
+    def check_call(self, payload, args: list, outputs: list) -> None:
+        check_payload_call(payload, args, outputs)
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         device = delegate_target_device(lowered) or CPU

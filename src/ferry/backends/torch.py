@@ -37,6 +37,9 @@ class TorchBackend(Backend):
         method.kernel_choices.update(fusion_notes(fused))
         return program_to_bytes(Program({"forward": method}, builder.delegates, builder.segments))
 
+    def check_call(self, payload, args: list, outputs: list) -> None:
+        check_payload_call(payload, args, outputs)
+
     def memory_needs(self, payload) -> list[Buffer]:
         """The buffers the delegate works in: the caller plans them in its own arenas."""
         return list(load_program(payload).method("forward").buffers[1:])
@@ -54,6 +57,36 @@ class TorchBackend(Backend):
         nested = LoadedMethod(program, localized(program.method("forward")), _no_nested_delegates,
                               asynchronous=False, memory=memory, caller=caller)
         return _Handle(nested)
+
+
+def check_payload_call(payload, args: list, outputs: list) -> None:
+    """A call of a payload that is a ferry program agrees with its method: as many arguments and
+    results, each a tensor where it takes one, of its dtype, shape and dynamic dims, on its
+    device (a host tensor for a CUDA delegate is the legacy mode, which moves it)."""
+    m = load_program(payload).method("forward")
+    for what, given, declared in (("argument", args, m.inputs), ("result", outputs, m.outputs)):
+        if len(given) != len(declared):
+            raise ProgramError(f"the call has {len(given)} {what}s, its payload's method {len(declared)}")
+        for j, (v, vid) in enumerate(zip(given, declared)):
+            w = m.values[vid]
+            if _disagree(v, w):
+                raise ProgramError(f"{what} {j} is {_describe(v)}, the payload's method takes {_describe(w)}")
+
+
+def _disagree(v, w) -> bool:
+    if isinstance(v, TensorValue) != isinstance(w, TensorValue):
+        return True
+    if not isinstance(v, TensorValue):
+        return False
+    moved = v.device.is_cpu and w.device.type == "cuda"  # legacy mode: the delegate moves its own data
+    return (v.dtype, v.shape, any(v.dynamic) and v.dynamic) != (w.dtype, w.shape, any(w.dynamic) and w.dynamic) or (
+        v.device != w.device and not moved)
+
+
+def _describe(v) -> str:
+    if not isinstance(v, TensorValue):
+        return f"a {getattr(v, 'kind', type(v).__name__)} value"
+    return f"a {v.dtype}{list(v.shape)} tensor on {v.device}"
 
 
 def payload_load_bytes(payload, given_memory: bool) -> dict:

@@ -13,12 +13,25 @@ from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, Pro
 from ferry.program import Program, load_program
 from ferry.program.footprint import unknown_limit_keys
 from ferry.program.ranks import program_ranks
-from ferry.program.schema import MethodMeta, TensorValue
+from ferry.program.schema import DelegateCall, MethodMeta, TensorValue
 from ferry.runtime.devices.limits import check_limits, load_bytes, parse_limits
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
 from ferry.runtime.stages.method import LoadedMethod
 from ferry.runtime.stages.run import caller_copy
+
+
+def _check_delegate_calls(program: Program, method) -> None:
+    """Each delegate call agrees with its payload (backend_registry.Backend.check_call), before
+    anything of the method is allocated."""
+    for k, ins in enumerate(method.instructions):
+        if isinstance(ins, DelegateCall):
+            d = program.delegates[ins.delegate]
+            try:
+                get_backend(d.backend_id).check_call(program.segments[d.payload], [method.values[a] for a in ins.args],
+                                                     [method.values[o] for o in ins.outputs])
+            except ProgramError as e:
+                raise ProgramError(f"method {method.name!r} instruction {k} (delegate {ins.delegate}): {e}") from None
 
 
 def _check_limit_keys(limits: dict[str, int] | None, program: Program) -> None:
@@ -181,6 +194,7 @@ class Module:
         with self._load_lock:
             if all(name in inst.methods for inst in self._instances):
                 return
+            _check_delegate_calls(self.program, self.program.method(name))
             if self.max_memory:
                 need = load_bytes(self.program, self.program.method(name), self.cuda_graphs)
                 check_limits(self.max_memory, need, len(self._instances), name)
