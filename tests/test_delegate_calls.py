@@ -93,15 +93,20 @@ def test_a_delegate_call_that_disagrees_with_its_payload_is_refused_at_load(emu,
     torch.testing.assert_close(ok(x, y), x + y)
 
 
-def test_a_kernel_returning_its_result_cannot_fill_planned_memory(emu):
-    """`et_copy::_h2d_copy.out` replaced by `aten::mul.Tensor` (same arguments): mul returns a new
-    tensor, so the planned result would never be written; the file is refused when read."""
+def test_a_kernel_returning_its_result_cannot_stand_where_one_writes(emu):
+    """`et_copy::_h2d_copy.out` replaced by `aten::mul.Tensor`, same arguments (the issue's
+    mutant): mul only reads its `other` and returns a new tensor, so the planned result would
+    never be written (it gave a wrong answer). Refused when the method loads; nothing stays."""
     program = _program()
     m = program.method("forward")
     k, ins = next((k, i) for k, i in enumerate(m.instructions)
                   if isinstance(i, KernelCall) and i.kernel.startswith("et_copy::_h2d_copy.out"))
     out = m.values[ins.outputs[0]]
-    assert isinstance(out, TensorValue) and out.storage in ("planned", "output")
-    m.instructions[k] = dataclasses.replace(ins, kernel="aten::mul.Tensor", args=ins.args[:1] + ins.args[:1])
-    with pytest.raises(ferry.ProgramError, match="the kernel returns its result"):
-        program.to_bytes()
+    assert isinstance(out, TensorValue) and out.storage == "planned" and ins.outputs[0] in ins.args
+    m.instructions[k] = dataclasses.replace(ins, kernel="aten::mul.Tensor")
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    emu.reset_counters()
+    with pytest.raises(ferry.ProgramError, match=r"aten::mul.Tensor\): value \d+ is passed as its argument other, "
+                                                 "which the kernel does not write"):
+        module.load_method()
+    assert emu.live_bytes == 0

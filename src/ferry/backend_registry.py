@@ -80,9 +80,11 @@ class Backend:
         planned by the caller (None: it allocates its own)."""
         raise NotImplementedError
 
-    def check_call(self, payload: bytes, args: list, outputs: list) -> None:
+    def check_call(self, payload: bytes, args: list, outputs: list, *, host_io: bool = False) -> None:
         """Raise ProgramError where a call's arguments or results (program values) disagree with
-        what the payload takes and returns; nothing is checked by default (an opaque payload)."""
+        what the payload takes and returns; nothing is checked by default (an opaque payload).
+        `host_io`: the program was compiled without device placement, so host tensors stand for
+        the delegate's device ones (it moves them itself)."""
 
     def memory_needs(self, payload: bytes) -> list:
         """The buffers (program.schema.Buffer) the delegate works in, which the caller plans in its

@@ -53,8 +53,8 @@ class InductorBackend(Backend):
     backend_id = "inductor"
     returns_outputs = True  # its results are Inductor's own tensors: the method plans none for them
 
-    def check_call(self, payload, args: list, outputs: list) -> None:
-        check_payload_call(payload, args, outputs)
+    def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False) -> None:
+        check_payload_call(payload, args, outputs, host_io)
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         device = delegate_target_device(lowered) or CPU

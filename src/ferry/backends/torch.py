@@ -37,8 +37,8 @@ class TorchBackend(Backend):
         method.kernel_choices.update(fusion_notes(fused))
         return program_to_bytes(Program({"forward": method}, builder.delegates, builder.segments))
 
-    def check_call(self, payload, args: list, outputs: list) -> None:
-        check_payload_call(payload, args, outputs)
+    def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False) -> None:
+        check_payload_call(payload, args, outputs, host_io)
 
     def memory_needs(self, payload) -> list[Buffer]:
         """The buffers the delegate works in: the caller plans them in its own arenas."""
@@ -59,28 +59,29 @@ class TorchBackend(Backend):
         return _Handle(nested)
 
 
-def check_payload_call(payload, args: list, outputs: list) -> None:
+def check_payload_call(payload, args: list, outputs: list, host_io: bool = False) -> None:
     """A call of a payload that is a ferry program agrees with its method: as many arguments and
     results, each a tensor where it takes one, of its dtype, shape and dynamic dims, on its
-    device (a host tensor for a CUDA delegate is the legacy mode, which moves it)."""
+    device (the rank aside; `host_io`: a program compiled without device placement hands host
+    tensors to every delegate, which moves them itself)."""
     m = load_program(payload).method("forward")
     for what, given, declared in (("argument", args, m.inputs), ("result", outputs, m.outputs)):
         if len(given) != len(declared):
             raise ProgramError(f"the call has {len(given)} {what}s, its payload's method {len(declared)}")
         for j, (v, vid) in enumerate(zip(given, declared)):
             w = m.values[vid]
-            if _disagree(v, w):
+            if _disagree(v, w, host_io):
                 raise ProgramError(f"{what} {j} is {_describe(v)}, the payload's method takes {_describe(w)}")
 
 
-def _disagree(v, w) -> bool:
+def _disagree(v, w, host_io: bool) -> bool:
     if isinstance(v, TensorValue) != isinstance(w, TensorValue):
         return True
     if not isinstance(v, TensorValue):
         return False
-    moved = v.device.is_cpu and w.device.type == "cuda"  # legacy mode: the delegate moves its own data
+    same_device = (v.device.type, v.device.index) == (w.device.type, w.device.index) or (host_io and v.device.is_cpu)
     return (v.dtype, v.shape, any(v.dynamic) and v.dynamic) != (w.dtype, w.shape, any(w.dynamic) and w.dynamic) or (
-        v.device != w.device and not moved)
+        not same_device)
 
 
 def _describe(v) -> str:

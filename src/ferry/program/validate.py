@@ -20,7 +20,6 @@ from ferry.program.schema import (
     DEFAULT_ARG,
     ConstValue,
     DelegateCall,
-    KernelCall,
     Method,
     TensorValue,
     element_size,
@@ -223,20 +222,6 @@ class _MethodChecks:
                 self.vid(a, f"{label} argument {j}", allow_default=not isinstance(ins, DelegateCall))
             for j, o in enumerate(ins.outputs):
                 self.vid(o, f"{label} output {j}")
-            if isinstance(ins, KernelCall):
-                self.returned_results(ins, label)
-
-    def returned_results(self, ins: KernelCall, label: str) -> None:
-        """A kernel that returns its results (its outputs are not among its arguments) makes new
-        tensors: memory the program says is filled in place (planned, an output, scratch) would
-        never be written, and whatever else reads it would read stale bytes."""
-        if not ins.outputs or all(o in ins.args for o in ins.outputs):
-            return
-        for j, o in enumerate(ins.outputs):
-            v = self.m.values[o]
-            if isinstance(v, TensorValue) and v.storage not in ("runtime", "view"):
-                raise ProgramError(f"{self.pre} {label} output {j}: the kernel returns its result, so value {o} "
-                                   f"cannot be {v.storage!r} memory (filled in place through an out argument)")
 
     def equal_sizes(self) -> None:
         """Each [input, dim] of `equal_sizes` names a dynamic dim of a tensor input."""

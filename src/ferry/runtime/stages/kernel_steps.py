@@ -66,6 +66,8 @@ class KernelSteps:
         pos, op = self._storage_offset_in_arena(op, ins, pos, index)
         op = self._runnable_here(op, ins)
         writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
+        if writes_out:
+            _check_written(op, ins, f"method {m.name!r} instruction {index} ({ins.kernel})")
         if not writes_out and self._view_of_fixed(ins):
             try:  # a view of fixed memory: made once, here
                 self._run_functional(op, pos, kw, ins.outputs, ins)()
@@ -299,6 +301,23 @@ class KernelSteps:
                     )
 
         return check
+
+
+def _check_written(op, ins: KernelCall, label: str) -> None:
+    """Each output an instruction passes as an argument is one the kernel writes (an out or
+    in-place argument): a kernel that only reads it returns a new tensor instead, and the
+    memory the program planned for the result would never be written."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return
+    schema = op._schema.arguments
+    for o in ins.outputs:
+        j = ins.args.index(o)
+        arg = schema[j] if j < len(schema) else None
+        if arg is None or arg.alias_info is None or not arg.alias_info.is_write:
+            raise ProgramError(f"{label}: value {o} is passed as its argument "
+                               f"{arg.name if arg is not None else j}, which the kernel does not write, so the "
+                               "result would never reach it (a kernel that returns its result stands where one "
+                               "writing through an out argument must)")
 
 
 def _compact(t: torch.Tensor) -> None:

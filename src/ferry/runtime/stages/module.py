@@ -10,6 +10,7 @@ import warnings
 from ferry.backend_registry import NOT_CAPTURED, CallerPlan, DelegateHandle, get_backend
 from ferry.device import CPU
 from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, ProgramError
+from ferry.ops import OUT_COPY_KERNELS
 from ferry.program import Program, load_program
 from ferry.program.footprint import unknown_limit_keys
 from ferry.program.ranks import program_ranks
@@ -24,12 +25,13 @@ from ferry.runtime.stages.run import caller_copy
 def _check_delegate_calls(program: Program, method) -> None:
     """Each delegate call agrees with its payload (backend_registry.Backend.check_call), before
     anything of the method is allocated."""
+    host_io = not any(getattr(ins, "kernel", None) in OUT_COPY_KERNELS for ins in method.instructions)  # no placement
     for k, ins in enumerate(method.instructions):
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate]
             try:
                 get_backend(d.backend_id).check_call(program.segments[d.payload], [method.values[a] for a in ins.args],
-                                                     [method.values[o] for o in ins.outputs])
+                                                     [method.values[o] for o in ins.outputs], host_io=host_io)
             except ProgramError as e:
                 raise ProgramError(f"method {method.name!r} instruction {k} (delegate {ins.delegate}): {e}") from None
 
