@@ -311,13 +311,12 @@ def _check_written(op, ins: KernelCall, label: str) -> None:
         return
     schema = op._schema.arguments
     for o in ins.outputs:
-        j = ins.args.index(o)
-        arg = schema[j] if j < len(schema) else None
-        if arg is None or arg.alias_info is None or not arg.alias_info.is_write:
-            raise ProgramError(f"{label}: value {o} is passed as its argument "
-                               f"{arg.name if arg is not None else j}, which the kernel does not write, so the "
-                               "result would never reach it (a kernel that returns its result stands where one "
-                               "writing through an out argument must)")
+        at = [schema[j] if j < len(schema) else None for j, a in enumerate(ins.args) if a == o]
+        if not any(arg is not None and arg.alias_info is not None and arg.alias_info.is_write for arg in at):
+            names = ", ".join(arg.name if arg is not None else "?" for arg in at)
+            raise ProgramError(f"{label}: value {o} is passed as its argument {names}, which the kernel does not "
+                               "write, so the result would never reach it (a kernel that returns its result "
+                               "stands where one writing through an out argument must)")
 
 
 def _compact(t: torch.Tensor) -> None:
