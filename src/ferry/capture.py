@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["LOCK", "capture", "keep_workspace", "on_side_stream"]
+__all__ = ["LOCK", "capture", "keep_workspace", "on_side_stream", "random_state_kept_on_failure"]
 
 LOCK = threading.RLock()
 
@@ -35,16 +35,32 @@ def on_side_stream(stream):
         torch.cuda.current_stream().wait_stream(stream)
 
 
+@contextlib.contextmanager
+def random_state_kept_on_failure(device):
+    """A capture that fails leaves the random generator of `device` as it was before it. torch
+    ends a generator's capture mode only when the graph's capture ends cleanly: after a failed
+    one, every later random op on that GPU (dropout, torch.rand, an Inductor kernel's seed)
+    raised "Offset increment outside graph capture encountered unexpectedly"."""
+    generator = torch.cuda.default_generators[torch.device(device).index or 0]
+    before = generator.clone_state()
+    try:
+        yield
+    except BaseException:
+        generator.graphsafe_set_state(before)
+        raise
+
+
 def capture(fn: Callable, reps: int, pool=None):
     """`reps` calls of `fn` captured on the current stream. Thread-local: a module already loaded
     may run in another thread meanwhile, and its host waits must neither fail nor break this."""
     graph = torch.cuda.CUDAGraph()
-    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-    try:
-        for _ in range(reps):
-            fn()
-    finally:
-        graph.capture_end()
+    with random_state_kept_on_failure(torch.cuda.current_device()):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            for _ in range(reps):
+                fn()
+        finally:
+            graph.capture_end()
     return graph
 
 

@@ -16,6 +16,7 @@ memory a pending `_h2d_copy` still reads (the schedule says where: runtime/stage
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -38,8 +39,14 @@ class CudaApi:
     stream = staticmethod(lambda s: torch.cuda.stream(s))
     device = staticmethod(lambda index: torch.cuda.device(index))
     new_graph = staticmethod(lambda: torch.cuda.CUDAGraph())
-    capture = staticmethod(lambda graph, stream: torch.cuda.graph(graph, stream=stream))
     synchronize = staticmethod(lambda index: torch.cuda.synchronize(index))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def capture(graph, stream):
+        """torch.cuda.graph; a failed capture leaves the GPU's random generator usable."""
+        with shared_capture.random_state_kept_on_failure(stream.device), torch.cuda.graph(graph, stream=stream):
+            yield graph
 
     @staticmethod
     def prepare_capture(stream) -> None:
