@@ -338,7 +338,7 @@ def test_compile_traced_ops_keeps_the_batch_norms_the_default_folds(tmp_path):
             assert rc == 0, err
             program = ferry.load_program(path)
             kernels[bool(flag)] = [i.kernel for d in program.delegates
-                                   for i in ferry.load_program(program.segments[d.payload]).method("forward").instructions
+                                   for i in ferry.load_program(program.segments[d.payload], segments=program.segments).method("forward").instructions
                                    if hasattr(i, "kernel")]
     finally:
         if not had_emu and get_allocator("emu") is not None:

@@ -183,7 +183,7 @@ def check(program, alignment=None, naive=False):
         check_plan(m, alignment, naive)
     for d in program.delegates:  # torch-backend payloads are planned ferry programs themselves
         if d.backend_id == "torch":
-            payload = ferry.load_program(bytes(program.segments[d.payload]))
+            payload = ferry.load_program(bytes(program.segments[d.payload]), segments=program.segments)
             for m in payload.methods.values():
                 check_plan(m, alignment, naive)
     return roundtrip(program)
@@ -405,7 +405,7 @@ class Counter(nn.Module):
 
 
 @pytest.mark.parametrize("on_device", [False, True])
-def test_mutable_buffers_planned_and_persistent(emu, on_device):
+def test_mutable_buffers_are_state_kept_between_calls(emu, on_device):
     model = Counter()
     ep = torch.export.export(copy.deepcopy(model), (torch.randn(2, 3),))
     part = ferry.OpSupportPartitioner("emu:0") if on_device else None
@@ -414,7 +414,7 @@ def test_mutable_buffers_planned_and_persistent(emu, on_device):
     assert {mb.name for mb in m.mutable_buffers} == {"total", "steps"}
     for mb in m.mutable_buffers:
         v = m.values[mb.value]
-        assert v.plan is not None and v.constant is not None, "planned, initialised from its segment"
+        assert v.storage == "state" and v.plan is None and v.constant is not None, "the module's state, initialised from its segment"
         assert m.values[mb.update].shape == v.shape
         init = getattr(model, mb.name)
         assert bytes(program.segments[v.constant]) == init.numpy().tobytes()

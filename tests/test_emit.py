@@ -327,7 +327,7 @@ def test_delegate_payload_is_a_program_on_the_delegate_device():
     program = ferry.compile(export(model, inputs), ferry.OpSupportPartitioner("cuda:0"))
     (d,) = program.delegates
     assert d.backend_id == "torch" and d.spec("target_device") == b"cuda:0"
-    payload = ferry.load_program(bytes(program.segments[d.payload]))
+    payload = ferry.load_program(bytes(program.segments[d.payload]), segments=program.segments)
     pm = payload.methods["forward"]
     assert {v.device for v in tensors(pm) if v.constant is None} == {CUDA0}
     assert all(pm.values[v].plan is None for v in [*pm.inputs, *pm.outputs]), "the caller's planned tensors are used"

@@ -17,7 +17,7 @@ BN = "aten::_native_batch_norm_legit_no_training.default"
 
 def delegate_kernels(program) -> list[str]:
     return [i.kernel for d in program.delegates
-            for i in ferry.load_program(program.segments[d.payload]).method("forward").instructions
+            for i in ferry.load_program(program.segments[d.payload], segments=program.segments).method("forward").instructions
             if hasattr(i, "kernel")]
 
 
@@ -59,7 +59,7 @@ def test_self_attention_becomes_one_fused_op_and_equals_eager(emu):
     assert kernels.count(MHA) == 1 and SDPA not in kernels, kernels
     assert len(kernels) <= 4  # layer norm, attention, add (the traced attention alone is ~25 ops)
     assert_matches_eager(program, model, lambda: (torch.randn(2, 7, 32),))
-    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    notes = ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward").kernel_choices
     assert "nn.MultiheadAttention" in notes[MHA]
 
 
@@ -99,7 +99,7 @@ def test_batch_norm_after_a_convolution_is_folded_and_equals_eager(bias, emu):
     assert BN not in kernels and kernels.count("aten::conv2d.default") == 1, kernels
     assert kernels.count("ferry::conv_relu.default") == 1, kernels  # the first convolution with its ReLU
     assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 12, 12),))
-    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    notes = ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward").kernel_choices
     assert notes[BN].startswith("2 folded")
 
 
@@ -133,7 +133,7 @@ def test_folding_leaves_no_unused_constants():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), _bn(8)).eval()
     ep = torch.export.export(model, (torch.randn(1, 3, 8, 8),))
     program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu"))
-    sub = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward")
+    sub = ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward")
     constants = [v for v in sub.values if getattr(v, "storage", None) == "constant"]
     assert sorted(v.shape for v in constants) == [(8,), (8, 3, 3, 3)]
 
@@ -189,7 +189,7 @@ class MaskedAttention(torch.nn.Module):
 def test_attention_masks_known_at_compile_time_are_dropped_or_made_causal(kind, note, emu):
     model = MaskedAttention(kind)
     program = compile_on(model, (torch.randn(2, 3, 6, 8),))
-    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    notes = ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward").kernel_choices
     if note is None:  # a mask that is neither, or one that depends on the input, stays
         assert "compile time" not in notes.get(SDPA, "")
     else:
@@ -311,7 +311,7 @@ class Mlp(torch.nn.Module):
 
 
 def delegate_method(program):
-    return ferry.load_program(program.segments[program.delegates[0].payload]).method("forward")
+    return ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward")
 
 
 @pytest.mark.parametrize("bias,shape", [(True, (2, 5, 16)), (False, (2, 5, 16)), (True, (2, 3, 4, 16)), (True, (6, 16))])
@@ -418,7 +418,7 @@ def test_a_residual_block_runs_as_two_fused_convolutions_and_equals_eager(inplac
     program = compile_on(model, (torch.randn(2, 8, 10, 10),))
     assert delegate_kernels(program) == [CONV_RELU, CONV_ADD_RELU]
     assert_matches_eager(program, model, lambda: (torch.randn(2, 8, 10, 10),))
-    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    notes = ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward").kernel_choices
     assert notes["aten::relu.default"].startswith("2 fused")
     unfused = delegate_kernels(compile_on(model, (torch.randn(2, 8, 10, 10),), fuse=False))
     assert CONV_RELU not in unfused and CONV_ADD_RELU not in unfused
@@ -553,7 +553,7 @@ def test_convolutions_whose_kernel_tiles_the_input_run_as_gemms_and_equal_eager(
     # the downsampling's and the embedding's are channels-last (the permute after the norm), a view
     assert kernels.count("aten::clone.default") == 4, kernels
     assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 32, 32),))
-    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    notes = ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward").kernel_choices
     assert notes[PATCH_NOTE].startswith("3 convolution(s)")
 
 
@@ -654,7 +654,7 @@ def test_a_weight_shared_by_two_patch_convolutions_is_laid_out_once(emu):
     program = compile_on(model, (torch.randn(1, 4, 16, 16),))
     assert len(program.delegates) == 1 and delegate_kernels(program).count("aten::addmm.out") == 2
     assert_matches_eager(program, model, lambda: (torch.randn(1, 4, 16, 16),))
-    delegate = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward")
+    delegate = ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward")
     constants = [v for v in delegate.values if getattr(v, "storage", None) == "constant"]
     assert len(constants) == 2, [(v.name, v.shape) for v in constants]  # the laid-out weight and the bias
 
@@ -716,7 +716,7 @@ def test_copies_that_keep_the_layout_are_dropped_and_the_result_equals_eager(emu
     kernels = delegate_kernels(program)
     assert kernels.count("aten::clone.default") == 2, kernels  # the transpose's copy and the returned clone
     assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 8),))
-    notes = ferry.load_program(program.segments[program.delegates[0].payload]).method("forward").kernel_choices
+    notes = ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward").kernel_choices
     assert notes["clones dropped"].startswith("2 copies")
     assert delegate_kernels(compile_on(model, (torch.randn(2, 3, 8),), fuse=False)).count("aten::clone.default") == 4
 

@@ -100,7 +100,7 @@ def test_a_mutable_buffer_over_the_file_or_the_callers_tensor_is_refused(target)
     if target == "input":
         values[1] = TensorValue("float32", (16,), storage="input", name="x")
     m2 = dataclasses.replace(m, values=values, mutable_buffers=[MutableBuffer(0 if target == "constant" else 1, 2, "b")])
-    with pytest.raises(ProgramError, match="must be planned memory"):
+    with pytest.raises(ProgramError, match="must be the program.s state"):
         validate_program(dataclasses.replace(p, methods={"forward": m2}))
 
 

@@ -121,7 +121,7 @@ def test_in_a_delegate_a_result_is_written_over_a_view_of_all_of_a_dying_gemm_re
 
     model, example = transformer_block()[:2]
     program = ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0"))
-    inner = load_program(program.segments[program.delegates[0].payload]).method("forward")
+    inner = load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward")
     assert any(k == "aten::gelu.out" for k, _, _ in _shared(ferry.Program({"forward": inner}, [], [])))
     module = ferry.Module(program)
     for seed in range(3):

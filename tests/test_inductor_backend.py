@@ -57,7 +57,7 @@ def matches_eager(module, model, calls=3):
 
 def test_an_inductor_delegate_equals_eager_and_plans_nothing_inside(inductor_program, block, tmp_path):
     assert [d.backend_id for d in inductor_program.delegates] == ["inductor"]
-    inner = load_program(inductor_program.segments[inductor_program.delegates[0].payload]).method("forward")
+    inner = load_program(inductor_program.segments[inductor_program.delegates[0].payload], segments=inductor_program.segments).method("forward")
     kernels = [i.kernel for i in inner.instructions]
     assert "aten::scaled_dot_product_attention.default" in kernels  # the graph Inductor gets keeps it whole
     assert not any(k.endswith(".out") for k in kernels) and len(inner.buffers) <= 1  # functional, unplanned
@@ -199,7 +199,7 @@ def test_a_dynamic_partition_runs_op_by_op_with_a_warning_and_a_note_inspect_sho
 def test_a_payload_naming_something_that_is_not_an_operator_is_refused_at_load(inductor_program):
     """A hostile payload cannot name Python callables: kernel names resolve only to operators."""
     d = inductor_program.delegates[0]
-    inner = load_program(inductor_program.segments[d.payload])
+    inner = load_program(inductor_program.segments[d.payload], segments=inductor_program.segments)
     m = inner.method("forward")
     bad = dataclasses.replace(m.instructions[0], kernel="builtins::eval")
     m2 = dataclasses.replace(m, instructions=[bad, *m.instructions[1:]])
@@ -242,7 +242,7 @@ class Positions(torch.nn.Module):
 
 
 def _factory_devices(program) -> dict:
-    inner = load_program(program.segments[program.delegates[0].payload]).method("forward")
+    inner = load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward")
     return {i.kernel: [inner.values[a].value for a in i.args if a >= 0 and getattr(inner.values[a], "kind", "") == "device"]
             for i in inner.instructions if i.kernel.startswith(("aten::arange", "aten::ones"))}
 
@@ -273,9 +273,9 @@ def test_views_are_rebuilt_as_reshapes_that_a_device_layout_cannot_break(inducto
     from ferry.backends.inductor import graph_of
     from ferry.runtime.stages.load import load_memory
 
-    inner = load_program(inductor_program.segments[inductor_program.delegates[0].payload]).method("forward")
+    inner = load_program(inductor_program.segments[inductor_program.delegates[0].payload], segments=inductor_program.segments).method("forward")
     views = sum(i.kernel in ("aten::view.default", "aten::_unsafe_view.default") for i in inner.instructions)
-    memory = load_memory(load_program(inductor_program.segments[inductor_program.delegates[0].payload]).segments,
+    memory = load_memory(load_program(inductor_program.segments[inductor_program.delegates[0].payload], segments=inductor_program.segments).segments,
                          inner, pin_host=False)
     try:
         targets = [n.target for n in graph_of(inner, memory).graph.nodes if n.op == "call_function"]
@@ -319,7 +319,7 @@ def test_a_delegate_inductor_cannot_compile_runs_op_by_op_with_a_warning(inducto
 def _with_instructions(program, make):
     """`program` with its delegate's method rebuilt by `make(method, add_value) -> instructions`."""
     d = program.delegates[0]
-    inner = load_program(program.segments[d.payload])
+    inner = load_program(program.segments[d.payload], segments=program.segments)
     m = inner.method("forward")
     m2 = edited(m, lambda values, add: make(m, add))
     segments = list(program.segments)
@@ -402,7 +402,7 @@ def test_an_op_returning_a_list_of_one_tensor_is_rebuilt_as_a_list():
     model = OnePiece()
     program = ferry.compile(torch.export.export(model, (torch.randn(3, 8),)),
                             ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
-    inner = load_program(program.segments[program.delegates[0].payload]).method("forward")
+    inner = load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward")
     assert any(i.kernel.startswith("aten::split") for i in inner.instructions)
     module = ferry.Module(program)
     with warnings.catch_warnings():

@@ -247,3 +247,47 @@ def test_static_cache_llama_decodes_greedily_as_eager(emu, tmp_path, placement):
         if step >= PROMPT_LEN - 1:
             tokens.append(nxt)
     assert len(tokens) == PROMPT_LEN + NEW_TOKENS
+
+
+@functools.cache
+def static_cache_llama_prefill_decode():
+    """Prefill (the whole prompt in one call) and decode (one token), exported by transformers'
+    recipe from one model: compiled together, they share the KV cache."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model, decode = static_cache_llama()
+    recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=MAX_CACHE_LEN)
+    with torch.no_grad():
+        prefill = recipe.export(input_ids=torch.ones(1, PROMPT_LEN, dtype=torch.long),
+                                cache_position=torch.arange(PROMPT_LEN))
+    return model, prefill, decode
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_static_cache_llama_prefill_and_decode_methods_share_the_cache(emu, tmp_path, placement):
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    model, prefill, decode = static_cache_llama_prefill_decode()
+    partitioner = None if placement == "cpu" else ferry.OpSupportPartitioner("emu:0")
+    program = ferry.compile({"prefill": prefill, "decode": decode}, partitioner,
+                            KEEP_ON_DEVICE if placement == "emu-io" else None)
+    program.save(tmp_path / "llama.ferry")
+    module = ferry.Module(tmp_path / "llama.ferry")
+    assert len(module.state_names()) >= 4  # keys and values of 2 layers, held once
+    eager = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=MAX_CACHE_LEN)
+    on_device = (lambda t: clone_to(t, EMU0)) if placement == "emu-io" else (lambda t: t)
+    prompt = token_ids((1, PROMPT_LEN), 11)
+    tokens = prompt[0].tolist()
+    for step in range(NEW_TOKENS):
+        start = 0 if step == 0 else PROMPT_LEN + step - 1
+        ids = prompt if step == 0 else torch.tensor([[tokens[-1]]])
+        pos = torch.arange(start, start + ids.shape[1])
+        with torch.no_grad():
+            want = eager(input_ids=ids, cache_position=pos)
+        (got,) = module.run_method("prefill" if step == 0 else "decode", [on_device(ids), on_device(pos)])
+        got = clone_to(got, Device("cpu", 0)) if got.device.type != "cpu" else got
+        close(got[:, -1], want[:, -1], f"logits at step {step}")
+        nxt, want_nxt = got[0, -1].argmax().item(), want[0, -1].argmax().item()
+        assert nxt == want_nxt, f"step {step}: token {nxt}, eager {want_nxt}"
+        tokens.append(nxt)
+    assert len(tokens) == PROMPT_LEN + NEW_TOKENS

@@ -38,7 +38,8 @@ def device_buffers_and_constants(program, method="forward"):
         if isinstance(v, TensorValue) and v.plan is None and v.constant is not None and not v.device.is_cpu
     ]
     for d in sorted({i.delegate for i in m.instructions if isinstance(i, DelegateCall)}):
-        b, c = device_buffers_and_constants(ferry.load_program(program.segments[program.delegates[d].payload]))
+        b, c = device_buffers_and_constants(ferry.load_program(program.segments[program.delegates[d].payload],
+                                                                   segments=program.segments))
         buffers += b
         constants += c
     return buffers, constants

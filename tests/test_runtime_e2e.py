@@ -152,7 +152,7 @@ def load_allocations(program, method="forward", buffers=True):
     ]
     for ins in m.instructions:  # a delegate's weights; its working memory is in the method's arena
         if isinstance(ins, DelegateCall):
-            nested = ferry.load_program(program.segments[program.delegates[ins.delegate].payload])
+            nested = ferry.load_program(program.segments[program.delegates[ins.delegate].payload], segments=program.segments)
             recs += load_allocations(nested, buffers=not ins.scratch)
     return sorted(recs)
 

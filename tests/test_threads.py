@@ -54,6 +54,8 @@ def test_concurrency_allocates_a_set_of_memory_each(emu):
     assert emu.live_bytes == 0
     triple = ferry.Module(program, concurrency=3)
     triple.load_method()
-    assert emu.live_bytes == 3 * one
+    weights = sum(t.nbytes for t in triple.uploads._made.values())  # read-only: one copy for all sets
+    assert weights > 0
+    assert emu.live_bytes == 3 * (one - weights) + weights
     with pytest.raises(ValueError, match="concurrency"):
         ferry.Module(program, concurrency=0)

@@ -13,13 +13,14 @@ The built-in backends register themselves when `ferry` is imported (ferry/backen
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ferry.errors import BackendError
 
-__all__ = ["NOT_CAPTURED", "Backend", "CallerPlan", "DelegateHandle", "get_backend", "register_backend", "registered_backends"]
+__all__ = ["NOT_CAPTURED", "Backend", "CallerPlan", "DelegateHandle", "ProgramData", "data_kwargs", "get_backend",
+           "register_backend", "registered_backends"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,25 @@ class CallerPlan:
 
 
 NOT_CAPTURED = CallerPlan()  # a plan not captured, or loaded on its own
+
+
+@dataclass(frozen=True)
+class ProgramData:
+    """What a payload shares with the program that holds it (a backend that declares
+    `shares_program_data`): the weights of every method are stored once, as the program's
+    segments, and uploaded to each device once.
+
+    segments: the program's segment table (at compile time, the one being built)
+    store:    at compile time, where a payload puts a tensor: `store.constant_segment(t) -> index`
+              (the same tensor of two methods gets one segment)
+    uploads:  at load time, the module's device copies of segments, one per (segment, device,
+              layout), shared by every method and delegate: `uploads.get(value, make)`
+    """
+
+    segments: Sequence
+    store: Any = None
+    uploads: Any = None
+    counted: set = field(default_factory=set)  # (segment, device, ...) already counted by load_bytes
 
 
 class DelegateHandle:
@@ -70,6 +90,9 @@ class Backend:
 
     backend_id = ""
     returns_outputs = False  # its handles return results of their own: the method plans none for them
+    # its payloads keep their weights in the program's segments: every method below then gets
+    # `data=ProgramData(...)` as a keyword argument (ferry passes none to a backend without it)
+    shares_program_data = False
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         raise NotImplementedError
@@ -95,6 +118,11 @@ class Backend:
         """Bytes `init` allocates per device (the weights it uploads; its buffers unless
         `given_memory`), for memory limits checked before loading; unknown by default."""
         return {}
+
+
+def data_kwargs(backend: Backend, data: ProgramData | None) -> dict:
+    """`{"data": data}` for a backend that shares the program's data, else nothing."""
+    return {"data": data} if backend.shares_program_data and data is not None else {}
 
 
 _lock = threading.Lock()

@@ -16,10 +16,12 @@ from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
 from ferry.aot.storage_reads import equal_sizes, storage_inputs
 from ferry.aot.values import ProgramBuilder
+from ferry.backend_registry import ProgramData
 from ferry.device import Device
-from ferry.errors import CompileError, ConfigError
+from ferry.errors import CompileError, ConfigError, ProgramError
 from ferry.program import Program
 from ferry.program.footprint import load_bytes
+from ferry.program.states import program_states
 
 
 def _methods(ep_or_dict) -> dict[str, torch.export.ExportedProgram]:
@@ -89,6 +91,7 @@ def _compile(eps, partitioner, options, budgets) -> Program:
     builder = ProgramBuilder()
     methods = {}
     unmatched: list[dict[str, warnings.WarningMessage]] = []
+    buffers: dict[str, dict[str, bool]] = {}
     for name, ep in eps.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -101,10 +104,29 @@ def _compile(eps, partitioner, options, budgets) -> Program:
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}
         method.max_memory = {str(d): n for d, n in (budgets or {}).items()}
         methods[name] = method
+        buffers[name] = placed.buffers
     for key, w in unmatched[0].items():  # an op name is a mistake only if no method has that op
         if all(key in per_method for per_method in unmatched[1:]):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    try:
+        program_states(methods)  # methods share each mutable buffer by name: they must agree on it
+    except ProgramError as e:
+        raise CompileError(str(e)) from None
+    _refuse_read_only_state(buffers)
     return Program(methods, builder.delegates, builder.segments)
+
+
+def _refuse_read_only_state(buffers: dict[str, dict[str, bool]]) -> None:
+    """A method that reads a buffer another method updates would read the buffer's initial value
+    (its own constant), not what the other method wrote, as eager does: refused, never wrong."""
+    for name, reads in buffers.items():
+        for target, writes in reads.items():
+            writers = [m for m, b in buffers.items() if b.get(target)]
+            if not writes and writers:
+                raise CompileError(
+                    f"method {name!r} reads buffer {target!r}, which method {writers[0]!r} updates, without updating it: "
+                    "ferry shares a buffer between methods that each update it (a KV cache written by prefill and "
+                    f"decode); give {name!r} the update too (write the buffer back unchanged), or compile it apart")
 
 
 _UNMATCHED = re.compile(r"^(\w+=\S+) matches no op in this program")
@@ -126,8 +148,9 @@ def _reemit_but_unmatched(caught) -> dict[str, warnings.WarningMessage]:
 def device_bytes(program: Program) -> dict[Device, int]:
     """What loading every method of `program` allocates per device."""
     need: dict[Device, int] = {}
+    data = ProgramData(program.segments)  # weights and state the methods share: counted once
     for method in program.methods.values():
-        for device, n in load_bytes(program, method).items():
+        for device, n in load_bytes(program, method, data=data).items():
             need[device] = need.get(device, 0) + n
     return need
 

@@ -20,7 +20,7 @@ from ferry.aot.config import MethodOptions
 from ferry.aot.lower import LoweredBackendModule, is_delegate_node
 from ferry.aot.plan import InPlace, PlanValue, plan_memory
 from ferry.aot.values import ProgramBuilder, eager_strides, upper_bound
-from ferry.backend_registry import get_backend
+from ferry.backend_registry import data_kwargs, get_backend
 from ferry.choices.out_kernels import choose_kernel, kernel_for
 from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
@@ -51,6 +51,7 @@ class _MethodEmitter:
         self.gm = gm
         self.constants = constants
         self.b = builder
+        self.data = builder.data
         self.opts = opts
         self.default_device = default_device  # of values with no recorded device (delegate subgraphs)
         self.rc = range_constraints or {}
@@ -208,7 +209,7 @@ class _MethodEmitter:
                 self.caller_owned.add(vid)
         else:
             tensor = self.constants[node.name]
-            seg = self.b.constant_segment(tensor)
+            seg = self.b.state_segment(info.target, tensor) if info.mutable else self.b.constant_segment(tensor)
             vid = self.tensor_value(node, tensor, CPU if not info.mutable else self.device_of(node), constant=seg)
             if info.mutable:
                 self.mutable_ids.add(vid)
@@ -334,13 +335,13 @@ class _MethodEmitter:
         users = {u.args[1]: u for u in node.users if u.target is operator.getitem}
         backend, index = get_backend(lowered.backend_id), len(self.b.delegates)
         try:
-            payload = backend.preprocess(lowered, self.opts, self.rc)
+            payload = backend.preprocess(lowered, self.opts, self.rc, **data_kwargs(backend, self.data))
         except UnsupportedByBackend as e:  # e.g. Inductor and dynamic sizes: ferry's own backend runs it
             note = f"runs op by op (backend 'torch'), not with {lowered.backend_id!r}: {e}"
             warnings.warn(f"delegate {index} {note}", UserWarning, stacklevel=2)
             self.kernel_choices[f"delegate {index}"] = note
             backend = get_backend("torch")
-            payload = backend.preprocess(lowered, self.opts, self.rc)
+            payload = backend.preprocess(lowered, self.opts, self.rc, **data_kwargs(backend, self.data))
         # (after the payload: an op inside that ferry refuses is named by the backend's emit first)
         outs = tuple(self.tensor_value(users.get(k, node), v, dev) for k, v in enumerate(vals))
         self.b.delegates.append(Delegate(backend.backend_id, lowered.compile_specs, self.b.add_segment(payload)))
@@ -359,7 +360,7 @@ class _MethodEmitter:
         if not self.opts.device_placement:
             return ()
         out = []
-        for j, buf in enumerate(backend.memory_needs(payload)):
+        for j, buf in enumerate(backend.memory_needs(payload, **data_kwargs(backend, self.data))):
             self.values.append(TensorValue("uint8", (buf.size,), buf.device, name=f"delegate_{index}_memory_{j}"))
             out.append(len(self.values) - 1)
         return tuple(out)
@@ -435,12 +436,14 @@ class _MethodEmitter:
         """Whether a memory-owning value gets a place in a planned buffer."""
         if vid in self.runtime_alloc or vid in self.caller_owned or vid in self.unread:
             return False
-        return self.values[vid].constant is None or vid in self.mutable_ids
+        return self.values[vid].constant is None  # (a mutable buffer is the program's state, held by the module)
 
     def _storage(self, vid: int, v: TensorValue) -> str:
         """Who owns the value's memory: decided here, once, and written into the program."""
         if v.alias_of is not None:
             return "view"
+        if vid in self.mutable_ids:
+            return "state"
         if v.plan is not None:
             return "planned"
         if v.constant is not None:

@@ -66,6 +66,7 @@ class LoweredProgram:
     constants: dict[str, torch.Tensor]
     range_constraints: dict = field(default_factory=dict)
     device_map: dict = field(default_factory=dict)
+    buffers: dict[str, bool] = field(default_factory=dict)  # the model's buffers it reads: name -> it writes it
 
     def placeholders(self) -> list[torch.fx.Node]:
         return [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
@@ -345,7 +346,10 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
             constants = {k: v for k, v in constants.items() if k != n.name}
     g.lint()
     gm = torch.fx.GraphModule(root, g)
-    return LoweredProgram(gm, constants, dict(ep.range_constraints), dict(getattr(partitioner, "last_map", None) or {}))
+    buffers = {s.target: s.target in ep.graph_signature.buffers_to_mutate.values()
+               for s in ep.graph_signature.input_specs if s.kind == InputKind.BUFFER and s.target}
+    return LoweredProgram(gm, constants, dict(ep.range_constraints), dict(getattr(partitioner, "last_map", None) or {}),
+                          buffers)
 
 
 def _unit_order(nodes: list, groups: list, partitions: list) -> list[tuple[str, object]]:

@@ -10,6 +10,7 @@ import sympy
 import torch
 
 from ferry import node_meta as M
+from ferry.backend_registry import ProgramData
 from ferry.errors import CompileError
 from ferry.layout import is_dense
 from ferry.program.schema import Delegate
@@ -19,23 +20,47 @@ __all__ = ["ProgramBuilder", "eager_strides", "tensor_bytes", "upper_bound"]
 
 @dataclass
 class ProgramBuilder:
-    """Segments and delegates shared by all methods of one program."""
+    """Segments and delegates shared by all methods of one program. A payload's builder with an
+    `outer` one puts its constants there: the program's weights, stored once for every method."""
 
     segments: list = field(default_factory=list)
     delegates: list[Delegate] = field(default_factory=list)
     _segment_of: dict = field(default_factory=dict)
+    outer: ProgramBuilder | None = None
+    _states: dict = field(default_factory=dict)  # state name -> (segment, initial value)
+
+    @property
+    def data(self) -> ProgramData:
+        return ProgramData(self.segments, store=self)
 
     def add_segment(self, data: bytes) -> int:
         self.segments.append(data)
         return len(self.segments) - 1
 
+    def state_segment(self, name: str, tensor: torch.Tensor) -> int:
+        """The initial value of the program's state `name`: one segment for every method naming it,
+        which must all start it from the same tensor (as one model's methods do)."""
+        prior = self._states.get(name)
+        if prior is None:
+            self._states[name] = (self.constant_segment(tensor), tensor)
+            return self._states[name][0]
+        seg, first = prior
+        t = tensor.detach()
+        if (first.dtype, first.shape) != (t.dtype, t.shape) or not torch.equal(first.cpu(), t.cpu()):
+            raise CompileError(f"the methods disagree on mutable buffer {name!r} (a {first.dtype}{list(first.shape)} "
+                               f"tensor in one, a {t.dtype}{list(t.shape)} tensor with other values in another): "
+                               "methods compiled together share a buffer by name; export them from one model object")
+        return seg
+
     def constant_segment(self, tensor: torch.Tensor) -> int:
+        if self.outer is not None:
+            return self.outer.constant_segment(tensor)
         key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
         if tensor.numel() and key in self._segment_of:
-            return self._segment_of[key]
+            return self._segment_of[key][0]
         seg = self.add_segment(tensor_bytes(tensor))
-        if tensor.numel():
-            self._segment_of[key] = seg
+        if tensor.numel():  # the tensor is kept: a tensor made later at its freed address is another one
+            self._segment_of[key] = (seg, tensor)
         return seg
 
 

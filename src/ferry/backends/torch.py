@@ -3,7 +3,9 @@
 Its payload is itself a ferry program (one method, `forward`) whose values live on the
 delegate's device: the subgraph gets out variants and memory planning like any method, so
 the delegate runs in planned device memory, writes straight into the caller's planned output
-tensors, and has its constants uploaded to the device once, at load.
+tensors, and has its constants uploaded to the device once, at load. Its weights are the
+program's segments (ProgramData): a weight that delegates of several methods use (prefill and
+decode of one model) is stored once in the file and uploaded once per device.
 """
 
 from __future__ import annotations
@@ -16,55 +18,67 @@ from ferry.aot.emit import emit_method
 from ferry.aot.fuse import fuse_for_inference, fusion_notes
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
-from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
+from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
 from ferry.device import CPU
 from ferry.errors import ProgramError
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.ranks import localized
-from ferry.program.schema import Buffer, TensorValue
+from ferry.program.schema import Buffer, TensorValue, upload_key
 from ferry.runtime.stages.method import LoadedMethod
 
 
 class TorchBackend(Backend):
     backend_id = "torch"
+    shares_program_data = True
 
-    def preprocess(self, lowered, options, range_constraints=None) -> bytes:
+    def preprocess(self, lowered, options, range_constraints=None, data: ProgramData | None = None) -> bytes:
         device = delegate_target_device(lowered) or CPU
         opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False)
-        builder = ProgramBuilder()
+        builder = ProgramBuilder(outer=data.store if data is not None else None)
         fused = fuse_for_inference(lowered.original_module) if options.fuse_for_inference else []
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
         method.kernel_choices.update(fusion_notes(fused))
-        return program_to_bytes(Program({"forward": method}, builder.delegates, builder.segments))
+        if data is None:
+            return program_to_bytes(Program({"forward": method}, builder.delegates, builder.segments))
+        return program_to_bytes(Program({"forward": method}, builder.delegates, data.segments), with_segments=False)
 
-    def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False) -> None:
-        check_payload_call(payload, args, outputs, host_io)
+    def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False,
+                   data: ProgramData | None = None) -> None:
+        check_payload_call(payload, args, outputs, host_io, data)
 
-    def memory_needs(self, payload) -> list[Buffer]:
+    def memory_needs(self, payload, data: ProgramData | None = None) -> list[Buffer]:
         """The buffers the delegate works in: the caller plans them in its own arenas."""
-        return list(load_program(payload).method("forward").buffers[1:])
+        return list(payload_program(payload, data).method("forward").buffers[1:])
 
-    def load_bytes(self, payload, given_memory: bool) -> dict:
-        return payload_load_bytes(payload, given_memory)
+    def load_bytes(self, payload, given_memory: bool, data: ProgramData | None = None) -> dict:
+        return payload_load_bytes(payload, given_memory, data)
 
     def init(self, payload, compile_specs, *, pin_host: bool = True, memory=None,
-             caller: CallerPlan = NOT_CAPTURED) -> DelegateHandle:
+             caller: CallerPlan = NOT_CAPTURED, data: ProgramData | None = None) -> DelegateHandle:
         """`memory`: tensors for the buffers `memory_needs` named, planned by the caller; without
-        them the delegate allocates its own."""
-        program = load_program(payload)
+        them the delegate allocates its own. Its weights come from the module's uploads."""
+        program = payload_program(payload, data)
+        shared = data is not None and program.holder_segments
         # the delegate's steps run inside one step of the caller, already on its device's stream;
         # a delegate of another rank's stage runs in that rank's process, on its devices
         nested = LoadedMethod(program, localized(program.method("forward")), _no_nested_delegates,
-                              asynchronous=False, memory=memory, caller=caller)
+                              asynchronous=False, memory=memory, caller=caller,
+                              uploads=data.uploads if shared and data is not None else None)
         return _Handle(nested)
 
 
-def check_payload_call(payload, args: list, outputs: list, host_io: bool = False) -> None:
+def payload_program(payload, data: ProgramData | None = None) -> Program:
+    """The payload as a program; one that stores no segments reads the holding program's."""
+    return load_program(payload, segments=data.segments if data is not None else None)
+
+
+def check_payload_call(payload, args: list, outputs: list, host_io: bool = False,
+                       data: ProgramData | None = None) -> None:
     """A call of a payload that is a ferry program agrees with its method: as many arguments and
     results, each a tensor where it takes one, of its dtype, shape and dynamic dims, on its
     device (the rank aside; `host_io`: a program compiled without device placement hands host
     tensors to every delegate, which moves them itself)."""
-    m = load_program(payload).method("forward")
+    m = payload_program(payload, data).method("forward")
     for what, given, declared in (("argument", args, m.inputs), ("result", outputs, m.outputs)):
         if len(given) != len(declared):
             raise ProgramError(f"the call has {len(given)} {what}s, its payload's method {len(declared)}")
@@ -90,13 +104,19 @@ def _describe(v) -> str:
     return f"a {v.dtype}{list(v.shape)} tensor on {v.device}"
 
 
-def payload_load_bytes(payload, given_memory: bool) -> dict:
+def payload_load_bytes(payload, given_memory: bool, data: ProgramData | None = None) -> dict:
     """Bytes `init` allocates per device for a payload that is a ferry program: the weights it
-    uploads, and its buffers unless the caller plans them (`given_memory`)."""
-    m = load_program(payload).method("forward")
+    uploads (a weight of the holding program once: `data.counted`), and its buffers unless the
+    caller plans them (`given_memory`)."""
+    program = payload_program(payload, data)
+    m, shared = program.method("forward"), data is not None and program.holder_segments
     need: dict = {}
     for v in m.values:
         if isinstance(v, TensorValue) and v.storage == "constant" and not v.device.is_cpu:
+            if shared and data is not None:
+                if upload_key(v) in data.counted:
+                    continue
+                data.counted.add(upload_key(v))
             need[v.device] = need.get(v.device, 0) + v.nbytes
     if not given_memory:
         for b in m.buffers[1:]:

@@ -11,10 +11,11 @@ import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ferry.backend_registry import get_backend
+from ferry.backend_registry import ProgramData, data_kwargs, get_backend
 from ferry.device import Device
 from ferry.errors import ConfigError
-from ferry.program.schema import DelegateCall, Method, TensorValue
+from ferry.program.schema import DelegateCall, Method, TensorValue, upload_key
+from ferry.program.states import method_states
 
 __all__ = ["MAX_BYTES", "limit_for", "load_bytes", "parse_bytes", "parse_limits", "unknown_limit_keys"]
 
@@ -81,9 +82,12 @@ def limit_for(limits: dict[str, int], device: Device) -> int | None:
     return None
 
 
-def load_bytes(program, method: Method, stage_io: bool = False) -> dict[Device, int]:
-    """Bytes loading `method` allocates per device: its buffers, device constants, fixed device
-    I/O (CUDA graphs) and what its delegates' backends say they allocate."""
+def load_bytes(program, method: Method, stage_io: bool = False, data: ProgramData | None = None) -> dict[Device, int]:
+    """Bytes loading `method` allocates per device: its buffers, device constants and state,
+    fixed device I/O (CUDA graphs) and what its delegates' backends say they allocate. A weight
+    or state the module holds once for all methods is counted once per `data` (pass one
+    ProgramData for every method of a program; without it, every method counts its own)."""
+    data = data if data is not None else ProgramData(program.segments)
     need: dict[Device, int] = {}
 
     def add(device: Device, n: int) -> None:
@@ -91,14 +95,21 @@ def load_bytes(program, method: Method, stage_io: bool = False) -> dict[Device, 
 
     for b in method.buffers[1:]:
         add(b.device, b.size)
-    for v in method.values:
-        if not isinstance(v, TensorValue) or v.device.is_cpu:
+    for vid, v in enumerate(method.values):
+        if not isinstance(v, TensorValue) or (v.device.is_cpu and v.storage != "state"):
             continue
-        if v.storage == "constant" or (stage_io and v.storage in ("input", "output") and not any(v.dynamic)):
+        shared = upload_key(v) if v.storage == "constant" else ("state", method_states(method)[vid]) \
+            if v.storage == "state" else None
+        if shared is not None and shared not in data.counted:
+            data.counted.add(shared)
+            add(v.device, v.nbytes)
+        elif stage_io and v.storage in ("input", "output") and not any(v.dynamic):
             add(v.device, v.nbytes)
     for ins in method.instructions:
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate]
-            for device, n in get_backend(d.backend_id).load_bytes(program.segments[d.payload], bool(ins.scratch)).items():
+            backend = get_backend(d.backend_id)
+            for device, n in backend.load_bytes(program.segments[d.payload], bool(ins.scratch),
+                                                **data_kwargs(backend, data)).items():
                 add(device, n)
     return need

@@ -21,11 +21,13 @@ __all__ = ["Program", "load_program", "program_to_bytes", "save_program"]
 class Program:
     """A compiled program: methods, delegates, and byte segments (constants and payloads).
 
-    Segments are bytes-like objects (bytes, or memoryviews into a mapped file)."""
+    Segments are bytes-like objects (bytes, or memoryviews into a mapped file). A payload that
+    stores none reads those of the program holding it (`holder_segments`)."""
 
     methods: dict[str, Method]
     delegates: list[Delegate] = field(default_factory=list)
     segments: list = field(default_factory=list)
+    holder_segments: bool = field(default=False, compare=False)
 
     def method(self, name: str) -> Method:
         try:
@@ -46,14 +48,16 @@ class Program:
         return copy_report(self, method)
 
 
-def _chunks(program: Program):
+def _chunks(program: Program, with_segments: bool = True):
     validate_program(program)
-    return file_chunks(program.methods.values(), program.delegates, program.segments)
+    return file_chunks(program.methods.values(), program.delegates, program.segments if with_segments else [])
 
 
-def program_to_bytes(program: Program) -> bytes:
-    """The file image of `program` (validated first; ProgramError if it is malformed)."""
-    return b"".join(_chunks(program))
+def program_to_bytes(program: Program, with_segments: bool = True) -> bytes:
+    """The file image of `program` (validated first; ProgramError if it is malformed).
+    `with_segments=False`: a payload whose segments are those of the program holding it (its
+    weights, stored once for every method), to be loaded with `load_program(..., segments=)`."""
+    return b"".join(_chunks(program, with_segments))
 
 
 def save_program(program: Program, path) -> None:
@@ -81,19 +85,22 @@ def save_program(program: Program, path) -> None:
         raise
 
 
-def _read(view: memoryview, verify: bool = False) -> Program:
+def _read(view: memoryview, verify: bool = False, holder_segments=None) -> Program:
     methods, delegates, segments = read_parts(view, verify)
-    program = Program(methods=methods, delegates=delegates, segments=segments)
+    shared = not segments and holder_segments is not None
+    program = Program(methods=methods, delegates=delegates, segments=list(holder_segments) if shared else segments,
+                      holder_segments=shared)
     check_semantics(program)
     return program
 
 
-def load_program(source, verify: bool = False) -> Program:
+def load_program(source, verify: bool = False, segments=None) -> Program:
     """Load a program from a path (memory-mapped; segments are zero-copy memoryviews into the
     mapping, which stays open while any of them is alive) or from bytes / bytearray /
     memoryview. Raises ProgramError for anything malformed, truncated, too new or failing a
     checksum (the metadata and delegate payloads always; every segment, weights included,
-    with `verify=True`); OSError for a file that cannot be opened."""
+    with `verify=True`); OSError for a file that cannot be opened. `segments`: for a payload
+    that stores none of its own, the segment table of the program holding it."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         if isinstance(source, bytes):
             view = memoryview(source)
@@ -102,7 +109,7 @@ def load_program(source, verify: bool = False) -> Program:
         else:  # caller-mutable memory: take a private copy
             view = memoryview(bytes(source))
         try:
-            return _read(view, verify)
+            return _read(view, verify, segments)
         except ProgramError as e:
             raise ProgramError(f"ferry program ({view.nbytes} bytes): {e}") from None
     if not isinstance(source, (str, os.PathLike)):

@@ -67,6 +67,8 @@ STORAGE_KINDS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "runtime": ("allocated at run time", "returned by a kernel with no out variant, each call"),
     "scratch": ("scratch", "an out argument nobody reads: a resizable tensor made at load"),
     "view": ("view", "a view of another value (alias_of); owns no memory"),
+    "state": ("state", "a mutable buffer of the program (a KV cache): held once by the module, shared by every "
+              "method that names it, kept between calls"),
 })
 
 
@@ -78,7 +80,7 @@ class TensorValue:
                or constant; caller-owned, run-time and scratch values must state it).
     plan:      (buffer, offset), set exactly when storage is 'planned'.
     constant:  segment holding its bytes: storage 'constant', or the initial value of a
-               planned mutable buffer.
+               mutable buffer (storage 'state', or 'planned' in files of before states).
     alias_of:  value id this tensor is a view of (storage 'view').
     strides:   the layout eager gives it, in elements, when that is not contiguous (a
                permutation of the dense layout); empty for contiguous. Memory ferry makes for
@@ -123,6 +125,11 @@ class TensorValue:
     def layout_strides(self) -> tuple[int, ...]:
         """`strides`, spelled out when the value is contiguous (recorded as ())."""
         return tuple(self.strides) or contiguous_strides(self.shape)
+
+
+def upload_key(v: TensorValue) -> tuple:
+    """What makes two device constants one upload: the same segment, device and layout."""
+    return v.constant, v.device, v.dtype, tuple(v.shape), v.layout_strides
 
 
 def memory_owner(values: list[Value], vid: int) -> int:
@@ -281,8 +288,9 @@ class Buffer:
 
 @dataclass(frozen=True)
 class MutableBuffer:
-    """A torch.export buffer the method updates: after each call, `update` is written
-    into `value` (planned for the whole method, persistent between calls)."""
+    """A torch.export buffer the method updates: after each call, `update` is written into
+    `value`, the program's state of that `name` (storage 'state': one tensor held by the module,
+    the same for every method naming it, persistent between calls)."""
 
     value: int
     update: int

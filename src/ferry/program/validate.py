@@ -24,6 +24,7 @@ from ferry.program.schema import (
     TensorValue,
     element_size,
 )
+from ferry.program.states import program_states
 
 __all__ = ["validate_program", "check_types", "check_semantics"]
 
@@ -71,6 +72,7 @@ def check_semantics(program) -> None:
             )
     for m in program.methods.values():
         _MethodChecks(m, seg_sizes, len(program.delegates)).run()
+    program_states(program.methods)
 
 
 class _MethodChecks:
@@ -109,9 +111,13 @@ class _MethodChecks:
         for j, mb in enumerate(m.mutable_buffers):
             self.tensor_id(mb.value, f"mutable buffer {j} value")
             self.tensor_id(mb.update, f"mutable buffer {j} update")
-            if m.tensor(mb.value).storage != "planned":  # the writeback copies into it: never the file or the caller
-                raise ProgramError(f"{self.pre} mutable buffer {j}: its value {mb.value} must be planned memory, "
-                                   f"not {m.tensor(mb.value).storage!r}")
+            if m.tensor(mb.value).storage not in ("state", "planned"):  # written back: never the file or the caller
+                raise ProgramError(f"{self.pre} mutable buffer {j}: its value {mb.value} must be the program's state "
+                                   f"(or planned memory), not {m.tensor(mb.value).storage!r}")
+        states = {mb.value for mb in m.mutable_buffers}
+        for i, v in enumerate(m.values):
+            if isinstance(v, TensorValue) and v.storage == "state" and i not in states:
+                raise ProgramError(f"{self.pre} value {i}: storage 'state' but no mutable buffer holds it")
         check_dataflow(m)
 
     # ---- ids
@@ -178,8 +184,9 @@ class _MethodChecks:
         for kind, has, field in facts:
             if (s == kind) != has:
                 raise ProgramError(f"{what}: storage {s!r} {'needs' if s == kind else 'cannot have'} {field}")
-        if (s == "constant") != (v.constant is not None) and s != "planned":
-            raise ProgramError(f"{what}: storage {s!r} {'needs' if s == 'constant' else 'cannot have'} a constant segment")
+        needs = s in ("constant", "state")  # a state's segment is its initial value
+        if needs != (v.constant is not None) and s != "planned":
+            raise ProgramError(f"{what}: storage {s!r} {'needs' if needs else 'cannot have'} a constant segment")
 
     def const(self, c: ConstValue, i: int) -> None:
         refs = CONST_KIND_TABLE[c.kind].refs

@@ -11,13 +11,14 @@ from ferry.errors import FerryError
 from ferry.program import Program, load_program
 from ferry.program.report import copy_report
 from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, Method, TensorValue
+from ferry.program.states import program_states
 from ferry.views.facts import device_memory, fmt_bytes, owner, plan_of
 
 __all__ = ["program_json", "program_summary"]
 
 # the short tag an instruction listing shows per storage kind (planned values show their place)
 _SHORT = MappingProxyType({"constant": "const", "input": "caller", "output": "caller", "runtime": "run time",
-                           "scratch": "scratch", "view": "view"})
+                           "scratch": "scratch", "view": "view", "state": "state"})
 
 
 def _value(m: Method, vid: int) -> str:
@@ -106,12 +107,24 @@ def _delegate_lines(program: Program) -> list[str]:
     return out
 
 
+def _state_lines(program: Program) -> list[str]:
+    states = program_states(program.methods)
+    if not states:
+        return []
+    total = sum(s.nbytes for s in states.values())
+    out = [f"state: {len(states)} buffers, {total:,} bytes, held once for every method that updates them"]
+    out += [f"  {s.name}: {_tensor_line(s.value)}, {s.nbytes:,} bytes, updated by {', '.join(s.methods)}"
+            for s in states.values()]
+    return out
+
+
 def program_summary(program: Program, instructions: bool = True, method: str | None = None) -> str:
-    """The text `ferry inspect` prints: every method (or the one asked for), then the delegates."""
+    """The text `ferry inspect` prints: every method (or the one asked for), the program's state,
+    then the delegates."""
     out = []
     for name, m in _methods(program, method):
         out += _method_lines(program, name, m, instructions)
-    return "\n".join(out + _delegate_lines(program))
+    return "\n".join(out + _state_lines(program) + _delegate_lines(program))
 
 
 def _torch_payload(program: Program, d):
@@ -120,7 +133,7 @@ def _torch_payload(program: Program, d):
     if d.backend_id not in ("torch", "inductor"):
         return None
     try:
-        return load_program(program.segments[d.payload]).method("forward")
+        return load_program(program.segments[d.payload], segments=program.segments).method("forward")
     except (FerryError, IndexError, KeyError):
         return None
 
@@ -140,6 +153,8 @@ def program_json(program: Program, method: str | None = None) -> dict:
     """What `ferry inspect --json` prints: the summary as data (strict JSON)."""
     return _finite({
         "methods": {name: _method_json(program, name, m) for name, m in _methods(program, method)},
+        "state": {s.name: {"dtype": s.value.dtype, "shape": list(s.value.shape), "device": str(s.value.device),
+                           "bytes": s.nbytes, "methods": list(s.methods)} for s in program_states(program.methods).values()},
         "delegates": [
             {"backend_id": d.backend_id, "compile_specs": {k: v.decode(errors="replace") for k, v in d.compile_specs},
              "kernel_choices": dict(inside.kernel_choices) if (inside := _torch_payload(program, d)) else {},

@@ -10,7 +10,6 @@ what was allocated is freed before the error propagates.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -19,10 +18,12 @@ from ferry.device import Device
 from ferry.errors import ProgramError
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.schema import CONST_KIND_TABLE, LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
-from ferry.runtime.devices.allocator import DeviceMemoryBuffer, as_bytes, require_allocator
+from ferry.program.states import method_states
+from ferry.runtime.devices.allocator import DeviceMemoryBuffer
 from ferry.runtime.devices.tensor import make_tensor
+from ferry.runtime.stages.shared import DeviceUploads, ProgramState, constant_tensor, upload
 
-__all__ = ["Memory", "constant_tensor", "load_memory"]
+__all__ = ["Memory", "constant_tensor", "load_memory"]  # constant_tensor: runtime/stages/shared.py
 
 
 @dataclass
@@ -45,28 +46,28 @@ class Memory:
         self.owned = []
 
 
-def constant_tensor(segment, v: TensorValue) -> torch.Tensor:
-    """A CPU tensor over a program segment (a mapped file region): no copy."""
-    if v.nbytes == 0:
-        return torch.empty(v.shape, dtype=v.torch_dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # read-only mapping: ferry never writes constants
-        raw = torch.frombuffer(segment, dtype=torch.uint8, count=v.nbytes)
-    return raw.view(v.torch_dtype).view(v.shape)
-
-
 def load_memory(segments: list, method: Method, *, pin_host: bool = True, stage_io: bool = False,
-                buffers: list[torch.Tensor] | None = None) -> Memory:
+                buffers: list[torch.Tensor] | None = None, uploads: DeviceUploads | None = None,
+                state: ProgramState | None = None) -> Memory:
     """Allocate and fill the memory of `method`; `stage_io` gives device inputs and outputs
     fixed tensors (for CUDA graphs). `buffers`: memory the caller already planned for the
-    method's buffers (a delegate working in its caller's arena), in place of allocating them."""
+    method's buffers (a delegate working in its caller's arena), in place of allocating them.
+    `uploads`, `state`: the module's device weights and mutable buffers, shared by its methods
+    (without them the method holds its own)."""
     mem = Memory([None] * len(method.values), [False] * len(method.values))
     try:
-        _Loader(segments, method, mem).load(pin_host, stage_io, buffers)
+        _Loader(segments, method, mem, uploads, state).load(pin_host, stage_io, buffers)
     except BaseException:
         mem.close()
         raise
     return mem
+
+
+class _Alone:
+    """A method as a program of its own (its states are its own)."""
+
+    def __init__(self, segments, method: Method):
+        self.segments, self.methods = segments, {method.name: method}
 
 
 class _Given:
@@ -77,13 +78,18 @@ class _Given:
 
 
 class _Loader:
-    def __init__(self, segments, method: Method, mem: Memory):
+    def __init__(self, segments, method: Method, mem: Memory, uploads=None, state=None):
         self.segments, self.m, self.mem = segments, method, mem
+        self.uploads = uploads
+        self.state = state if state is not None else ProgramState(_Alone(segments, method))
+        if state is None:  # a method loaded on its own holds its state (freed with its memory)
+            mem.owned.append(self.state)
 
     def load(self, pin_host: bool, stage_io: bool, given: list[torch.Tensor] | None = None) -> None:
         m = self.m
         buffers = [None] + (self._given(given) if given is not None else self._allocate(pin_host))
         mutable = {mb.value for mb in m.mutable_buffers}
+        states = method_states(m)
         for vid, v in enumerate(m.values):
             if isinstance(v, ConstValue):
                 self._const(vid, v)
@@ -97,6 +103,8 @@ class _Loader:
                     self._upload(self.mem.slots[vid], v)
             elif v.storage == "constant":
                 self._fix(vid, self._constant(v))
+            elif v.storage == "state":
+                self._fix(vid, self.state.tensor(states[vid]))
             elif v.storage == "scratch":
                 # an out argument nobody reads (batch norm's saved statistics in eval, ...): a plain,
                 # resizable tensor; if this device's kernel needs it larger than traced, it grows
@@ -142,16 +150,14 @@ class _Loader:
         """Host constants are views of the mapped file; device constants are uploaded once."""
         if v.device.is_cpu:
             return constant_tensor(self.segments[v.constant], v)
+        if self.uploads is not None:
+            return self.uploads.get(v)
         t = self._empty(v)
         self._upload(t, v)
         return t
 
     def _upload(self, dst: torch.Tensor, v: TensorValue) -> None:
-        src = constant_tensor(self.segments[v.constant], v)
-        if v.device.is_cpu:
-            dst.copy_(src)
-        elif v.nbytes:
-            require_allocator(v.device).copy_host_to_device(as_bytes(dst), as_bytes(src), v.nbytes, v.device.index)
+        upload(dst, self.segments[v.constant], v)
 
     def _stage_io(self) -> None:
         """Device inputs (skip_h2d) and fresh device outputs (skip_d2h) with a fixed shape get

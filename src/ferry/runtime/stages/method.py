@@ -46,7 +46,8 @@ def streams_api_for(method: Method):
 
 class LoadedMethod:
     def __init__(self, program, method: Method, delegate, *, pin_host: bool = True, cuda_graphs: bool = False,
-                 asynchronous: bool = True, memory=None, transport=None, caller: CallerPlan = NOT_CAPTURED):
+                 asynchronous: bool = True, memory=None, transport=None, caller: CallerPlan = NOT_CAPTURED,
+                 uploads=None, state=None):
         self.method, self.name = method, method.name
         self.caller = caller  # a delegate's method: the plan it runs inside
         self.transport = transport
@@ -56,7 +57,7 @@ class LoadedMethod:
         if self.streams is not None and transport is not None:  # a dead peer must not hang a host wait
             self.streams.bound_waits(transport.timeout, transport.stuck)
         self.memory = load_memory(program.segments, method, pin_host=pin_host, stage_io=cuda_graphs and api is not None,
-                                  buffers=memory)
+                                  buffers=memory, uploads=uploads, state=state)
         # a method with dynamic sizes runs its first call at each new shape through the generic
         # plan, which records every size; later calls at that shape run a plan bound at those
         # sizes, as a static method's is (kernel fast paths, views made once, fresh outputs at

@@ -7,7 +7,7 @@ import queue
 import threading
 import warnings
 
-from ferry.backend_registry import NOT_CAPTURED, CallerPlan, DelegateHandle, get_backend
+from ferry.backend_registry import NOT_CAPTURED, CallerPlan, DelegateHandle, ProgramData, data_kwargs, get_backend
 from ferry.device import CPU
 from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, ProgramError
 from ferry.ops import OUT_COPY_KERNELS
@@ -20,6 +20,7 @@ from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
 from ferry.runtime.stages.method import LoadedMethod
 from ferry.runtime.stages.run import caller_copy
+from ferry.runtime.stages.shared import DeviceUploads, ProgramState
 
 
 def _check_delegate_calls(program: Program, method) -> None:
@@ -29,9 +30,11 @@ def _check_delegate_calls(program: Program, method) -> None:
     for k, ins in enumerate(method.instructions):
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate]
+            backend = get_backend(d.backend_id)
             try:
-                get_backend(d.backend_id).check_call(program.segments[d.payload], [method.values[a] for a in ins.args],
-                                                     [method.values[o] for o in ins.outputs], host_io=host_io)
+                backend.check_call(program.segments[d.payload], [method.values[a] for a in ins.args],
+                                   [method.values[o] for o in ins.outputs], host_io=host_io,
+                                   **data_kwargs(backend, ProgramData(program.segments)))
             except ProgramError as e:
                 raise ProgramError(f"method {method.name!r} instruction {k} (delegate {ins.delegate}): {e}") from None
 
@@ -53,6 +56,7 @@ class _Instance:
 
     def __init__(self, module: Module):
         self.module = module
+        self.state = ProgramState(module.program, pin_host=module.pin_host_memory)
         self.methods: dict[str, LoadedMethod] = {}
         self.microbatches: dict[str, MicroBatches] = {}
         self.buckets: dict[str, ShapeBuckets] = {}
@@ -64,6 +68,7 @@ class _Instance:
             return loaded
         mod = self.module
         created: list[int] = []
+        marks = mod.uploads.mark(), self.state.mark()
 
         def delegate(index: int, memory=(), caller: CallerPlan = NOT_CAPTURED):
             if index not in self.delegates:
@@ -73,7 +78,8 @@ class _Instance:
 
         try:
             loaded = LoadedMethod(mod.program, mod.program.method(name), delegate, pin_host=mod.pin_host_memory,
-                                  cuda_graphs=mod.cuda_graphs, transport=mod.transport)
+                                  cuda_graphs=mod.cuda_graphs, transport=mod.transport, uploads=mod.uploads,
+                                  state=self.state)
             try:
                 if mod.microbatches is not None:
                     self.microbatches[name] = MicroBatches(loaded, mod.microbatches, mod.cuda_graphs)
@@ -85,6 +91,8 @@ class _Instance:
         except BaseException:
             for index in created:
                 self.delegates.pop(index).close()
+            mod.uploads.rollback(marks[0])  # nothing the failed load made stays allocated
+            self.state.rollback(marks[1])
             raise
         self.methods[name] = loaded
         return loaded
@@ -94,6 +102,7 @@ class _Instance:
             m.close()
         for d in self.delegates.values():
             d.close()
+        self.state.close()
         self.methods.clear()
         self.microbatches.clear()
         self.buckets.clear()
@@ -113,8 +122,9 @@ class Module:
     a device by skip_d2h come back as device tensors the caller owns either way.
 
     A Module may be shared by threads. Calls use planned memory, so calls that overlap in time
-    wait for each other; `concurrency=k` gives the Module k sets of planned memory (k times the
-    memory, allocated at load) and up to k calls run at once, each in its own set. With
+    wait for each other; `concurrency=k` gives the Module k sets of planned memory and state
+    (a KV cache each; the weights are held once), allocated at load, and up to k calls run at
+    once, each in its own set. With
     outputs="view", a view is valid until the next call of the set that made it: take a copy
     before handing it to another thread.
 
@@ -170,6 +180,7 @@ class Module:
         self.pin_host_memory = pin_host_memory
         self.cuda_graphs = cuda_graphs
         self.transport = transport  # a distributed rank's part (ferry.distributed): its copies between ranks
+        self.uploads = DeviceUploads(program.segments)  # the weights on each device, once for every method
         self._instances = [_Instance(self) for _ in range(concurrency)]
         self._free: queue.SimpleQueue[_Instance] = queue.SimpleQueue()
         for inst in self._instances:
@@ -217,7 +228,8 @@ class Module:
         backend = get_backend(d.backend_id)
         payload = self.program.segments[d.payload]
         try:
-            handle = backend.init(payload, d.compile_specs, memory=memory or None, caller=caller)
+            handle = backend.init(payload, d.compile_specs, memory=memory or None, caller=caller,
+                                  **data_kwargs(backend, ProgramData(self.program.segments, uploads=self.uploads)))
         except FerryError:
             raise
         except Exception as e:
@@ -311,6 +323,31 @@ class Module:
         finally:
             self._free.put(inst)
 
+    # ---------------------------------------------------------------- state
+
+    def state_names(self) -> list[str]:
+        """The program's mutable buffers (a KV cache), shared by every method that names them."""
+        return list(self._instances[0].state.states)
+
+    def reset_state(self, names=None) -> None:
+        """Set the program's state (all of it, or the buffers named) back to its initial value,
+        in every set of memory, after the calls in flight; in place, so CUDA graphs stay valid.
+        Models whose cache is masked by a position input need no reset between generations."""
+        known = self.state_names()
+        unknown = [n for n in (names or ()) if n not in known]
+        if unknown:
+            raise ConfigError(f"no state named {', '.join(map(repr, unknown))}; this program's state: "
+                              f"{', '.join(known) or 'none'}")
+        taken = [self._free.get() for _ in self._instances]  # waits for calls in flight
+        try:
+            for inst in taken:
+                for m in inst.methods.values():
+                    m.finish()  # its device work is done before the state is written from the host
+                inst.state.reset(names)
+        finally:
+            for inst in taken:
+                self._free.put(inst)
+
     def forward(self, *inputs):
         outs = self.run_method("forward", inputs)
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -324,6 +361,7 @@ class Module:
                 self._loaded.clear()
                 for inst in taken:
                     inst.close()
+                self.uploads.close()
             finally:
                 for inst in taken:
                     self._free.put(inst)

@@ -1,0 +1,183 @@
+"""Methods compiled together share the model's state and weights, as in eager.
+
+A model with a cache (a buffer its methods update in place) is exported twice, as `prefill`
+(several positions at once) and `decode` (one position), from one model object, and compiled
+into one program. Eager runs the same model object through the same calls in the same order;
+ferry must give the same results at every call (so both methods read and write one cache), hold
+that cache once, and hold the weights once (in the file and on the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import ferry
+from ferry.device import Device
+from ferry.errors import CompileError, ConfigError, ProgramError
+from ferry.runtime import clone_to
+from ferry.views.text import program_json, program_summary
+
+EMU0 = Device("emu", 0)
+DIM, SLOTS = 64, 16
+KEEP_ON_DEVICE = ferry.CompileConfig(
+    propagate_device=ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
+PLACEMENTS = ["cpu", "emu", "emu-io"]
+
+
+class Cached(nn.Module):
+    """Writes keys for positions `pos` into its cache, then attends over every slot written."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, DIM)
+        self.register_buffer("cache", torch.zeros(SLOTS, DIM))
+        self.register_buffer("seen", torch.zeros(SLOTS))
+
+    def step(self, x, pos):
+        self.cache.index_copy_(0, pos, self.proj(x))
+        self.seen.index_fill_(0, pos, 1.0)
+        scores = (x @ self.cache.T).masked_fill(self.seen == 0, float("-inf")).softmax(-1)
+        return self.out(scores @ self.cache)
+
+
+class Prefill(nn.Module):
+    def __init__(self, core):
+        super().__init__()
+        self.core = core
+
+    def forward(self, x, pos):
+        return self.core.step(x, pos)
+
+
+class Decode(Prefill):
+    pass
+
+
+def exported(core, prompt: int = 4):
+    """(prefill, decode) exported from one model object (its buffers as they are now)."""
+    x, pos = torch.randn(prompt, DIM), torch.arange(prompt)
+    return (torch.export.export(Prefill(core), (x, pos)),
+            torch.export.export(Decode(core), (torch.randn(1, DIM), torch.tensor([prompt]))))
+
+
+def compiled(placement: str, core=None):
+    core = core if core is not None else _seeded()
+    prefill, decode = exported(core)
+    part = None if placement == "cpu" else ferry.OpSupportPartitioner("emu:0")
+    return ferry.compile({"prefill": prefill, "decode": decode}, part, KEEP_ON_DEVICE if placement == "emu-io" else None)
+
+
+def _seeded(seed: int = 0) -> Cached:
+    torch.manual_seed(seed)
+    return Cached().eval()
+
+
+def _call(module, placement, name, x, pos):
+    if placement == "emu-io":
+        x, pos = clone_to(x, EMU0), clone_to(pos, EMU0)
+    (out,) = module.run_method(name, [x, pos])
+    return clone_to(out, Device("cpu", 0)) if out.device.type != "cpu" else out
+
+
+CALLS = [("prefill", 4, [0, 1, 2, 3]), ("decode", 1, [4]), ("decode", 1, [5]), ("prefill", 4, [6, 7, 8, 9]),
+         ("decode", 1, [10]), ("decode", 1, [2])]  # the last one rewrites a slot prefill wrote
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_two_methods_share_one_cache_as_eager(emu, tmp_path, placement):
+    program = compiled(placement)
+    program.save(tmp_path / "cached.ferry")
+    module = ferry.Module(tmp_path / "cached.ferry")
+    eager = _seeded()  # the same weights, its own zero cache, called in the same order
+    for k, (name, rows, pos) in enumerate(CALLS):
+        x, pos = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(k)), torch.tensor(pos)
+        with torch.no_grad():
+            want = eager.step(x, pos)
+        got = _call(module, placement, name, x, pos)
+        torch.testing.assert_close(got, want, msg=lambda m, k=k, name=name: f"call {k} ({name}): {m}")
+    assert sorted(module.state_names()) == ["core.cache", "core.seen"]
+    assert [s for s in module._instances[0].state.tensors] == module.state_names()  # one tensor per buffer
+
+
+def test_the_cache_and_the_weights_are_held_once(emu):
+    program = compiled("emu")
+    one_method = ferry.compile({"prefill": exported(_seeded())[0]}, ferry.OpSupportPartitioner("emu:0"))
+    # the file: the weights (33 KB) once; the second method adds its instructions, not its weights
+    weights = sum(p.numel() * 4 for p in _seeded().parameters())
+    assert len(program.to_bytes()) - len(one_method.to_bytes()) < weights / 2
+    module = ferry.Module(one_method)
+    module.load_method("prefill")
+    alone = emu.live_bytes
+    module.close()
+    both = ferry.Module(program)
+    both.load_method("prefill")
+    assert emu.live_bytes == alone
+    both.load_method("decode")  # only its planned working memory is new: no weights, no cache
+    decode_arena = sum(b.size for b in program.method("decode").buffers[1:] if b.device == EMU0)
+    assert emu.live_bytes == alone + decode_arena
+    both.close()
+    assert emu.live_bytes == 0
+
+
+@pytest.mark.parametrize("placement", ["cpu", "emu"])
+def test_reset_state_starts_again_from_the_initial_value(emu, placement):
+    module = ferry.Module(compiled(placement))
+    x, pos = torch.randn(4, DIM), torch.arange(4)
+    first = _call(module, placement, "prefill", x, pos)
+    _call(module, placement, "decode", torch.randn(1, DIM), torch.tensor([9]))
+    again = _call(module, placement, "prefill", x, pos)
+    assert not torch.allclose(again, first)  # slot 9 is seen now: the cache carried over
+    module.reset_state()
+    torch.testing.assert_close(_call(module, placement, "prefill", x, pos), first)
+    with pytest.raises(ConfigError, match="no state named 'kv'.*core.cache"):
+        module.reset_state(["kv"])
+
+
+def test_methods_that_disagree_on_a_buffer_are_refused():
+    a, b = _seeded(), _seeded()
+    b.cache, b.seen = torch.zeros(SLOTS * 2, DIM), torch.zeros(SLOTS * 2)  # the same names, other shapes
+    with pytest.raises(CompileError, match="disagree on mutable buffer 'core.(cache|seen)'"):
+        ferry.compile({"prefill": exported(a)[0], "decode": exported(b)[1]})
+    c = _seeded()
+    c.cache.fill_(1.0)  # same shape, another initial value
+    with pytest.raises(CompileError, match="disagree on mutable buffer 'core.cache'"):
+        ferry.compile({"prefill": exported(a)[0], "decode": exported(c)[1]})
+
+
+class Reader(Prefill):
+    def forward(self, x, pos):
+        return x @ self.core.cache.T  # reads the cache, never writes it
+
+
+def test_a_method_that_only_reads_another_methods_cache_is_refused():
+    core = _seeded()
+    prefill, _ = exported(core)
+    reader = torch.export.export(Reader(core), (torch.randn(1, DIM), torch.tensor([0])))
+    with pytest.raises(CompileError, match="method 'read' reads buffer 'core.cache', which method 'prefill' updates"):
+        ferry.compile({"prefill": prefill, "read": reader})
+
+
+def test_a_file_whose_methods_disagree_on_a_state_is_refused(emu):
+    program = compiled("emu")
+    m = program.method("decode")
+    (mb,) = [mb for mb in m.mutable_buffers if mb.name == "core.seen"]
+    values = list(m.values)
+    values[mb.value] = dataclasses.replace(values[mb.value], device=Device("emu", 1))
+    bad = dataclasses.replace(program, methods={**program.methods, "decode": dataclasses.replace(m, values=values)})
+    with pytest.raises(ProgramError, match="state 'core.seen' is a float32\\[16\\] tensor on emu:0 .* on emu:1"):
+        ferry.load_program(bad.to_bytes())
+
+
+def test_inspect_shows_the_state_and_which_methods_update_it(emu):
+    program = compiled("emu")
+    text = program_summary(program, instructions=False)
+    assert "state: 2 buffers, 4,160 bytes, held once for every method" in text
+    assert "core.cache: float32[16, 64] on emu:0, 4,096 bytes, updated by prefill, decode" in text
+    state = program_json(program)["state"]
+    assert state["core.seen"] == {"dtype": "float32", "shape": [SLOTS], "device": "emu:0", "bytes": 64,
+                                  "methods": ["prefill", "decode"]}
