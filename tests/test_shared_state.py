@@ -181,3 +181,25 @@ def test_inspect_shows_the_state_and_which_methods_update_it(emu):
     state = program_json(program)["state"]
     assert state["core.seen"] == {"dtype": "float32", "shape": [SLOTS], "device": "emu:0", "bytes": 64,
                                   "methods": ["prefill", "decode"]}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_two_methods_share_one_cache_on_the_gpu(full_fp32, graphs):
+    core = _seeded()
+    prefill, decode = exported(core)
+    program = ferry.compile({"prefill": prefill, "decode": decode}, ferry.OpSupportPartitioner("cuda:0"), KEEP_ON_DEVICE)
+    module = ferry.Module(ferry.load_program(program.to_bytes()), cuda_graphs=graphs)
+    eager = _seeded()
+    for _ in range(2):  # twice through: graphs captured on the way are replayed on the second pass
+        for k, (name, rows, pos) in enumerate(CALLS):
+            x, pos = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(k)), torch.tensor(pos)
+            with torch.no_grad():
+                want = eager.step(x, pos)
+            (got,) = module.run_method(name, [x.cuda(), pos.cuda()])
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, k=k, name=name: f"call {k} ({name}): {m}")
+    assert all(t.is_cuda for t in module._instances[0].state.tensors.values())
+    if graphs:
+        assert any(g.graph is not None for m in module._methods.values() for g in m.graphs)
