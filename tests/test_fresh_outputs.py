@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import ferry
-from ferry.backend_registry import get_backend
+from ferry.backend_registry import ProgramData, get_backend
 from ferry.runtime.stages import run as run_module
 from models import assert_like_eager, fresh_inputs
 
@@ -136,7 +136,8 @@ def test_only_the_delegates_fresh_outputs_on_the_declared_device_are_made_by_it(
         assert len(calls) == len(fresh)
         for ins, want in zip(calls, fresh):
             delegate = program.delegates[ins.delegate]
-            handle = get_backend(delegate.backend_id).init(program.segments[delegate.payload], delegate.compile_specs)
+            handle = get_backend(delegate.backend_id).init(program.segments[delegate.payload], delegate.compile_specs,
+                                                           data=ProgramData(program.segments))
             declared = [method.values[v] for v in ins.outputs]
             assert all(v.storage == "output" and str(v.device) == "emu:0" for v in declared)
             assert [handle.makes_output(i, v) for i, v in enumerate(declared)] == want

@@ -69,7 +69,13 @@ class TorchBackend(Backend):
 
 def payload_program(payload, data: ProgramData | None = None) -> Program:
     """The payload as a program; one that stores no segments reads the holding program's."""
-    return load_program(payload, segments=data.segments if data is not None else None)
+    try:
+        return load_program(payload, segments=data.segments if data is not None else None)
+    except ProgramError as e:
+        if data is None and "segment" in str(e):
+            raise ProgramError(f"{e} (its weights are the segments of the program holding it: pass "
+                               "data=ProgramData(program.segments))") from None
+        raise
 
 
 def check_payload_call(payload, args: list, outputs: list, host_io: bool = False,
