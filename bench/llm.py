@@ -1,0 +1,498 @@
+"""LLM generation: greedy decode and prefill with a static KV cache, ferry against eager and torch.compile.
+
+GPU run (one H200): `python bench/llm.py`, the defaults being `--models llama-1b,qwen3-0.6b --batch 1
+--cache 1024 --prompt 128,512`: 6 to 8 minutes by an estimate from CPU-side timings, not yet measured
+(Qwen3's 28 layers cost most: torch.compile twice, decode then a dynamic prefill; ferry's export and
+compile; Inductor's compile at load). If that is too close to a limit, run one model per process
+(`--models llama-1b --out llm_llama`, `--models qwen3-0.6b --out llm_qwen`). The full grid of the
+issue (--batch 1,8 --cache 128,1024,4096 --prompt 128,512,2048) is 12 configurations of about 3
+minutes each (every (batch, cache) is an export, a ferry program and a torch.compile of its own):
+run it as one process per configuration:
+    for m in llama-1b qwen3-0.6b; do for b in 1 8; do for c in 128 1024 4096; do
+      python bench/llm.py --models $m --batch $b --cache $c --prompt 128,512,2048 --out llm_${m}_b${b}_c${c}
+    done; done; done
+Smoke test on a CPU: `python bench/llm.py --tiny --batch 1 --cache 64 --prompt 16`.
+
+Models have random weights (no downloads): Llama-3.2-1B's and Qwen3-0.6B's shapes from their
+transformers configs, bf16 on cuda:0. `--tiny` swaps them for 2-layer, 64-wide, 256-token
+versions in float32 on the CPU, with ferry on the emulated device 'emu:0'.
+
+Runners, one after another in one process, each from an empty GPU and guarded (a failure is a row):
+- eager: transformers' TorchExportableModuleWithStaticCache(model, B, L) on the GPU;
+- compile: the same wrapper under torch.compile(fullgraph=True, mode="reduce-overhead"; default on CPU);
+- ferry, ferry-graphs: TorchExportableModuleForDecoderOnlyLM(model, B, L).export(...) for decode (one
+  token) and for prefill (a dynamic prompt length), compiled together into one program (the two
+  methods share the KV cache and weights), inputs and outputs kept on the device, run by
+  ferry.Module with cuda_graphs False / True;
+- ferry-inductor-graphs: the decode program with backend_id="inductor", CUDA graphs on; prefill is
+  not run (Inductor compiles every method when the program loads: a second, dynamic method would
+  double the load time);
+- bound: (weight bytes + the whole static KV cache, which attention reads every step) divided by the
+  bandwidth of a 1 GiB device-to-device copy (2 x bytes / time, median of 10).
+
+A decode step: forward of one token per row at cache_position L//2, then argmax on the device fed
+back as the next input (nothing crosses to the host). ms/token: median over --repeat samples of 5
+back-to-back steps, synchronised at both ends. Prefill: one forward over a prompt of P tokens from
+position 0; tokens/s = B * P / time.
+Peak memory: torch.cuda.max_memory_allocated (and reserved) from an empty GPU, after decode and
+again after prefill. "tokens = eager": the runner's greedy tokens after a 4-token prompt fed one
+token at a time, against eager's; random bf16 weights give flat logits, so kernels that round
+differently may pick another token: the first-step logit error is shown beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import result_name, table, time_host, write_json  # noqa: E402
+
+import ferry  # noqa: E402
+from ferry.runtime import clone_to, device_of, emulated_device  # noqa: E402
+
+MODELS = {
+    "llama-1b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
+        vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072)),
+    "qwen3-0.6b": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
+        max_position_embeddings=40960, rms_norm_eps=1e-6)),
+}
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, vocab_size=256, max_position_embeddings=8192)
+RUNNERS = ("eager", "compile", "ferry", "ferry-graphs", "ferry-inductor-graphs", "bound")
+CHECK_PROMPT, CHECK_NEW = 4, 8  # the greedy spot check: prompt tokens, then generated tokens
+STEPS = 5  # decode steps per timed sample, synchronised at both ends
+KEEP_ON_DEVICE = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+    skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
+
+
+@dataclass
+class Env:
+    """Where one run happens: the GPU in bf16, or (--tiny) the CPU in float32 with ferry on 'emu:0'."""
+
+    tiny: bool
+    ferry_device: str
+    device: torch.device
+    dtype: torch.dtype
+    repeat: int
+    prefill_repeat: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@dataclass
+class Runner:
+    """One way to run the model: a decode/prefill call on device tensors, and `feed` to put a tensor there."""
+
+    step: Callable
+    feed: Callable
+    prefill: Callable | None = None
+    no_prefill: str | None = None  # why prefill is not run
+    compile_s: float | None = None
+    load_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+    close: Callable = lambda: None
+
+
+# ---------------------------------------------------------------- models and device
+
+
+def build_model(name: str, env: Env):
+    """The model with random weights (seed 0) on the CPU in env.dtype, static cache asked for.
+    Built on the GPU when there is one: initialising a billion weights there takes a moment."""
+    import transformers
+
+    config_cls, model_cls, cfg = MODELS[name]
+    if env.tiny:
+        cfg = {k: v for k, v in cfg.items() if k in ("tie_word_embeddings", "rope_theta", "rms_norm_eps")} | TINY
+    config = getattr(transformers, config_cls)(**cfg)
+    torch.manual_seed(0)
+    with torch.device(env.device):
+        model = getattr(transformers, model_cls)._from_config(config, dtype=env.dtype).eval()
+    model = model.cpu()
+    model.generation_config.cache_implementation = "static"
+    _fresh(env)
+    return model
+
+
+def _fresh(env: Env) -> int:
+    """Free what earlier runners left; the GPU bytes still allocated (the base of the next peak)."""
+    gc.collect()
+    if not env.cuda:
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def copy_bandwidth(env: Env) -> float:
+    """Bytes per second a large on-device copy moves (read + write): what decode's reads can reach."""
+    nbytes = (1 << 30) if env.cuda else (64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=env.device).fill_(1)
+    dst = torch.empty_like(src)
+    seconds = time_host(lambda: dst.copy_(src), repeat=10, warmup=2, inner=5)
+    return 2 * nbytes / seconds
+
+
+# ---------------------------------------------------------------- runners
+
+
+def eager_runner(model, batch: int, cache: int, env: Env, compiled: bool) -> Runner:
+    """transformers' static-cache wrapper on its own copy of the weights; torch.compile'd or not."""
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    wrapper = TorchExportableModuleWithStaticCache(copy.deepcopy(model).to(env.device), batch_size=batch,
+                                                   max_cache_len=cache)
+    call = wrapper
+    if compiled:
+        counters.clear()
+        call = torch.compile(wrapper, fullgraph=True, mode="reduce-overhead" if env.cuda else "default")
+
+    def step(ids, pos):
+        if compiled and env.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return call(input_ids=ids, cache_position=pos)
+
+    def close():
+        nonlocal wrapper, call
+        wrapper = call = None
+        if compiled:
+            torch._dynamo.reset()
+
+    return Runner(step=step, feed=lambda t: t.to(env.device), prefill=step, close=close)
+
+
+def export_methods(model, batch: int, cache: int, prompts: list[int]) -> tuple[dict, float]:
+    """transformers' export recipe: decode (one token) and, when a prompt length fits, prefill at a
+    dynamic prompt length (2 to the longest prompt). ({method: ExportedProgram}, seconds)."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    t0 = time.perf_counter()
+    recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch, max_cache_len=cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # dynamo's note on transformers' output-capture globals
+        eps = {"forward": recipe.export(input_ids=torch.zeros(batch, 1, dtype=torch.long),
+                                        cache_position=torch.tensor([0]))}
+        if _no_prefill(prompts, "torch") is None:
+            top = max(prompts)
+            seq = torch.export.Dim("prompt", min=2, max=top)
+            eps["prefill"] = recipe.export(input_ids=torch.zeros(batch, top, dtype=torch.long),
+                                           cache_position=torch.arange(top),
+                                           dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}})
+    return eps, time.perf_counter() - t0
+
+
+def compile_program(built: dict, model, batch, cache, prompts, backend: str, env: Env):
+    """The methods exported once per configuration (kept in `built`), compiled for `backend` into
+    one program: (program, export + compile seconds, why prefill is not run)."""
+    if "eps" not in built:
+        built["eps"] = export_methods(model, batch, cache, prompts)
+    eps, export_s = built["eps"]
+    why = _no_prefill(prompts, backend)
+    t0 = time.perf_counter()
+    methods = eps if why is None else {"forward": eps["forward"]}
+    program = ferry.compile(methods, ferry.OpSupportPartitioner(env.ferry_device, backend_id=backend), KEEP_ON_DEVICE)
+    return program, export_s + time.perf_counter() - t0, why
+
+
+def _no_prefill(prompts: list[int], backend: str) -> str | None:
+    if not prompts:
+        return "no prompt length fits the cache"
+    if min(prompts) < 2:
+        return "prompt lengths below 2 are not exported (torch.export specialises sizes 0 and 1)"
+    if backend == "inductor":
+        return "decode-only program: Inductor compiles each method at load, a dynamic prefill method would double it"
+    return None
+
+
+def ferry_runner(built: dict, model, batch, cache, prompts, env: Env, graphs: bool, backend: str) -> Runner:
+    """ferry.Module over the program of `backend`, compiled once per configuration (kept in `built`)."""
+    if backend not in built:
+        built[backend] = compile_program(built, model, batch, cache, prompts, backend, env)
+    program, compile_s, why = built[backend]
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        module = ferry.Module(program, cuda_graphs=graphs, outputs="view")
+        for name in program.methods:
+            module.load_method(name)
+    load_s = time.perf_counter() - t0
+    if env.cuda:
+        feed = lambda t: t.to(env.device)
+    else:  # the emulated device: its memory is host memory that ferry's allocator owns
+        feed = lambda t: t if str(device_of(t)) == env.ferry_device else clone_to(t, env.ferry_device)
+    prefill = None if why else (lambda ids, pos: module.run_method("prefill", [ids, pos])[0])
+    return Runner(step=lambda ids, pos: module(ids, pos), feed=feed, prefill=prefill, no_prefill=why,
+                  compile_s=compile_s, load_s=load_s, notes=[str(w.message)[:200] for w in caught],
+                  close=module.close)
+
+
+def make_runner(runner: str, model, batch, cache, prompts, env: Env, built: dict) -> Runner:
+    if runner in ("eager", "compile"):
+        return eager_runner(model, batch, cache, env, compiled=runner == "compile")
+    backend = "inductor" if "inductor" in runner else "torch"
+    return ferry_runner(built, model, batch, cache, prompts, env, graphs=runner.endswith("graphs"), backend=backend)
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def greedy(r: Runner, prompt: torch.Tensor, env: Env):
+    """The prompt fed one token at a time, then CHECK_NEW greedy tokens: (tokens, each step's logits
+    on the host, first call seconds: torch.compile compiles there, ferry captures its graphs later)."""
+    t0 = time.perf_counter()
+    logits, first_s = None, None
+    for i in range(prompt.shape[1]):
+        logits = r.step(r.feed(prompt[:, i:i + 1].contiguous()), r.feed(torch.tensor([i])))
+        if i == 0:
+            _sync(env)
+            first_s = time.perf_counter() - t0
+    tokens, steps = [], []
+    for s in range(CHECK_NEW):
+        steps.append(logits[:, -1].float().cpu())
+        nxt = logits[:, -1:].argmax(-1)
+        tokens.append(nxt.cpu())
+        logits = r.step(r.feed(nxt), r.feed(torch.tensor([prompt.shape[1] + s])))
+    return torch.cat(tokens, 1), steps, first_s
+
+
+def check(tokens: torch.Tensor, steps: list, ref: dict, dtype: torch.dtype) -> dict:
+    """Tokens against eager's. At the first step they differ (both saw the same tokens until
+    then), a pick within two roundings of eager's best logit is a near tie, not a wrong answer."""
+    want, want_steps = ref["tokens"], ref["steps"]
+    out = {"tokens_equal_eager": bool(torch.equal(tokens, want)),
+           "logit_err": float((steps[0] - want_steps[0]).abs().max() / want_steps[0].abs().max().clamp_min(1e-6))}
+    differ = (tokens != want).any(0).nonzero()
+    if len(differ):
+        k = int(differ[0])
+        rows = (tokens[:, k] != want[:, k]).nonzero()[:, 0]
+        best = want_steps[k][rows].max(-1).values
+        picked = want_steps[k][rows, tokens[rows, k]]
+        tol = 2 * torch.finfo(dtype).eps * best.abs()
+        out.update(first_diverging_step=k, near_tie=bool(((best - picked) <= tol).all()))
+    return out
+
+
+def time_decode(r: Runner, batch: int, cache: int, env: Env) -> float:
+    """ms per decode step at cache_position cache // 2, the argmax fed back on the device: the median
+    of samples of STEPS back-to-back steps (a generation loop does not wait between steps either)."""
+    state = {"ids": r.feed(torch.zeros(batch, 1, dtype=torch.long))}
+    pos = r.feed(torch.tensor([cache // 2]))
+
+    def one():
+        state["ids"] = r.feed(r.step(state["ids"], pos)[:, -1:].argmax(-1))
+
+    return time_host(one, repeat=env.repeat, warmup=5, inner=STEPS) * 1e3
+
+
+def time_prefill(r: Runner, batch: int, prompt: int, vocab: int, env: Env) -> tuple[float, float]:
+    """(first call seconds, median seconds) of a forward over `prompt` tokens from position 0."""
+    ids = r.feed(torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(1)))
+    pos = r.feed(torch.arange(prompt))
+    t0 = time.perf_counter()
+    r.prefill(ids, pos)
+    _sync(env)
+    first = time.perf_counter() - t0
+    return first, time_host(lambda: r.prefill(ids, pos), repeat=env.prefill_repeat, warmup=2)
+
+
+def _sync(env: Env) -> None:
+    if env.cuda:
+        torch.cuda.synchronize()
+
+
+def _mib(env: Env, base: int) -> tuple[float | None, float | None]:
+    """(allocated, reserved) peak MiB since the last reset, above `base`."""
+    if not env.cuda:
+        return None, None
+    return (torch.cuda.max_memory_allocated() - base) / 2**20, (torch.cuda.max_memory_reserved() - base) / 2**20
+
+
+def measure(r: Runner, key: dict, prompts: list[int], vocab: int, env: Env, base: int, ref: dict):
+    """One runner's decode row and prefill rows; `ref` holds eager's greedy tokens and logits."""
+    batch, cache = key["batch"], key["cache"]
+    prompt = torch.randint(0, vocab, (batch, CHECK_PROMPT), generator=torch.Generator().manual_seed(0))
+    tokens, steps, first_s = greedy(r, prompt, env)
+    if key["runner"] == "eager":
+        ref.update(tokens=tokens, steps=steps)
+    ms = time_decode(r, batch, cache, env)
+    peak, reserved = _mib(env, base)
+    row = {**key, "ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "peak_mib": peak, "reserved_mib": reserved,
+           "compile_s": r.compile_s, "load_s": r.load_s, "first_call_s": first_s, "tokens": tokens.tolist(),
+           "notes": r.notes}
+    if "tokens" in ref and key["runner"] != "eager":
+        row.update(check(tokens, steps, ref, env.dtype))
+    if key["runner"] == "compile":  # torch.compile skips CUDA graphs (mutated inputs, CPU ops) with a log line only
+        row["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
+    pre = []
+    for p in prompts:
+        if r.prefill is None:
+            pre.append({**key, "prompt": p, "not_run": r.no_prefill})
+            continue
+        first_p, s = time_prefill(r, batch, p, vocab, env)
+        pre.append({**key, "prompt": p, "ms": s * 1e3, "tokens_per_s": batch * p / s, "first_call_s": first_p})
+    row["peak_with_prefill_mib"], row["reserved_with_prefill_mib"] = _mib(env, base)
+    return row, pre
+
+
+def bound_row(model, key: dict, bandwidth: float, env: Env) -> dict:
+    """Time to read every weight and the whole static KV cache once at `bandwidth`."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embeddings once
+    kv = 2 * c.num_hidden_layers * key["batch"] * c.num_key_value_heads * key["cache"] * head_dim * env.dtype.itemsize
+    ms = (weights + kv) / bandwidth * 1e3
+    return {**key, "ms_per_token": ms, "tokens_per_s": key["batch"] / ms * 1e3, "weight_bytes": weights,
+            "kv_bytes": kv, "bandwidth_gbps": bandwidth / 1e9}
+
+
+# ---------------------------------------------------------------- one configuration
+
+
+def run_config(name, model, batch, cache, prompts, runners, env: Env, bandwidth: float, rows, pre, save):
+    """Every runner at one (model, batch, cache length): appends decode rows and prefill rows,
+    saved after each runner (what is measured survives a time limit)."""
+    fits = [p for p in prompts if p <= cache]
+    ref, built = {}, {}
+    for runner in runners:
+        key = {"model": name, "batch": batch, "cache": cache, "runner": runner}
+        if runner == "bound":
+            rows.append(bound_row(model, key, bandwidth, env))
+            save()
+            continue
+        r = None
+        try:
+            base = _fresh(env)
+            r = make_runner(runner, model, batch, cache, fits, env, built)
+            row, p = measure(r, key, fits, model.config.vocab_size, env, base, ref)
+            rows.append(row)
+            pre += p
+        except Exception as e:  # noqa: BLE001 - one runner failing must not lose the others' rows
+            error = f"{type(e).__name__}: {str(e)[:400]}"
+            print(f"{name} batch {batch} cache {cache} {runner}: FAILED {error}", flush=True)
+            rows.append({**key, "error": error})
+        finally:
+            if r is not None:
+                r.close()
+            del r
+            _fresh(env)
+        save()
+        print(f"done {name} batch {batch} cache {cache} {runner}", flush=True)
+    built.clear()
+
+
+# ---------------------------------------------------------------- report and main
+
+
+def _f(x, digits=3):
+    return "-" if x is None else round(x, digits)
+
+
+def _check_cell(r: dict) -> str:
+    if "tokens_equal_eager" not in r:
+        return "-"
+    err = f", logit err {r['logit_err']:.2g}"
+    if r["tokens_equal_eager"]:
+        return "yes" + err
+    return f"no: {'near tie' if r['near_tie'] else 'differs'} at step {r['first_diverging_step']}" + err
+
+
+def report(rows, pre, settings: dict, out: str) -> None:
+    bounds = {(r["model"], r["batch"], r["cache"]): r["ms_per_token"] for r in rows if r["runner"] == "bound"}
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append([r["model"], r["batch"], r["cache"], r["runner"], "FAILED", r["error"][:80]] + [""] * 7)
+            continue
+        bound = bounds.get((r["model"], r["batch"], r["cache"]))
+        lines.append([r["model"], r["batch"], r["cache"], r["runner"], _f(r["ms_per_token"]), _f(r["tokens_per_s"], 1),
+                      _f(bound and r["ms_per_token"] / bound, 2), _f(r.get("peak_mib"), 1),
+                      _f(r.get("reserved_mib"), 1), _f(r.get("peak_with_prefill_mib"), 1), _f(r.get("compile_s"), 1),
+                      _f(r.get("load_s") if r.get("load_s") is not None else r.get("first_call_s"), 2),
+                      _check_cell(r)])
+    print(table(f"Decode at cache_position L//2 (ms per step of B tokens; {settings['device']}, {settings['dtype']})",
+                ["model", "B", "cache L", "runner", "ms/token", "tok/s", "vs bound", "peak MiB", "reserved MiB",
+                 "peak w/ prefill MiB", "compile s", "load / 1st call s", "tokens = eager"], lines))
+    plines = [[p["model"], p["batch"], p["cache"], p["prompt"], p["runner"]]
+              + (["not run", "", ""] if "not_run" in p else [_f(p["ms"]), _f(p["tokens_per_s"], 0), _f(p["first_call_s"], 2)])
+              for p in pre]
+    print()
+    print(table("Prefill (one forward over the prompt from position 0)",
+                ["model", "B", "cache L", "prompt", "runner", "ms", "tokens/s", "1st call s"], plines))
+    for runner, why in dict.fromkeys((p["runner"], p["not_run"]) for p in pre if "not_run" in p):
+        print(f"- {runner}: prefill not run: {why}")
+    print(f"wrote {write_json(out, {'settings': settings, 'decode': rows, 'prefill': pre})}")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes (the issue's grid: 1,8)")
+    p.add_argument("--cache", default="1024", help="static cache lengths L (the issue's grid: 128,1024,4096)")
+    p.add_argument("--prompt", default="128,512", help="prefill prompt lengths, those <= L run (grid: 128,512,2048)")
+    p.add_argument("--runners", default=",".join(RUNNERS))
+    p.add_argument("--repeat", type=int, default=50, help="timed decode steps per runner")
+    p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
+    p.add_argument("--out", default=None, help="name of the JSON file under bench/results (default llm; llm_smoke with --tiny)")
+    args = p.parse_args()
+    for flag, known in (("models", MODELS), ("runners", RUNNERS)):
+        unknown = set(getattr(args, flag).split(",")) - set(known)
+        if unknown:
+            p.error(f"--{flag}: unknown {', '.join(sorted(unknown))} (known: {', '.join(known)})")
+    return args
+
+
+def main():
+    args = parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        print("llm: skipped: no CUDA device; --tiny runs the ferry code paths on the emulated device")
+        return
+    env = Env(tiny=args.tiny, ferry_device="emu:0" if args.tiny else "cuda:0",
+              device=torch.device("cpu" if args.tiny else "cuda:0"),
+              dtype=torch.float32 if args.tiny else torch.bfloat16,
+              repeat=min(args.repeat, 10) if args.tiny else args.repeat, prefill_repeat=3 if args.tiny else 10)
+    settings = {"device": env.ferry_device, "dtype": str(env.dtype).removeprefix("torch."), "tiny": env.tiny,
+                "decode_position": "cache_position = L // 2 for every timed step (a static cache: attention reads "
+                                   "all L slots whatever the position)",
+                "decode_timing": f"median of {env.repeat} samples of {STEPS} back-to-back steps, CUDA synchronised "
+                                 "at both ends of a sample",
+                "check": f"{CHECK_PROMPT} prompt tokens fed one at a time, then {CHECK_NEW} greedy tokens",
+                "prefill": "one forward over P tokens from position 0, for each P <= L; ferry: a method exported "
+                           "with a dynamic prompt length (2 to the longest P), sharing the decode method's cache"}
+    emulated = emulated_device(num_devices=1) if env.tiny else contextlib.nullcontext()
+    out, rows, pre = args.out or result_name("llm", args.tiny), [], []
+    save = lambda: write_json(out, {"settings": settings, "decode": rows, "prefill": pre, "partial": True})
+    if env.tiny:
+        torch.set_num_threads(1)  # smoke numbers only; one thread is steadier on a small, shared CPU
+    with emulated, torch.no_grad():
+        settings["bandwidth_gbps"] = copy_bandwidth(env) / 1e9
+        _fresh(env)
+        for name in args.models.split(","):
+            model = build_model(name, env)
+            for batch in map(int, args.batch.split(",")):
+                for cache in map(int, args.cache.split(",")):
+                    run_config(name, model, batch, cache, [int(x) for x in args.prompt.split(",")],
+                               args.runners.split(","), env, settings["bandwidth_gbps"] * 1e9, rows, pre, save)
+            del model
+    report(rows, pre, settings, out)
+
+
+if __name__ == "__main__":
+    main()
