@@ -19,7 +19,8 @@ import torch
 from ferry.errors import ConfigError, InputError
 from ferry.program.schema import TensorMeta, TensorValue
 
-__all__ = ["Signature", "cache_capacity", "check_fits", "check_prefill", "plan_methods", "read_signature"]
+__all__ = ["Signature", "cache_capacity", "check_fits", "check_one_state", "check_prefill", "plan_methods",
+           "read_signature"]
 
 _HINT = ("ferry.generate calls a method with (input_ids [batch, seq] integers, cache_position [seq] integers) and "
          "reads logits [batch, seq, vocab] from its first output; export the model with transformers' "
@@ -136,6 +137,25 @@ def cache_capacity(module, names) -> tuple[int, str] | None:
                 if found is None or v.shape[-2] < found[0]:
                     found = (v.shape[-2], mb.name)
     return found
+
+
+def check_one_state(module, names) -> None:
+    """A Module with concurrency=k holds k sets of mutable buffers and hands each call to whichever
+    set is free: successive steps would read and write different KV caches. microbatches=k runs a
+    call's rows in parts through one cache made for one part's rows."""
+    sets, program = getattr(module, "_instances", ()), getattr(module, "program", None)
+    parts = getattr(module, "microbatches", None)
+    if (len(sets) <= 1 and parts is None) or program is None:
+        return
+    stateful = [n for n in dict.fromkeys(names) if n in program.methods and program.method(n).mutable_buffers]
+    if stateful and parts is not None:
+        raise ConfigError(f"this Module splits each call into micro-batches (microbatches={parts}) and method "
+                          f"{stateful[0]!r} keeps a KV cache for one part's rows: load it without microbatches= for "
+                          "generation")
+    if stateful and len(sets) > 1:
+        raise ConfigError(f"this Module has {len(sets)} sets of planned memory (concurrency={len(sets)}), each with a KV "
+                          f"cache of its own, and successive calls of {stateful[0]!r} may run in different sets: load "
+                          "the program with concurrency=1 for generation (one Module per concurrent generation)")
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, capacity: tuple[int, str] | None) -> None:

@@ -16,8 +16,9 @@ State. The KV cache is the model's: mutable buffers of the program, held by the 
 Generation starts at cache position 0 and overwrites the cache from there; a static cache masks
 every position at or past the one being written (by cache_position), so what an earlier
 generation left beyond the prompt is never read. Calls of one Module therefore must not
-interleave two generations. Prefill and decode methods compiled together share that cache (one
-set of mutable buffers); methods compiled apart would not.
+interleave two generations, and a Module holding several caches (concurrency > 1) or splitting
+calls into micro-batches is refused. Prefill and decode methods compiled together share that
+cache (one set of mutable buffers); methods compiled apart would not.
 
 Stopping. A row that emits one of `stop_tokens` is finished: from then on it emits that token
 again (its pad), as transformers' generate does with pad_token_id = eos_token_id, and the loop
@@ -35,7 +36,7 @@ import torch
 
 from ferry.device import CPU, Device
 from ferry.errors import ConfigError, InputError
-from ferry.runtime.decoder import Signature, cache_capacity, check_fits, check_prefill, plan_methods
+from ferry.runtime.decoder import Signature, cache_capacity, check_fits, check_one_state, check_prefill, plan_methods
 from ferry.runtime.devices.tensor import clone_to, device_of
 from ferry.runtime.sampling import Sampling, make_generator
 
@@ -90,6 +91,7 @@ def generate(module, input_ids, max_new_tokens: int, *, method: str | None = Non
     The module docstring says what crosses to the host and how the KV cache is treated."""
     sampling = Sampling(do_sample, temperature, top_k, top_p)
     first, step = plan_methods(module, method, prefill, decode)
+    check_one_state(module, (first.name, step.name))
     prompt = _prompt(input_ids, first)
     _check_count(max_new_tokens, "max_new_tokens")
     _check_count(check_stop_every, "check_stop_every")
