@@ -17,7 +17,7 @@ LAYERS = {
     **dict.fromkeys(("device", "errors", "alignment", "layout", "op_names", "node_meta", "capture",
                      "backend_registry"), 0),
     "ops": 1, "program": 2, "choices": 3, "aot": 4, "runtime": 4, "backends": 5,
-    **dict.fromkeys(("cli", "views", "inspect", "distributed", "examples", "__main__"), 6),
+    **dict.fromkeys(("cli", "cli_generate", "views", "inspect", "distributed", "examples", "__main__"), 6),
 }
 TOP = 6  # the front ends may use one another
 

@@ -15,6 +15,7 @@ from ferry.aot.place import PropagateDevicePass
 from ferry.program import MethodMeta, Program, load_program, save_program
 from ferry.program.report import CopyReport, copy_report
 from ferry.runtime.stages.module import Module
+from ferry.runtime.generate import Generation, generate
 from ferry import backends  # noqa: F401  (registers the built-in backends)
 from ferry.runtime.devices.cuda import register_if_available as _register_cuda
 
@@ -23,8 +24,8 @@ _register_cuda()  # the CUDA allocator registers itself when a GPU is present
 
 __all__ = [
     "AllocationError", "BackendError", "CompileConfig", "CompileError", "ConfigError", "CopyReport", "Device",
-    "DeviceError", "DeviceMapPartitioner", "FerryError", "InputError", "InternalError", "LoweredBackendModule",
-    "LoweredProgram", "MethodMeta", "Module", "OpSupportPartitioner", "Partition", "PeerError", "Program", "ProgramError",
-    "PropagateDeviceConfig", "PropagateDevicePass", "UnknownMethodError", "compile", "copy_report", "load_program", "place",
-    "save_program", "target_device", "to_backend",
+    "DeviceError", "DeviceMapPartitioner", "FerryError", "Generation", "InputError", "InternalError",
+    "LoweredBackendModule", "LoweredProgram", "MethodMeta", "Module", "OpSupportPartitioner", "Partition", "PeerError",
+    "Program", "ProgramError", "PropagateDeviceConfig", "PropagateDevicePass", "UnknownMethodError", "compile",
+    "copy_report", "generate", "load_program", "place", "save_program", "target_device", "to_backend",
 ]

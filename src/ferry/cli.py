@@ -1,4 +1,4 @@
-"""The `ferry` command: compile a model, inspect a program file, run it.
+"""The `ferry` command: compile a model, inspect a program file, run it, generate tokens with it.
 
 torch and the rest of ferry are imported inside the commands that need them, so `ferry
 --help` and command-line mistakes answer at once (this module is the top layer: nothing
@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 
+from ferry.cli_generate import add_generate_parser, run_generate
 from ferry.errors import FerryError
 
 
@@ -306,10 +307,8 @@ def _npz_inputs(path, meta):
     return [torch.from_numpy(data[k]) for k in keys]
 
 
-def cmd_run(args) -> int:
-    import ferry
-
-    program = ferry.load_program(args.file)
+def _check_devices(program, path) -> set[str]:
+    """The device types the program's buffers use, each one usable here (emu registered on demand)."""
     types = {b.device.type for m in program.methods.values() for b in m.buffers}
     for t in types:
         _ensure_device_type(t)
@@ -317,8 +316,16 @@ def cmd_run(args) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            raise UserError(f"{args.file} was compiled for a CUDA GPU and this machine has none: compile it with "
+            raise UserError(f"{path} was compiled for a CUDA GPU and this machine has none: compile it with "
                             "--device emu:0 to run it on the emulated device")
+    return types
+
+
+def cmd_run(args) -> int:
+    import ferry
+
+    program = ferry.load_program(args.file)
+    _check_devices(program, args.file)
     module = _open(program, args)
     if module is None:  # a serving rank of a distributed job: done when rank 0 closed it
         return 0
@@ -380,6 +387,10 @@ def _timed_runs(module, program, args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    return run_generate(args, _stage, _check_devices)
+
+
 def _sync():
     import torch
 
@@ -439,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="a program over ranks (under torchrun): seconds a rank waits for another before it fails")
     r.set_defaults(func=cmd_run)
+    add_generate_parser(sub, _positive_int).set_defaults(func=cmd_generate)
     return p
 
 

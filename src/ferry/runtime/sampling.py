@@ -1,0 +1,84 @@
+"""Picking the next token from logits, on the device the logits are on.
+
+Greedy is an argmax. Sampling applies temperature, then top-k, then top-p to the logits and draws
+one token per row with torch.multinomial: the order and the arithmetic of transformers'
+TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper followed by its sampling step, so
+that a generator seeded as torch's global one draws the tokens transformers' `generate` draws.
+Nothing here reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ferry.errors import ConfigError
+
+__all__ = ["Sampling", "make_generator"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked: greedy (`do_sample=False`) or drawn at `temperature` from
+    the `top_k` most likely tokens whose probabilities add up to `top_p`."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.do_sample, bool):
+            raise ConfigError(f"do_sample must be True or False, got {self.do_sample!r}")
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t > 0 and math.isfinite(t)):
+            raise ConfigError(f"temperature must be a finite number > 0, got {t!r} (greedy decoding is do_sample=False)")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"top_k must be an int >= 1 or None, got {k!r}")
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise ConfigError(f"top_p must be a number in (0, 1] or None, got {p!r}")
+        if not self.do_sample and (t != 1.0 or k is not None or p is not None):
+            raise ConfigError("temperature, top_k and top_p shape sampling: pass do_sample=True with them "
+                              "(greedy decoding takes the most likely token and ignores them)")
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """[batch, vocab] logits -> [batch] int64 token ids, on the logits' device."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        scores = self.filtered(logits.float())
+        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+    def filtered(self, scores: torch.Tensor) -> torch.Tensor:
+        """Temperature, then top-k, then top-p: the tokens left out get -inf."""
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if self.top_p is not None and self.top_p < 1.0:
+            ascending, order = torch.sort(scores, descending=False)
+            drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - self.top_p
+            drop[..., -1:] = False  # the most likely token always stays
+            scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+        return scores
+
+
+def make_generator(generator: torch.Generator | None, seed: int | None, device: torch.device) -> torch.Generator | None:
+    """The random generator sampling draws from, on the logits' device: the caller's, a fresh
+    one seeded with `seed`, or None (torch's default generator of that device)."""
+    if generator is not None and seed is not None:
+        raise ConfigError("pass a generator or a seed, not both")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed must be an int, got {seed!r}")
+        return torch.Generator(device=device).manual_seed(seed)
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise ConfigError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        where = generator.device
+        if where.type != device.type or (None not in (where.index, device.index) and where.index != device.index):
+            raise ConfigError(f"the generator is on {where}, but the logits are on {device}: sampling "
+                              f"draws where the logits are; pass torch.Generator(device='{device}')")
+    return generator
