@@ -152,8 +152,6 @@ def test_prefill_and_decode_methods_are_called_by_name(emu):
     assert module.calls == [("prefill", PROMPT)] + [("decode", 1)] * (NEW - 1)
 
 
-@pytest.mark.xfail(reason="methods compiled together share their mutable buffers (the KV cache) once that lands "
-                          "from main; until then decode reads a cache of its own", strict=False)
 def test_a_program_compiled_with_prefill_and_decode_methods(emu):
     with torch.no_grad():
         both = ferry.compile({"prefill": export("qwen2", 1, True), "decode": export("qwen2", 1, False)})
