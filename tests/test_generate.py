@@ -388,3 +388,19 @@ def test_cli_says_when_transformers_is_missing(emu, tmp_path, capsys, monkeypatc
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     assert main(["generate", _saved(tmp_path, "cpu"), "--prompt", "w1", "--tokenizer", str(tmp_path)]) == 2
     assert "needs the transformers package" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_greedy_generation_on_the_gpu_equals_transformers(full_fp32, graphs):
+    """prefill + decode compiled for cuda:0 with the skip flags: ids, logits and the cache stay on
+    the GPU; the tokens equal transformers' greedy generate (on the CPU, fp32)."""
+    cfg = ferry.CompileConfig(propagate_device=KEEP_ON_DEVICE.propagate_device)
+    both = ferry.compile({"prefill": export("qwen2", 1, True), "decode": export("qwen2", 1, False)},
+                         ferry.OpSupportPartitioner("cuda:0"), cfg)
+    module = ferry.Module(ferry.load_program(both.to_bytes()), cuda_graphs=graphs)
+    prompt = token_ids((1, PROMPT), 21)
+    for _ in range(2):  # the second generation replays what the first captured
+        got = ferry.generate(module, prompt, NEW)
+        assert got.tokens.tolist() == reference("qwen2", prompt, NEW).tolist()
