@@ -43,10 +43,18 @@ def upload(dst: torch.Tensor, segment, v: TensorValue) -> None:
         require_allocator(v.device).copy_host_to_device(as_bytes(dst), as_bytes(src), v.nbytes, v.device.index)
 
 
-def _new(v: TensorValue, owned: list, pin: bool = False) -> torch.Tensor:
+def _filled(v: TensorValue, segments, owned: list, pin: bool = False) -> torch.Tensor:
+    """A tensor of its own for `v`, holding its segment's bytes; its memory is appended to
+    `owned` only once filled (a failed upload frees it)."""
     buf = DeviceMemoryBuffer.create(v.nbytes, v.device, pin_memory=pin)
+    try:
+        t = make_tensor(buf.memory, v.shape, v.torch_dtype, v.device, 0, v.strides)
+        upload(t, segments[v.constant], v)
+    except BaseException:
+        buf.close()
+        raise
     owned.append(buf)
-    return make_tensor(buf.memory, v.shape, v.torch_dtype, v.device, 0, v.strides)
+    return t
 
 
 def _drop_since(made: dict, owned: list, mark: int) -> None:
@@ -73,16 +81,7 @@ class DeviceUploads:
         with self._lock:
             t = self._made.get(key)
             if t is None:
-                owned: list = []
-                try:
-                    t = _new(v, owned)
-                    upload(t, self.segments[v.constant], v)
-                except BaseException:
-                    for b in owned:
-                        b.close()
-                    raise
-                self._owned += owned
-                self._made[key] = t
+                t = self._made[key] = _filled(v, self.segments, self._owned)
             return t
 
     def __len__(self) -> int:
@@ -119,16 +118,7 @@ class ProgramState:
         t = self.tensors.get(name)
         if t is None:
             v = self.states[name].value
-            owned: list = []
-            try:
-                t = _new(v, owned, pin=self.pin_host and v.device.is_cpu)
-                upload(t, self.segments[v.constant], v)
-            except BaseException:
-                for b in owned:
-                    b.close()
-                raise
-            self._owned += owned
-            self.tensors[name] = t
+            t = self.tensors[name] = _filled(v, self.segments, self._owned, pin=self.pin_host and v.device.is_cpu)
         return t
 
     def mark(self) -> int:
