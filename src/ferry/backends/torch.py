@@ -40,7 +40,7 @@ class TorchBackend(Backend):
         method.kernel_choices.update(fusion_notes(fused))
         if data is None:
             return program_to_bytes(Program({"forward": method}, builder.delegates, builder.segments))
-        return program_to_bytes(Program({"forward": method}, builder.delegates, data.segments), with_segments=False)
+        return program_to_bytes(Program({"forward": method}, builder.delegates, list(data.segments)), with_segments=False)
 
     def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False,
                    data: ProgramData | None = None) -> None:

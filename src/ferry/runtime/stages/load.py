@@ -36,7 +36,7 @@ class Memory:
 
     slots: list
     fixed: list[bool]
-    owned: list[DeviceMemoryBuffer] = field(default_factory=list)
+    owned: list = field(default_factory=list)  # DeviceMemoryBuffers (and a method's own ProgramState)
     staged_inputs: dict[int, int] = field(default_factory=dict)
     staged_outputs: set[int] = field(default_factory=set)
 
