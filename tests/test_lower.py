@@ -238,7 +238,7 @@ def _ops(program_or_gm):
         for m in program_or_gm.methods.values():
             out += [i.kernel for i in m.instructions if hasattr(i, "kernel")]
         for d in program_or_gm.delegates:
-            out += _ops(ferry.load_program(program_or_gm.segments[d.payload]), segments=program_or_gm.segments)
+            out += _ops(ferry.load_program(program_or_gm.segments[d.payload], segments=program_or_gm.segments))
         return out
     return [str(n.target) for n in program_or_gm.graph.nodes if n.op == "call_function"]
 
@@ -312,7 +312,7 @@ def test_assert_only_nodes_become_no_delegates_and_no_copies(emu):
     for part in (OpSupportPartitioner("emu:0"), OpSupportPartitioner("emu:0", exclude=["aten.add"])):
         program = ferry.compile(ep, part)
         for d in program.delegates:  # every delegate computes something
-            assert any(not k.startswith("aten::_assert") for k in _ops(ferry.load_program(program.segments[d.payload]), segments=program.segments))
+            assert any(not k.startswith("aten::_assert") for k in _ops(ferry.load_program(program.segments[d.payload], segments=program.segments)))
         m = program.method("forward")
         copies = [i for i in m.instructions if hasattr(i, "kernel") and i.kernel.startswith("et_copy::")]
         read = {a for i in m.instructions for a in i.args} | set(m.outputs)
