@@ -254,10 +254,11 @@ def test_refuses_requests_the_program_cannot_hold(emu):
         ferry.generate(module, [[1, VOCAB]], 2)
     with pytest.raises(ferry.InputError, match="stop token 200 is not a token id"):
         ferry.generate(module, prompt, 2, stop_tokens=[200])
-    # two sets of memory, two KV caches, calls handed to either: refused rather than wrong
-    with pytest.raises(ferry.ConfigError, match=r"concurrency=2\), each with a KV cache .* concurrency=1"):
-        ferry.generate(ferry.Module(module.program, concurrency=2), prompt, 2)
-    with pytest.raises(ferry.ConfigError, match=r"microbatches=2\) and method 'forward' keeps a KV cache"):
+    # two sets of memory, two KV caches, calls handed to either: the Module refuses, rather than wrong
+    with pytest.raises(ferry.ConfigError, match=r"keeps state between calls .*concurrency=2 each set of memory would "
+                                                r"hold a KV cache of its own.*concurrency=1"):
+        ferry.Module(module.program, concurrency=2)
+    with pytest.raises(ferry.ConfigError, match=r"updates buffers in forward.*without microbatches"):
         ferry.generate(ferry.Module(module.program, microbatches=2), prompt, 2)
 
 

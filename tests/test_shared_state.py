@@ -203,3 +203,11 @@ def test_two_methods_share_one_cache_on_the_gpu(full_fp32, graphs):
     assert all(t.is_cuda for t in module._instances[0].state.tensors.values())
     if graphs:
         assert any(g.graph is not None for m in module._methods.values() for g in m.graphs)
+
+
+def test_a_stateful_program_is_refused_with_several_sets_of_memory():
+    """concurrency=2 would give each set a cache of its own and hand calls to either: refused."""
+    program = compiled("cpu")
+    with pytest.raises(ConfigError, match="keeps state between calls .*core.cache.*concurrency=1"):
+        ferry.Module(program, concurrency=2)
+    ferry.Module(program, concurrency=1)  # one set: accepted

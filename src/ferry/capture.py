@@ -41,7 +41,7 @@ def random_state_kept_on_failure(device):
     ends a generator's capture mode only when the graph's capture ends cleanly: after a failed
     one, every later random op on that GPU (dropout, torch.rand, an Inductor kernel's seed)
     raised "Offset increment outside graph capture encountered unexpectedly"."""
-    index = torch.device(device).index or 0 if not isinstance(device, int) else device
+    index = device if isinstance(device, int) else (torch.device(device).index or 0)
     generators = torch.cuda.default_generators
     if index >= len(generators):  # no such GPU (a fake CUDA in tests): nothing to keep
         yield

@@ -58,12 +58,12 @@ class TorchBackend(Backend):
         """`memory`: tensors for the buffers `memory_needs` named, planned by the caller; without
         them the delegate allocates its own. Its weights come from the module's uploads."""
         program = payload_program(payload, data)
-        shared = data is not None and program.holder_segments
+        uploads = data.uploads if data is not None and program.holder_segments else None
         # the delegate's steps run inside one step of the caller, already on its device's stream;
         # a delegate of another rank's stage runs in that rank's process, on its devices
         nested = LoadedMethod(program, localized(program.method("forward")), _no_nested_delegates,
                               asynchronous=False, memory=memory, caller=caller,
-                              uploads=data.uploads if shared and data is not None else None)
+                              uploads=uploads)
         return _Handle(nested)
 
 
@@ -115,14 +115,12 @@ def payload_load_bytes(payload, given_memory: bool, data: ProgramData | None = N
     uploads (a weight of the holding program once: `data.counted`), and its buffers unless the
     caller plans them (`given_memory`)."""
     program = payload_program(payload, data)
-    m, shared = program.method("forward"), data is not None and program.holder_segments
+    m = program.method("forward")
+    counted = data.counted if data is not None and program.holder_segments else set()  # weights held once
     need: dict = {}
     for v in m.values:
-        if isinstance(v, TensorValue) and v.storage == "constant" and not v.device.is_cpu:
-            if shared and data is not None:
-                if upload_key(v) in data.counted:
-                    continue
-                data.counted.add(upload_key(v))
+        if isinstance(v, TensorValue) and v.storage == "constant" and not v.device.is_cpu and upload_key(v) not in counted:
+            counted.add(upload_key(v))
             need[v.device] = need.get(v.device, 0) + v.nbytes
     if not given_memory:
         for b in m.buffers[1:]:

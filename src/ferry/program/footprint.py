@@ -95,14 +95,15 @@ def load_bytes(program, method: Method, stage_io: bool = False, data: ProgramDat
 
     for b in method.buffers[1:]:
         add(b.device, b.size)
+    states = method_states(method)
     for vid, v in enumerate(method.values):
         if not isinstance(v, TensorValue) or (v.device.is_cpu and v.storage != "state"):
             continue
-        shared = upload_key(v) if v.storage == "constant" else ("state", method_states(method)[vid]) \
-            if v.storage == "state" else None
-        if shared is not None and shared not in data.counted:
-            data.counted.add(shared)
-            add(v.device, v.nbytes)
+        if v.storage in ("constant", "state"):  # held once by the module, whichever method asks
+            key = upload_key(v) if v.storage == "constant" else ("state", states[vid])
+            if key not in data.counted:
+                data.counted.add(key)
+                add(v.device, v.nbytes)
         elif stage_io and v.storage in ("input", "output") and not any(v.dynamic):
             add(v.device, v.nbytes)
     for ins in method.instructions:

@@ -19,7 +19,7 @@ import torch
 from ferry.errors import ConfigError, InputError
 from ferry.program.schema import TensorMeta, TensorValue
 
-__all__ = ["Signature", "cache_capacity", "check_fits", "check_one_state", "check_prefill", "plan_methods",
+__all__ = ["Signature", "cache_capacity", "check_fits", "check_prefill", "integer_dtype", "plan_methods",
            "read_signature"]
 
 _HINT = ("ferry.generate calls a method with (input_ids [batch, seq] integers, cache_position [seq] integers) and "
@@ -63,8 +63,8 @@ def _describe(m: TensorMeta) -> str:
     return f"{str(m.dtype).removeprefix('torch.')}[{dims}] on {m.device}"
 
 
-def _integer(m: TensorMeta) -> bool:
-    return not (m.dtype.is_floating_point or m.dtype.is_complex or m.dtype == torch.bool)
+def integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def read_signature(module, name: str) -> Signature:
@@ -74,7 +74,7 @@ def read_signature(module, name: str) -> Signature:
     out = meta.output_meta(0) if meta.num_outputs() else None
     got = f"it takes ({', '.join(map(_describe, ins))}) -> {_describe(out) if out else 'nothing'}"
     ranks = [len(m.shape) for m in ins]
-    if sorted(ranks) != [1, 2] or not all(map(_integer, ins)):
+    if sorted(ranks) != [1, 2] or not all(integer_dtype(m.dtype) for m in ins):
         raise ConfigError(f"method {name!r} does not take a decoder step's inputs: {got}. {_HINT}")
     if out is None or not out.dtype.is_floating_point or len(out.shape) not in (2, 3):
         raise ConfigError(f"method {name!r} does not return logits first: {got}. {_HINT}")
@@ -137,25 +137,6 @@ def cache_capacity(module, names) -> tuple[int, str] | None:
                 if found is None or v.shape[-2] < found[0]:
                     found = (v.shape[-2], mb.name)
     return found
-
-
-def check_one_state(module, names) -> None:
-    """A Module with concurrency=k holds k sets of mutable buffers and hands each call to whichever
-    set is free: successive steps would read and write different KV caches. microbatches=k runs a
-    call's rows in parts through one cache made for one part's rows."""
-    sets, program = getattr(module, "_instances", ()), getattr(module, "program", None)
-    parts = getattr(module, "microbatches", None)
-    if (len(sets) <= 1 and parts is None) or program is None:
-        return
-    stateful = [n for n in dict.fromkeys(names) if n in program.methods and program.method(n).mutable_buffers]
-    if stateful and parts is not None:
-        raise ConfigError(f"this Module splits each call into micro-batches (microbatches={parts}) and method "
-                          f"{stateful[0]!r} keeps a KV cache for one part's rows: load it without microbatches= for "
-                          "generation")
-    if stateful and len(sets) > 1:
-        raise ConfigError(f"this Module has {len(sets)} sets of planned memory (concurrency={len(sets)}), each with a KV "
-                          f"cache of its own, and successive calls of {stateful[0]!r} may run in different sets: load "
-                          "the program with concurrency=1 for generation (one Module per concurrent generation)")
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, capacity: tuple[int, str] | None) -> None:

@@ -16,8 +16,8 @@ State. The KV cache is the model's: mutable buffers of the program, held by the 
 Generation starts at cache position 0 and overwrites the cache from there; a static cache masks
 every position at or past the one being written (by cache_position), so what an earlier
 generation left beyond the prompt is never read. Calls of one Module therefore must not
-interleave two generations, and a Module holding several caches (concurrency > 1) or splitting
-calls into micro-batches is refused. Prefill and decode methods compiled together share that
+interleave two generations (a Module refuses concurrency > 1 and micro-batches for a program
+with state). Prefill and decode methods compiled together share that
 cache (one set of mutable buffers); methods compiled apart would not.
 
 Stopping. A row that emits one of `stop_tokens` is finished: from then on it emits that token
@@ -36,7 +36,7 @@ import torch
 
 from ferry.device import CPU, Device
 from ferry.errors import ConfigError, InputError
-from ferry.runtime.decoder import Signature, cache_capacity, check_fits, check_one_state, check_prefill, plan_methods
+from ferry.runtime.decoder import Signature, cache_capacity, check_fits, check_prefill, integer_dtype, plan_methods
 from ferry.runtime.devices.tensor import clone_to, device_of
 from ferry.runtime.sampling import Sampling, make_generator
 
@@ -91,7 +91,6 @@ def generate(module, input_ids, max_new_tokens: int, *, method: str | None = Non
     The module docstring says what crosses to the host and how the KV cache is treated."""
     sampling = Sampling(do_sample, temperature, top_k, top_p)
     first, step = plan_methods(module, method, prefill, decode)
-    check_one_state(module, (first.name, step.name))
     prompt = _prompt(input_ids, first)
     _check_count(max_new_tokens, "max_new_tokens")
     _check_count(check_stop_every, "check_stop_every")
@@ -230,10 +229,6 @@ def _check_count(value, what: str) -> None:
         raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
 
 
-def _integer(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-
-
 def _prompt(input_ids, sig: Signature) -> torch.Tensor:
     """The prompt as a [batch, prompt] int64 host tensor, checked against the method's batch and
     vocabulary (an id past it would index outside the embedding, on a GPU a device-side assert)."""
@@ -243,7 +238,7 @@ def _prompt(input_ids, sig: Signature) -> torch.Tensor:
         raise InputError(f"input_ids must be a tensor or lists of token ids of equal length: {e}") from None
     t = _to_host(t)
     t = t.unsqueeze(0) if t.dim() == 1 else t
-    if t.dim() != 2 or 0 in t.shape or not _integer(t.dtype):
+    if t.dim() != 2 or 0 in t.shape or not integer_dtype(t.dtype):
         raise InputError(f"input_ids must be integer token ids, [batch, prompt] or [prompt], not empty; got "
                          f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
     rows, want, dynamic = t.shape[0], sig.ids.shape[0], sig.ids.dynamic[0]

@@ -63,13 +63,6 @@ def load_memory(segments: list, method: Method, *, pin_host: bool = True, stage_
     return mem
 
 
-class _Alone:
-    """A method as a program of its own (its states are its own)."""
-
-    def __init__(self, segments, method: Method):
-        self.segments, self.methods = segments, {method.name: method}
-
-
 class _Given:
     """Memory someone else allocated and owns, in the shape of a DeviceMemoryBuffer."""
 
@@ -81,9 +74,10 @@ class _Loader:
     def __init__(self, segments, method: Method, mem: Memory, uploads=None, state=None):
         self.segments, self.m, self.mem = segments, method, mem
         self.uploads = uploads
-        self.state = state if state is not None else ProgramState(_Alone(segments, method))
         if state is None:  # a method loaded on its own holds its state (freed with its memory)
-            mem.owned.append(self.state)
+            state = ProgramState(segments, {method.name: method})
+            mem.owned.append(state)
+        self.state = state
 
     def load(self, pin_host: bool, stage_io: bool, given: list[torch.Tensor] | None = None) -> None:
         m = self.m

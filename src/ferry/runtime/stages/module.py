@@ -15,6 +15,7 @@ from ferry.program import Program, load_program
 from ferry.program.footprint import unknown_limit_keys
 from ferry.program.ranks import program_ranks
 from ferry.program.schema import DelegateCall, MethodMeta, TensorValue
+from ferry.program.states import program_states
 from ferry.runtime.devices.limits import check_limits, load_bytes, parse_limits
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
@@ -51,12 +52,24 @@ def _check_limit_keys(limits: dict[str, int] | None, program: Program) -> None:
                           f"devices: {', '.join(sorted(map(str, devices)))} (or a type such as 'cuda', or '*')")
 
 
+def _refuse_state_per_set(program: Program, concurrency: int) -> None:
+    """Each set of memory holds the program's state of its own, and a call runs in whichever set
+    is free: successive calls of a stateful model (decode steps) would read and write different
+    KV caches. Refused, never a wrong answer."""
+    states = program_states(program.methods)
+    if concurrency > 1 and states:
+        raise ConfigError(f"this program keeps state between calls ({', '.join(list(states)[:3])}"
+                          f"{', ...' if len(states) > 3 else ''}), and with concurrency={concurrency} each set of "
+                          "memory would hold a KV cache of its own, calls going to any of them: load it with "
+                          "concurrency=1 (one Module per concurrent caller)")
+
+
 class _Instance:
     """One set of planned memory: the loaded methods and their delegates. One call at a time."""
 
     def __init__(self, module: Module):
         self.module = module
-        self.state = ProgramState(module.program, pin_host=module.pin_host_memory)
+        self.state = ProgramState(module.program.segments, module.program.methods, pin_host=module.pin_host_memory)
         self.methods: dict[str, LoadedMethod] = {}
         self.microbatches: dict[str, MicroBatches] = {}
         self.buckets: dict[str, ShapeBuckets] = {}
@@ -172,6 +185,7 @@ class Module:
                               "micro-batch has a static batch to pipeline; buckets pad a dynamic one)")
         if shape_buckets is not None:
             check_buckets(shape_buckets)
+        _refuse_state_per_set(program, concurrency)
         self.microbatches, self.shape_buckets = microbatches, shape_buckets
         self.program = program
         self.max_memory = parse_limits(max_memory)

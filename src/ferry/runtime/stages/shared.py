@@ -11,6 +11,7 @@ method naming it loads and set to its initial value again by `reset`.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 
@@ -24,8 +25,6 @@ __all__ = ["DeviceUploads", "ProgramState", "constant_tensor", "upload"]
 
 def constant_tensor(segment, v: TensorValue) -> torch.Tensor:
     """A CPU tensor over a program segment (a mapped file region): no copy."""
-    import warnings
-
     if v.nbytes == 0:
         return torch.empty(v.shape, dtype=v.torch_dtype)
     with warnings.catch_warnings():
@@ -106,9 +105,9 @@ class DeviceUploads:
 class ProgramState:
     """The program's mutable buffers, one tensor each, for one set of memory."""
 
-    def __init__(self, program, pin_host: bool = False):
-        self.segments = program.segments
-        self.states = program_states(program.methods)
+    def __init__(self, segments, methods, pin_host: bool = False):
+        self.segments = segments
+        self.states = program_states(methods)
         self.pin_host = pin_host
         self.tensors: dict[str, torch.Tensor] = {}
         self._owned: list[DeviceMemoryBuffer] = []
