@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ferry.aot.auto_map import parse_budgets
+from ferry.aot.auto_map import Choice, diagnose, parse_budgets
 from ferry.aot.config import CompileConfig, MethodOptions
 from ferry.aot.device_map import DeviceMapPartitioner
 from ferry.aot.emit import emit_method
@@ -53,17 +53,22 @@ def _place(exported_program, partitioner, options: MethodOptions) -> LoweredProg
 
 
 def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None, *,  # noqa: A001
-            device_map=None, max_memory=None) -> Program:
+            device_map=None, max_memory=None, no_split_module_classes=None) -> Program:
     """Compile one program (method 'forward') or several named methods into a ferry Program.
 
     `device_map` ({module path: device} or "auto") splits the model over devices, as
     DeviceMapPartitioner(device_map, max_memory=max_memory) would. `max_memory` ({device:
     size}) is checked against what loading the program allocates on each device; a device
-    map chosen with "auto" is chosen again under tighter budgets when the plan overshoots."""
+    map chosen with "auto" is chosen again under tighter budgets when the plan overshoots;
+    "auto" never splits a module whose class is in `no_split_module_classes` (as accelerate
+    takes it) or in the model's own `_no_split_modules`."""
     if device_map is not None:
         if partitioner is not None:
             raise ConfigError("give a partitioner or a device_map, not both")
-        partitioner = DeviceMapPartitioner(device_map, max_memory=max_memory)
+        partitioner = DeviceMapPartitioner(device_map, max_memory=max_memory,
+                                           no_split_module_classes=no_split_module_classes)
+    elif no_split_module_classes is not None:
+        raise ConfigError("no_split_module_classes goes with device_map='auto'")
     budgets = parse_budgets(max_memory) if max_memory is not None else getattr(partitioner, "budgets", None)
     eps = _methods(ep_or_dict)
     options = (config or CompileConfig()).resolve(eps)
@@ -76,9 +81,11 @@ def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None, *
         over = over_budget(program, budgets)
         if not over:
             return program
-        if auto:
-            partitioner.tighten(device_bytes(program))
-    raise budget_error(program, budgets, over, auto)
+        choice = partitioner.last_choice if auto else None
+        if choice is None or not choice.fits:
+            break  # no split fit the estimates either: the closest one was tried
+        partitioner.tighten(device_bytes(program))
+    raise budget_error(program, budgets, over, auto, choice)
 
 
 def auto_attempts(budgets) -> int:
@@ -161,13 +168,22 @@ def over_budget(program: Program, budgets: dict[Device, int] | None) -> dict[Dev
     return {d: need[d] - b for d, b in (budgets or {}).items() if need.get(d, 0) > b}
 
 
-def budget_error(program: Program, budgets, over: dict[Device, int], auto: bool) -> CompileError:
+def budget_error(program: Program, budgets, over: dict[Device, int], auto: bool,
+                 choice: Choice | None = None) -> CompileError:
+    """The program overflows `budgets` (the caller's, never ones lowered by retries): the device
+    it overflows most, by how much, and for "auto" the module placed there that needs the most."""
     need = device_bytes(program)
     worst = max(over, key=over.__getitem__)
-    tried = f"device_map='auto' tried {auto_attempts(budgets)} splits; the last" if auto else "the program"
+    if not auto:
+        tried = "the program"
+    elif choice is not None and not choice.fits:
+        tried = "device_map='auto' found no split of the model's modules that fits max_memory; the closest"
+    else:
+        tried = f"device_map='auto' tried {auto_attempts(budgets)} splits; the last"
     fix = "raise max_memory or add a device" if auto else (
         "raise max_memory, move modules to another device, or use device_map='auto'")
     return CompileError(
         f"{tried} does not fit max_memory on {worst}: loading it allocates {need[worst]:,} bytes there "
-        f"(weights and planned buffers), over its budget of {budgets[worst]:,}: short by {over[worst]:,} bytes; {fix}"
+        f"(weights and planned buffers), over its budget of {budgets[worst]:,}: short by {over[worst]:,} bytes"
+        f"{diagnose(choice, worst) if choice else ''}; {fix}"
     )

@@ -183,19 +183,35 @@ def stages(nodes, device: Mapping[torch.fx.Node, Device]) -> dict[torch.fx.Node,
 AUTO = "auto"
 
 
+def parse_no_split(names, auto: bool) -> tuple[str, ...]:
+    """no_split_module_classes: class names, as accelerate takes them; only "auto" reads them."""
+    if names is None:
+        return ()
+    if not auto:
+        raise ConfigError("no_split_module_classes goes with device_map='auto' (an explicit map already says "
+                          "where every module goes)")
+    if isinstance(names, str) or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError("no_split_module_classes must be a list of module class names, e.g. "
+                          f"['LlamaDecoderLayer']; got {names!r}")
+    return tuple(n.strip() for n in names)
+
+
 class DeviceMapPartitioner:
     """Partitions from a device map: one delegate per contiguous run of ops on one device.
 
     `device_map` is {module path: device}, or "auto" with `max_memory` ({device: size}): ferry
-    then chooses the map (aot/auto_map.py). `last_map` is the map the last `partition` call
-    followed, given or chosen; compile stores it in the program, where `ferry inspect` shows
-    it, ready to pass back as an explicit map. `budgets` ({Device: bytes}, or None) is what
-    compile checks the planned program against."""
+    then chooses the map (aot/auto_map.py), never splitting a module whose class is named in
+    `no_split_module_classes` (as in accelerate) or in the model's own `_no_split_modules`.
+    `last_map` is the map the last `partition` call followed, given or chosen; compile stores
+    it in the program, where `ferry inspect` shows it, ready to pass back as an explicit map.
+    `budgets` ({Device: bytes}, or None) is what compile checks the planned program against."""
 
-    def __init__(self, device_map, exclude=(), backend_id: str = DEFAULT_BACKEND, max_memory=None):
+    def __init__(self, device_map, exclude=(), backend_id: str = DEFAULT_BACKEND, max_memory=None,
+                 no_split_module_classes=None):
         self.auto = isinstance(device_map, str) and device_map.strip().lower() == AUTO
         if isinstance(device_map, str) and not self.auto:
             raise ConfigError(f"device_map must be a {{module path: device}} dict or 'auto', got {device_map!r}")
+        self.no_split = parse_no_split(no_split_module_classes, self.auto)
         self.device_map = {} if self.auto else parse_device_map(device_map)
         self.budgets = parse_budgets(max_memory) if self.auto or max_memory is not None else None
         # what the chooser works to: the budgets, lowered where a real plan overflowed one
@@ -210,7 +226,8 @@ class DeviceMapPartitioner:
         the one chosen under the budgets."""
         if self.auto:
             assert self.budgets is not None
-            self._choice = auto_device_map(exported_program, self._working, self._supported)
+            self._choice = auto_device_map(exported_program, self._working, self._supported, self.no_split,
+                                           original=self.budgets)
             return self._choice.device_map
         check_keys(self.device_map, module_paths(exported_program))
         return self.device_map
@@ -237,6 +254,11 @@ class DeviceMapPartitioner:
             if n in device:
                 groups.setdefault((stage[n], device[n]), []).append(n.name)
         return [Partition(names, target_device(d), self.backend_id) for (_, d), names in groups.items()]
+
+    @property
+    def last_choice(self) -> Choice | None:
+        """What "auto" chose last: the map, its estimates and whether they fit; None otherwise."""
+        return self._choice
 
     def tighten(self, need: Mapping[Device, int]) -> None:
         """After the real plan of the last choice needed `need` bytes per device: lower the
