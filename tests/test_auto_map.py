@@ -17,6 +17,7 @@ from ferry.aot.auto_map import collapse, parse_budgets
 from ferry.aot.compile import device_bytes
 from ferry.inspect import program_json, program_summary
 from ferry.program import load_program
+from ferry.program.report import copy_report
 from ferry.runtime import emulated_device
 from test_device_map import TinyLM, ids
 
@@ -241,3 +242,112 @@ def test_cli_auto_map(tmp_path, capsys):
     finally:
         if not had and get_allocator("emu") is not None:
             unregister_allocator("emu")
+
+
+# ------------------------------------------------------------------ against accelerate's map
+
+
+class Logits(torch.nn.Module):
+    """A transformers causal LM returning its logits (no cache: export wants tensors out)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model.eval()
+
+    def forward(self, ids):
+        return self.m(input_ids=ids, use_cache=False).logits
+
+
+def causal_lm(kind: str, layers: int, dim: int, vocab: int):
+    """(model, example ids, the model's no-split classes) of a small random transformers LM."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":  # tied wte / lm_head
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=layers, n_embd=dim, n_head=4, vocab_size=vocab, n_positions=64))
+    elif kind == "bloom":  # tied word_embeddings / lm_head
+        model = transformers.BloomForCausalLM(transformers.BloomConfig(
+            n_layer=layers, hidden_size=dim, n_head=4, vocab_size=vocab))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=layers, hidden_size=dim, intermediate_size=2 * dim, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64))
+    return Logits(model).eval(), ids(0, (1, 16), vocab), list(model._no_split_modules)
+
+
+def accelerate_map(model, budgets: dict[int, int], no_split, balanced=False):
+    """accelerate's map for `budgets` ({GPU index: bytes}), on emu devices; None where it
+    offloads (ferry maps no module to disk)."""
+    accelerate = pytest.importorskip("accelerate")
+    if balanced:
+        budgets = accelerate.utils.get_balanced_memory(model, max_memory=budgets, no_split_module_classes=no_split)
+    chosen = accelerate.infer_auto_device_map(model, max_memory=dict(budgets), no_split_module_classes=no_split)
+    if not all(isinstance(d, int) for d in chosen.values()):
+        return None
+    return {path: f"emu:{d}" for path, d in chosen.items()}
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight once
+
+
+def fits(ep, device_map, max_memory):
+    try:
+        return ferry.compile(ep, device_map=device_map, max_memory=max_memory)
+    except CompileError:
+        return None
+
+
+@pytest.mark.parametrize("kind, shape, fractions", [
+    ("gpt2", (6, 128, 1000), (0.33, 0.45)),  # the greedy chooser refused 0.33
+    ("bloom", (6, 64, 1000), (0.33, 0.37)),  # the greedy chooser refused 0.33-0.39
+    ("llama", (8, 64, 512), (0.34, 0.5)),
+    ("toy", (6, 64, 512), (0.6, 0.65)),  # tied head, no no-split class: accelerate splits blocks
+])
+def test_auto_fits_wherever_accelerates_map_fits(emu8, kind, shape, fractions):
+    """For each budget (a fraction of the weights on each of 4 devices) where accelerate's map,
+    compiled by ferry, fits: "auto" fits too, and its program equals eager."""
+    pytest.importorskip("accelerate")
+    if kind == "toy":
+        model, example, no_split = TinyLM(*shape), ids(0, (1, 8), shape[2]), []
+    else:
+        model, example, no_split = causal_lm(kind, *shape)
+    ep = torch.export.export(model, (example,))
+    compared = 0
+    for fraction in fractions:
+        budget = int(weight_bytes(model) * fraction)
+        max_memory = {f"emu:{i}": budget for i in range(4)}
+        theirs = accelerate_map(model, dict.fromkeys(range(4), budget), no_split)
+        if theirs is None or fits(ep, theirs, max_memory) is None:
+            continue
+        program = ferry.compile(ep, device_map="auto", max_memory=max_memory)
+        assert all(n <= budget for n in device_bytes(program).values())
+        module = ferry.Module(program)
+        for seed in (5, 6):
+            x = ids(seed, tuple(example.shape), shape[2])
+            torch.testing.assert_close(module.forward(x), model(x), atol=1e-5, rtol=1e-4)
+        compared += 1
+    assert compared  # accelerate's map fits at one budget at least: the comparison was made
+
+
+def d2d_copies(program) -> int:
+    return copy_report(program)["forward"].count("d2d")
+
+
+@pytest.mark.parametrize("fraction, balanced", [(0.35, False), (1.2, True)])
+def test_llama_layers_stay_whole_and_copy_no_more_than_accelerate(emu8, fraction, balanced):
+    """Tight budgets (accelerate's greedy map needs all four devices) and roomy ones (against its
+    balanced map, as from_pretrained(device_map="auto") makes): the model's own no-split class
+    is read without being passed, no decoder layer is cut, and no more tensors cross devices."""
+    model, example, no_split = causal_lm("llama", 8, 64, 512)
+    ep = torch.export.export(model, (example,))
+    budget = int(weight_bytes(model) * fraction)
+    max_memory = {f"emu:{i}": budget for i in range(4)}
+    theirs = fits(ep, accelerate_map(model, dict.fromkeys(range(4), budget), no_split, balanced), max_memory)
+    assert theirs is not None and len({d for d in theirs.methods["forward"].device_map.values()}) == 4
+    ours = ferry.compile(ep, device_map="auto", max_memory=max_memory)
+    chosen = ours.methods["forward"].device_map
+    assert all(re.fullmatch(r"m\.model\.layers\.\d+", k) for k in chosen if ".layers." in k), chosen
+    assert d2d_copies(ours) <= d2d_copies(theirs)
+    x = ids(7, (1, 16), 512)
+    torch.testing.assert_close(ferry.Module(ours).forward(x), model(x), atol=1e-5, rtol=1e-4)

@@ -171,9 +171,13 @@ def _partitioner(args):
     import ferry
 
     exclude = [s for s in (args.exclude or "").split(",") if s.strip()]
+    no_split = [s.strip() for s in args.no_split_module_classes.split(",") if s.strip()] \
+        if args.no_split_module_classes is not None else None
     if args.device_map is None:
         if args.max_memory is not None:
             raise UserError("--max-memory goes with --device-map (a map or 'auto')")
+        if no_split is not None:
+            raise UserError("--no-split-module-classes goes with --device-map auto")
         device = str(_parse_device(args.device or "cuda:0"))
         return ferry.OpSupportPartitioner(device, exclude=exclude, backend_id=args.backend), device
     if args.device is not None:
@@ -188,7 +192,7 @@ def _partitioner(args):
             _parse_device(value, "--max-memory")
     try:
         partitioner = ferry.DeviceMapPartitioner(device_map, exclude=exclude, max_memory=max_memory,
-                                                 backend_id=args.backend)
+                                                 backend_id=args.backend, no_split_module_classes=no_split)
     except ferry.ConfigError as e:
         raise UserError(f"--device-map: {e}") from None
     devices = partitioner.budgets if partitioner.auto else partitioner.device_map.values()
@@ -418,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(ferry splits the model under --max-memory)")
     c.add_argument("--max-memory", metavar="BUDGETS", help="what each device may hold, e.g. cuda:0=20GiB,cuda:1=20GiB; "
                    "compile fails, naming the device and the shortfall, when the program does not fit")
+    c.add_argument("--no-split-module-classes", metavar="CLASSES", help="with --device-map auto: comma-separated "
+                   "module class names never split over two devices, e.g. LlamaDecoderLayer (a transformers model's "
+                   "own _no_split_modules are read without it)")
     c.add_argument("--exclude", help="comma-separated ops kept on the CPU, e.g. aten.softmax,aten.gelu")
     c.add_argument("--skip-h2d", action="store_true", help="inputs read on the device are passed in already there")
     c.add_argument("--skip-d2h", action="store_true", help="device outputs stay on the device")
