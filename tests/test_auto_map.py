@@ -351,3 +351,92 @@ def test_llama_layers_stay_whole_and_copy_no_more_than_accelerate(emu8, fraction
     assert d2d_copies(ours) <= d2d_copies(theirs)
     x = ids(7, (1, 16), 512)
     torch.testing.assert_close(ferry.Module(ours).forward(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ no-split classes, tied weights
+
+
+class Pair(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Pairs(torch.nn.Module):
+    """Three blocks of two equal linears: on two devices of 1.9 blocks each, only a cut inside
+    the middle block fits."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h = torch.nn.ModuleList(Pair(dim) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+        return x
+
+
+def test_no_split_module_classes_keeps_a_block_whole(emu):
+    model = Pairs()
+    ep = torch.export.export(model, (torch.randn(1, 8, 64),))
+    block = sum(p.numel() * 4 for p in model.h[0].parameters())
+    max_memory = {"emu:0": int(1.9 * block), "emu:1": int(1.9 * block)}
+    program = ferry.compile(ep, device_map="auto", max_memory=max_memory)
+    chosen = program.methods["forward"].device_map
+    assert chosen["h.1.fc1"] != chosen["h.1.fc2"]  # the one split that fits cuts the middle block
+    x = torch.randn(1, 8, 64)
+    torch.testing.assert_close(ferry.Module(program).forward(x), model(x))
+    with pytest.raises(CompileError, match=r"no split .*'h\.\d' needs the most: " + f"{block:,} bytes of weights"):
+        ferry.compile(ep, device_map="auto", max_memory=max_memory, no_split_module_classes=["Pair"])
+
+
+def test_a_module_kept_whole_is_blamed_for_its_own_bytes(emu):
+    model = Pairs()
+    ep = torch.export.export(model, (torch.randn(1, 8, 64),))
+    block = sum(p.numel() * 4 for p in model.h[0].parameters())
+    linear = block // 2
+    budgets = {"emu:0": block - 100, "emu:1": block - 100}
+    with pytest.raises(CompileError, match=r"module 'h\.0' alone needs .* \(its class Pair is not split") as e:
+        ferry.compile(ep, device_map="auto", max_memory=budgets, no_split_module_classes=["Pair"])
+    assert bytes_after("alone needs", str(e.value)) == block and shortfall(str(e.value)) == 100
+    small = {"emu:0": linear - 100, "emu:1": linear - 100}
+    with pytest.raises(CompileError, match=r"module 'h\.0\.fc1' alone needs .*no submodules") as e:
+        ferry.compile(ep, device_map="auto", max_memory=small)  # a leaf, not the block above it
+    assert bytes_after("alone needs", str(e.value)) == linear and shortfall(str(e.value)) == 100
+
+
+@pytest.mark.parametrize("bad", ["Pair", [3], [""]])
+def test_bad_no_split_module_classes_are_config_errors(bad):
+    with pytest.raises(ConfigError, match="list of module class names"):
+        DeviceMapPartitioner("auto", max_memory=BIG, no_split_module_classes=bad)
+
+
+def test_no_split_module_classes_go_with_auto_only(emu, lm):
+    _, ep = lm
+    with pytest.raises(ConfigError, match="goes with device_map='auto'"):
+        ferry.compile(ep, device_map={"": "emu:0"}, no_split_module_classes=["Block"])
+    with pytest.raises(ConfigError, match="goes with device_map='auto'"):
+        ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), no_split_module_classes=["Block"])
+
+
+def test_an_unknown_no_split_class_is_told(emu):
+    ep = torch.export.export(Pairs(), (torch.randn(1, 8, 64),))
+    with pytest.warns(UserWarning, match=r"\['Piar'\] matches no module .*'Pair'"):
+        ferry.compile(ep, device_map="auto", max_memory=BIG, no_split_module_classes=["Piar"])
+
+
+def test_a_tied_head_goes_beside_its_embedding_when_that_saves_a_copy(emu8):
+    """GPT-2's lm_head reads wte's weight: placed beside wte, the weight is held once, and the
+    program holds exactly the model's weights (a tied weight counted once)."""
+    model, example, _ = causal_lm("gpt2", 6, 128, 1000)
+    ep = torch.export.export(model, (example,))
+    budget = int(weight_bytes(model) * 0.33)  # on 4 devices: a second copy of wte fits nowhere
+    program = ferry.compile(ep, device_map="auto", max_memory={f"emu:{i}": budget for i in range(4)})
+    chosen = program.methods["forward"].device_map
+    assert chosen["m.lm_head"] == chosen["m.transformer.wte"]
+    devices = program_json(program)["methods"]["forward"]["devices"]
+    assert sum(d["weights"] for d in devices.values()) == weight_bytes(model)
