@@ -239,6 +239,13 @@ def test_cli_auto_map(tmp_path, capsys):
         assert "DEVICE=SIZE" in capsys.readouterr().err
         assert main(base + ["--device-map", "auto", "--max-memory", "emu:0=1kB"]) == 2
         assert "short by" in capsys.readouterr().err
+        split = load_program(out).methods["forward"].device_map
+        assert main(base + ["--device-map", "auto", "--max-memory", "emu:0=1MB,emu:1=1MB",
+                            "--no-split-module-classes", "TransformerBlock"]) == 0
+        whole = load_program(out).methods["forward"].device_map
+        assert len(set(whole.values())) == 1 < len(set(split.values()))  # the block kept whole
+        assert main(base + ["--device", "emu:0", "--no-split-module-classes", "TransformerBlock"]) == 2
+        assert "goes with --device-map auto" in capsys.readouterr().err
     finally:
         if not had and get_allocator("emu") is not None:
             unregister_allocator("emu")
