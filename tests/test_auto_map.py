@@ -447,3 +447,20 @@ def test_a_tied_head_goes_beside_its_embedding_when_that_saves_a_copy(emu8):
     assert chosen["m.lm_head"] == chosen["m.transformer.wte"]
     devices = program_json(program)["methods"]["forward"]["devices"]
     assert sum(d["weights"] for d in devices.values()) == weight_bytes(model)
+
+
+def test_errors_after_retries_quote_the_callers_budgets(emu, lm, monkeypatch):
+    """An estimate blind to activations keeps choosing splits the real plan overflows; retries
+    lower the working budgets, and the error still quotes the budgets the caller gave."""
+    _, ep = lm
+    real_gather = auto_map.gather
+
+    def no_activations(*args):
+        facts = real_gather(*args)
+        facts.values = [dataclasses.replace(v, nbytes=0) for v in facts.values]
+        return facts
+
+    monkeypatch.setattr(auto_map, "gather", no_activations)
+    with pytest.raises(CompileError, match=r"over its budget of 400,000: short by") as e:
+        ferry.compile(ep, device_map="auto", max_memory={"emu:0": "400kB", "emu:1": "400kB"})
+    assert shortfall(str(e.value)) == bytes_after("allocates", str(e.value)) - 400_000
