@@ -109,6 +109,12 @@ class Backend:
         `host_io`: the program was compiled without device placement, so host tensors stand for
         the delegate's device ones (it moves them itself)."""
 
+    def writes_over(self, payload: bytes) -> dict[int, int]:
+        """{result position: argument position}: results the delegate may write over the memory of
+        that argument when the caller passes one tensor as both (a KV cache updated in place:
+        the old value is read for the last time where the new one is written); none by default."""
+        return {}
+
     def memory_needs(self, payload: bytes) -> list:
         """The buffers (program.schema.Buffer) the delegate works in, which the caller plans in its
         own arenas; none by default (it allocates what it needs)."""

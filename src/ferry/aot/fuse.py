@@ -34,25 +34,43 @@ import torch.fx
 from ferry.choices import attention, conv, gemm
 from ferry.choices.graph_edits import Rewrite
 
-__all__ = ["Rewrite", "fuse_for_inference", "fusion_notes"]
+__all__ = ["Rewrite", "fuse_for_inference", "fusion_notes", "merge_for_compiler"]
 
 aten = torch.ops.aten
 
 
-def fuse_for_inference(gm: torch.fx.GraphModule) -> list[Rewrite]:
+def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> list[Rewrite]:
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done.
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
-    order they are tested in: copies dropped, convolutions, attention, linears as GEMMs."""
+    order they are tested in: copies dropped, convolutions, attention, projections of one input
+    merged, linears as GEMMs. `merged`: the program's stacked weights (gemm.merge_projections)."""
     done = _drop_copies(gm)
-    for pattern in (*conv.PATTERNS, *attention.PATTERNS, *gemm.PATTERNS):
+    for pattern in (*conv.PATTERNS, *attention.PATTERNS):
+        done += pattern(gm)
+    done += gemm.merge_projections(gm, merged)
+    for pattern in gemm.PATTERNS:
         done += pattern(gm)
     if done:
-        for node in reversed(list(gm.graph.nodes)):  # what only a dropped mask read, then unread constants
-            if not node.users and (node.op == "get_attr" or (node.op == "call_function" and not node.is_impure())):
-                gm.graph.erase_node(node)
-        gm.graph.lint()
-        gm.recompile()
+        tidy(gm)
     return done
+
+
+def merge_for_compiler(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    """What a graph compiler (the inductor backend) does not do itself: projections of one input
+    merged into one GEMM over stacked weights (Inductor keeps each linear its own cuBLAS call)."""
+    done = gemm.merge_projections(gm)
+    if done:
+        tidy(gm)
+    return done
+
+
+def tidy(gm: torch.fx.GraphModule) -> None:
+    """Erase what only rewritten nodes read (a dropped mask, unread constants), then recompile."""
+    for node in reversed(list(gm.graph.nodes)):
+        if not node.users and (node.op == "get_attr" or (node.op == "call_function" and not node.is_impure())):
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _drop_copies(gm: torch.fx.GraphModule) -> list[Rewrite]:
@@ -81,8 +99,12 @@ def fusion_notes(done: list[Rewrite]) -> dict[str, str]:
     """What `fuse_for_inference` did, as kernel choices of the method (shown by ferry inspect)."""
     count = {kind: sum(r.kind == kind for r in done)
              for kind in ("copy dropped", "fold", "conv relu", "patches", "attention", "mask dropped", "mask causal",
-                          "gemm")}
+                          "gemm", "projections merged")}
     notes = {}
+    if count["projections merged"]:
+        notes["linears of one input merged"] = (
+            f"{count['projections merged']} linears reading one input (q/k/v, gate/up) run as fewer GEMMs over their "
+            "weights stacked at compile time, each result a slice")
     if count["copy dropped"]:
         notes["clones dropped"] = (
             f"{count['copy dropped']} copies that keep the layout (dropout at inference) dropped: the value itself is read")

@@ -31,6 +31,7 @@ import torch
 import torch.fx
 
 from ferry.aot.emit import emit_method
+from ferry.aot.fuse import merge_for_compiler
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
@@ -58,6 +59,8 @@ class InductorBackend(Backend):
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         device = delegate_target_device(lowered) or CPU
+        if options.fuse_for_inference:
+            merge_for_compiler(lowered.original_module)
         opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False,
                                    functional_kernels=True, fuse_for_inference=False)
         builder = ProgramBuilder()

@@ -22,6 +22,7 @@ from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHa
 from ferry.device import CPU
 from ferry.errors import ProgramError
 from ferry.program import Program, load_program, program_to_bytes
+from ferry.program.dataflow import in_place_outputs
 from ferry.program.ranks import localized
 from ferry.program.schema import Buffer, TensorValue, upload_key
 from ferry.runtime.stages.method import LoadedMethod
@@ -35,7 +36,8 @@ class TorchBackend(Backend):
         device = delegate_target_device(lowered) or CPU
         opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False)
         builder = ProgramBuilder(outer=data.store if data is not None else None)
-        fused = fuse_for_inference(lowered.original_module) if options.fuse_for_inference else []
+        merged = data.store.merged if data is not None else None
+        fused = fuse_for_inference(lowered.original_module, merged) if options.fuse_for_inference else []
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
         method.kernel_choices.update(fusion_notes(fused))
         if data is None:
@@ -45,6 +47,9 @@ class TorchBackend(Backend):
     def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False,
                    data: ProgramData | None = None) -> None:
         check_payload_call(payload, args, outputs, host_io, data)
+
+    def writes_over(self, payload, data: ProgramData | None = None) -> dict[int, int]:
+        return in_place_outputs(payload_program(payload, data).method("forward"))
 
     def memory_needs(self, payload, data: ProgramData | None = None) -> list[Buffer]:
         """The buffers the delegate works in: the caller plans them in its own arenas."""

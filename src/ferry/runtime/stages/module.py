@@ -12,6 +12,7 @@ from ferry.device import CPU
 from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, ProgramError
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program import Program, load_program
+from ferry.program.dataflow import state_overwrite
 from ferry.program.footprint import unknown_limit_keys
 from ferry.program.ranks import program_ranks
 from ferry.program.schema import DelegateCall, MethodMeta, TensorValue
@@ -32,12 +33,24 @@ def _check_delegate_calls(program: Program, method) -> None:
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate]
             backend = get_backend(d.backend_id)
+            data = data_kwargs(backend, ProgramData(program.segments))
             try:
                 backend.check_call(program.segments[d.payload], [method.values[a] for a in ins.args],
-                                   [method.values[o] for o in ins.outputs], host_io=host_io,
-                                   **data_kwargs(backend, ProgramData(program.segments)))
+                                   [method.values[o] for o in ins.outputs], host_io=host_io, **data)
+                _check_state_written_over(method, k, backend, program.segments[d.payload], data)
             except ProgramError as e:
                 raise ProgramError(f"method {method.name!r} instruction {k} (delegate {ins.delegate}): {e}") from None
+
+
+def _check_state_written_over(method, k: int, backend, payload, data: dict) -> None:
+    """Each update the call writes over its state (storage 'state'; dataflow.py checked the
+    method's side) is one its backend says it may write over that argument."""
+    for mb in method.mutable_buffers:
+        if method.tensor(mb.update).storage == "state" and mb.update in method.instructions[k].outputs:
+            where = state_overwrite(method, mb)
+            if where is None or backend.writes_over(payload, **data).get(where[2]) != where[1]:
+                raise ProgramError(f"result {method.instructions[k].outputs.index(mb.update)} is written over the state "
+                                   f"{mb.name!r} in place, which the delegate's payload does not allow")
 
 
 def _check_limit_keys(limits: dict[str, int] | None, program: Program) -> None:
