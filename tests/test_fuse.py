@@ -805,3 +805,40 @@ def test_merged_projections_on_cuda_equal_eager(full_fp32):
     program = compile_on(model, (torch.randn(1, 1, 32),), device="cuda:0")
     assert len(_linears(program)) == 4
     assert_matches_eager(program, model, lambda: (torch.randn(1, 1, 32),))
+
+
+class GroupedHeads(torch.nn.Module):
+    """transformers' repeat_kv before SDPA: 8 query heads over 2 KV heads, with a mask."""
+
+    def forward(self, q, k, v, mask):
+        b, h, n, d = k.shape
+        k = k[:, :, None].expand(b, h, 4, n, d).reshape(b, h * 4, n, d)
+        v = v[:, :, None].expand(b, h, 4, n, d).reshape(b, h * 4, n, d)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+
+
+def _grouped_inputs(rows=1):
+    mask = torch.rand(1, 1, rows, 12) > 0.3
+    mask[..., 0] = True
+    return (torch.randn(1, 8, rows, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16), mask)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_attention_reads_grouped_kv_heads_without_repeating_them(emu, rows):
+    model = GroupedHeads()
+    program = compile_on(model, _grouped_inputs(rows))
+    kernels = delegate_kernels(program)
+    assert "aten::expand.default" not in kernels and "aten::clone.default" not in kernels, kernels
+    (sdpa,) = [i for i in delegate_method(program).instructions if getattr(i, "kernel", "") == SDPA]
+    assert sdpa and "attention over grouped KV heads" in delegate_method(program).kernel_choices
+    assert "aten::expand.default" in delegate_kernels(compile_on(model, _grouped_inputs(rows), fuse=False))
+    assert_matches_eager(program, model, lambda: _grouped_inputs(rows))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_grouped_kv_heads_on_cuda_equal_eager(full_fp32):
+    model = GroupedHeads()
+    program = compile_on(model, _grouped_inputs(), device="cuda:0")
+    assert "aten::expand.default" not in delegate_kernels(program)
+    assert_matches_eager(program, model, lambda: _grouped_inputs())

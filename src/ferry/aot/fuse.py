@@ -56,9 +56,10 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
 
 
 def merge_for_compiler(gm: torch.fx.GraphModule) -> list[Rewrite]:
-    """What a graph compiler (the inductor backend) does not do itself: projections of one input
-    merged into one GEMM over stacked weights (Inductor keeps each linear its own cuBLAS call)."""
-    done = gemm.merge_projections(gm)
+    """What a graph compiler (the inductor backend) does not do itself: grouped KV heads read by
+    attention as they are (no repeated copy of the cache), and projections of one input merged
+    into one GEMM over stacked weights (Inductor keeps each linear its own cuBLAS call)."""
+    done = attention.grouped_heads(gm) + gemm.merge_projections(gm)
     if done:
         tidy(gm)
     return done
@@ -99,8 +100,12 @@ def fusion_notes(done: list[Rewrite]) -> dict[str, str]:
     """What `fuse_for_inference` did, as kernel choices of the method (shown by ferry inspect)."""
     count = {kind: sum(r.kind == kind for r in done)
              for kind in ("copy dropped", "fold", "conv relu", "patches", "attention", "mask dropped", "mask causal",
-                          "gemm", "projections merged")}
+                          "gemm", "projections merged", "grouped heads")}
     notes = {}
+    if count["grouped heads"]:
+        notes["attention over grouped KV heads"] = (
+            f"{count['grouped heads']} attention(s) read each KV head for its group of query heads (enable_gqa): "
+            "the traced copies repeating the cache per query head are gone")
     if count["projections merged"]:
         notes["linears of one input merged"] = (
             f"{count['projections merged']} linears reading one input (q/k/v, gate/up) run as fewer GEMMs over their "
