@@ -12,11 +12,13 @@ rounded before the bias is added. Under deterministic algorithms eager's kernel 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 
 from ferry import node_meta as M
 from ferry.choices import timing
@@ -211,15 +213,18 @@ def _merge(gm, x, users: list, merged: dict) -> None:
         args = [x, w]
         if biases[0] is not None:
             args.append(constant(gm, f"{biases[0].target}_merged", _stacked(gm, biases, merged), biases[0]))
-        vals = [a.meta["val"] for a in args]
-        y = call(gm, first, aten.linear.default, tuple(args), aten.linear.default(*vals))
-        start = 0
-        for u in users:
-            width = u.args[1].meta["val"].shape[0] if "val" in u.args[1].meta else attr(gm, u.args[1]).shape[0]
-            part = call(gm, u, aten.slice.Tensor, (y, -1, start, start + width),
-                        aten.slice.Tensor(y.meta["val"], -1, start, start + width))
-            start += width
-            u.replace_all_uses_with(part)
+        xv, wv = x.meta["val"], w.meta["val"]
+        # the result's value made directly: sizes may be symbolic (a dynamic prompt), which linear's
+        # composite kernel cannot take in some torch releases
+        with detect_fake_mode([xv, wv]) or contextlib.nullcontext():
+            y = call(gm, first, aten.linear.default, tuple(args), xv.new_empty((*xv.shape[:-1], wv.shape[0])))
+            start = 0
+            for u in users:
+                width = attr(gm, u.args[1]).shape[0]
+                part = call(gm, u, aten.slice.Tensor, (y, -1, start, start + width),
+                            aten.slice.Tensor(y.meta["val"], -1, start, start + width))
+                start += width
+                u.replace_all_uses_with(part)
     for u in users:
         gm.graph.erase_node(u)
 
