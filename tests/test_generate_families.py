@@ -3,8 +3,9 @@ family, through the export paths users have: transformers' ExecuTorch integratio
 
 Paths: `TorchExportableModuleForDecoderOnlyLM` with a dynamic prefill length (it picks a hybrid
 cache, TorchExportableModuleWithHybridCache, for a config with `layer_types` and a sliding window,
-else TorchExportableModuleWithStaticCache); `convert_and_export_with_cache`, one token per call or a
-dynamic length; and a prefill and a decode method compiled together (sharing the cache). Families:
+else TorchExportableModuleWithStaticCache), strict (its default) or not; `convert_and_export_with_cache`,
+one token per call or a dynamic length; and a prefill and a decode method compiled together (sharing
+the cache). Families:
 Llama, Qwen 2, Qwen 3, Gemma, Gemma 2, Gemma 3 (text), Phi-3, Mistral, on tiny random configs whose
 sliding window (8) is short beside the prompt (12) plus 64 new tokens; every family on emu:0 with
 token ids and logits on the device, a few on the CPU and on emu:0 with host inputs too, each program
@@ -68,8 +69,9 @@ def export(name: str, path: str, batch: int = 1):
     one, few = torch.zeros(batch, 1, dtype=torch.long), torch.zeros(batch, 3, dtype=torch.long)
     dynamic = {"input_ids": {1: PREFILL}, "cache_position": {0: PREFILL}}
     with torch.no_grad():
-        if path == "recipe":
-            return _recipe(name, batch).export(input_ids=few, cache_position=torch.arange(3), dynamic_shapes=dynamic)
+        if path in ("recipe", "recipe-nonstrict"):
+            return _recipe(name, batch).export(input_ids=few, cache_position=torch.arange(3), dynamic_shapes=dynamic,
+                                               strict=path == "recipe")
         if path == "convert":
             return executorch.convert_and_export_with_cache(decoder(name))
         if path == "convert-dynamic":
@@ -102,11 +104,13 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor) -> int:
     return int((got != want).any(dim=0).int().argmax()) - PROMPT
 
 
+# every family on one placement; a hybrid cache and a sliding static one on the other two; each
+# other path on one family (a case costs an export and a compile: about 4 s on 2 cores)
 CASES = [(name, "recipe", "emu-io") for name in FAMILY]
-CASES += [(name, "recipe", placement) for name in ("llama", "gemma3", "mistral") for placement in ("cpu", "emu")]
-CASES += [("llama", "convert", "cpu"), ("gemma2", "convert", "emu"), ("phi3", "convert-dynamic", "cpu"),
-          ("qwen3", "convert-dynamic", "emu-io"), ("qwen2", "prefill+decode", "cpu"),
-          ("gemma3", "prefill+decode", "emu-io"), ("mistral", "prefill+decode", "emu")]
+CASES += [(name, "recipe", placement) for name in ("gemma3", "mistral") for placement in ("cpu", "emu")]
+CASES += [("llama", "convert", "cpu"), ("gemma2", "convert", "emu"), ("qwen3", "convert-dynamic", "emu-io"),
+          ("qwen2", "prefill+decode", "cpu"), ("gemma3", "prefill+decode", "emu-io"),
+          ("qwen3", "recipe-nonstrict", "emu-io")]  # the cache lifted as constants it writes (aot/lifted_state.py)
 
 
 @pytest.mark.parametrize("name,path,placement", CASES, ids=["-".join(c) for c in CASES])
