@@ -227,3 +227,24 @@ def test_a_hand_written_static_cache_generates_what_recomputing_picks(emu, tmp_p
             tokens = torch.cat([tokens, model.recompute(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert len(set(tokens[:, PROMPT:].flatten().tolist())) >= 8
     assert got.tokens.tolist() == tokens.tolist()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphs"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma4", "mistral"])
+def test_on_the_gpu_greedy_tokens_equal_transformers_on_the_gpu(full_fp32, name, graphs):
+    """Prefill and decode compiled for cuda:0 with the skip flags (token ids, logits and the cache
+    stay on the GPU), twice (graphs captured, then replayed); the reference is transformers'
+    generate of the same weights on the same GPU, fp32 without TF32."""
+    keep = ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True)
+    program = ferry.compile(export(name, "prefill+decode"), ferry.OpSupportPartitioner("cuda:0"),
+                            ferry.CompileConfig(propagate_device=keep))
+    module = ferry.Module(ferry.load_program(program.to_bytes()), cuda_graphs=graphs)
+    prompt = token_ids((1, PROMPT), 9)
+    with torch.no_grad():
+        want = make_model(name).cuda().generate(prompt.cuda(), attention_mask=torch.ones_like(prompt).cuda(),
+                                                max_new_tokens=NEW, do_sample=False).cpu()
+    for _ in range(2):
+        got = ferry.generate(module, prompt, NEW)
+        assert got.tokens.tolist() == want.tolist(), f"first difference at new token {_first_difference(got.tokens, want)}"
