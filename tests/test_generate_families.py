@@ -107,7 +107,7 @@ def reference(name: str, rows: int, length: int, seed: int) -> torch.Tensor:
     prompt = token_ids((rows, length), seed)
     with torch.no_grad():
         tokens = decoder(name).generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
-                                      do_sample=False)
+                                        do_sample=False)
     assert len(set(tokens[:, length:].flatten().tolist())) >= 8, f"{name}: {tokens[:, length:].tolist()}"
     return tokens
 
@@ -116,15 +116,15 @@ def check_generates(run: Compiled, name: str, rows: int = 1, length: int = PROMP
     want = reference(name, rows, length, seed)
     got = ferry.generate(run.module, want[:, :length], NEW)
     assert got.new_tokens.shape == (rows, NEW)
-    assert got.tokens.tolist() == want.tolist(), f"first difference at new token {_first_difference(got.tokens, want)}"
+    assert got.tokens.tolist() == want.tolist(), f"new token {_first_difference(got.tokens, want, length)} differs"
 
 
-def _first_difference(got: torch.Tensor, want: torch.Tensor) -> int:
-    return int((got != want).any(dim=0).int().argmax()) - PROMPT
+def _first_difference(got: torch.Tensor, want: torch.Tensor, prompt: int = PROMPT) -> int:
+    return int((got != want).any(dim=0).int().argmax()) - prompt
 
 
 # every family on one placement; a hybrid cache and a sliding static one on the other two; each
-# other path on one family (a case costs an export and a compile: about 4 s on 2 cores)
+# other path on one family (a case costs an export and a compile: 3-10 s on 2 shared cores)
 CASES = [(name, "recipe", "emu-io") for name in FAMILY]
 CASES += [(name, "recipe", placement) for name in ("gemma3", "mistral") for placement in ("cpu", "emu")]
 CASES += [("llama", "convert", "cpu"), ("gemma2", "convert", "emu"), ("qwen3", "convert-dynamic", "emu-io"),
@@ -247,4 +247,4 @@ def test_on_the_gpu_greedy_tokens_equal_transformers_on_the_gpu(full_fp32, name,
                                                 max_new_tokens=NEW, do_sample=False).cpu()
     for _ in range(2):
         got = ferry.generate(module, prompt, NEW)
-        assert got.tokens.tolist() == want.tolist(), f"first difference at new token {_first_difference(got.tokens, want)}"
+        assert got.tokens.tolist() == want.tolist(), f"new token {_first_difference(got.tokens, want)} differs"
