@@ -32,6 +32,7 @@ from ferry.runtime.stages.refs import (
     meta_of,
     resolve,
 )
+from ferry.runtime.stages.sizes import check_results, meta_results, sizing_meta
 from ferry.runtime.stages.steps import Step
 
 __all__ = ["KernelSteps"]
@@ -63,6 +64,7 @@ class KernelSteps:
             raise ProgramError(f"method {m.name!r} instruction {index}: {e}") from None
         check_call(op, ins.args, ins.outputs, m.values, f"method {m.name!r} instruction {index}")
         pos, kw = bind_aten(op, ins.args, self.ref)
+        sized = self._sized(op, pos, kw, ins, index)  # before anything of it runs, here or in a call
         pos, op = self._storage_offset_in_arena(op, ins, pos, index)
         op = self._runnable_here(op, ins)
         writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
@@ -97,7 +99,30 @@ class KernelSteps:
                 return fn(*a, **k)
         else:
             call = self._run_functional(op, pos, kw, ins.outputs, ins)
+        if sized is not None:
+            call = _after(sized, call)
         return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins))
+
+    def _sized(self, op, pos, kw, ins: KernelCall, index: int):
+        """The kernel makes what the program declares (runtime/stages/sizes.py): checked here when
+        the shapes of its arguments are known at load; else the check each call runs first."""
+        m = self.m
+        label = f"method {m.name!r} instruction {index} ({ins.kernel})"
+        declared = [m.values[o] if isinstance(m.values[o], TensorValue) else None for o in ins.outputs]
+        op = torch.ops.aten.reshape.default if op in LAYOUT_VIEWS else op  # (as _run_functional runs it)
+        try:
+            args = [sizing_meta(m, r, self.shapes) for r in pos]
+            kwargs = {k: sizing_meta(m, r, self.shapes) for k, r in kw.items()}
+        except NoMeta:
+            slots = self.slots
+
+            def check():
+                results = meta_results(op, [resolve(r, slots) for r in pos], {k: resolve(r, slots) for k, r in kw.items()})
+                check_results(results, declared, label)
+
+            return check
+        check_results(meta_results(op, args, kwargs), declared, label)
+        return None
 
     def _storage_offset_in_arena(self, op, ins: KernelCall, pos: list, index: int):
         """`as_strided`'s storage offset counts from the start of its input's memory, as in eager,
@@ -317,6 +342,15 @@ def _check_written(op, ins: KernelCall, label: str) -> None:
             raise ProgramError(f"{label}: value {o} is passed as its argument {names}, which the kernel does not "
                                "write, so the result would never reach it (a kernel that returns its result "
                                "stands where one writing through an out argument must)")
+
+
+def _after(check, call):
+    """`call`, once `check` has passed."""
+    def run():
+        check()
+        return call()
+
+    return run
 
 
 def _compact(t: torch.Tensor) -> None:
