@@ -32,7 +32,7 @@ from ferry.runtime.stages.refs import (
     meta_of,
     resolve,
 )
-from ferry.runtime.stages.sizes import check_results, meta_results, sizing_meta
+from ferry.runtime.stages.sizes import call_check, check_kernel
 from ferry.runtime.stages.steps import Step
 
 __all__ = ["KernelSteps"]
@@ -106,22 +106,11 @@ class KernelSteps:
     def _sized(self, op, pos, kw, ins: KernelCall, index: int):
         """The kernel makes what the program declares (runtime/stages/sizes.py): checked here when
         the shapes of its arguments are known at load; else the check each call runs first."""
-        m = self.m
-        label = f"method {m.name!r} instruction {index} ({ins.kernel})"
-        declared = [m.values[o] if isinstance(m.values[o], TensorValue) else None for o in ins.outputs]
-        op = torch.ops.aten.reshape.default if op in LAYOUT_VIEWS else op  # (as _run_functional runs it)
+        label = f"method {self.m.name!r} instruction {index} ({ins.kernel})"
         try:
-            args = [sizing_meta(m, r, self.shapes) for r in pos]
-            kwargs = {k: sizing_meta(m, r, self.shapes) for k, r in kw.items()}
+            check_kernel(self.m, op, pos, kw, ins.outputs, label, self.shapes)
         except NoMeta:
-            slots = self.slots
-
-            def check():
-                results = meta_results(op, [resolve(r, slots) for r in pos], {k: resolve(r, slots) for k, r in kw.items()})
-                check_results(results, declared, label)
-
-            return check
-        check_results(meta_results(op, args, kwargs), declared, label)
+            return call_check(self.m, op, pos, kw, ins.outputs, label, self.slots)
         return None
 
     def _storage_offset_in_arena(self, op, ins: KernelCall, pos: list, index: int):

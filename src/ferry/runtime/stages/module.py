@@ -16,7 +16,7 @@ from ferry.program.footprint import unknown_limit_keys
 from ferry.program.ranks import program_ranks
 from ferry.program.schema import DelegateCall, MethodMeta, TensorValue
 from ferry.program.states import program_states
-from ferry.runtime.devices.limits import check_limits, load_bytes, parse_limits
+from ferry.runtime.devices.limits import call_bytes, check_limits, load_bytes, parse_limits
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
 from ferry.runtime.stages.method import LoadedMethod
@@ -157,9 +157,12 @@ class Module:
     its own shape without graphs (one warning, once). Without buckets, every shape called three
     times captures graphs of its own and keeps their memory while its plan is kept.
 
-    max_memory caps what loading may allocate: one size for every device, or {device: size}
-    ("cpu", "cuda:0", or a type for all its indices; sizes in bytes or like "20GiB"). Loading a
-    method that would need more raises AllocationError before allocating anything.
+    max_memory caps what loading and calling may allocate: one size for every device, or
+    {device: size} ("cpu", "cuda:0", or a type for all its indices; sizes in bytes or like
+    "20GiB"). A call allocates only results of the sizes the program declares (the bounds of
+    dynamic dims; each kernel is held to them before it runs), so loading a method counts its
+    memory and the most one call makes, and raises AllocationError before allocating anything
+    when that is over the cap.
     """
 
     def __init__(self, program: Program | str | os.PathLike, *, outputs: str = "copy", pin_host_memory: bool = True,
@@ -223,8 +226,9 @@ class Module:
                 return
             _check_delegate_calls(self.program, self.program.method(name))
             if self.max_memory:
-                need = load_bytes(self.program, self.program.method(name), self.cuda_graphs)
-                check_limits(self.max_memory, need, len(self._instances), name)
+                method = self.program.method(name)
+                check_limits(self.max_memory, load_bytes(self.program, method, self.cuda_graphs), len(self._instances),
+                             name, call_bytes(self.program, method, data=ProgramData(self.program.segments)))
             taken = [self._free.get() for _ in self._instances]  # no call runs while loading
             try:
                 for inst in taken:

@@ -11,6 +11,8 @@ load (program/footprint.py, `call_bytes`).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 
 from ferry.errors import ProgramError
@@ -18,11 +20,45 @@ from ferry.ops.variants import functional_variant
 from ferry.program.schema import ConstValue, Method, TensorValue
 from ferry.runtime.stages.kernels import _checked_once
 from ferry.runtime.stages.kernels import _to_meta as as_meta  # (every device the meta device)
-from ferry.runtime.stages.refs import Fixed, Listed, NoMeta, Ref, meta_of
+from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, NoMeta, Ref, meta_of, resolve
 
-__all__ = ["META", "check_results", "meta_results", "sizing_meta"]
+__all__ = ["META", "STATISTICS_DIFFER", "call_check", "check_kernel", "check_results", "declared", "meta_results",
+           "sizing_meta"]
 
 META = torch.device("meta")
+
+# results whose size the meta kernel says otherwise than a device's kernel: batch norm's saved
+# statistics in eval are empty on the CPU, one per channel on meta (and CUDA). A file may
+# declare either; what either allocates is bounded by the input's channels. op packet -> results
+STATISTICS_DIFFER = MappingProxyType({
+    name: frozenset({1, 2}) for name in ("_native_batch_norm_legit_no_training", "_native_batch_norm_legit",
+                                         "native_batch_norm")
+})
+
+
+def check_kernel(m: Method, op, pos: list, kw: dict, outputs, label: str, shapes: dict | None = None) -> None:
+    """ProgramError unless `op` on these arguments (references, as bind_aten made them) makes the
+    `outputs` the method declares; NoMeta where only a call knows the arguments' sizes."""
+    op = torch.ops.aten.reshape.default if op in LAYOUT_VIEWS else op  # (run so over values of a call)
+    args = [sizing_meta(m, r, shapes) for r in pos]
+    kwargs = {k: sizing_meta(m, r, shapes) for k, r in kw.items()}
+    check_results(op, meta_results(op, args, kwargs), declared(m, outputs), label)
+
+
+def call_check(m: Method, op, pos: list, kw: dict, outputs, label: str, slots: list):
+    """The check of `check_kernel` on the arguments of each call, before the kernel runs."""
+    op = torch.ops.aten.reshape.default if op in LAYOUT_VIEWS else op
+    want = declared(m, outputs)
+
+    def check():
+        results = meta_results(op, [resolve(r, slots) for r in pos], {k: resolve(r, slots) for k, r in kw.items()})
+        check_results(op, results, want, label)
+
+    return check
+
+
+def declared(m: Method, outputs) -> list:
+    return [m.values[o] if isinstance(m.values[o], TensorValue) else None for o in outputs]
 
 
 def sizing_meta(m: Method, r: Ref, shapes: dict | None = None):
@@ -94,9 +130,10 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
-def check_results(results: tuple | str, declared: list, label: str) -> None:
-    """ProgramError unless each result is the declared tensor (`declared`: a TensorValue, or
-    None for a result that is not one): its dtype, and its shape (a dynamic dim within its bound)."""
+def check_results(op, results: tuple | str, declared: list, label: str) -> None:
+    """ProgramError unless each result `op` makes is the declared tensor (`declared`: a
+    TensorValue, or None for a result that is not one): its dtype, and its shape (a dynamic
+    dim within its bound; STATISTICS_DIFFER: empty, too)."""
     if isinstance(results, str):
         raise ProgramError(f"{label}: ferry cannot tell the size of its results before running it ({results}), so "
                            "it cannot bound the memory it allocates; such a kernel cannot run from a program file")
@@ -105,7 +142,8 @@ def check_results(results: tuple | str, declared: list, label: str) -> None:
     for j, (r, v) in enumerate(zip(results, declared)):
         if not isinstance(v, TensorValue):
             continue
-        if r is None or r[1] != v.torch_dtype or not _fits(r[0], v):
+        empty_ok = j in STATISTICS_DIFFER.get(getattr(op, "_opname", ""), ()) and tuple(v.shape) == (0,)
+        if r is None or r[1] != v.torch_dtype or not (_fits(r[0], v) or empty_ok):
             got = "no tensor" if r is None else f"{str(r[1]).removeprefix('torch.')}{list(r[0])}"
             want = f"{v.dtype}{list(v.shape)}" + (" (the bounds of its dynamic dims)" if any(v.dynamic) else "")
             raise ProgramError(f"{label}: its result {j} would be {got}, but the program declares {want}; the "
