@@ -125,6 +125,7 @@ def call_bytes(program, method: Method, handed_out: bool = True, data: ProgramDa
     file whose kernels disagree): the most run-time results alive at once (each is freed after
     its last reader, as eager frees it), what its delegates' calls allocate, and with
     `handed_out` the caller's outputs (made fresh, or copies of the program's memory)."""
+    data = data if data is not None else ProgramData(program.segments)
     n = len(method.instructions)
     events: dict[Device, list[int]] = {}
 

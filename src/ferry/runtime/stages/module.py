@@ -228,7 +228,7 @@ class Module:
             if self.max_memory:
                 method = self.program.method(name)
                 check_limits(self.max_memory, load_bytes(self.program, method, self.cuda_graphs), len(self._instances),
-                             name, call_bytes(self.program, method, data=ProgramData(self.program.segments)))
+                             name, call_bytes(self.program, method))
             taken = [self._free.get() for _ in self._instances]  # no call runs while loading
             try:
                 for inst in taken:
