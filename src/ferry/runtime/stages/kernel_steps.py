@@ -14,7 +14,7 @@ from ferry.choices import hook
 from ferry.choices.decisions import Site
 from ferry.errors import InputError, ProgramError
 from ferry.op_names import resolve_kernel
-from ferry.ops.aliasing import STORAGE_OFFSET_AT, composite_results, returns_inputs
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, composite_results, is_view, returns_inputs
 from ferry.ops.variants import functional_variant, has_device_kernel
 from ferry.program.lifetimes import tensor_ids
 from ferry.program.schema import DEFAULT_ARG, KernelCall, Method, TensorValue, memory_owner
@@ -110,6 +110,8 @@ class KernelSteps:
         try:
             check_kernel(self.m, op, pos, kw, ins.outputs, label, self.shapes)
         except NoMeta:
+            if is_view(op) and op not in LAYOUT_VIEWS:
+                return None  # a view allocates nothing, and the steps after it size the tensor it is
             return call_check(self.m, op, pos, kw, ins.outputs, label, self.slots)
         return None
 
