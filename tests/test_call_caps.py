@@ -222,3 +222,30 @@ def test_meta_sizing_allocates_nothing_and_says_when_it_cannot():
     assert isinstance(why, str) and why
     with pytest.raises(ProgramError, match="cannot tell the size"):
         check_results(torch.ops.aten.nonzero.default, why, [f32((4, 1))], "instruction 0")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_a_hostile_delegate_allocates_nothing_of_its_size_and_a_call_is_counted():
+    """The relu delegated to cuda:0: replaced by a 64 MiB `repeat`, the load is refused and the GPU's
+    peak never held it; the real program's run-time results on cuda:0 are counted against its cap."""
+    program = relu_program(ferry.OpSupportPartitioner("cuda:0"))
+
+    def make(m, relu, add):
+        (src,), (out,) = m.instructions[relu].args, m.instructions[relu].outputs
+        return [*m.instructions[:relu], KernelCall("aten::repeat.default", (src, ints(add, [1024, 512])), (out,)),
+                *m.instructions[relu + 1:]]
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(ProgramError, match=r"aten::repeat.default.*would be float32\[4096, 4096\]"):
+        ferry.Module(payload_with(program, make), max_memory=CAP).load_method()
+    assert torch.cuda.max_memory_allocated() - before < 4096 * 4096 * 4
+    assert torch.cuda.memory_allocated() == before
+    gpu = ferry.Device("cuda", 0)
+    need = load_bytes(program, program.method("forward")).get(gpu, 0) + call_bytes(program, program.method("forward"))[gpu]
+    with pytest.raises(AllocationError, match="on cuda:0"):
+        ferry.Module(program, max_memory={"cuda:0": need - 1}).load_method()
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(ferry.Module(program, max_memory={"cuda:0": need})(x), torch.relu(x) * 2)
