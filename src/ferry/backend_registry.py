@@ -125,6 +125,11 @@ class Backend:
         `given_memory`), for memory limits checked before loading; unknown by default."""
         return {}
 
+    def call_bytes(self, payload: bytes) -> dict:
+        """Bytes one call of the delegate allocates per device besides what `init` did (results
+        made at run time), for memory limits checked before loading; unknown by default."""
+        return {}
+
 
 def data_kwargs(backend: Backend, data: ProgramData | None) -> dict:
     """`{"data": data}` for a backend that shares the program's data, else nothing."""

@@ -35,7 +35,7 @@ from ferry.aot.fuse import merge_for_compiler
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
-from ferry.backends.torch import check_payload_call, payload_load_bytes
+from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
@@ -45,7 +45,8 @@ from ferry.program.ranks import localized
 from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
 from ferry.runtime.stages.kernels import bind_aten, check_call, returns_list
 from ferry.runtime.stages.load import Memory, load_memory
-from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, PerCall, Ref
+from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, NoMeta, PerCall, Ref, ref
+from ferry.runtime.stages.sizes import check_kernel
 
 __all__ = ["InductorBackend", "graph_of"]
 
@@ -83,12 +84,16 @@ class InductorBackend(Backend):
     def load_bytes(self, payload, given_memory: bool) -> dict:
         return payload_load_bytes(payload, given_memory)  # the constants it uploads (nothing is planned)
 
+    def call_bytes(self, payload) -> dict:
+        return payload_call_bytes(payload)  # counted op by op, as eager allocates (the dry run too)
+
     def init(self, payload, compile_specs, *, pin_host: bool = True, memory=None,
              caller: CallerPlan = NOT_CAPTURED) -> DelegateHandle:
         program = load_program(payload)
         method = localized(program.method("forward"))
         mem = load_memory(program.segments, method, pin_host=False)
         try:
+            check_sizes(method, mem)  # before the dry run allocates what the file declares
             gm = graph_of(method, mem)
             examples: list = [_example(method.values[v]) for v in method.inputs]
             _dry_run(gm, examples)
@@ -104,6 +109,21 @@ class InductorBackend(Backend):
                           RuntimeWarning, stacklevel=2)
             compiled = gm
         return _Compiled(compiled, mem, method)
+
+
+def check_sizes(method: Method, memory: Memory) -> None:
+    """Every kernel of the payload makes what it declares, on meta tensors (runtime/stages/sizes.py):
+    the dry run and Inductor's code then allocate no more than `call_bytes` counted."""
+    texts_for_codegen(method)  # each instruction a kernel the loader allows, called as its schema says
+    for index, ins in enumerate(method.instructions):
+        assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
+        op = resolve_kernel(ins.kernel)
+        pos, kw = bind_aten(op, ins.args, lambda vid: ref(memory.slots, memory.fixed, method, vid))
+        try:
+            check_kernel(method, op, pos, kw, ins.outputs, f"method {method.name!r} instruction {index} ({ins.kernel})")
+        except NoMeta:
+            raise ProgramError(f"method {method.name!r} instruction {index}: an inductor delegate has static shapes "
+                               "only") from None
 
 
 def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
@@ -221,6 +241,7 @@ def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
         return [None if e is None else resolve(ref(e)) for e in r.ids]
 
     texts = texts_for_codegen(method)
+    texts_for_codegen(method)  # each instruction a kernel the loader allows, called as its schema says
     for index, ins in enumerate(method.instructions):
         assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
         op = resolve_kernel(ins.kernel)

@@ -23,6 +23,7 @@ from ferry.device import CPU
 from ferry.errors import ProgramError
 from ferry.program import Program, load_program, program_to_bytes
 from ferry.program.dataflow import in_place_outputs
+from ferry.program.footprint import call_bytes
 from ferry.program.ranks import localized
 from ferry.program.schema import Buffer, TensorValue, upload_key
 from ferry.runtime.stages.method import LoadedMethod
@@ -57,6 +58,9 @@ class TorchBackend(Backend):
 
     def load_bytes(self, payload, given_memory: bool, data: ProgramData | None = None) -> dict:
         return payload_load_bytes(payload, given_memory, data)
+
+    def call_bytes(self, payload, data: ProgramData | None = None) -> dict:
+        return payload_call_bytes(payload, data)
 
     def init(self, payload, compile_specs, *, pin_host: bool = True, memory=None,
              caller: CallerPlan = NOT_CAPTURED, data: ProgramData | None = None) -> DelegateHandle:
@@ -131,6 +135,13 @@ def payload_load_bytes(payload, given_memory: bool, data: ProgramData | None = N
         for b in m.buffers[1:]:
             need[b.device] = need.get(b.device, 0) + b.size
     return need
+
+
+def payload_call_bytes(payload, data: ProgramData | None = None) -> dict:
+    """Bytes one call of a payload that is a ferry program allocates: its run-time results (its
+    outputs are the caller's memory, counted by the caller)."""
+    program = payload_program(payload, data)
+    return call_bytes(program, program.method("forward"), handed_out=False)
 
 
 def _no_nested_delegates(index, memory=(), caller=None):
