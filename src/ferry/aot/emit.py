@@ -421,7 +421,7 @@ class _MethodEmitter:
             if where is None:
                 continue
             k, arg, result = where
-            index = method.instructions[k].delegate
+            index = cast(DelegateCall, method.instructions[k]).delegate  # (state_overwrite: a delegate call)
             if index not in allowed:
                 d = self.b.delegates[index]
                 backend = get_backend(d.backend_id)

@@ -445,13 +445,14 @@ def _repeated_heads(node) -> tuple[torch.fx.Node, int] | None:
         return None
     k = unsq.args[0]
     kv, out, expanded = (n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (k, node, src))
-    if not all(isinstance(t, torch.Tensor) for t in (kv, out, expanded)) or kv.dim() != 4:
+    if not (isinstance(k, torch.fx.Node) and isinstance(kv, torch.Tensor) and isinstance(out, torch.Tensor)
+            and isinstance(expanded, torch.Tensor)) or kv.dim() != 4:
         return None
-    shapes = [M.static_ints(t.shape) for t in (kv, expanded, out)]
-    if any(sh is None for sh in shapes):
+    kv_shape, ex, res = (M.static_ints(t.shape) for t in (kv, expanded, out))
+    if kv_shape is None or ex is None or res is None or len(ex) != 5:
         return None
-    (b, h, n, d), ex, res = shapes
-    if len(ex) != 5 or ex[:2] != (b, h) or ex[3:] != (n, d) or res != (b, h * ex[2], n, d):
+    b, h, n, d = kv_shape
+    if ex[:2] != (b, h) or ex[3:] != (n, d) or res != (b, h * ex[2], n, d):
         return None
     return k, ex[2]
 
