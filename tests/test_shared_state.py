@@ -282,3 +282,22 @@ def test_a_file_that_writes_an_update_over_a_state_its_payload_still_reads_is_re
                                            "payload does not allow"):
         module.load_method("decode")
     assert emu.live_bytes == 0 or module.load_method("prefill") is None  # nothing half-loaded; the rest loads
+
+
+def test_an_inductor_delegate_writes_the_updates_over_the_state_in_its_compiled_graph():
+    """Compiled code returns results of its own; an update kept as the state is copied over the
+    state as the graph's last step, so the program holds no second cache and copies none back."""
+    core = _seeded()
+    prefill, decode = exported(core)
+    program = ferry.compile({"prefill": prefill, "decode": decode}, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    for name in ("prefill", "decode"):
+        assert _updates(program, name) == {"core.cache": "state", "core.seen": "state"}
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    eager = _seeded()
+    for k, (name, rows, pos) in enumerate(CALLS):
+        x, pos = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(k)), torch.tensor(pos)
+        with torch.no_grad():
+            want = eager.step(x, pos)
+        torch.testing.assert_close(_call(module, "cpu", name, x, pos), want, msg=lambda m, k=k: f"call {k}: {m}")
+    kinds = [s.kind for s in loaded_method(module, "decode").plan.bound.steps if s is not None]
+    assert "writeback" not in kinds

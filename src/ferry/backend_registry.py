@@ -93,6 +93,10 @@ class Backend:
     # its payloads keep their weights in the program's segments: every method below then gets
     # `data=ProgramData(...)` as a keyword argument (ferry passes none to a backend without it)
     shares_program_data = False
+    # `init` takes `overwrites={result: argument}`: results its caller keeps in that argument's
+    # memory (a KV cache updated in place; see `writes_over`). A backend whose handles return
+    # results of their own writes those there itself; ferry passes nothing to one without it
+    takes_overwrites = False
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         raise NotImplementedError

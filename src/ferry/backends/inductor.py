@@ -41,6 +41,7 @@ from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
 from ferry.ops.strings import safe_text
 from ferry.program import Program, load_program, program_to_bytes
+from ferry.program.dataflow import in_place_outputs
 from ferry.program.ranks import localized
 from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
 from ferry.runtime.stages.kernels import bind_aten, check_call, returns_list
@@ -54,6 +55,7 @@ __all__ = ["InductorBackend", "graph_of"]
 class InductorBackend(Backend):
     backend_id = "inductor"
     returns_outputs = True  # its results are Inductor's own tensors: the method plans none for them
+    takes_overwrites = True  # results the caller keeps in an argument's memory are copied there in the graph
 
     def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False) -> None:
         check_payload_call(payload, args, outputs, host_io)
@@ -78,6 +80,12 @@ class InductorBackend(Backend):
             raise UnsupportedByBackend(str(e)) from None
         return program_to_bytes(Program({"forward": method}, [], builder.segments))
 
+    def writes_over(self, payload) -> dict[int, int]:
+        """Its compiled graph writes such a result over its argument as its last step (init's
+        `overwrites`), after every read of the argument: a result it returns may be any
+        argument's memory of its layout (program/dataflow.py)."""
+        return in_place_outputs(load_program(payload).method("forward"))
+
     def memory_needs(self, payload) -> list:
         return []  # nothing is planned: Inductor allocates what it computes
 
@@ -88,13 +96,20 @@ class InductorBackend(Backend):
         return payload_call_bytes(payload)  # counted op by op, as eager allocates (the dry run too)
 
     def init(self, payload, compile_specs, *, pin_host: bool = True, memory=None,
-             caller: CallerPlan = NOT_CAPTURED) -> DelegateHandle:
+             caller: CallerPlan = NOT_CAPTURED, overwrites: dict[int, int] | None = None) -> DelegateHandle:
+        """`overwrites`: {result: argument} the caller keeps in the argument's memory (a KV cache
+        updated in place): the compiled graph copies each such result there as its last step."""
         program = load_program(payload)
         method = localized(program.method("forward"))
+        overwrites = overwrites or {}
+        allowed = in_place_outputs(method)
+        if any(allowed.get(r) != a for r, a in overwrites.items()):
+            raise ProgramError(f"an inductor delegate is asked to write results over arguments {overwrites}; its "
+                               f"graph allows {allowed}")
         mem = load_memory(program.segments, method, pin_host=False)
         try:
             check_sizes(method, mem)  # before the dry run allocates what the file declares
-            gm = graph_of(method, mem)
+            gm = graph_of(method, mem, overwrites)
             examples: list = [_example(method.values[v]) for v in method.inputs]
             _dry_run(gm, examples)
         except BaseException:
@@ -210,9 +225,10 @@ def texts_for_codegen(method: Method) -> dict[tuple[int, int], str]:
     return texts
 
 
-def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
+def graph_of(method: Method, memory: Memory, overwrites: dict[int, int] | None = None) -> torch.fx.GraphModule:
     """The method as a torch.fx graph: inputs are placeholders, constants buffers of the module,
-    each instruction one call of its (checked) operator."""
+    each instruction one call of its (checked) operator. `overwrites` {result: input}: the result
+    is copied into that input last, and the input is returned in its place."""
     graph, root, env = torch.fx.Graph(), torch.nn.Module(), {}
     for i, vid in enumerate(method.inputs):
         env[vid] = graph.placeholder(f"input_{i}")
@@ -254,5 +270,10 @@ def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
         else:
             for j, out in enumerate(ins.outputs):
                 env[out] = graph.call_function(operator.getitem, (node, j))
-    graph.output(tuple(resolve(ref(o)) for o in method.outputs))
+    results = [resolve(ref(o)) for o in method.outputs]
+    for r, i in (overwrites or {}).items():
+        kept = env[method.inputs[i]]
+        graph.call_function(torch.ops.aten.copy_.default, (kept, results[r]))
+        results[r] = kept
+    graph.output(tuple(results))
     return torch.fx.GraphModule(root, graph)

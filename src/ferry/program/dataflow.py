@@ -6,8 +6,8 @@ Checked after the per-field checks of validate.py, so every id is in range here:
   anything reads it — a repeated instruction list or a read of memory nobody wrote is refused;
 * values an instruction writes in place (planned, fresh outputs, scratch) are written through
   an out argument of that instruction, and a kernel's own results (storage `runtime`) are not;
-  a delegate's outputs are memory it writes into, or all results it returns (whether its
-  backend returns them is checked when it is bound);
+  a delegate's outputs are memory it writes into, or results it returns (whether its backend
+  returns them is checked when it is bound), either beside the state it writes in place;
 * size arithmetic (ferry::sym_*) reads sizes, never tensors;
 * no two planned values whose lifetimes overlap share bytes, and a buffer is no larger than its
   values need (a file cannot make the runtime allocate memory it never uses);
@@ -167,10 +167,10 @@ def _written_once_before_read(m: Method, pre: str) -> None:
 def _check_writes(m: Method, ins, label: str) -> None:
     if isinstance(ins, DelegateCall):
         kinds = {v.storage if isinstance(v, TensorValue) else None for v in (m.values[o] for o in ins.outputs)}
-        if not (kinds <= {"planned", "output", "state"} or kinds == {"runtime"}):
+        if not (kinds <= {"planned", "output", "state"} or (kinds <= {"runtime", "state"} and "runtime" in kinds)):
             raise ProgramError(f"{label}: a delegate's outputs are memory it writes into (planned, fresh outputs or "
-                               f"the state it updates) or, all of them, results it returns (runtime); not "
-                               f"{sorted(map(str, kinds))}")
+                               "the state it updates) or results it returns (runtime, beside the state it updates); "
+                               f"not {sorted(map(str, kinds))}")
         return
     if ins.kernel.startswith("ferry::sym_"):
         for a in ins.args:

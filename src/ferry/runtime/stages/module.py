@@ -54,6 +54,17 @@ def _check_state_written_over(method, k: int, backend, payload, data: dict) -> N
                                    f"{mb.name!r} in place, which the delegate's payload does not allow")
 
 
+def _state_overwrites(program: Program, index: int) -> dict[int, int]:
+    """{result: argument} of delegate `index`'s call whose result the program keeps in that
+    argument's memory: the update of a state written over the state in place."""
+    for m in program.methods.values():
+        for ins in m.instructions:
+            if isinstance(ins, DelegateCall) and ins.delegate == index:
+                updates = [mb for mb in m.mutable_buffers if mb.update in ins.outputs and m.tensor(mb.update).storage == "state"]
+                return {where[2]: where[1] for mb in updates if (where := state_overwrite(m, mb)) is not None}
+    return {}
+
+
 def _check_limit_keys(limits: dict[str, int] | None, program: Program) -> None:
     """A `max_memory` key that names no device of the program is a mistake (a misspelled key
     would silently mean no cap): refused, listing the devices the program uses."""
@@ -268,9 +279,11 @@ class Module:
         d = self.program.delegates[index]
         backend = get_backend(d.backend_id)
         payload = self.program.segments[d.payload]
+        extra = data_kwargs(backend, ProgramData(self.program.segments, uploads=self.uploads))
+        if backend.takes_overwrites:
+            extra["overwrites"] = _state_overwrites(self.program, index)
         try:
-            handle = backend.init(payload, d.compile_specs, memory=memory or None, caller=caller,
-                                  **data_kwargs(backend, ProgramData(self.program.segments, uploads=self.uploads)))
+            handle = backend.init(payload, d.compile_specs, memory=memory or None, caller=caller, **extra)
         except FerryError:
             raise
         except Exception as e:
