@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, table, time_host, write_json  # noqa: E402
+from common import machine, table, write_json  # noqa: E402
+from gemm_kernels import graph_us  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
 
@@ -47,21 +48,6 @@ def grouped_matmuls(q, k, v, mask):
     scores = scores.view(b, g, h // g, s, -1) + mask.float().log().unsqueeze(1)  # bool mask -> 0 / -inf
     probs = scores.softmax(-1).to(q.dtype).view(b, g, (h // g) * s, -1)
     return (probs @ v).view(b, h, s, d)
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """Microseconds per call of `fn` replayed from a CUDA graph (as a decode step runs: no launch cost)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return time_host(graph.replay, repeat=30, warmup=3) / reps * 1e6
 
 
 CANDIDATES = {"repeat + sdpa": repeat_sdpa, "sdpa enable_gqa": gqa_sdpa, "grouped matmuls": grouped_matmuls}

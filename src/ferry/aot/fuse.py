@@ -96,40 +96,31 @@ def _drop_copies(gm: torch.fx.GraphModule) -> list[Rewrite]:
     return done
 
 
+# kind of rewrite -> (the kernel choice it is noted under, what was done; {n}: how many times)
+_NOTES = {
+    "grouped heads": ("attention over grouped KV heads", "{n} attention(s) read each KV head for its group of query "
+                      "heads (enable_gqa): the traced copies repeating the cache per query head are gone"),
+    "projections merged": ("linears of one input merged", "{n} linears reading one input (q/k/v, gate/up) run as "
+                           "fewer GEMMs over their weights stacked at compile time, each result a slice"),
+    "copy dropped": ("clones dropped", "{n} copies that keep the layout (dropout at inference) dropped: the value "
+                     "itself is read"),
+    "conv relu": ("aten::relu.default", "{n} fused with the convolution (and residual add) before it "
+                  "(ferry::conv_relu, ferry::conv_add_relu): on CUDA one cuDNN call where eager would run cuDNN"),
+    "patches": ("convolutions as patch GEMMs", "{n} convolution(s) whose kernel tiles the input run as one GEMM over "
+                "the patches (the input packed into rows once, addmm with the weight laid out at compile time)"),
+    "gemm": ("aten::linear.default", "{n} run as eager's one GEMM over a 2-D view (addmm.out / mm.out into planned "
+             "memory)"),
+    "fold": ("aten::_native_batch_norm_legit_no_training.default", "{n} folded into the convolution before each "
+             "(weights and bias scaled at compile time)"),
+    "attention": ("aten::_native_multi_head_attention.default", "{n} nn.MultiheadAttention traced as separate ops, "
+                  "run as eager's fused inference kernel"),
+}
+
+
 def fusion_notes(done: list[Rewrite]) -> dict[str, str]:
     """What `fuse_for_inference` did, as kernel choices of the method (shown by ferry inspect)."""
-    count = {kind: sum(r.kind == kind for r in done)
-             for kind in ("copy dropped", "fold", "conv relu", "patches", "attention", "mask dropped", "mask causal",
-                          "gemm", "projections merged", "grouped heads")}
-    notes = {}
-    if count["grouped heads"]:
-        notes["attention over grouped KV heads"] = (
-            f"{count['grouped heads']} attention(s) read each KV head for its group of query heads (enable_gqa): "
-            "the traced copies repeating the cache per query head are gone")
-    if count["projections merged"]:
-        notes["linears of one input merged"] = (
-            f"{count['projections merged']} linears reading one input (q/k/v, gate/up) run as fewer GEMMs over their "
-            "weights stacked at compile time, each result a slice")
-    if count["copy dropped"]:
-        notes["clones dropped"] = (
-            f"{count['copy dropped']} copies that keep the layout (dropout at inference) dropped: the value itself is read")
-    if count["conv relu"]:
-        notes["aten::relu.default"] = (
-            f"{count['conv relu']} fused with the convolution (and residual add) before it (ferry::conv_relu, "
-            "ferry::conv_add_relu): on CUDA one cuDNN call where eager would run cuDNN")
-    if count["patches"]:
-        notes["convolutions as patch GEMMs"] = (
-            f"{count['patches']} convolution(s) whose kernel tiles the input run as one GEMM over the patches "
-            "(the input packed into rows once, addmm with the weight laid out at compile time)")
-    if count["gemm"]:
-        notes["aten::linear.default"] = (
-            f"{count['gemm']} run as eager's one GEMM over a 2-D view (addmm.out / mm.out into planned memory)")
-    if count["fold"]:
-        notes["aten::_native_batch_norm_legit_no_training.default"] = (
-            f"{count['fold']} folded into the convolution before each (weights and bias scaled at compile time)")
-    if count["attention"]:
-        notes["aten::_native_multi_head_attention.default"] = (
-            f"{count['attention']} nn.MultiheadAttention traced as separate ops, run as eager's fused inference kernel")
+    count = {kind: sum(r.kind == kind for r in done) for kind in (*_NOTES, "mask dropped", "mask causal")}
+    notes = {key: text.format(n=count[kind]) for kind, (key, text) in _NOTES.items() if count[kind]}
     if count["mask dropped"] or count["mask causal"]:
         notes["aten::scaled_dot_product_attention.default"] = (
             f"masks computed from constants, evaluated at compile time: {count['mask dropped']} all true (dropped), "
