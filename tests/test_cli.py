@@ -392,3 +392,49 @@ def test_random_inputs_larger_than_memory_are_refused_before_allocating(compiled
     monkeypatch.setattr(ferry.cli, "_host_bytes", lambda: 1 << 20)  # a 1 MiB machine
     rc, out, err = call(["run", compiled[0], "--microbatches", "1000", "--repeat", "1"])
     assert rc == 2 and "more than half of this machine's memory" in err, err
+
+
+# ---- progress bars on a terminal's stderr (cli_progress.py)
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal: the CLI draws progress bars only there."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def call_on_a_terminal(argv):
+    out, err = io.StringIO(), _Terminal()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _timings_out(text: str) -> str:
+    """stdout with the numbers that vary from run to run (latencies) taken out."""
+    return re.sub(r"[\d.]+ ms", "N ms", text)
+
+
+def test_compile_draws_progress_on_a_terminal_and_leaves_stdout_as_it_is(tmp_path):
+    argv = ["compile", "ferry.examples:transformer_block", "-o", tmp_path / "b.ferry", "--device", "emu:0"]
+    rc, out, err = call_on_a_terminal(argv)
+    assert rc == 0, err
+    rc_quiet, out_quiet, err_quiet = call_on_a_terminal([*argv, "--no-progress"])
+    assert rc_quiet == 0, err_quiet
+    assert out == out_quiet and out == call(argv)[1]  # bars or not, terminal or not: the same stdout
+    assert re.search(r"compile: +\d+%\|.*\| \d/2 ", err), err  # one method: placed, then emitted
+    assert "compile:" not in err_quiet and "%|" not in err_quiet
+    assert "[ferry] torch.export done" in err and "[ferry] torch.export done" in err_quiet
+
+
+def test_run_draws_loading_progress_and_leaves_stdout_as_it_is(compiled):
+    path = compiled[0]
+    rc, out, err = call_on_a_terminal(["run", path, "--repeat", "2"])
+    assert rc == 0, err
+    rc_plain, out_plain, err_plain = call(["run", path, "--repeat", "2"])
+    assert rc_plain == 0, err_plain
+    assert _timings_out(out) == _timings_out(out_plain)
+    assert re.search(r"load forward: +\d+%\|.*\| \d/3 ", err), err  # its two delegates, then the method
+    assert re.search(r"upload weights: [\d.]+[kMG]?B ", err), err  # the emulated device's weights, in bytes
+    assert "%|" not in err_plain

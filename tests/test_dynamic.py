@@ -16,7 +16,7 @@ from torch import nn
 
 import ferry
 from ferry import ConfigError, InputError
-from ferry.runtime import emulated_device
+from ferry.runtime import clone_to, emulated_device
 from ferry.runtime.stages import method as method_module
 from models import loaded_method
 from test_device_map import DAG_EXAMPLES, RandomDag, TinyLM
@@ -94,6 +94,29 @@ def test_no_resize_warning_when_a_delegate_writes_its_output_at_a_new_size(emu_a
     assert m.shape_plans() == 4
     if graphs:
         assert sum(g.graph is not None for g in m.graphs) == 2  # the shapes called three times
+
+
+KEEP_ON_DEVICE = ferry.CompileConfig(
+    propagate_device=ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
+
+
+@pytest.mark.parametrize("outputs", ["copy", "view"])
+def test_a_dynamic_program_with_device_inputs_and_outputs_is_captured_per_shape(emu_async, outputs):
+    """Inputs and outputs kept on the device (the skip flags) are staged at the bound when graphs
+    are asked for: each shape's own plan views them at its size and is captured; a caller's
+    input laid out otherwise (a slice of a wider tensor) is taken as it is, without graphs."""
+    model = TinyLM(layers=2).eval()
+    ep = torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=({0: BATCH, 1: SEQ},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), KEEP_ON_DEVICE), cuda_graphs=True,
+                          outputs=outputs)
+    wide = torch.randint(0, 32, (8, 32), generator=torch.Generator().manual_seed(9))
+    calls = [(2, 16)] * 3 + [(4, 5)] * 3 + [(2, 16), (1, 32), (4, 5), "slice", "slice", "slice"]
+    for i, shape in enumerate(calls):
+        x = wide[:3, :7] if shape == "slice" else torch.randint(0, 32, shape, generator=torch.Generator().manual_seed(i))
+        got = module(clone_to(wide, "emu:0")[:3, :7] if shape == "slice" else clone_to(x, "emu:0"))
+        torch.testing.assert_close(clone_to(got, "cpu"), model(x), atol=1e-5, rtol=1e-4)
+    m = loaded_method(module)
+    assert sum(g.graph is not None for g in m.graphs) >= 2  # the two shapes called three times
 
 
 def test_a_decoder_with_a_dynamic_batch_and_sequence_equals_eager(emu_async):

@@ -739,3 +739,106 @@ def test_gpt2_runs_without_its_dropout_copies_and_equals_eager(emu):
     program = compile_on(wrapped, (torch.randint(0, 100, (2, 16)),))
     assert "aten::clone.default" not in delegate_kernels(program)
     assert_matches_eager(program, wrapped, lambda: (torch.randint(0, 100, (2, 16)),))
+
+
+class Projections(torch.nn.Module):
+    """Attention's q/k/v (k, v narrower: grouped heads) and an MLP's gate/up off one input each; a
+    linear of another input width and one whose result is returned stay apart."""
+
+    def __init__(self, bias=False):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(32, n, bias=bias) for n in (32, 16, 16))
+        self.gate, self.up = (torch.nn.Linear(32, 64, bias=bias) for _ in range(2))
+        self.down = torch.nn.Linear(64, 32, bias=bias)
+        self.side = torch.nn.Linear(32, 8, bias=bias)
+
+    def forward(self, x):
+        h = self.q(x) + torch.cat([self.k(x), self.v(x)], -1)
+        y = x + h
+        return y + self.down(torch.nn.functional.silu(self.gate(y)) * self.up(y)), self.side(y)
+
+
+def _linears(program) -> list:
+    m = delegate_method(program)
+    return [i for i in m.instructions if hasattr(i, "kernel") and i.kernel.split(".")[0] in (
+        "aten::mm", "aten::addmm", "aten::linear")]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1, 32), (3, 5, 32)], ids=["one-row", "batch"])
+def test_linears_of_one_input_run_as_one_gemm_and_equal_eager(emu, bias, shape):
+    torch.manual_seed(0)
+    model = Projections(bias).eval()
+    program = compile_on(model, (torch.randn(shape),))
+    # q/k/v -> 1, gate/up -> 1, down, side: 4 GEMMs where the traced program had 7
+    assert len(_linears(program)) == 4
+    assert len(_linears(compile_on(model, (torch.randn(shape),), fuse=False))) == 7
+    assert_matches_eager(program, model, lambda: (torch.randn(shape),))
+
+
+def test_merged_weights_are_stored_once_for_every_method(emu):
+    torch.manual_seed(0)
+    model = Projections().eval()
+    one = {"forward": torch.export.export(model, (torch.randn(1, 1, 32),))}
+    two = dict(one, batch=torch.export.export(model, (torch.randn(3, 5, 32),)))
+
+    def weight_bytes(eps):
+        program = ferry.compile(eps, ferry.OpSupportPartitioner("emu:0"))
+        payloads = {d.payload for d in program.delegates}
+        return sum(len(s) for i, s in enumerate(program.segments) if i not in payloads)
+
+    assert weight_bytes(one) == weight_bytes(two) == sum(p.numel() * 4 for p in model.parameters())
+    program = ferry.compile(two, ferry.OpSupportPartitioner("emu:0"))
+    module = ferry.Module(program)
+    for name, shape in (("batch", (3, 5, 32)), ("forward", (1, 1, 32)), ("batch", (3, 5, 32))):
+        x = torch.randn(shape)
+        got, want = module.run_method(name, [x]), model(x)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_merged_projections_on_cuda_equal_eager(full_fp32):
+    torch.manual_seed(0)
+    model = Projections(bias=True).eval()
+    program = compile_on(model, (torch.randn(1, 1, 32),), device="cuda:0")
+    assert len(_linears(program)) == 4
+    assert_matches_eager(program, model, lambda: (torch.randn(1, 1, 32),))
+
+
+class GroupedHeads(torch.nn.Module):
+    """transformers' repeat_kv before SDPA: 8 query heads over 2 KV heads, with a mask."""
+
+    def forward(self, q, k, v, mask):
+        b, h, n, d = k.shape
+        k = k[:, :, None].expand(b, h, 4, n, d).reshape(b, h * 4, n, d)
+        v = v[:, :, None].expand(b, h, 4, n, d).reshape(b, h * 4, n, d)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+
+
+def _grouped_inputs(rows=1):
+    mask = torch.rand(1, 1, rows, 12) > 0.3
+    mask[..., 0] = True
+    return (torch.randn(1, 8, rows, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16), mask)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_attention_reads_grouped_kv_heads_without_repeating_them(emu, rows):
+    model = GroupedHeads()
+    program = compile_on(model, _grouped_inputs(rows))
+    kernels = delegate_kernels(program)
+    assert "aten::expand.default" not in kernels and "aten::clone.default" not in kernels, kernels
+    (sdpa,) = [i for i in delegate_method(program).instructions if getattr(i, "kernel", "") == SDPA]
+    assert sdpa and "attention over grouped KV heads" in delegate_method(program).kernel_choices
+    assert "aten::expand.default" in delegate_kernels(compile_on(model, _grouped_inputs(rows), fuse=False))
+    assert_matches_eager(program, model, lambda: _grouped_inputs(rows))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_grouped_kv_heads_on_cuda_equal_eager(full_fp32):
+    model = GroupedHeads()
+    program = compile_on(model, _grouped_inputs(), device="cuda:0")
+    assert "aten::expand.default" not in delegate_kernels(program)
+    assert_matches_eager(program, model, lambda: _grouped_inputs())

@@ -12,7 +12,10 @@ multinomial).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
+import re
 import sys
 
 import pytest
@@ -405,3 +408,34 @@ def test_greedy_generation_on_the_gpu_equals_transformers(full_fp32, graphs):
     for _ in range(2):  # the second generation replays what the first captured
         got = ferry.generate(module, prompt, NEW)
         assert got.tokens.tolist() == reference("qwen2", prompt, NEW).tolist()
+
+
+def test_progress_hears_each_load_and_each_token_and_the_cli_draws_it(emu, tmp_path):
+    """ferry.Module and ferry.generate tell a progress callback of each method loaded and each token
+    issued; `ferry generate` on a terminal draws them on stderr, its stdout's tokens unchanged."""
+    calls = []
+    module = ferry.Module(_saved(tmp_path, "cpu"), progress=lambda *a: calls.append(a))
+    prompt = token_ids((1, PROMPT), 10)
+    got = ferry.generate(module, prompt, 6, progress=lambda *a: calls.append(a))
+    assert [c for c in calls if c[0] == "generate"] == [("generate", k, 6, "token") for k in range(1, 7)]
+    loads = {c[0]: c[1:] for c in calls if c[0].startswith("load ")}
+    assert loads and all(done == total and unit == "part" for done, total, unit in loads.values())
+    assert got.tokens.tolist() == reference("llama", prompt, 6).tolist()
+    with pytest.raises(ferry.ConfigError, match="progress must be None or a callable"):
+        ferry.Module(_saved(tmp_path, "cpu"), progress="bars")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    ids = ",".join(map(str, prompt[0].tolist()))
+    outs = []
+    for flags in ([], ["--no-progress"]):
+        out, err = io.StringIO(), Terminal()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            assert main(["generate", _saved(tmp_path, "cpu"), "--prompt-ids", ids, "--max-new-tokens", "8", *flags]) == 0
+        outs.append((out.getvalue().splitlines(), err.getvalue()))
+    (lines, err), (quiet_lines, quiet_err) = outs
+    assert lines[0] == quiet_lines[0] and len(lines) == len(quiet_lines)  # the tokens, and as many lines
+    assert re.search(r"generate: +\d+%\|.*\| \d/8 ", err), err
+    assert "generate:" not in quiet_err

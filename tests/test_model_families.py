@@ -48,19 +48,22 @@ def close(got, want, what=""):
 
 class Compiled:
     """A program compiled in one placement, saved to a file and loaded: called with CPU tensors,
-    it passes each input where the program expects it and returns CPU tensors (a tuple)."""
+    it passes each input where the program expects it and returns CPU tensors (a tuple). `ep`:
+    one exported program (method 'forward') or {method name: exported program}."""
 
     def __init__(self, ep, placement: str, path):
         partitioner = None if placement == "cpu" else ferry.OpSupportPartitioner("emu:0")
         program = ferry.compile(ep, partitioner, KEEP_ON_DEVICE if placement == "emu-io" else None)
         program.save(path)
         self.placement, self.module = placement, ferry.Module(path)
-        meta = self.module.method_meta("forward")
-        self.devices = [meta.input_meta(i).device for i in range(meta.num_inputs())]
-        if placement == "emu-io":  # the skip flags keep the model's inputs on the device
-            assert EMU0 in self.devices, self.devices
-        else:
-            assert all(str(d).startswith("cpu") for d in self.devices), self.devices
+        metas = {name: self.module.method_meta(name) for name in self.module.method_names()}
+        inputs = {name: [m.input_meta(i).device for i in range(m.num_inputs())] for name, m in metas.items()}
+        for name, devices in inputs.items():
+            if placement == "emu-io":  # the skip flags keep the model's inputs on the device
+                assert EMU0 in devices, (name, devices)
+            else:
+                assert all(str(d).startswith("cpu") for d in devices), (name, devices)
+        self.devices = inputs.get("forward")
 
     def __call__(self, *inputs):
         args = [t if str(d).startswith("cpu") else clone_to(t, d) for t, d in zip(inputs, self.devices)]
@@ -77,6 +80,26 @@ def token_ids(shape, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
+# config and model class of each family, by the names transformers gives them
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+}
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+
+
+def family_decoder(name: str, **config):
+    """A causal LM of family `name` with random weights (seed 0), in eval mode: a tiny config,
+    `config` overriding it."""
+    config_cls, model_cls = (getattr(transformers, c) for c in FAMILIES[name])
+    torch.manual_seed(0)
+    return model_cls(config_cls(**{**TINY, **config})).eval()
+
+
 # ---------------------------------------------------------------------------------------------
 # Gemma, Gemma 2, Gemma 3: logits of a causal LM without a cache
 
@@ -87,19 +110,11 @@ GEMMA_COMMON = dict(
 GEMMA_SEQ = 16
 
 
-def _gemma_family(name: str):
-    if name == "gemma":
-        return transformers.GemmaForCausalLM(transformers.GemmaConfig(**GEMMA_COMMON))
-    # sliding window below the sequence length: the local layers' masks differ from the global ones
-    if name == "gemma2":
-        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**GEMMA_COMMON, sliding_window=8))
-    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA_COMMON, sliding_window=8))
-
-
 @functools.cache
 def gemma(name: str):
-    torch.manual_seed(0)
-    model = _Logits(_gemma_family(name).eval())
+    # sliding window below the sequence length: the local layers' masks differ from the global ones
+    window = {} if name == "gemma" else {"sliding_window": 8}
+    model = _Logits(family_decoder(name, **GEMMA_COMMON, **window))
     return model, torch.export.export(model, (token_ids((1, GEMMA_SEQ), 0),))
 
 
@@ -167,20 +182,9 @@ SEQ = torch.export.Dim("seq", min=2, max=32)
 DYNAMIC_SIZES = [16, 8, 16, 4, 32, 8, 2]
 
 
-def _decoder(name: str):
-    cls_config, cls_model = {
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    }[name]
-    config = cls_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return cls_model(config).eval()
-
-
 @functools.cache
 def dynamic_decoder(name: str):
-    return _Logits(_decoder(name))
+    return _Logits(family_decoder(name))
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -218,7 +222,7 @@ def static_cache_llama():
     method's inputs in that order."""
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-    model = _decoder("llama")
+    model = family_decoder("llama")
     model.generation_config.cache_implementation = "static"
     recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=MAX_CACHE_LEN)
     with torch.no_grad():

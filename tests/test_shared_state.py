@@ -20,6 +20,7 @@ from ferry.device import Device
 from ferry.errors import CompileError, ConfigError, ProgramError
 from ferry.runtime import clone_to
 from ferry.views.text import program_json, program_summary
+from models import loaded_method
 
 EMU0 = Device("emu", 0)
 DIM, SLOTS = 64, 16
@@ -167,7 +168,8 @@ def test_a_file_whose_methods_disagree_on_a_state_is_refused(emu):
     m = program.method("decode")
     (mb,) = [mb for mb in m.mutable_buffers if mb.name == "core.seen"]
     values = list(m.values)
-    values[mb.value] = dataclasses.replace(values[mb.value], device=Device("emu", 1))
+    for vid in (mb.value, mb.update):  # (the update is the state's memory: it moves with it)
+        values[vid] = dataclasses.replace(values[vid], device=Device("emu", 1))
     bad = dataclasses.replace(program, methods={**program.methods, "decode": dataclasses.replace(m, values=values)})
     with pytest.raises(ProgramError, match="state 'core.seen' is a float32\\[16\\] tensor on emu:0 .* on emu:1"):
         ferry.load_program(bad.to_bytes())
@@ -211,3 +213,91 @@ def test_a_stateful_program_is_refused_with_several_sets_of_memory():
     with pytest.raises(ConfigError, match="keeps state between calls .*core.cache.*concurrency=1"):
         ferry.Module(program, concurrency=2)
     ferry.Module(program, concurrency=1)  # one set: accepted
+
+
+def _updates(program, name: str) -> dict[str, str]:
+    m = program.method(name)
+    return {mb.name: m.tensor(mb.update).storage for mb in m.mutable_buffers}
+
+
+@pytest.mark.parametrize("placement", ["emu", "emu-io"])
+def test_a_delegate_writes_each_update_over_its_state_in_place(emu, placement):
+    """The new cache is written into the cache itself: no planned copy of it, no copy back."""
+    program = compiled(placement)
+    for name in ("prefill", "decode"):
+        assert _updates(program, name) == {"core.cache": "state", "core.seen": "state"}
+        planned = sum(b.size for b in program.method(name).buffers[1:] if b.device == EMU0)
+        assert planned < SLOTS * DIM * 4  # smaller than the cache: no room for a second one
+    module = ferry.Module(program)
+    module.load_method("decode")
+    kinds = [s.kind for s in loaded_method(module, "decode").plan.bound.steps if s is not None]
+    assert "delegate" in kinds and "writeback" not in kinds
+
+
+class ReadsTheOldCache(Cached):
+    """Keeps the cache as it was before this call's write, and reads it after the write."""
+
+    def step(self, x, pos):
+        old = self.cache.clone()
+        self.cache.index_copy_(0, pos, self.proj(x))
+        return self.out(x @ self.cache.T @ old)
+
+
+@pytest.mark.parametrize("placement", ["emu", "emu-io"])
+def test_an_update_is_kept_apart_from_its_state_while_the_old_value_is_read(emu, placement):
+    torch.manual_seed(0)
+    program = compiled(placement, ReadsTheOldCache().eval())
+    assert _updates(program, "decode")["core.cache"] == "planned"
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    torch.manual_seed(0)
+    eager = ReadsTheOldCache().eval()
+    for k, (name, rows, pos) in enumerate(CALLS):
+        x, pos = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(k)), torch.tensor(pos)
+        with torch.no_grad():
+            want = eager.step(x, pos)
+        torch.testing.assert_close(_call(module, placement, name, x, pos), want)
+
+
+def _stored_as_state(m, update: int):
+    """`m` with value `update` made the state's own memory, its planned bytes given back."""
+    values = list(m.values)
+    values[update] = dataclasses.replace(values[update], storage="state", plan=None)
+    need: dict = {}
+    for v in values:
+        if getattr(v, "plan", None) is not None:
+            need[v.plan.buffer] = max(need.get(v.plan.buffer, 0), v.plan.offset + v.nbytes)
+    buffers = [b if i == 0 else dataclasses.replace(b, size=-(-need.get(i, 0) // b.alignment) * b.alignment)
+               for i, b in enumerate(m.buffers)]
+    return dataclasses.replace(m, values=values, buffers=buffers)
+
+
+def test_a_file_that_writes_an_update_over_a_state_its_payload_still_reads_is_refused(emu):
+    torch.manual_seed(0)
+    program = compiled("emu", ReadsTheOldCache().eval())
+    m = program.method("decode")
+    (mb,) = [mb for mb in m.mutable_buffers if mb.name == "core.cache"]
+    bad = dataclasses.replace(program, methods={**program.methods, "decode": _stored_as_state(m, mb.update)})
+    module = ferry.Module(ferry.load_program(bad.to_bytes()))
+    with pytest.raises(ProgramError, match="written over the state 'core.cache' in place, which the delegate's "
+                                           "payload does not allow"):
+        module.load_method("decode")
+    assert emu.live_bytes == 0 or module.load_method("prefill") is None  # nothing half-loaded; the rest loads
+
+
+def test_an_inductor_delegate_writes_the_updates_over_the_state_in_its_compiled_graph():
+    """Compiled code returns results of its own; an update kept as the state is copied over the
+    state as the graph's last step, so the program holds no second cache and copies none back."""
+    core = _seeded()
+    prefill, decode = exported(core)
+    program = ferry.compile({"prefill": prefill, "decode": decode}, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    for name in ("prefill", "decode"):
+        assert _updates(program, name) == {"core.cache": "state", "core.seen": "state"}
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    eager = _seeded()
+    for k, (name, rows, pos) in enumerate(CALLS):
+        x, pos = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(k)), torch.tensor(pos)
+        with torch.no_grad():
+            want = eager.step(x, pos)
+        torch.testing.assert_close(_call(module, "cpu", name, x, pos), want, msg=lambda m, k=k: f"call {k}: {m}")
+    kinds = [s.kind for s in loaded_method(module, "decode").plan.bound.steps if s is not None]
+    assert "writeback" not in kinds

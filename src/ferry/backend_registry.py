@@ -93,6 +93,10 @@ class Backend:
     # its payloads keep their weights in the program's segments: every method below then gets
     # `data=ProgramData(...)` as a keyword argument (ferry passes none to a backend without it)
     shares_program_data = False
+    # `init` takes `overwrites={result: argument}`: results its caller keeps in that argument's
+    # memory (a KV cache updated in place; see `writes_over`). A backend whose handles return
+    # results of their own writes those there itself; ferry passes nothing to one without it
+    takes_overwrites = False
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         raise NotImplementedError
@@ -109,6 +113,12 @@ class Backend:
         `host_io`: the program was compiled without device placement, so host tensors stand for
         the delegate's device ones (it moves them itself)."""
 
+    def writes_over(self, payload: bytes) -> dict[int, int]:
+        """{result position: argument position}: results the delegate may write over the memory of
+        that argument when the caller passes one tensor as both (a KV cache updated in place:
+        the old value is read for the last time where the new one is written); none by default."""
+        return {}
+
     def memory_needs(self, payload: bytes) -> list:
         """The buffers (program.schema.Buffer) the delegate works in, which the caller plans in its
         own arenas; none by default (it allocates what it needs)."""
@@ -117,6 +127,11 @@ class Backend:
     def load_bytes(self, payload: bytes, given_memory: bool) -> dict:
         """Bytes `init` allocates per device (the weights it uploads; its buffers unless
         `given_memory`), for memory limits checked before loading; unknown by default."""
+        return {}
+
+    def call_bytes(self, payload: bytes) -> dict:
+        """Bytes one call of the delegate allocates per device besides what `init` did (results
+        made at run time), for memory limits checked before loading; unknown by default."""
         return {}
 
 

@@ -16,6 +16,7 @@ import sys
 import time
 
 from ferry.cli_generate import add_generate_parser, run_generate
+from ferry.cli_progress import progress_bars
 from ferry.errors import FerryError
 
 
@@ -158,8 +159,8 @@ def cmd_compile(args) -> int:
             raise UserError(f"torch.export of {args.spec} failed: {type(e).__name__}: {_one_line(e)}") from None
     config = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(args.skip_h2d, args.skip_d2h),
                                  fuse_for_inference=not args.traced_ops)
-    with _stage(f"partition, place, plan and emit for {where}"):
-        program = ferry.compile(ep, partitioner, config)
+    with _stage(f"partition, place, plan and emit for {where}"), progress_bars(args) as bars:
+        program = ferry.compile(ep, partitioner, config, progress=bars)
     with _stage(f"save {args.output}"):
         program.save(args.output)
     print(_printable(_summary(program)))
@@ -330,16 +331,17 @@ def cmd_run(args) -> int:
 
     program = ferry.load_program(args.file)
     _check_devices(program, args.file)
-    module = _open(program, args)
-    if module is None:  # a serving rank of a distributed job: done when rank 0 closed it
-        return 0
-    with module:
-        return _timed_runs(module, program, args)
+    with progress_bars(args) as bars:
+        module = _open(program, args, bars)
+        if module is None:  # a serving rank of a distributed job: done when rank 0 closed it
+            return 0
+        with module:
+            return _timed_runs(module, program, args, bars)
 
 
-def _open(program, args):
+def _open(program, args, progress=None):
     """A ferry.Module, or under torchrun for a program over ranks, this rank's part (None once a
-    serving rank has served every call of rank 0)."""
+    serving rank has served every call of rank 0). `progress`: bars for loading (cli_progress.py)."""
     import ferry
     from ferry.program.ranks import program_ranks
 
@@ -347,7 +349,7 @@ def _open(program, args):
     if len(ranks) == 1:
         if any(b.device.type == "emu" for m in program.methods.values() for b in m.buffers):
             print("running on the emulated device (host memory standing in for a GPU)")
-        return ferry.Module(program, cuda_graphs=args.cuda_graphs, microbatches=args.microbatches)
+        return ferry.Module(program, cuda_graphs=args.cuda_graphs, microbatches=args.microbatches, progress=progress)
     import ferry.distributed
 
     module = ferry.distributed.Module(program, cuda_graphs=args.cuda_graphs, microbatches=args.microbatches,
@@ -361,13 +363,15 @@ def _open(program, args):
     return module
 
 
-def _timed_runs(module, program, args) -> int:
+def _timed_runs(module, program, args, bars=None) -> int:
     from ferry.choices import summary as kernel_choices
     from ferry.program.report import copy_report
 
     meta = module.method_meta(args.method)
     inputs = _random_inputs(meta, args.microbatches or 1) if args.inputs == "random" else _npz_inputs(args.inputs, meta)
     module.load_method(args.method)
+    if bars is not None:
+        bars.close()  # loading is done: the timings below print with no bar left on the terminal
     for _ in range(args.warmup):  # first calls bind, check shapes and capture graphs: not timed
         module.run_method(args.method, inputs)
     _sync()
@@ -392,7 +396,8 @@ def _timed_runs(module, program, args) -> int:
 
 
 def cmd_generate(args) -> int:
-    return run_generate(args, _stage, _check_devices)
+    with progress_bars(args) as bars:
+        return run_generate(args, _stage, _check_devices, bars)
 
 
 def _sync():
@@ -433,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "Inductor when the program loads; static shapes)")
     c.add_argument("--traced-ops", action="store_true", help="run the ops export traced, without the inference "
                    "rewrites (fused attention, batch norms folded into convolutions): eager's results bit for bit")
+    _no_progress(c)
     c.set_defaults(func=cmd_compile)
 
     i = sub.add_parser("inspect", help="show methods, instructions, copies and buffers of a program file")
@@ -456,9 +462,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print every kernel decision timed at load (forms, times, the pick and why)")
     r.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="a program over ranks (under torchrun): seconds a rank waits for another before it fails")
+    _no_progress(r)
     r.set_defaults(func=cmd_run)
-    add_generate_parser(sub, _positive_int).set_defaults(func=cmd_generate)
+    g = add_generate_parser(sub, _positive_int)
+    _no_progress(g)
+    g.set_defaults(func=cmd_generate)
     return p
+
+
+def _no_progress(parser) -> None:
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars on stderr (they are drawn only "
+                        "where stderr is a terminal)")
 
 
 def main(argv=None) -> int:

@@ -38,9 +38,9 @@ def add_generate_parser(sub, count):
     return g
 
 
-def run_generate(args, stage, check_devices) -> int:
+def run_generate(args, stage, check_devices, progress=None) -> int:
     """`stage(name)`: a context printing progress; `check_devices(program, path)`: the device types
-    of the program, each usable here."""
+    of the program, each usable here; `progress`: bars for loading and tokens (cli_progress.py)."""
     import ferry
 
     rows, tokenizer = _prompt(args)
@@ -48,9 +48,9 @@ def run_generate(args, stage, check_devices) -> int:
     with stage(f"load {args.file}"):
         program = ferry.load_program(args.file)
         types = check_devices(program, args.file)
-        module = ferry.Module(program, cuda_graphs=args.cuda_graphs)
+        module = ferry.Module(program, cuda_graphs=args.cuda_graphs, progress=progress)
     options = dict(method=args.method, prefill=args.prefill, decode=args.decode, do_sample=args.do_sample,
-                   stop_tokens=stops, **_sampling(args))
+                   stop_tokens=stops, progress=progress, **_sampling(args))
     with module:
         if args.warmup:
             graphs = ", capture CUDA graphs" if args.cuda_graphs else ""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -19,9 +20,10 @@ from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import ProgramData
 from ferry.device import Device
 from ferry.errors import CompileError, ConfigError, ProgramError
-from ferry.program import Program
+from ferry.program import Method, Program
 from ferry.program.footprint import load_bytes
 from ferry.program.states import program_states
+from ferry.progress import Progress, checked, tell
 
 
 def _methods(ep_or_dict) -> dict[str, torch.export.ExportedProgram]:
@@ -53,7 +55,8 @@ def _place(exported_program, partitioner, options: MethodOptions) -> LoweredProg
 
 
 def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None, *,  # noqa: A001
-            device_map=None, max_memory=None, no_split_module_classes=None) -> Program:
+            device_map=None, max_memory=None, no_split_module_classes=None,
+            progress: Progress | None = None) -> Program:
     """Compile one program (method 'forward') or several named methods into a ferry Program.
 
     `device_map` ({module path: device} or "auto") splits the model over devices, as
@@ -61,7 +64,9 @@ def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None, *
     size}) is checked against what loading the program allocates on each device; a device
     map chosen with "auto" is chosen again under tighter budgets when the plan overshoots;
     "auto" never splits a module whose class is in `no_split_module_classes` (as accelerate
-    takes it) or in the model's own `_no_split_modules`."""
+    takes it) or in the model's own `_no_split_modules`. `progress(task, done, total, unit)`
+    hears of each method placed and emitted (ferry/progress.py)."""
+    progress = checked(progress)
     if device_map is not None:
         if partitioner is not None:
             raise ConfigError("give a partitioner or a device_map, not both")
@@ -77,7 +82,8 @@ def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None, *
         with warnings.catch_warnings():
             if attempt:  # a retry lowers the same methods again: what it warns was said already
                 warnings.simplefilter("ignore")
-            program = _compile(eps, partitioner, options, budgets)
+            task = "compile" if not attempt else f"compile, split {attempt + 1}"
+            program = _compile(eps, partitioner, options, budgets, functools.partial(tell, progress, task))
         over = over_budget(program, budgets)
         if not over:
             return program
@@ -94,15 +100,17 @@ def auto_attempts(budgets) -> int:
     return 2 * len(budgets or ()) + 1
 
 
-def _compile(eps, partitioner, options, budgets) -> Program:
+def _compile(eps, partitioner, options, budgets, done: Callable[[int, int], object] = lambda n, total: None) -> Program:
+    """`done(n, total)`: n of the total steps (placing a method, emitting it) are finished."""
     builder = ProgramBuilder()
-    methods = {}
+    methods: dict[str, Method] = {}
     unmatched: list[dict[str, warnings.WarningMessage]] = []
     buffers: dict[str, dict[str, bool]] = {}
     for name, ep in eps.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             placed = _place(ep, partitioner, options[name])
+        done(2 * len(methods) + 1, 2 * len(eps))
         unmatched.append(_reemit_but_unmatched(caught))
         method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
                              placed.range_constraints)
@@ -112,6 +120,7 @@ def _compile(eps, partitioner, options, budgets) -> Program:
         method.max_memory = {str(d): n for d, n in (budgets or {}).items()}
         methods[name] = method
         buffers[name] = placed.buffers
+        done(2 * len(methods), 2 * len(eps))
     for key, w in unmatched[0].items():  # an op name is a mistake only if no method has that op
         if all(key in per_method for per_method in unmatched[1:]):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

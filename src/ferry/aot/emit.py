@@ -26,7 +26,7 @@ from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
 from ferry.op_names import kernel_name, resolve_kernel
 from ferry.ops.aliasing import is_view, overwrites_safely, traced_alias, unannotated, view_source
-from ferry.program.dataflow import layout, whole_root, whole_views
+from ferry.program.dataflow import layout, state_overwrite, whole_root, whole_views
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import (
     DEFAULT_ARG,
@@ -63,6 +63,7 @@ class _MethodEmitter:
         self.outputs: list[int] = []
         self.mutable: list[MutableBuffer] = []
         self.mutable_ids: set[int] = set()
+        self.written_over: set[int] = set()  # updates a delegate writes over their state in place
         self.caller_owned: set[int] = set()
         self.runtime_alloc: set[int] = set()
         self.unread: set[int] = set()
@@ -386,6 +387,7 @@ class _MethodEmitter:
             name=self.name, values=list(self.values), instructions=self.instructions, inputs=self.inputs,
             outputs=self.outputs, buffers=[], mutable_buffers=self.mutable,
         )
+        self.written_over = self._states_written_over(method)
         life = value_lifetimes(method)
         plan_values = [PlanValue(vid, self.values[vid].nbytes, self.values[vid].device, first, last)
                        for vid, (first, last) in life.items() if self._planned(vid)]
@@ -407,6 +409,30 @@ class _MethodEmitter:
             runtime_allocating_ops=sorted(set(self.allocating_ops)),
             kernel_choices=dict(sorted(self.kernel_choices.items())),
         )
+
+    def _states_written_over(self, method: Method) -> set[int]:
+        """Updates a delegate may write over their state in place (a KV cache's new token written
+        into the cache itself): the state is read once by that call and never after it, and the
+        delegate's backend says it writes that result over that argument. Each such update needs
+        no memory of its own and no copy into the state after the call."""
+        out, allowed = set(), {}
+        for mb in method.mutable_buffers:
+            where = state_overwrite(method, mb) if mb.value in self.mutable_ids else None
+            if where is None:
+                continue
+            k, arg, result = where
+            index = cast(DelegateCall, method.instructions[k]).delegate  # (state_overwrite: a delegate call)
+            if index not in allowed:
+                d = self.b.delegates[index]
+                backend = get_backend(d.backend_id)
+                allowed[index] = backend.writes_over(self.b.segments[d.payload], **data_kwargs(backend, self.data))
+            if allowed[index].get(result) == arg:
+                out.add(mb.update)
+        if out:
+            self.kernel_choices["state written in place"] = (
+                f"{len(out)} mutable buffer update(s) written over the state by the delegate that computes them "
+                "(no copy back after the call)")
+        return out
 
     def _in_place_candidates(self, method: Method) -> list[InPlace]:
         """Results a kernel may write over one of its inputs (read as itself or through a `view`
@@ -434,7 +460,7 @@ class _MethodEmitter:
 
     def _planned(self, vid: int) -> bool:
         """Whether a memory-owning value gets a place in a planned buffer."""
-        if vid in self.runtime_alloc or vid in self.caller_owned or vid in self.unread:
+        if vid in self.runtime_alloc or vid in self.caller_owned or vid in self.unread or vid in self.written_over:
             return False
         return self.values[vid].constant is None  # (a mutable buffer is the program's state, held by the module)
 
@@ -442,7 +468,7 @@ class _MethodEmitter:
         """Who owns the value's memory: decided here, once, and written into the program."""
         if v.alias_of is not None:
             return "view"
-        if vid in self.mutable_ids:
+        if vid in self.mutable_ids or vid in self.written_over:
             return "state"
         if v.plan is not None:
             return "planned"

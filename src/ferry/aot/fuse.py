@@ -34,25 +34,44 @@ import torch.fx
 from ferry.choices import attention, conv, gemm
 from ferry.choices.graph_edits import Rewrite
 
-__all__ = ["Rewrite", "fuse_for_inference", "fusion_notes"]
+__all__ = ["Rewrite", "fuse_for_inference", "fusion_notes", "merge_for_compiler"]
 
 aten = torch.ops.aten
 
 
-def fuse_for_inference(gm: torch.fx.GraphModule) -> list[Rewrite]:
+def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> list[Rewrite]:
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done.
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
-    order they are tested in: copies dropped, convolutions, attention, linears as GEMMs."""
+    order they are tested in: copies dropped, convolutions, attention, projections of one input
+    merged, linears as GEMMs. `merged`: the program's stacked weights (gemm.merge_projections)."""
     done = _drop_copies(gm)
-    for pattern in (*conv.PATTERNS, *attention.PATTERNS, *gemm.PATTERNS):
+    for pattern in (*conv.PATTERNS, *attention.PATTERNS):
+        done += pattern(gm)
+    done += gemm.merge_projections(gm, merged)
+    for pattern in gemm.PATTERNS:
         done += pattern(gm)
     if done:
-        for node in reversed(list(gm.graph.nodes)):  # what only a dropped mask read, then unread constants
-            if not node.users and (node.op == "get_attr" or (node.op == "call_function" and not node.is_impure())):
-                gm.graph.erase_node(node)
-        gm.graph.lint()
-        gm.recompile()
+        tidy(gm)
     return done
+
+
+def merge_for_compiler(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    """What a graph compiler (the inductor backend) does not do itself: grouped KV heads read by
+    attention as they are (no repeated copy of the cache), and projections of one input merged
+    into one GEMM over stacked weights (Inductor keeps each linear its own cuBLAS call)."""
+    done = attention.grouped_heads(gm) + gemm.merge_projections(gm)
+    if done:
+        tidy(gm)
+    return done
+
+
+def tidy(gm: torch.fx.GraphModule) -> None:
+    """Erase what only rewritten nodes read (a dropped mask, unread constants), then recompile."""
+    for node in reversed(list(gm.graph.nodes)):
+        if not node.users and (node.op == "get_attr" or (node.op == "call_function" and not node.is_impure())):
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _drop_copies(gm: torch.fx.GraphModule) -> list[Rewrite]:
@@ -77,32 +96,31 @@ def _drop_copies(gm: torch.fx.GraphModule) -> list[Rewrite]:
     return done
 
 
+# kind of rewrite -> (the kernel choice it is noted under, what was done; {n}: how many times)
+_NOTES = {
+    "grouped heads": ("attention over grouped KV heads", "{n} attention(s) read each KV head for its group of query "
+                      "heads (enable_gqa): the traced copies repeating the cache per query head are gone"),
+    "projections merged": ("linears of one input merged", "{n} linears reading one input (q/k/v, gate/up) run as "
+                           "fewer GEMMs over their weights stacked at compile time, each result a slice"),
+    "copy dropped": ("clones dropped", "{n} copies that keep the layout (dropout at inference) dropped: the value "
+                     "itself is read"),
+    "conv relu": ("aten::relu.default", "{n} fused with the convolution (and residual add) before it "
+                  "(ferry::conv_relu, ferry::conv_add_relu): on CUDA one cuDNN call where eager would run cuDNN"),
+    "patches": ("convolutions as patch GEMMs", "{n} convolution(s) whose kernel tiles the input run as one GEMM over "
+                "the patches (the input packed into rows once, addmm with the weight laid out at compile time)"),
+    "gemm": ("aten::linear.default", "{n} run as eager's one GEMM over a 2-D view (addmm.out / mm.out into planned "
+             "memory)"),
+    "fold": ("aten::_native_batch_norm_legit_no_training.default", "{n} folded into the convolution before each "
+             "(weights and bias scaled at compile time)"),
+    "attention": ("aten::_native_multi_head_attention.default", "{n} nn.MultiheadAttention traced as separate ops, "
+                  "run as eager's fused inference kernel"),
+}
+
+
 def fusion_notes(done: list[Rewrite]) -> dict[str, str]:
     """What `fuse_for_inference` did, as kernel choices of the method (shown by ferry inspect)."""
-    count = {kind: sum(r.kind == kind for r in done)
-             for kind in ("copy dropped", "fold", "conv relu", "patches", "attention", "mask dropped", "mask causal",
-                          "gemm")}
-    notes = {}
-    if count["copy dropped"]:
-        notes["clones dropped"] = (
-            f"{count['copy dropped']} copies that keep the layout (dropout at inference) dropped: the value itself is read")
-    if count["conv relu"]:
-        notes["aten::relu.default"] = (
-            f"{count['conv relu']} fused with the convolution (and residual add) before it (ferry::conv_relu, "
-            "ferry::conv_add_relu): on CUDA one cuDNN call where eager would run cuDNN")
-    if count["patches"]:
-        notes["convolutions as patch GEMMs"] = (
-            f"{count['patches']} convolution(s) whose kernel tiles the input run as one GEMM over the patches "
-            "(the input packed into rows once, addmm with the weight laid out at compile time)")
-    if count["gemm"]:
-        notes["aten::linear.default"] = (
-            f"{count['gemm']} run as eager's one GEMM over a 2-D view (addmm.out / mm.out into planned memory)")
-    if count["fold"]:
-        notes["aten::_native_batch_norm_legit_no_training.default"] = (
-            f"{count['fold']} folded into the convolution before each (weights and bias scaled at compile time)")
-    if count["attention"]:
-        notes["aten::_native_multi_head_attention.default"] = (
-            f"{count['attention']} nn.MultiheadAttention traced as separate ops, run as eager's fused inference kernel")
+    count = {kind: sum(r.kind == kind for r in done) for kind in (*_NOTES, "mask dropped", "mask causal")}
+    notes = {key: text.format(n=count[kind]) for kind, (key, text) in _NOTES.items() if count[kind]}
     if count["mask dropped"] or count["mask causal"]:
         notes["aten::scaled_dot_product_attention.default"] = (
             f"masks computed from constants, evaluated at compile time: {count['mask dropped']} all true (dropped), "

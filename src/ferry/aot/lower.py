@@ -15,6 +15,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ferry import node_meta as M
 from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_device
+from ferry.aot.lifted_state import written_constants_as_state
 from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
 from ferry.device import Device
 from ferry.errors import CompileError, InputError
@@ -118,6 +119,7 @@ def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
     not functional, or not an operator of its own (`chunk`, `reshape`), becomes the ATen ops
     eager PyTorch would run for it."""
     dynamic = _dynamic_dims(ep, as_exported=True)
+    ep = written_constants_as_state(ep)
     try:
         with warnings.catch_warnings():
             # torch >= 2.13 deep-copies the program's call signature here, and copying its

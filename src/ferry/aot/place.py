@@ -48,6 +48,11 @@ def delegate_target_device(lowered: LoweredBackendModule) -> Device | None:
     return Device.parse(text)
 
 
+# ops that read a tensor's metadata only (a dynamic size), never its data: no copy to the host
+METADATA_OPS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int,
+                          torch.ops.aten.sym_storage_offset.default})
+
+
 def _is_tensor(node: torch.fx.Node) -> bool:
     val = node.meta.get("val")
     return val is None or isinstance(val, torch.Tensor)
@@ -84,6 +89,8 @@ class PropagateDevicePass(PassBase):
         """Where `consumer` needs `value`; None when it takes the value wherever it is."""
         if ops.is_copy_node(consumer) or (consumer.target is operator.getitem and is_delegate_node(value)):
             return None
+        if consumer.target in METADATA_OPS:
+            return None  # reads the tensor's sizes, which the host has wherever its data lives
         if is_delegate_node(consumer):
             return targets[consumer] or CPU
         if consumer.op == "output":

@@ -28,6 +28,7 @@ class ProgramBuilder:
     _segment_of: dict = field(default_factory=dict)
     outer: ProgramBuilder | None = None
     _states: dict = field(default_factory=dict)  # state name -> (segment, initial value)
+    merged: dict = field(default_factory=dict)  # weights stacked at compile time, by their sources (choices/gemm.py)
 
     @property
     def data(self) -> ProgramData:

@@ -31,20 +31,23 @@ import torch
 import torch.fx
 
 from ferry.aot.emit import emit_method
+from ferry.aot.fuse import merge_for_compiler
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
-from ferry.backends.torch import check_payload_call, payload_load_bytes
+from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
 from ferry.ops.strings import safe_text
 from ferry.program import Program, load_program, program_to_bytes
+from ferry.program.dataflow import in_place_outputs
 from ferry.program.ranks import localized
 from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
 from ferry.runtime.stages.kernels import bind_aten, check_call, returns_list
 from ferry.runtime.stages.load import Memory, load_memory
-from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, PerCall, Ref
+from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, NoMeta, PerCall, Ref, ref
+from ferry.runtime.stages.sizes import check_kernel
 
 __all__ = ["InductorBackend", "graph_of"]
 
@@ -52,12 +55,15 @@ __all__ = ["InductorBackend", "graph_of"]
 class InductorBackend(Backend):
     backend_id = "inductor"
     returns_outputs = True  # its results are Inductor's own tensors: the method plans none for them
+    takes_overwrites = True  # results the caller keeps in an argument's memory are copied there in the graph
 
     def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False) -> None:
         check_payload_call(payload, args, outputs, host_io)
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         device = delegate_target_device(lowered) or CPU
+        if options.fuse_for_inference:
+            merge_for_compiler(lowered.original_module)
         opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False,
                                    functional_kernels=True, fuse_for_inference=False)
         builder = ProgramBuilder()
@@ -74,19 +80,36 @@ class InductorBackend(Backend):
             raise UnsupportedByBackend(str(e)) from None
         return program_to_bytes(Program({"forward": method}, [], builder.segments))
 
+    def writes_over(self, payload) -> dict[int, int]:
+        """Its compiled graph writes such a result over its argument as its last step (init's
+        `overwrites`), after every read of the argument: a result it returns may be any
+        argument's memory of its layout (program/dataflow.py)."""
+        return in_place_outputs(load_program(payload).method("forward"))
+
     def memory_needs(self, payload) -> list:
         return []  # nothing is planned: Inductor allocates what it computes
 
     def load_bytes(self, payload, given_memory: bool) -> dict:
         return payload_load_bytes(payload, given_memory)  # the constants it uploads (nothing is planned)
 
+    def call_bytes(self, payload) -> dict:
+        return payload_call_bytes(payload)  # counted op by op, as eager allocates (the dry run too)
+
     def init(self, payload, compile_specs, *, pin_host: bool = True, memory=None,
-             caller: CallerPlan = NOT_CAPTURED) -> DelegateHandle:
+             caller: CallerPlan = NOT_CAPTURED, overwrites: dict[int, int] | None = None) -> DelegateHandle:
+        """`overwrites`: {result: argument} the caller keeps in the argument's memory (a KV cache
+        updated in place): the compiled graph copies each such result there as its last step."""
         program = load_program(payload)
         method = localized(program.method("forward"))
+        overwrites = overwrites or {}
+        allowed = in_place_outputs(method)
+        if any(allowed.get(r) != a for r, a in overwrites.items()):
+            raise ProgramError(f"an inductor delegate is asked to write results over arguments {overwrites}; its "
+                               f"graph allows {allowed}")
         mem = load_memory(program.segments, method, pin_host=False)
         try:
-            gm = graph_of(method, mem)
+            check_sizes(method, mem)  # before the dry run allocates what the file declares
+            gm = graph_of(method, mem, overwrites)
             examples: list = [_example(method.values[v]) for v in method.inputs]
             _dry_run(gm, examples)
         except BaseException:
@@ -101,6 +124,21 @@ class InductorBackend(Backend):
                           RuntimeWarning, stacklevel=2)
             compiled = gm
         return _Compiled(compiled, mem, method)
+
+
+def check_sizes(method: Method, memory: Memory) -> None:
+    """Every kernel of the payload makes what it declares, on meta tensors (runtime/stages/sizes.py):
+    the dry run and Inductor's code then allocate no more than `call_bytes` counted."""
+    texts_for_codegen(method)  # each instruction a kernel the loader allows, called as its schema says
+    for index, ins in enumerate(method.instructions):
+        assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
+        op = resolve_kernel(ins.kernel)
+        pos, kw = bind_aten(op, ins.args, lambda vid: ref(memory.slots, memory.fixed, method, vid))
+        try:
+            check_kernel(method, op, pos, kw, ins.outputs, f"method {method.name!r} instruction {index} ({ins.kernel})")
+        except NoMeta:
+            raise ProgramError(f"method {method.name!r} instruction {index}: an inductor delegate has static shapes "
+                               "only") from None
 
 
 def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
@@ -187,9 +225,10 @@ def texts_for_codegen(method: Method) -> dict[tuple[int, int], str]:
     return texts
 
 
-def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
+def graph_of(method: Method, memory: Memory, overwrites: dict[int, int] | None = None) -> torch.fx.GraphModule:
     """The method as a torch.fx graph: inputs are placeholders, constants buffers of the module,
-    each instruction one call of its (checked) operator."""
+    each instruction one call of its (checked) operator. `overwrites` {result: input}: the result
+    is copied into that input last, and the input is returned in its place."""
     graph, root, env = torch.fx.Graph(), torch.nn.Module(), {}
     for i, vid in enumerate(method.inputs):
         env[vid] = graph.placeholder(f"input_{i}")
@@ -218,6 +257,7 @@ def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
         return [None if e is None else resolve(ref(e)) for e in r.ids]
 
     texts = texts_for_codegen(method)
+    texts_for_codegen(method)  # each instruction a kernel the loader allows, called as its schema says
     for index, ins in enumerate(method.instructions):
         assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
         op = resolve_kernel(ins.kernel)
@@ -230,5 +270,10 @@ def graph_of(method: Method, memory: Memory) -> torch.fx.GraphModule:
         else:
             for j, out in enumerate(ins.outputs):
                 env[out] = graph.call_function(operator.getitem, (node, j))
-    graph.output(tuple(resolve(ref(o)) for o in method.outputs))
+    results = [resolve(ref(o)) for o in method.outputs]
+    for r, i in (overwrites or {}).items():
+        kept = env[method.inputs[i]]
+        graph.call_function(torch.ops.aten.copy_.default, (kept, results[r]))
+        results[r] = kept
+    graph.output(tuple(results))
     return torch.fx.GraphModule(root, graph)

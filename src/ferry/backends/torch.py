@@ -22,6 +22,8 @@ from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHa
 from ferry.device import CPU
 from ferry.errors import ProgramError
 from ferry.program import Program, load_program, program_to_bytes
+from ferry.program.dataflow import in_place_outputs
+from ferry.program.footprint import call_bytes
 from ferry.program.ranks import localized
 from ferry.program.schema import Buffer, TensorValue, upload_key
 from ferry.runtime.stages.method import LoadedMethod
@@ -35,7 +37,8 @@ class TorchBackend(Backend):
         device = delegate_target_device(lowered) or CPU
         opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False)
         builder = ProgramBuilder(outer=data.store if data is not None else None)
-        fused = fuse_for_inference(lowered.original_module) if options.fuse_for_inference else []
+        merged = data.store.merged if data is not None else None
+        fused = fuse_for_inference(lowered.original_module, merged) if options.fuse_for_inference else []
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
         method.kernel_choices.update(fusion_notes(fused))
         if data is None:
@@ -46,12 +49,18 @@ class TorchBackend(Backend):
                    data: ProgramData | None = None) -> None:
         check_payload_call(payload, args, outputs, host_io, data)
 
+    def writes_over(self, payload, data: ProgramData | None = None) -> dict[int, int]:
+        return in_place_outputs(payload_program(payload, data).method("forward"))
+
     def memory_needs(self, payload, data: ProgramData | None = None) -> list[Buffer]:
         """The buffers the delegate works in: the caller plans them in its own arenas."""
         return list(payload_program(payload, data).method("forward").buffers[1:])
 
     def load_bytes(self, payload, given_memory: bool, data: ProgramData | None = None) -> dict:
         return payload_load_bytes(payload, given_memory, data)
+
+    def call_bytes(self, payload, data: ProgramData | None = None) -> dict:
+        return payload_call_bytes(payload, data)
 
     def init(self, payload, compile_specs, *, pin_host: bool = True, memory=None,
              caller: CallerPlan = NOT_CAPTURED, data: ProgramData | None = None) -> DelegateHandle:
@@ -126,6 +135,13 @@ def payload_load_bytes(payload, given_memory: bool, data: ProgramData | None = N
         for b in m.buffers[1:]:
             need[b.device] = need.get(b.device, 0) + b.size
     return need
+
+
+def payload_call_bytes(payload, data: ProgramData | None = None) -> dict:
+    """Bytes one call of a payload that is a ferry program allocates: its run-time results (its
+    outputs are the caller's memory, counted by the caller)."""
+    program = payload_program(payload, data)
+    return call_bytes(program, program.method("forward"), handed_out=False)
 
 
 def _no_nested_delegates(index, memory=(), caller=None):

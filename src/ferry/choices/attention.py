@@ -39,7 +39,7 @@ from ferry.choices.decisions import DECISIONS, Decision, Site
 from ferry.choices.gemm import biased_gemm, blas_settings
 from ferry.choices.graph_edits import Rewrite, attr
 
-__all__ = ["OPS", "PATTERNS", "composed_attention", "form"]
+__all__ = ["OPS", "PATTERNS", "composed_attention", "form", "grouped_heads"]
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -401,4 +401,60 @@ def _constant_value(gm, node, memo: dict):
     return memo[node]
 
 
-PATTERNS = (fuse_attention, simplify_attention_masks)
+# ---------------------------------------------------------------- compile time: grouped KV heads
+
+
+_REPEATED = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def grouped_heads(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    """`sdpa(q, repeat_kv(k), repeat_kv(v))` -> `sdpa(q, k, v, enable_gqa=True)`: transformers'
+    export repeats each KV head for its group of query heads (unsqueeze, expand, a copy of the
+    whole cache, view), twice per layer and step; SDPA reads the grouped heads itself, the same
+    arithmetic without the copies (an H200, one decode step of Llama-3.2-1B's 32/8 heads in bf16:
+    23.6 against 10.7 µs a layer at a 1024-token cache, 57.3 against 12.7 at 4096;
+    bench/decode_attention.py)."""
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not SDPA or len(node.args) < 3:
+            continue
+        if node.kwargs.get("enable_gqa", False):  # (scale and enable_gqa are keyword-only)
+            continue
+        q = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        k, v = (_repeated_heads(a) for a in node.args[1:3])
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or k is None or v is None or k[1] != v[1]:
+            continue
+        node.args = (node.args[0], k[0], v[0], *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+        done.append(Rewrite("grouped heads", node.name))
+    return done
+
+
+def _repeated_heads(node) -> tuple[torch.fx.Node, int] | None:
+    """(k, repeats) where `node` is k [b, h, n, d] with each head repeated `repeats` times in
+    place (unsqueeze at 2, expand, a contiguous copy, a view to [b, h * repeats, n, d])."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _REPEATED):
+        return None
+    src = node.args[0]
+    if isinstance(src, torch.fx.Node) and src.target is aten.clone.default:
+        src = src.args[0]
+    if not (isinstance(src, torch.fx.Node) and src.target is aten.expand.default):
+        return None
+    unsq = src.args[0]
+    if not (isinstance(unsq, torch.fx.Node) and unsq.target is aten.unsqueeze.default and unsq.args[1] == 2):
+        return None
+    k = unsq.args[0]
+    kv, out, expanded = (n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (k, node, src))
+    if not (isinstance(k, torch.fx.Node) and isinstance(kv, torch.Tensor) and isinstance(out, torch.Tensor)
+            and isinstance(expanded, torch.Tensor)) or kv.dim() != 4:
+        return None
+    kv_shape, ex, res = (M.static_ints(t.shape) for t in (kv, expanded, out))
+    if kv_shape is None or ex is None or res is None or len(ex) != 5:
+        return None
+    b, h, n, d = kv_shape
+    if ex[:2] != (b, h) or ex[3:] != (n, d) or res != (b, h * ex[2], n, d):
+        return None
+    return k, ex[2]
+
+
+PATTERNS = (fuse_attention, simplify_attention_masks, grouped_heads)

@@ -6,11 +6,13 @@ Checked after the per-field checks of validate.py, so every id is in range here:
   anything reads it — a repeated instruction list or a read of memory nobody wrote is refused;
 * values an instruction writes in place (planned, fresh outputs, scratch) are written through
   an out argument of that instruction, and a kernel's own results (storage `runtime`) are not;
-  a delegate's outputs are memory it writes into, or all results it returns (whether its
-  backend returns them is checked when it is bound);
+  a delegate's outputs are memory it writes into, or results it returns (whether its backend
+  returns them is checked when it is bound), either beside the state it writes in place;
 * size arithmetic (ferry::sym_*) reads sizes, never tensors;
 * no two planned values whose lifetimes overlap share bytes, and a buffer is no larger than its
-  values need (a file cannot make the runtime allocate memory it never uses).
+  values need (a file cannot make the runtime allocate memory it never uses);
+* a mutable buffer's update stored as the state itself (written over it in place by a delegate)
+  is written by one delegate call that reads the state once and after which nothing reads it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ferry.program import schema as S
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, KernelCall, Method, TensorValue
 
-__all__ = ["check_dataflow"]
+__all__ = ["check_dataflow", "in_place_outputs", "state_overwrite"]
 
 _WRITTEN_IN_PLACE = ("planned", "output", "scratch")
 
@@ -30,6 +32,89 @@ def check_dataflow(m: Method) -> None:
     pre = f"method {m.name!r}"
     _written_once_before_read(m, pre)
     _planned_memory_is_sound(m, pre)
+    for j, mb in enumerate(m.mutable_buffers):
+        if m.tensor(mb.update).storage == "state" and state_overwrite(m, mb) is None:
+            raise ProgramError(f"{pre} mutable buffer {j}: its update (value {mb.update}) is stored as the state "
+                               "itself, so one delegate call must write it, reading the state once, with nothing "
+                               "reading the state after that call")
+
+
+def _last_read(m: Method, owner: int) -> int:
+    """The last instruction reading the memory `owner` owns (itself or a view of it); -1 if none."""
+    last = -1
+    for k, ins in enumerate(m.instructions):
+        if any(S.memory_owner(m.values, t) == owner for a in ins.args if a not in ins.outputs for t in tensor_ids(m, a)):
+            last = k
+    return last
+
+
+def state_overwrite(m: Method, mb: S.MutableBuffer) -> tuple[int, int, int] | None:
+    """Where the update of mutable buffer `mb` can be written over its state in place:
+    (instruction, argument position, result position) of the delegate call that makes it, which
+    reads the state exactly once, after which no instruction reads the state; None where not.
+    Whether the delegate may write that result over that argument is its backend's to say
+    (Backend.writes_over)."""
+    state, update = m.tensor(mb.value), m.tensor(mb.update)
+    if (state.dtype, state.shape, state.layout_strides, state.device) != (
+            update.dtype, update.shape, update.layout_strides, update.device) or any(update.dynamic):
+        return None
+    if mb.update in m.outputs or mb.value in m.outputs or update.alias_of is not None:
+        return None
+    writers = [k for k, ins in enumerate(m.instructions) if mb.update in ins.outputs]
+    if len(writers) != 1 or not isinstance(m.instructions[writers[0]], DelegateCall):
+        return None
+    k = writers[0]
+    ins = m.instructions[k]
+    at = [p for p, a in enumerate(ins.args) for t in tensor_ids(m, a) if S.memory_owner(m.values, t) == mb.value]
+    if len(at) != 1 or ins.args[at[0]] != mb.value or _last_read(m, mb.value) != k:
+        return None
+    return k, at[0], ins.outputs.index(mb.update)
+
+
+def in_place_outputs(m: Method) -> dict[int, int]:
+    """{result position: input position} of the method's results a caller may give the memory of
+    that input (a delegate updating a KV cache in place), same dtype, shape, layout and device,
+    static shapes: a result a kernel returns (storage `runtime`) is copied into the caller's
+    tensor after the whole call, so any input may be its memory; a result written through an
+    out argument may be where the input is read for the last time there, once, by a kernel that
+    may write over it (ops/aliasing.py: overwrites_safely), or earlier."""
+    out: dict[int, int] = {}
+    writer = {o: k for k, ins in enumerate(m.instructions) for o in ins.outputs}
+    for r, o in enumerate(m.outputs):
+        v = m.values[o]
+        if not isinstance(v, TensorValue) or v.storage not in ("output", "runtime") or m.outputs.count(o) != 1:
+            continue
+        for i, x in enumerate(m.inputs):
+            if i in out.values() or m.inputs.count(x) != 1 or x in m.outputs or not _alike(m, x, o):
+                continue
+            if v.storage == "runtime" or (o in writer and _written_after_last_read(m, x, o, writer[o])):
+                out[r] = i
+                break
+    return out
+
+
+def _alike(m: Method, x: int, o: int) -> bool:
+    w = m.values[x]
+    return (isinstance(w, TensorValue) and w.alias_of is None and not any(w.dynamic) and not any(m.tensor(o).dynamic)
+            and (layout(m, x), w.device) == (layout(m, o), m.tensor(o).device))
+
+
+def _written_after_last_read(m: Method, x: int, o: int, k: int) -> bool:
+    """Whether input `x` is read for the last time before instruction `k` writes result `o`, or
+    at `k`, once, by a kernel that may write over it."""
+    last = _last_read(m, x)
+    if last < k:
+        return True
+    ins = m.instructions[k]
+    if last > k or not isinstance(ins, KernelCall) or ins.outputs != (o,):
+        return False
+    reads = [p for p, a in enumerate(ins.args) if a != o for t in tensor_ids(m, a) if S.memory_owner(m.values, t) == x]
+    if len(reads) != 1 or whole_root(m, ins.args[reads[0]], whole_views(m)) != x or layout(m, ins.args[reads[0]]) != layout(m, o):
+        return False
+    from ferry.ops.aliasing import overwrites_safely  # torch operators: imported when needed
+
+    op = _operator(ins.kernel)
+    return op is not None and overwrites_safely(op, reads[0])
 
 
 def _initially_defined(m: Method) -> set[int]:
@@ -82,9 +167,10 @@ def _written_once_before_read(m: Method, pre: str) -> None:
 def _check_writes(m: Method, ins, label: str) -> None:
     if isinstance(ins, DelegateCall):
         kinds = {v.storage if isinstance(v, TensorValue) else None for v in (m.values[o] for o in ins.outputs)}
-        if not (kinds <= {"planned", "output"} or kinds == {"runtime"}):
-            raise ProgramError(f"{label}: a delegate's outputs are memory it writes into (planned or fresh "
-                               f"outputs) or, all of them, results it returns (runtime); not {sorted(map(str, kinds))}")
+        if not (kinds <= {"planned", "output", "state"} or (kinds <= {"runtime", "state"} and "runtime" in kinds)):
+            raise ProgramError(f"{label}: a delegate's outputs are memory it writes into (planned, fresh outputs or "
+                               "the state it updates) or results it returns (runtime, beside the state it updates); "
+                               f"not {sorted(map(str, kinds))}")
         return
     if ins.kernel.startswith("ferry::sym_"):
         for a in ins.args:

@@ -1,8 +1,8 @@
-"""A program's memory footprint: the bytes loading it allocates on each device, and the
-size strings ("20GiB") budgets and limits are written in.
+"""A program's memory footprint: the bytes loading it allocates on each device, the bytes one
+call allocates besides, and the size strings ("20GiB") budgets and limits are written in.
 
-Compile checks a device map against `max_memory` with it; the runtime checks a file from
-elsewhere against `Module(max_memory=...)` with it: one count for both.
+Compile checks a device map against `max_memory` with the first; the runtime checks a file
+from elsewhere against `Module(max_memory=...)` with both, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from types import MappingProxyType
 from ferry.backend_registry import ProgramData, data_kwargs, get_backend
 from ferry.device import Device
 from ferry.errors import ConfigError
-from ferry.program.schema import DelegateCall, Method, TensorValue, upload_key
+from ferry.program.lifetimes import value_lifetimes
+from ferry.program.schema import DelegateCall, KernelCall, Method, TensorValue, upload_key
 from ferry.program.states import method_states
 
-__all__ = ["MAX_BYTES", "limit_for", "load_bytes", "parse_bytes", "parse_limits", "unknown_limit_keys"]
+__all__ = ["MAX_BYTES", "call_bytes", "limit_for", "load_bytes", "parse_bytes", "parse_limits", "unknown_limit_keys"]
 
 MAX_BYTES = 2**60  # one exbibyte: a size above it is a mistake, not a budget
 
@@ -97,7 +98,7 @@ def load_bytes(program, method: Method, stage_io: bool = False, data: ProgramDat
         add(b.device, b.size)
     states = method_states(method)
     for vid, v in enumerate(method.values):
-        if not isinstance(v, TensorValue) or (v.device.is_cpu and v.storage != "state"):
+        if not isinstance(v, TensorValue) or (v.device.is_cpu and v.storage not in ("state", "scratch")):
             continue
         if v.storage in ("constant", "state"):  # held once by the module, whichever method asks
             key = upload_key(v) if v.storage == "constant" else ("state", states[vid])
@@ -105,6 +106,8 @@ def load_bytes(program, method: Method, stage_io: bool = False, data: ProgramDat
                 data.counted.add(key)
                 add(v.device, v.nbytes)
         elif stage_io and v.storage in ("input", "output") and not any(v.dynamic):
+            add(v.device, v.nbytes)
+        elif v.storage == "scratch":  # an out argument nobody reads: a tensor of its own, made at load
             add(v.device, v.nbytes)
     for ins in method.instructions:
         if isinstance(ins, DelegateCall):
@@ -114,3 +117,64 @@ def load_bytes(program, method: Method, stage_io: bool = False, data: ProgramDat
                                                 **data_kwargs(backend, data)).items():
                 add(device, n)
     return need
+
+
+def call_bytes(program, method: Method, handed_out: bool = True, data: ProgramData | None = None) -> dict[Device, int]:
+    """Bytes one call of `method` allocates besides what loading did, per device, at the declared
+    shapes (the bounds of dynamic dims: the runtime holds every kernel to them, and refuses a
+    file whose kernels disagree): the most run-time results alive at once (each is freed after
+    its last reader, as eager frees it), what its delegates' calls allocate, and with
+    `handed_out` the caller's outputs (made fresh, or copies of the program's memory)."""
+    data = data if data is not None else ProgramData(program.segments)
+    n = len(method.instructions)
+    events: dict[Device, list[int]] = {}
+
+    def live(device: Device, nbytes: int, first: int, last: int) -> None:
+        at = events.setdefault(device, [0] * (n + 2))
+        at[max(first, 0)] += nbytes
+        at[last + 1] -= nbytes
+
+    lifetimes = value_lifetimes(method)
+    for vid, v in enumerate(method.values):
+        if isinstance(v, TensorValue) and v.storage == "runtime" and vid in lifetimes:
+            live(v.device, v.nbytes, *lifetimes[vid])
+    for first, v in _fresh_views(method):  # a composite's result may be a copy: live while its base is
+        live(v.device, v.nbytes, first, lifetimes.get(v.alias_of, (first, n))[1])  # type: ignore[arg-type]
+    for i, ins in enumerate(method.instructions):
+        if isinstance(ins, DelegateCall):
+            d = program.delegates[ins.delegate]
+            backend = get_backend(d.backend_id)
+            for device, nbytes in backend.call_bytes(program.segments[d.payload], **data_kwargs(backend, data)).items():
+                live(device, nbytes, i, i)
+    if handed_out:
+        for vid in dict.fromkeys(method.outputs):
+            v = method.values[vid]
+            if isinstance(v, TensorValue):  # a fresh output for the whole call; the rest, copied at its end
+                live(v.device, v.nbytes, 0 if v.storage == "output" else n, n)
+    peaks = {}
+    for device, at in events.items():
+        total = peak = 0
+        for change in at:
+            total += change
+            peak = max(peak, total)
+        peaks[device] = peak
+    return peaks
+
+
+def _fresh_views(method: Method) -> list[tuple[int, TensorValue]]:
+    """(instruction, value) for each result declared a view of an op whose schema says nothing
+    of aliasing (a composite): it may be a view, or a new tensor (ops/aliasing.py)."""
+    from ferry.op_names import resolve_kernel  # torch operators: imported when needed
+    from ferry.ops.aliasing import is_view
+
+    out = []
+    for i, ins in enumerate(method.instructions):
+        if not isinstance(ins, KernelCall):
+            continue
+        views = [v for o in ins.outputs if isinstance(v := method.values[o], TensorValue) and v.storage == "view"]
+        try:
+            if views and not is_view(resolve_kernel(ins.kernel)):
+                out += [(i, v) for v in views]
+        except LookupError:
+            continue  # not an operator: the method is refused when it is bound
+    return out

@@ -30,7 +30,8 @@ class State:
 
 
 def method_states(method: Method) -> dict[int, str]:
-    """value id -> state name, for the values of `method` that are the program's state."""
+    """value id -> state name, for the values of `method` that are the program's state: a mutable
+    buffer's value, and its update where a delegate writes that over the state in place."""
     out: dict[int, str] = {}
     for mb in method.mutable_buffers:
         v = method.values[mb.value]
@@ -39,6 +40,10 @@ def method_states(method: Method) -> dict[int, str]:
                 raise ProgramError(f"method {method.name!r}: mutable buffer of value {mb.value} needs a name of its own "
                                    f"(got {mb.name!r}): the program's state is shared by name")
             out[mb.value] = mb.name
+    for mb in method.mutable_buffers:
+        u = method.values[mb.update]
+        if isinstance(u, TensorValue) and u.storage == "state" and mb.value in out and mb.update not in out:
+            out[mb.update] = mb.name
     return out
 
 
@@ -51,7 +56,10 @@ def program_states(methods) -> dict[str, State]:
     disagree on a state of the same name."""
     states: dict[str, State] = {}
     for m in methods.values():
+        values = {mb.value for mb in m.mutable_buffers}
         for vid, name in method_states(m).items():
+            if vid not in values:
+                continue  # an update written over its state: validate.py checks it agrees with the state
             v = m.tensor(vid)
             if any(v.dynamic):
                 raise ProgramError(f"method {m.name!r}: state {name!r} has a dynamic shape; a state is held at one size")

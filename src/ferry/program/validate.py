@@ -114,7 +114,14 @@ class _MethodChecks:
             if m.tensor(mb.value).storage not in ("state", "planned"):  # written back: never the file or the caller
                 raise ProgramError(f"{self.pre} mutable buffer {j}: its value {mb.value} must be the program's state "
                                    f"(or planned memory), not {m.tensor(mb.value).storage!r}")
-        states = {mb.value for mb in m.mutable_buffers}
+            if m.tensor(mb.value).storage == "state" and m.tensor(mb.value).constant is None:
+                raise ProgramError(f"{self.pre} mutable buffer {j}: its value {mb.value} is the program's state and "
+                                   "needs a constant segment (its initial value)")
+            update = m.tensor(mb.update)
+            if update.storage == "state" and (m.tensor(mb.value).storage != "state" or update.constant is not None):
+                raise ProgramError(f"{self.pre} mutable buffer {j}: its update {mb.update} is stored as the state, so "
+                                   "its value must be the state and the update has no segment of its own")
+        states = {mb.value for mb in m.mutable_buffers} | {mb.update for mb in m.mutable_buffers}
         for i, v in enumerate(m.values):
             if isinstance(v, TensorValue) and v.storage == "state" and i not in states:
                 raise ProgramError(f"{self.pre} value {i}: storage 'state' but no mutable buffer holds it")
@@ -184,8 +191,8 @@ class _MethodChecks:
         for kind, has, field in facts:
             if (s == kind) != has:
                 raise ProgramError(f"{what}: storage {s!r} {'needs' if s == kind else 'cannot have'} {field}")
-        needs = s in ("constant", "state")  # a state's segment is its initial value
-        if needs != (v.constant is not None) and s != "planned":
+        needs = s == "constant"  # (a mutable buffer's value, storage 'state', has its initial value: checked above)
+        if needs != (v.constant is not None) and s not in ("planned", "state"):
             raise ProgramError(f"{what}: storage {s!r} {'needs' if needs else 'cannot have'} a constant segment")
 
     def const(self, c: ConstValue, i: int) -> None:

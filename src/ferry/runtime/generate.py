@@ -36,6 +36,7 @@ import torch
 
 from ferry.device import CPU, Device
 from ferry.errors import ConfigError, InputError
+from ferry.progress import Progress, checked, tell
 from ferry.runtime.decoder import Signature, cache_capacity, check_fits, check_prefill, integer_dtype, plan_methods
 from ferry.runtime.devices.tensor import clone_to, device_of
 from ferry.runtime.sampling import Sampling, make_generator
@@ -75,7 +76,8 @@ def generate(module, input_ids, max_new_tokens: int, *, method: str | None = Non
              decode: str = "decode", do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, generator: torch.Generator | None = None, seed: int | None = None,
              stop_tokens: Iterable[int] | int = (), on_token: Callable[[torch.Tensor], object] | None = None,
-             check_stop_every: int = 8, max_length: int | None = None) -> Generation:
+             check_stop_every: int = 8, max_length: int | None = None,
+             progress: Progress | None = None) -> Generation:
     """Generate up to `max_new_tokens` tokens after `input_ids` ([batch, prompt] or [prompt]).
 
     Methods: `method` names one method doing both prefill and decode; else `prefill` and `decode`
@@ -87,7 +89,8 @@ def generate(module, input_ids, max_new_tokens: int, *, method: str | None = Non
 
     Greedy by default; `do_sample=True` draws with `temperature`, `top_k`, `top_p` from `generator`
     or a fresh one seeded with `seed` (else torch's default generator), on the logits' device.
-    `on_token(tokens)` gets each step's [batch] tokens on the CPU, in order (one host wait per step).
+    `on_token(tokens)` gets each step's [batch] tokens on the CPU, in order (one host wait per step);
+    `progress(task, done, total, unit)` hears of each step issued, without a wait (ferry/progress.py).
     The module docstring says what crosses to the host and how the KV cache is treated."""
     sampling = Sampling(do_sample, temperature, top_k, top_p)
     first, step = plan_methods(module, method, prefill, decode)
@@ -107,7 +110,7 @@ def generate(module, input_ids, max_new_tokens: int, *, method: str | None = Non
     rng = make_generator(generator, seed, step.logits.device.to_torch()) if do_sample else None
     for name in dict.fromkeys((first.name, step.name)):
         module.load_method(name)  # allocation at load, not inside the timed prefill
-    loop = _Loop(module, first, step, sampling, rng, stops, on_token, check_stop_every)
+    loop = _Loop(module, first, step, sampling, rng, stops, on_token, check_stop_every, checked(progress))
     return loop.run(prompt, max_new_tokens)
 
 
@@ -116,8 +119,9 @@ class _Loop:
     each stopped row's pad."""
 
     def __init__(self, module, first: Signature, step: Signature, sampling: Sampling, rng, stops: tuple[int, ...],
-                 on_token, check_every: int):
+                 on_token, check_every: int, progress: Progress | None = None):
         self.module, self.first, self.step, self.sampling, self.rng = module, first, step, sampling, rng
+        self.progress = progress
         self.on_token, self.every = on_token, check_every
         self.device = step.logits.device.to_torch()
         self.stops = torch.tensor(stops, dtype=torch.int64, device=self.device) if stops else None
@@ -132,9 +136,13 @@ class _Loop:
         _synchronize(self.device)
         prefilled = time.perf_counter()
         feed, made = _Slots(self.step, rows, prompt.shape[1]), 1
+        tell(self.progress, "generate", made, max_new, "token")
         while made < max_new and not self._all_stopped(made):
             token = self._take(feed.call(self.module, token), made)
             made += 1
+            tell(self.progress, "generate", made, max_new, "token")
+        if made < max_new:  # every row stopped: the task is done at fewer tokens
+            tell(self.progress, "generate", made, made, "token")
         _synchronize(self.device)
         done = time.perf_counter()
         return Generation(self._tokens(prompt, made), prompt.shape[1], prefilled - start, done - prefilled, made - 1)

@@ -178,7 +178,8 @@ class _Binder(KernelSteps):
         handle = self.delegate(ins.delegate, [slots[s] for s in ins.scratch], self.capture)
         args, outs = list(ins.args), list(ins.outputs)
         run = None
-        if outs and self.m.tensor(outs[0]).storage == "runtime":  # dataflow.py: then all of them are
+        if outs and all(self.m.tensor(o).storage in ("runtime", "state") for o in outs) and any(
+                self.m.tensor(o).storage == "runtime" for o in outs):  # dataflow.py: results it returns
             run = self._returned_outputs(ins, handle)
         elif all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs):
             run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs], self.capture)  # planned I/O
@@ -231,7 +232,9 @@ class _Binder(KernelSteps):
                        for r in results]
                 raise BackendError(f"delegate {ins.delegate} returned {got}; the program declares {want}")
             shared = kept | {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-            for o, r, st in zip(outs, results, strides):
+            for o, r, st, v in zip(outs, results, strides, declared):
+                if v.storage == "state":
+                    continue  # written over the state in place by the delegate (Backend.writes_over)
                 if r.untyped_storage().data_ptr() in shared or not same_strides(r.shape, r.stride(), st):
                     r = torch.empty_strided(r.shape, st, dtype=r.dtype, device=r.device).copy_(r)
                 slots[o] = r

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ferry.layout import contiguous_strides
 from ferry.program.schema import LIST_KINDS, ConstValue, Method, TensorValue, root_storage
 from ferry.runtime.stages.load import Memory
 from ferry.runtime.stages.steps import CallIO, Step
@@ -45,12 +46,21 @@ def fix_shapes(method: Method, slots: list, fixed: list, shapes: dict[int, Any])
         v = method.values[vid]
         if isinstance(v, ConstValue):
             slots[vid], fixed[vid] = s, True
-        elif v.storage == "output":
-            fresh[vid] = s  # type: ignore[assignment]
         elif fixed[vid] and v.storage == "planned":  # a view of its memory at this shape (within the bound)
             base, (size, stride) = slots[vid], s
             slots[vid] = base.as_strided(size, stride, base.storage_offset())
             changed.add(vid)
+        elif fixed[vid] and v.storage in ("input", "output"):  # staged (load.py): its memory viewed at this shape
+            base, (size, stride) = slots[vid], s
+            if tuple(stride) == contiguous_strides(tuple(size)):
+                slots[vid] = base.as_strided(size, stride, base.storage_offset())
+                changed.add(vid)
+            else:  # laid out otherwise by the caller (or its kernel): this plan takes the tensor itself
+                slots[vid], fixed[vid] = None, False
+                if v.storage == "output":
+                    fresh[vid] = s  # type: ignore[assignment]
+        elif v.storage == "output":
+            fresh[vid] = s  # type: ignore[assignment]
     rebuild_lists(method, slots, fixed, changed)
     return fresh
 
@@ -59,10 +69,13 @@ def own_dynamic(method: Method, slots: list, fixed: list) -> dict:
     """A plan bound for any size sizes its dynamic planned tensors each call (resizing them in
     place): it gets tensor objects of its own over their memory, so the sizes one call leaves
     behind never reach another plan (one bound at a shape, which reads the memory at its own
-    sizes), and lists holding them are built again over its own. Returns no fresh shapes."""
+    sizes), and lists holding them are built again over its own. Dynamic inputs and outputs
+    staged for graphs are the caller's tensors in it. Returns no fresh shapes."""
     mine = set()
     for vid, v in enumerate(method.values):
-        if isinstance(v, TensorValue) and any(v.dynamic) and fixed[vid] and isinstance(t := slots[vid], torch.Tensor):
+        if isinstance(v, TensorValue) and any(v.dynamic) and fixed[vid] and v.storage in ("input", "output"):
+            slots[vid], fixed[vid] = None, False
+        elif isinstance(v, TensorValue) and any(v.dynamic) and fixed[vid] and isinstance(t := slots[vid], torch.Tensor):
             slots[vid] = t.as_strided(t.size(), t.stride(), t.storage_offset())
             mine.add(vid)
     rebuild_lists(method, slots, fixed, mine)
@@ -116,7 +129,7 @@ def call_io(m: Method, memory: Memory, fixed: list[bool], fresh_shapes: dict[int
             return "fixed"
         if v.storage == "planned":
             return "copy" if fixed[vid] else "bind"
-        return "stage" if vid in memory.staged_inputs else "bind"
+        return "stage" if vid in memory.staged_inputs and fixed[vid] else "bind"
 
     passthrough = tuple((i, memory.staged_inputs[vid]) for i, vid in enumerate(m.outputs) if vid in memory.staged_inputs)
     fresh = tuple((vid, at_shape(v, fresh_shapes.get(vid))) for vid, v in enumerate(m.values)

@@ -14,7 +14,7 @@ from ferry.choices import hook
 from ferry.choices.decisions import Site
 from ferry.errors import InputError, ProgramError
 from ferry.op_names import resolve_kernel
-from ferry.ops.aliasing import STORAGE_OFFSET_AT, composite_results, returns_inputs
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, composite_results, is_view, returns_inputs
 from ferry.ops.variants import functional_variant, has_device_kernel
 from ferry.program.lifetimes import tensor_ids
 from ferry.program.schema import DEFAULT_ARG, KernelCall, Method, TensorValue, memory_owner
@@ -32,6 +32,7 @@ from ferry.runtime.stages.refs import (
     meta_of,
     resolve,
 )
+from ferry.runtime.stages.sizes import call_check, check_kernel
 from ferry.runtime.stages.steps import Step
 
 __all__ = ["KernelSteps"]
@@ -63,6 +64,7 @@ class KernelSteps:
             raise ProgramError(f"method {m.name!r} instruction {index}: {e}") from None
         check_call(op, ins.args, ins.outputs, m.values, f"method {m.name!r} instruction {index}")
         pos, kw = bind_aten(op, ins.args, self.ref)
+        sized = self._sized(op, pos, kw, ins, index)  # before anything of it runs, here or in a call
         pos, op = self._storage_offset_in_arena(op, ins, pos, index)
         op = self._runnable_here(op, ins)
         writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
@@ -97,7 +99,21 @@ class KernelSteps:
                 return fn(*a, **k)
         else:
             call = self._run_functional(op, pos, kw, ins.outputs, ins)
+        if sized is not None:
+            call = _after(sized, call)
         return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins))
+
+    def _sized(self, op, pos, kw, ins: KernelCall, index: int):
+        """The kernel makes what the program declares (runtime/stages/sizes.py): checked here when
+        the shapes of its arguments are known at load; else the check each call runs first."""
+        label = f"method {self.m.name!r} instruction {index} ({ins.kernel})"
+        try:
+            check_kernel(self.m, op, pos, kw, ins.outputs, label, self.shapes)
+        except NoMeta:
+            if is_view(op) and op not in LAYOUT_VIEWS:
+                return None  # a view allocates nothing, and the steps after it size the tensor it is
+            return call_check(self.m, op, pos, kw, ins.outputs, label, self.slots)
+        return None
 
     def _storage_offset_in_arena(self, op, ins: KernelCall, pos: list, index: int):
         """`as_strided`'s storage offset counts from the start of its input's memory, as in eager,
@@ -317,6 +333,15 @@ def _check_written(op, ins: KernelCall, label: str) -> None:
             raise ProgramError(f"{label}: value {o} is passed as its argument {names}, which the kernel does not "
                                "write, so the result would never reach it (a kernel that returns its result "
                                "stands where one writing through an out argument must)")
+
+
+def _after(check, call):
+    """`call`, once `check` has passed."""
+    def run():
+        check()
+        return call()
+
+    return run
 
 
 def _compact(t: torch.Tensor) -> None:

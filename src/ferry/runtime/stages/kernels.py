@@ -141,9 +141,13 @@ def bind_aten(op: torch._ops.OpOverload, arg_ids, const_of):
 
 
 def _to_meta(x):
+    """`x` with every tensor a meta tensor like it, and every device the meta device: a check on
+    meta tensors never allocates, even for a factory op told where to."""
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in x):
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    if isinstance(x, (list, tuple)) and any(isinstance(e, (torch.Tensor, torch.device)) for e in x):
         return type(x)(_to_meta(e) for e in x)
     return x
 

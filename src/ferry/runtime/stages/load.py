@@ -154,18 +154,20 @@ class _Loader:
         upload(dst, self.segments[v.constant], v)
 
     def _stage_io(self) -> None:
-        """Device inputs (skip_h2d) and fresh device outputs (skip_d2h) with a fixed shape get
-        fixed tensors of their own. A call copies each input into its tensor on the device, and
-        outputs are handed out as planned outputs are, so the segments that use them keep fixed
-        addresses and can be captured. Dynamic shapes keep the caller's tensors."""
+        """Device inputs (skip_h2d) and fresh device outputs (skip_d2h) get fixed tensors of
+        their own (at the bound of a dynamic shape). A call copies each input into its tensor
+        on the device, and outputs are handed out as planned outputs are, so the segments that
+        use them keep fixed addresses and can be captured. A dynamic one is used by the plans
+        bound at one shape (viewed at it: runtime/stages/frame.py); the plan for any shape takes
+        the caller's tensors."""
         m = self.m
         for pos, vid in enumerate(m.inputs):
             v = m.values[vid]
-            if isinstance(v, TensorValue) and v.storage == "input" and not v.device.is_cpu and not any(v.dynamic):
+            if isinstance(v, TensorValue) and v.storage == "input" and not v.device.is_cpu:
                 self._fix(vid, self._empty(v))
                 self.mem.staged_inputs[vid] = pos
         for vid in m.outputs:
             v = m.values[vid]
-            if isinstance(v, TensorValue) and v.storage == "output" and not v.device.is_cpu and not any(v.dynamic):
+            if isinstance(v, TensorValue) and v.storage == "output" and not v.device.is_cpu:
                 self._fix(vid, self._empty(v))
                 self.mem.staged_outputs.add(vid)

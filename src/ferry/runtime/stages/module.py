@@ -12,11 +12,13 @@ from ferry.device import CPU
 from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, ProgramError
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program import Program, load_program
+from ferry.program.dataflow import state_overwrite
 from ferry.program.footprint import unknown_limit_keys
 from ferry.program.ranks import program_ranks
 from ferry.program.schema import DelegateCall, MethodMeta, TensorValue
 from ferry.program.states import program_states
-from ferry.runtime.devices.limits import check_limits, load_bytes, parse_limits
+from ferry.progress import Progress, checked, tell
+from ferry.runtime.devices.limits import call_bytes, check_limits, load_bytes, parse_limits
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
 from ferry.runtime.stages.method import LoadedMethod
@@ -32,12 +34,35 @@ def _check_delegate_calls(program: Program, method) -> None:
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate]
             backend = get_backend(d.backend_id)
+            data = data_kwargs(backend, ProgramData(program.segments))
             try:
                 backend.check_call(program.segments[d.payload], [method.values[a] for a in ins.args],
-                                   [method.values[o] for o in ins.outputs], host_io=host_io,
-                                   **data_kwargs(backend, ProgramData(program.segments)))
+                                   [method.values[o] for o in ins.outputs], host_io=host_io, **data)
+                _check_state_written_over(method, k, backend, program.segments[d.payload], data)
             except ProgramError as e:
                 raise ProgramError(f"method {method.name!r} instruction {k} (delegate {ins.delegate}): {e}") from None
+
+
+def _check_state_written_over(method, k: int, backend, payload, data: dict) -> None:
+    """Each update the call writes over its state (storage 'state'; dataflow.py checked the
+    method's side) is one its backend says it may write over that argument."""
+    for mb in method.mutable_buffers:
+        if method.tensor(mb.update).storage == "state" and mb.update in method.instructions[k].outputs:
+            where = state_overwrite(method, mb)
+            if where is None or backend.writes_over(payload, **data).get(where[2]) != where[1]:
+                raise ProgramError(f"result {method.instructions[k].outputs.index(mb.update)} is written over the state "
+                                   f"{mb.name!r} in place, which the delegate's payload does not allow")
+
+
+def _state_overwrites(program: Program, index: int) -> dict[int, int]:
+    """{result: argument} of delegate `index`'s call whose result the program keeps in that
+    argument's memory: the update of a state written over the state in place."""
+    for m in program.methods.values():
+        for ins in m.instructions:
+            if isinstance(ins, DelegateCall) and ins.delegate == index:
+                updates = [mb for mb in m.mutable_buffers if mb.update in ins.outputs and m.tensor(mb.update).storage == "state"]
+                return {where[2]: where[1] for mb in updates if (where := state_overwrite(m, mb)) is not None}
+    return {}
 
 
 def _check_limit_keys(limits: dict[str, int] | None, program: Program) -> None:
@@ -67,8 +92,8 @@ def _refuse_state_per_set(program: Program, concurrency: int) -> None:
 class _Instance:
     """One set of planned memory: the loaded methods and their delegates. One call at a time."""
 
-    def __init__(self, module: Module):
-        self.module = module
+    def __init__(self, module: Module, label: str = ""):
+        self.module, self.label = module, label  # label: which set, in progress reports
         self.state = ProgramState(module.program.segments, module.program.methods, pin_host=module.pin_host_memory)
         self.methods: dict[str, LoadedMethod] = {}
         self.microbatches: dict[str, MicroBatches] = {}
@@ -82,11 +107,14 @@ class _Instance:
         mod = self.module
         created: list[int] = []
         marks = mod.uploads.mark(), self.state.mark()
+        task = f"load {name}{self.label}"
+        parts = len({i.delegate for i in mod.program.method(name).instructions if isinstance(i, DelegateCall)}) + 1
 
         def delegate(index: int, memory=(), caller: CallerPlan = NOT_CAPTURED):
             if index not in self.delegates:
                 self.delegates[index] = mod._init_delegate(index, list(memory), caller)
                 created.append(index)
+                tell(mod.progress, task, len(created), parts, "part")
             return self.delegates[index]
 
         try:
@@ -108,6 +136,7 @@ class _Instance:
             self.state.rollback(marks[1])
             raise
         self.methods[name] = loaded
+        tell(mod.progress, task, parts, parts, "part")
         return loaded
 
     def close(self) -> None:
@@ -157,14 +186,20 @@ class Module:
     its own shape without graphs (one warning, once). Without buckets, every shape called three
     times captures graphs of its own and keeps their memory while its plan is kept.
 
-    max_memory caps what loading may allocate: one size for every device, or {device: size}
-    ("cpu", "cuda:0", or a type for all its indices; sizes in bytes or like "20GiB"). Loading a
-    method that would need more raises AllocationError before allocating anything.
+    progress(task, done, total, unit) hears of each method's loading (its delegates, then the
+    method) and of the weights uploaded, in bytes (ferry/progress.py; the CLI draws bars).
+
+    max_memory caps what loading and calling may allocate: one size for every device, or
+    {device: size} ("cpu", "cuda:0", or a type for all its indices; sizes in bytes or like
+    "20GiB"). A call allocates only results of the sizes the program declares (the bounds of
+    dynamic dims; each kernel is held to them before it runs), so loading a method counts its
+    memory and the most one call makes, and raises AllocationError before allocating anything
+    when that is over the cap.
     """
 
     def __init__(self, program: Program | str | os.PathLike, *, outputs: str = "copy", pin_host_memory: bool = True,
                  cuda_graphs: bool = False, concurrency: int = 1, max_memory=None, microbatches: int | None = None,
-                 shape_buckets=None, transport=None):
+                 shape_buckets=None, transport=None, progress: Progress | None = None):
         if not isinstance(program, Program):
             program = load_program(program)
         ranks = program_ranks(program)
@@ -194,8 +229,10 @@ class Module:
         self.pin_host_memory = pin_host_memory
         self.cuda_graphs = cuda_graphs
         self.transport = transport  # a distributed rank's part (ferry.distributed): its copies between ranks
-        self.uploads = DeviceUploads(program.segments)  # the weights on each device, once for every method
-        self._instances = [_Instance(self) for _ in range(concurrency)]
+        self.progress = checked(progress)
+        self.uploads = DeviceUploads(program.segments, self.progress)  # the weights on each device, once for all
+        self._instances = [_Instance(self, f" (set {i + 1} of {concurrency})" if concurrency > 1 else "")
+                           for i in range(concurrency)]
         self._free: queue.SimpleQueue[_Instance] = queue.SimpleQueue()
         for inst in self._instances:
             self._free.put(inst)
@@ -223,8 +260,9 @@ class Module:
                 return
             _check_delegate_calls(self.program, self.program.method(name))
             if self.max_memory:
-                need = load_bytes(self.program, self.program.method(name), self.cuda_graphs)
-                check_limits(self.max_memory, need, len(self._instances), name)
+                method = self.program.method(name)
+                check_limits(self.max_memory, load_bytes(self.program, method, self.cuda_graphs), len(self._instances),
+                             name, call_bytes(self.program, method))
             taken = [self._free.get() for _ in self._instances]  # no call runs while loading
             try:
                 for inst in taken:
@@ -241,9 +279,11 @@ class Module:
         d = self.program.delegates[index]
         backend = get_backend(d.backend_id)
         payload = self.program.segments[d.payload]
+        extra = data_kwargs(backend, ProgramData(self.program.segments, uploads=self.uploads))
+        if backend.takes_overwrites:
+            extra["overwrites"] = _state_overwrites(self.program, index)
         try:
-            handle = backend.init(payload, d.compile_specs, memory=memory or None, caller=caller,
-                                  **data_kwargs(backend, ProgramData(self.program.segments, uploads=self.uploads)))
+            handle = backend.init(payload, d.compile_specs, memory=memory or None, caller=caller, **extra)
         except FerryError:
             raise
         except Exception as e:

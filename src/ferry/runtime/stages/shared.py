@@ -17,6 +17,7 @@ import torch
 
 from ferry.program.schema import TensorValue, upload_key
 from ferry.program.states import program_states
+from ferry.progress import Progress, tell
 from ferry.runtime.devices.allocator import DeviceMemoryBuffer, as_bytes, require_allocator
 from ferry.runtime.devices.tensor import make_tensor
 
@@ -69,8 +70,9 @@ def _drop_since(made: dict, owned: list, mark: int) -> None:
 class DeviceUploads:
     """One device copy per (segment, device, layout) of the program's weights."""
 
-    def __init__(self, segments):
+    def __init__(self, segments, progress: Progress | None = None):
         self.segments = segments
+        self.progress, self.uploaded = progress, 0  # bytes uploaded, told to `progress` (ferry/progress.py)
         self._made: dict[tuple, torch.Tensor] = {}
         self._owned: list[DeviceMemoryBuffer] = []
         self._lock = threading.Lock()
@@ -81,6 +83,8 @@ class DeviceUploads:
             t = self._made.get(key)
             if t is None:
                 t = self._made[key] = _filled(v, self.segments, self._owned)
+                self.uploaded += v.nbytes
+                tell(self.progress, "upload weights", self.uploaded, 0, "B")
             return t
 
     def __len__(self) -> int:

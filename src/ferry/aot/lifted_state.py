@@ -1,0 +1,97 @@
+"""Constants a program writes are its state.
+
+A non-strict export (`torch.export.export(..., strict=False)`) lifts a tensor the model reaches
+through a plain Python object, not through a module's buffers, as a *constant*, even when the
+model writes it in place: transformers' static cache for ExecuTorch registers each layer's keys
+as a buffer ('key_cache_0') but writes them through the cache object, so the exported program
+writes a constant that is the buffer's tensor. torch cannot functionalize a write into a
+constant (`run_decompositions` fails), yet eager's meaning is plain: the tensor keeps what each
+call writes, as a buffer does. So before functionalizing, a written constant becomes that
+buffer where a buffer holds the same tensor (the state keeps the buffer's name, and the program
+reads one tensor, not two copies of it), else a non-persistent buffer of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
+
+from ferry.ops.aliasing import is_view, view_source
+
+__all__ = ["written_constants_as_state"]
+
+
+def written_constants_as_state(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """`ep` with every constant it writes in place made a buffer (the caller's program unchanged)."""
+    written = _written_constants(ep)
+    if not written:
+        return ep
+    graph = copy.deepcopy(ep.graph)  # the nodes copied, keeping their names; their meta shared
+    nodes = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    buffers = _buffer_tensors(ep)
+    constants, specs = dict(ep.constants), []
+    for spec in ep.graph_signature.input_specs:
+        if spec.arg.name not in written:
+            specs.append(spec)
+            continue
+        tensor = constants.pop(spec.target)
+        same = next((name for name, (b, t) in buffers.items() if _same_tensor(t, tensor)), None)
+        if same is None:  # a buffer of its own, kept where torch keeps non-persistent buffers
+            constants[spec.target] = tensor
+            specs.append(InputSpec(InputKind.BUFFER, spec.arg, spec.target, persistent=False))
+        else:  # the buffer holding this tensor: its placeholder is read and written instead
+            node = nodes[spec.arg.name]
+            node.replace_all_uses_with(nodes[buffers[same][0]])
+            graph.erase_node(node)
+    signature = ExportGraphSignature(specs, list(ep.graph_signature.output_specs))
+    return torch.export.ExportedProgram(
+        root=torch.fx.GraphModule(ep.graph_module, graph), graph=graph, graph_signature=signature,
+        state_dict=ep.state_dict, range_constraints=dict(ep.range_constraints),
+        module_call_graph=list(ep.module_call_graph), example_inputs=ep.example_inputs, constants=constants,
+        verifiers=ep.verifiers)
+
+
+def _written_constants(ep) -> set[str]:
+    """Placeholder names of the constant tensors an op writes, directly or through a view."""
+    constant = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
+    found = set()
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(node.target._schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
+                base = _base(value)  # (a write through an in-place op's result wrote its base already)
+                if base.name in constant:
+                    found.add(base.name)
+    return found
+
+
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node a chain of views starts from."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and is_view(node.target):
+        source = node.args[view_source(node.target)]
+        if not isinstance(source, torch.fx.Node):
+            break
+        node = source
+    return node
+
+
+def _buffer_tensors(ep) -> dict[str, tuple[str, torch.Tensor]]:
+    """Buffer target -> (its placeholder's name, its tensor)."""
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == InputKind.BUFFER and spec.target is not None:
+            tensor = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
+            if isinstance(tensor, torch.Tensor):
+                out[spec.target] = (spec.arg.name, tensor)
+    return out
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One tensor: the same memory seen with the same shape, strides and dtype."""
+    return (a.numel() > 0 and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
