@@ -112,7 +112,7 @@ def _with_outputs_stored(program, delegate: int, storages):
 
 @pytest.mark.parametrize("delegate, storages, refusal", [
     (1, ["runtime"], "writes into memory it is given"),  # the torch backend returns nothing
-    (0, ["runtime", "output"], "all of them"),
+    (0, ["runtime", "output"], "results it returns .runtime, beside the state it updates.; not ..output., .runtime.."),
 ])
 def test_a_program_that_misstates_who_makes_a_delegates_outputs_is_refused(mixed_program, delegate, storages,
                                                                            refusal, tmp_path):
