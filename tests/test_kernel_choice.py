@@ -123,3 +123,24 @@ def test_linear_over_a_batch_of_rows_runs_functionally_on_cuda_only():
     assert choose_kernel(aten.linear.default, batched, "cpu").pick == "out"
     assert choose_kernel(aten.linear.default, flat, "cuda").pick == "out"
     assert choose_kernel(aten.linear.default, no_bias, "cuda").pick == "out"
+
+
+class Softmax(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x * 2, -1)
+
+
+def _softmax_kernels(program) -> list[str]:
+    return [i.kernel for i in program.method("forward").instructions if "softmax" in getattr(i, "kernel", "")]
+
+
+def test_a_dynamic_first_use_of_an_overload_does_not_decide_for_every_later_one(fresh):
+    """Whether an .out overload copies is measured once per overload: at the size export traced
+    when the first use has a dynamic one (it used to count as a wrapper, for the whole process)."""
+    dim = torch.export.Dim("rows", max=64)
+    dynamic = torch.export.export(Softmax(), (torch.randn(4, 16),), dynamic_shapes=({0: dim},))
+    assert _softmax_kernels(ferry.compile(dynamic)) == ["aten::softmax.int_out"]
+    static = ferry.compile(torch.export.export(Softmax(), (torch.randn(4, 16),)))
+    assert _softmax_kernels(static) == ["aten::softmax.int_out"]
+    x = torch.randn(9, 16)
+    torch.testing.assert_close(ferry.Module(ferry.compile(dynamic))(x), Softmax()(x))

@@ -194,10 +194,12 @@ def _measure(out: torch._ops.OpOverload, node: torch.fx.Node) -> bool:
     (data-dependent inputs, huge shapes) counts as a wrapper: the functional kernel is
     always correct and is what eager runs."""
     try:
+        # whether an overload copies does not depend on sizes: a dynamic one takes the size traced
+        # (measured once per overload, so a dynamic first use must not decide for every later one)
         try:
-            args, kwargs, out_bytes = _example_call(out, node)
-        except _TooLarge:  # whether an overload copies does not depend on sizes: measure smaller ones
-            args, kwargs, out_bytes = _example_call(out, node, cap=_SMALL_SIZE)
+            args, kwargs, out_bytes = _example_call(out, node, hints=True)
+        except _TooLarge:  # measure smaller ones
+            args, kwargs, out_bytes = _example_call(out, node, cap=_SMALL_SIZE, hints=True)
     except _CannotMeasure:
         return True
     try:
