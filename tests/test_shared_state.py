@@ -284,20 +284,34 @@ def test_a_file_that_writes_an_update_over_a_state_its_payload_still_reads_is_re
     assert emu.live_bytes == 0 or module.load_method("prefill") is None  # nothing half-loaded; the rest loads
 
 
-def test_an_inductor_delegate_writes_the_updates_over_the_state_in_its_compiled_graph():
-    """Compiled code returns results of its own; an update kept as the state is copied over the
-    state as the graph's last step, so the program holds no second cache and copies none back."""
+def _inductor_writes_the_state(device: str, graphs: bool = False) -> None:
     core = _seeded()
     prefill, decode = exported(core)
-    program = ferry.compile({"prefill": prefill, "decode": decode}, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    program = ferry.compile({"prefill": prefill, "decode": decode},
+                            ferry.OpSupportPartitioner(device, backend_id="inductor"),
+                            KEEP_ON_DEVICE if device != "cpu" else None)
     for name in ("prefill", "decode"):
         assert _updates(program, name) == {"core.cache": "state", "core.seen": "state"}
-    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    module = ferry.Module(ferry.load_program(program.to_bytes()), cuda_graphs=graphs)
     eager = _seeded()
-    for k, (name, rows, pos) in enumerate(CALLS):
+    for k, (name, rows, pos) in enumerate(CALLS * 2):  # twice: graphs captured on the way are replayed
         x, pos = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(k)), torch.tensor(pos)
         with torch.no_grad():
             want = eager.step(x, pos)
-        torch.testing.assert_close(_call(module, "cpu", name, x, pos), want, msg=lambda m, k=k: f"call {k}: {m}")
+        (got,) = module.run_method(name, [x.to(device), pos.to(device)])
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"call {k}: {m}")
     kinds = [s.kind for s in loaded_method(module, "decode").plan.bound.steps if s is not None]
     assert "writeback" not in kinds
+
+
+def test_an_inductor_delegate_writes_the_updates_over_the_state_in_its_compiled_graph():
+    """Compiled code returns results of its own; an update kept as the state is copied over the
+    state as the graph's last step, so the program holds no second cache and copies none back."""
+    _inductor_writes_the_state("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_inductor_delegate_on_the_gpu_writes_the_updates_over_the_state(full_fp32, graphs):
+    _inductor_writes_the_state("cuda:0", graphs)
