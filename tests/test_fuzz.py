@@ -13,6 +13,7 @@ A few hundred mutants run in CI; FERRY_FUZZ_MUTANTS=10000 runs more.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections import Counter
@@ -113,3 +114,69 @@ def test_mutated_programs_are_refused_or_run_right(emu):
     print(dict(outcomes))
     assert sum(outcomes.values()) == MUTANTS
     assert outcomes["eager result"] > 0, "some mutants must survive to run: the test would pass vacuously"
+
+
+# ---------------------------------------------------------------- inductor payloads
+
+INDUCTOR_MUTANTS = int(os.environ.get("FERRY_FUZZ_INDUCTOR_MUTANTS", "300"))
+CANARY = 'x"); system("touch FERRY_CANARY"); //'  # text that would run if pasted into generated C++
+_TEXTS = [CANARY, "floor", "trunc", "none", "tanh", "ceil", "aten::sin.default", "builtins::eval",
+          "aten::_assert_async.msg", "aten::div.Tensor_mode", "aten::gelu.default", "ferry::copy.out"]
+
+
+class _Ops(torch.nn.Module):
+    """Ops with string, int and float arguments: what a payload's mutants may steer."""
+
+    def forward(self, x):
+        y = torch.nn.functional.gelu(x, approximate="tanh") + torch.div(x, 3.0, rounding_mode="floor")
+        return torch.softmax(y.reshape(2, 8) * 0.5, -1).sum(0)
+
+
+def _mutate_payload(rng: random.Random, payload: bytes) -> bytes:
+    meta = metadata_of(payload)
+    for _ in range(rng.randint(1, 3)):
+        leaves = [(path, x) for path, x in json_paths(meta) if isinstance(x, str)]
+        if leaves and rng.random() < 0.6:  # op names and string constants
+            path, _ = rng.choice(leaves)
+            parent_of(meta, path)[path[-1]] = rng.choice(_TEXTS + _KERNELS)
+        else:
+            _mutate_meta(rng, meta)  # ids, sizes, numbers, instruction order
+    return rebuild(payload, meta)
+
+
+def test_mutated_inductor_payloads_are_refused_or_run_and_never_reach_code_generation_with_file_text(
+        monkeypatch, tmp_path):
+    """Seeded mutants of an `inductor` payload (op names, string and number constants, ids,
+    instruction order), its checksum recomputed as an attacker would: loading and calling is a
+    ferry error or a result, never another exception, and no text from the file other than what
+    ferry allows reaches Inductor (its compile is replaced by a check of the graph it is given)."""
+    monkeypatch.chdir(tmp_path)
+    given = []
+
+    def compile_spy(gm, examples):
+        given.append(gm)
+        assert CANARY not in gm.code, "text from the file reached code generation"
+        return gm  # run the checked graph op by op: C++ compiles of hundreds of mutants cost minutes
+
+    monkeypatch.setattr(torch._inductor, "compile", compile_spy)
+    base = ferry.compile(torch.export.export(_Ops(), (torch.randn(16),)),
+                         ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    (d,) = base.delegates
+    rng = random.Random(20261202)
+    x = torch.randn(16)
+    outcomes: Counter = Counter()
+    for n in range(INDUCTOR_MUTANTS):
+        segments = list(base.segments)
+        segments[d.payload] = _mutate_payload(rng, base.segments[d.payload])
+        try:
+            with ferry.Module(dataclasses.replace(base, segments=segments), max_memory=LIMIT) as module:
+                module(x)
+        except FerryError as e:
+            outcomes[f"ferry error: {type(e).__name__}"] += 1
+            continue
+        except Exception as e:  # noqa: BLE001 - the failure this test exists to find
+            pytest.fail(f"inductor payload mutant {n} raised {type(e).__name__}: {e}")
+        outcomes["ran"] += 1
+    print(dict(outcomes))
+    assert not (tmp_path / "FERRY_CANARY").exists()
+    assert outcomes["ran"] > 0 and given, "some mutants must reach Inductor: the test would pass vacuously"
