@@ -137,6 +137,14 @@ def test_run_prints_latency_and_copies(compiled):
     assert "kernels chosen at load" not in out  # no GPU: nothing timed
 
 
+def test_run_with_cuda_graphs_reports_what_was_captured(compiled):
+    """The emulated device `ferry run` registers runs synchronously: nothing to capture, said so."""
+    with pytest.warns(RuntimeWarning, match="captures no graph: none of its work runs on a GPU"):
+        rc, out, err = call(["run", compiled[0], "--repeat", "2", "--cuda-graphs"])
+    assert rc == 0, err
+    assert re.search(r"^  graphs: 0 captured, 0 waiting for a second run$", out, re.M), out
+
+
 def test_run_with_inputs_from_npz(compiled, tmp_path):
     path = compiled[0]
     good = tmp_path / "in.npz"

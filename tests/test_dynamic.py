@@ -119,6 +119,34 @@ def test_a_dynamic_program_with_device_inputs_and_outputs_is_captured_per_shape(
     assert sum(g.graph is not None for g in m.graphs) >= 2  # the two shapes called three times
 
 
+def test_the_graph_report_says_what_each_shape_captured(emu_async):
+    model = TinyLM(layers=2).eval()
+    ep = torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=({0: BATCH, 1: SEQ},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), KEEP_ON_DEVICE), cuda_graphs=True)
+    assert module.graph_report() == []  # no shape seen yet
+    for shape in [(2, 16)] * 4 + [(4, 5)] * 2:  # a shape gets its own plan after its first call, captured on a later one
+        module(clone_to(torch.randint(0, 32, shape), "emu:0"))
+    by_shape = {r.shapes: r for r in module.graph_report()}
+    assert set(by_shape) == {((2, 16),), ((4, 5),)}
+    assert by_shape[((2, 16),)].captured >= 1 and by_shape[((2, 16),)].waiting == 0
+    assert by_shape[((4, 5),)].captured == 0 and by_shape[((4, 5),)].waiting >= 1  # captured on its next call
+    assert not any(r.eager for r in by_shape.values())
+
+
+def test_graphs_asked_of_a_program_with_no_device_work_say_so_once(emu):
+    model = TinyLM(layers=1).eval()
+    program = ferry.compile(torch.export.export(model, (torch.randint(0, 32, (2, 8)),)))  # all on the CPU
+    with pytest.warns(RuntimeWarning, match="captures no graph: none of its work runs on a GPU"):
+        module = ferry.Module(program, cuda_graphs=True)
+        module.load_method()
+    (report,) = module.graph_report()
+    assert (report.shapes, report.captured, report.waiting) == (None, 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = torch.randint(0, 32, (2, 8))
+        torch.testing.assert_close(module(x), model(x))
+
+
 def test_a_decoder_with_a_dynamic_batch_and_sequence_equals_eager(emu_async):
     model = TinyLM(layers=2).eval()
     program = compiled(model, (torch.randint(0, 32, (4, 16)),), {0: BATCH, 1: SEQ})

@@ -366,6 +366,7 @@ def _open(program, args, progress=None):
 def _timed_runs(module, program, args, bars=None) -> int:
     from ferry.choices import summary as kernel_choices
     from ferry.program.report import copy_report
+    from ferry.runtime.stages.graph_report import report_lines
 
     meta = module.method_meta(args.method)
     inputs = _random_inputs(meta, args.microbatches or 1) if args.inputs == "random" else _npz_inputs(args.inputs, meta)
@@ -391,6 +392,9 @@ def _timed_runs(module, program, args, bars=None) -> int:
         print(f"    {line}")
     for i, o in enumerate(outs):
         print(f"  output {i}: {str(o.dtype).removeprefix('torch.')}{list(o.shape)}")
+    if args.cuda_graphs and hasattr(module, "graph_report"):
+        for line in report_lines(module.graph_report(args.method)):
+            print(f"  {line}")
     print(_printable(str(copy_report(program, args.method))))
     return 0
 

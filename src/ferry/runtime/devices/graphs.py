@@ -49,6 +49,7 @@ class GraphSegment:
         self.graph: _Graph | None = None
         self.key = None
         self.failed = False
+        self.failure = ""  # why its capture failed
 
     def _eager(self) -> None:
         for call in self.calls:
@@ -99,7 +100,7 @@ class GraphSegment:
         finally:
             self.streams.capturing = False  # before any eager run: its copies need their events
         if failure is not None:
-            self.failed = True
+            self.failed, self.failure = True, f"{type(failure).__name__}: {str(failure)[:200]}"
             warnings.warn(f"{self.label}: graph capture failed ({type(failure).__name__}: {failure}); "
                           "running it eagerly from now on", RuntimeWarning, stacklevel=3)
             self.api.synchronize(self.index)

@@ -23,6 +23,7 @@ from ferry.runtime.devices.allocator import get_allocator
 from ferry.runtime.devices.streams import CopyStreams
 from ferry.runtime.devices.tensor import device_of
 from ferry.runtime.stages.bind import BindContext, bind_method, dynamic_values
+from ferry.runtime.stages.graph_report import ShapeGraphs, nothing_captured, shape_graphs
 from ferry.runtime.stages.load import load_memory
 from ferry.runtime.stages.run import Plan
 from ferry.runtime.stages.schedule import schedule
@@ -74,6 +75,9 @@ class LoadedMethod:
             self.memory.close()
             raise
         self.last_plan = self.plan
+        self._warned = False
+        if not self._dynamic:
+            self._warn_if_nothing_captured()
         self._inputs = [v if isinstance(v := method.values[i], TensorValue) else None for i in method.inputs]
         self._expected = [_expected_cuda_tensor(v) for v in self._inputs]
         self._storage_read = frozenset(method.storage_inputs)
@@ -112,6 +116,23 @@ class LoadedMethod:
         plans = (self.plan, *([self._parts] if self._parts is not None else []), *self._by_shape.values())
         unique = {id(p): p for p in plans}  # a shape that kept the generic plan lists it once
         return [g for p in unique.values() for g in p.graphs]
+
+    def graph_report(self) -> list[ShapeGraphs]:
+        """What each plan captured as CUDA graphs (graph_report.py): a static method's one plan;
+        a dynamic method's plan for each shape seen (its plan for any shape is never captured)."""
+        if not self._dynamic:
+            return [shape_graphs(None, self.plan)]
+        return [shape_graphs(tuple(s[0] for s in shape if isinstance(s, tuple)), plan)
+                for (part, shape), plan in self._by_shape.items() if not part and plan is not self.plan]
+
+    def _warn_if_nothing_captured(self) -> None:
+        """Asked for graphs and none can be captured: said once, with why."""
+        if self._graphs and not self._warned:
+            why = nothing_captured(self.graph_report(), self.streams is not None)
+            if why:
+                self._warned = True
+                warnings.warn(f"method {self.name!r} was loaded with cuda_graphs=True but captures no graph: {why}",
+                              RuntimeWarning, stacklevel=4)
 
     def shape_plans(self) -> int:
         """How many shapes have a plan of their own (a method with dynamic sizes)."""
@@ -224,6 +245,8 @@ class LoadedMethod:
         else:
             self._sizes[shape] = sizes
             self._by_shape[(part, shape)] = plan
+            if graphs and not part:
+                self._warn_if_nothing_captured()
         for kept in (self._sizes, self._by_shape):
             while len(kept) > SHAPES_KEPT:
                 kept.popitem(last=False)

@@ -377,6 +377,15 @@ class Module:
         finally:
             self._free.put(inst)
 
+    # ---------------------------------------------------------------- graphs
+
+    def graph_report(self, method: str = "forward") -> list:
+        """What `method` captured as CUDA graphs so far, per shape it was called at (a static
+        method: its one plan): segments captured, waiting for their second run, and those run
+        step by step with why (ferry.runtime.stages.graph_report.ShapeGraphs)."""
+        self.load_method(method)
+        return self._instances[0].methods[method].graph_report()
+
     # ---------------------------------------------------------------- state
 
     def state_names(self) -> list[str]:
