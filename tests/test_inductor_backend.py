@@ -511,3 +511,37 @@ def test_a_compiled_assert_with_a_hostile_message_runs_no_code(tmp_path, monkeyp
     x = torch.rand(16) + 1
     torch.testing.assert_close(module(x), x * 2)
     assert not (tmp_path / "PWNED").exists()
+
+
+class EveryDtype(torch.nn.Module):
+    """A constant of every dtype, read as a value, and int64 / int32 ones as index lists
+    (Swin's relative position index: a constant inside an index list)."""
+
+    DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool)
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        for i, dtype in enumerate(self.DTYPES):
+            self.register_buffer(f"c{i}", (torch.randn(8, generator=g) * 4).to(dtype))
+        self.table = torch.nn.Parameter(torch.randn(16, 8, generator=g))
+        self.register_buffer("idx64", torch.randint(0, 16, (24,), generator=g))
+        self.register_buffer("idx32", torch.randint(0, 16, (24,), generator=g).int())
+
+    def forward(self, x):
+        y = x + sum(getattr(self, f"c{i}").to(x.dtype) for i in range(len(self.DTYPES)))
+        return y + self.table[self.idx64].sum(0) + self.table[self.idx32].mean(0)
+
+
+def test_a_constant_of_every_dtype_survives_the_inductor_rebuild():
+    model = EveryDtype().eval()
+    ep = torch.export.export(model, (torch.randn(3, 8),))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # compiled, not run op by op after a failure
+        module = ferry.Module(ferry.load_program(program.to_bytes()))
+        for _ in range(2):
+            x = torch.randn(3, 8)
+            with torch.no_grad():
+                torch.testing.assert_close(module(x), model(x))

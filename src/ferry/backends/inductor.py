@@ -236,6 +236,11 @@ def graph_of(method: Method, memory: Memory, overwrites: dict[int, int] | None =
     def ref(vid: int) -> Ref:
         if vid in env:
             return PerCall(vid)
+        v = method.values[vid]
+        if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
+            # member by member, even when the loader built the list of constants once: a tensor
+            # inside a literal list would be pasted into the graph's code as text it cannot run
+            return Listed(tuple(v.value))  # type: ignore[arg-type]
         if memory.fixed[vid]:
             value = memory.slots[vid]
             if not isinstance(value, torch.Tensor):
@@ -243,9 +248,6 @@ def graph_of(method: Method, memory: Memory, overwrites: dict[int, int] | None =
             root.register_buffer(f"constant_{vid}", value)
             env[vid] = graph.get_attr(f"constant_{vid}")
             return PerCall(vid)
-        v = method.values[vid]
-        if isinstance(v, ConstValue) and v.kind in LIST_KINDS:
-            return Listed(tuple(v.value))  # type: ignore[arg-type]
         raise ProgramError(f"method {method.name!r}: value {vid} is read before it is computed")
 
     def resolve(r: Ref):
