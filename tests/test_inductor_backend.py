@@ -545,3 +545,14 @@ def test_a_constant_of_every_dtype_survives_the_inductor_rebuild():
             x = torch.randn(3, 8)
             with torch.no_grad():
                 torch.testing.assert_close(module(x), model(x))
+
+
+def test_an_inductor_program_runs_on_the_emulated_device(emu, tmp_path):
+    """CPU Inductor code on emulated device memory: its results are host tensors, copied into the
+    device's memory where the program declares them there, so CI runs such programs end to end."""
+    model = Block().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(SHAPE),)),
+                            ferry.OpSupportPartitioner("emu:0", backend_id="inductor"))
+    assert {d.backend_id for d in program.delegates} == {"inductor"}
+    program.save(tmp_path / "emu.ferry")
+    matches_eager(ferry.Module(tmp_path / "emu.ferry"), model)

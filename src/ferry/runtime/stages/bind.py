@@ -34,6 +34,7 @@ from ferry.program.schema import (
     Method,
     TensorValue,
 )
+from ferry.runtime.devices.tensor import device_of
 from ferry.runtime.stages.frame import (
     call_io,
     dynamic_values,
@@ -48,6 +49,7 @@ from ferry.runtime.stages.kernel_steps import KernelSteps
 from ferry.runtime.stages.kernels import CopyKernel
 from ferry.runtime.stages.load import Memory
 from ferry.runtime.stages.refs import LAYOUT_VIEWS, ref, resolve
+from ferry.runtime.stages.run import empty_on
 from ferry.runtime.stages.steps import Bound, CallIO, Step
 
 __all__ = ["LAYOUT_VIEWS", "STEP_KINDS", "BindContext", "Bound", "CallIO", "Step", "bind_method", "dynamic_values",
@@ -222,6 +224,9 @@ class _Binder(KernelSteps):
         want = [(v.shape, v.torch_dtype, v.device.to_torch()) for v in declared]
         strides = [v.layout_strides for v in declared]
         kept = handle.storages()  # the delegate's constants
+        # a device whose memory is host memory its allocator owns (the emulated one): compiled
+        # code (CPU code on it) returns plain host tensors, which are copied into its memory
+        owned = [v.device if v.device.type not in ("cpu", "cuda") else None for v in declared]
 
         def run():
             inputs = [slots[a] for a in args]
@@ -232,10 +237,12 @@ class _Binder(KernelSteps):
                        for r in results]
                 raise BackendError(f"delegate {ins.delegate} returned {got}; the program declares {want}")
             shared = kept | {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-            for o, r, st, v in zip(outs, results, strides, declared):
+            for o, r, st, v, dev in zip(outs, results, strides, declared, owned):
                 if v.storage == "state":
                     continue  # written over the state in place by the delegate (Backend.writes_over)
-                if r.untyped_storage().data_ptr() in shared or not same_strides(r.shape, r.stride(), st):
+                if dev is not None and device_of(r) != dev:
+                    r = empty_on(dev, r.shape, r.dtype, st).copy_(r)
+                elif r.untyped_storage().data_ptr() in shared or not same_strides(r.shape, r.stride(), st):
                     r = torch.empty_strided(r.shape, st, dtype=r.dtype, device=r.device).copy_(r)
                 slots[o] = r
 
