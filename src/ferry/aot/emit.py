@@ -26,7 +26,7 @@ from ferry.device import CPU, Device
 from ferry.errors import CompileError, UnsupportedByBackend
 from ferry.op_names import kernel_name, resolve_kernel
 from ferry.ops.aliasing import is_view, overwrites_safely, traced_alias, unannotated, view_source
-from ferry.program.dataflow import layout, state_overwrite, whole_root, whole_views
+from ferry.program.dataflow import layout, state_overwrites, whole_root, whole_views
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import (
     DEFAULT_ARG,
@@ -416,18 +416,17 @@ class _MethodEmitter:
         delegate's backend says it writes that result over that argument. Each such update needs
         no memory of its own and no copy into the state after the call."""
         out, allowed = set(), {}
-        for mb in method.mutable_buffers:
-            where = state_overwrite(method, mb) if mb.value in self.mutable_ids else None
-            if where is None:
+        states = {mb.update: mb.value for mb in method.mutable_buffers}
+        for update, (k, arg, result) in state_overwrites(method).items():
+            if states[update] not in self.mutable_ids:
                 continue
-            k, arg, result = where
-            index = cast(DelegateCall, method.instructions[k]).delegate  # (state_overwrite: a delegate call)
+            index = cast(DelegateCall, method.instructions[k]).delegate  # (state_overwrites: a delegate call)
             if index not in allowed:
                 d = self.b.delegates[index]
                 backend = get_backend(d.backend_id)
                 allowed[index] = backend.writes_over(self.b.segments[d.payload], **data_kwargs(backend, self.data))
             if allowed[index].get(result) == arg:
-                out.add(mb.update)
+                out.add(update)
         if out:
             self.kernel_choices["state written in place"] = (
                 f"{len(out)} mutable buffer update(s) written over the state by the delegate that computes them "

@@ -23,7 +23,7 @@ from ferry.program import schema as S
 from ferry.program.lifetimes import tensor_ids, value_lifetimes
 from ferry.program.schema import DEFAULT_ARG, LIST_KINDS, ConstValue, DelegateCall, KernelCall, Method, TensorValue
 
-__all__ = ["check_dataflow", "in_place_outputs", "state_overwrite"]
+__all__ = ["check_dataflow", "in_place_outputs", "state_overwrites"]
 
 _WRITTEN_IN_PLACE = ("planned", "output", "scratch")
 
@@ -32,43 +32,46 @@ def check_dataflow(m: Method) -> None:
     pre = f"method {m.name!r}"
     _written_once_before_read(m, pre)
     _planned_memory_is_sound(m, pre)
+    overwrites = state_overwrites(m)
     for j, mb in enumerate(m.mutable_buffers):
-        if m.tensor(mb.update).storage == "state" and state_overwrite(m, mb) is None:
+        if m.tensor(mb.update).storage == "state" and mb.update not in overwrites:
             raise ProgramError(f"{pre} mutable buffer {j}: its update (value {mb.update}) is stored as the state "
                                "itself, so one delegate call must write it, reading the state once, with nothing "
                                "reading the state after that call")
 
 
-def _last_read(m: Method, owner: int) -> int:
-    """The last instruction reading the memory `owner` owns (itself or a view of it); -1 if none."""
-    last = -1
+def _last_reads(m: Method) -> dict[int, int]:
+    """Memory owner -> the last instruction reading its memory (itself or a view of it)."""
+    last: dict[int, int] = {}
     for k, ins in enumerate(m.instructions):
-        if any(S.memory_owner(m.values, t) == owner for a in ins.args if a not in ins.outputs for t in tensor_ids(m, a)):
-            last = k
+        for a in ins.args:
+            if a not in ins.outputs:
+                for t in tensor_ids(m, a):
+                    last[S.memory_owner(m.values, t)] = k
     return last
 
 
-def state_overwrite(m: Method, mb: S.MutableBuffer) -> tuple[int, int, int] | None:
-    """Where the update of mutable buffer `mb` can be written over its state in place:
-    (instruction, argument position, result position) of the delegate call that makes it, which
-    reads the state exactly once, after which no instruction reads the state; None where not.
-    Whether the delegate may write that result over that argument is its backend's to say
-    (Backend.writes_over)."""
-    state, update = m.tensor(mb.value), m.tensor(mb.update)
-    if (state.dtype, state.shape, state.layout_strides, state.device) != (
-            update.dtype, update.shape, update.layout_strides, update.device) or any(update.dynamic):
-        return None
-    if mb.update in m.outputs or mb.value in m.outputs or update.alias_of is not None:
-        return None
-    writers = [k for k, ins in enumerate(m.instructions) if mb.update in ins.outputs]
-    if len(writers) != 1 or not isinstance(m.instructions[writers[0]], DelegateCall):
-        return None
-    k = writers[0]
-    ins = m.instructions[k]
-    at = [p for p, a in enumerate(ins.args) for t in tensor_ids(m, a) if S.memory_owner(m.values, t) == mb.value]
-    if len(at) != 1 or ins.args[at[0]] != mb.value or _last_read(m, mb.value) != k:
-        return None
-    return k, at[0], ins.outputs.index(mb.update)
+def state_overwrites(m: Method) -> dict[int, tuple[int, int, int]]:
+    """Update value -> (instruction, argument position, result position) for each mutable buffer
+    whose update can be written over its state in place: the delegate call that makes it reads
+    the state exactly once, and no instruction reads the state after it. Whether the delegate may
+    write that result over that argument is its backend's to say (Backend.writes_over)."""
+    last = _last_reads(m)
+    writer = {o: k for k, ins in enumerate(m.instructions) for o in ins.outputs}
+    out = {}
+    for mb in m.mutable_buffers:
+        state, update = m.tensor(mb.value), m.tensor(mb.update)
+        k = writer.get(mb.update)
+        if (k is None or not isinstance(m.instructions[k], DelegateCall) or any(update.dynamic)
+                or update.alias_of is not None or mb.update in m.outputs or mb.value in m.outputs
+                or (state.dtype, state.shape, state.layout_strides, state.device)
+                != (update.dtype, update.shape, update.layout_strides, update.device)):
+            continue
+        ins = m.instructions[k]
+        at = [p for p, a in enumerate(ins.args) for t in tensor_ids(m, a) if S.memory_owner(m.values, t) == mb.value]
+        if len(at) == 1 and ins.args[at[0]] == mb.value and last.get(mb.value) == k:
+            out[mb.update] = (k, at[0], ins.outputs.index(mb.update))
+    return out
 
 
 def in_place_outputs(m: Method) -> dict[int, int]:
@@ -80,6 +83,7 @@ def in_place_outputs(m: Method) -> dict[int, int]:
     may write over it (ops/aliasing.py: overwrites_safely), or earlier."""
     out: dict[int, int] = {}
     writer = {o: k for k, ins in enumerate(m.instructions) for o in ins.outputs}
+    last = _last_reads(m)
     for r, o in enumerate(m.outputs):
         v = m.values[o]
         if not isinstance(v, TensorValue) or v.storage not in ("output", "runtime") or m.outputs.count(o) != 1:
@@ -87,7 +91,7 @@ def in_place_outputs(m: Method) -> dict[int, int]:
         for i, x in enumerate(m.inputs):
             if i in out.values() or m.inputs.count(x) != 1 or x in m.outputs or not _alike(m, x, o):
                 continue
-            if v.storage == "runtime" or (o in writer and _written_after_last_read(m, x, o, writer[o])):
+            if v.storage == "runtime" or (o in writer and _written_after_last_read(m, x, o, writer[o], last.get(x, -1))):
                 out[r] = i
                 break
     return out
@@ -99,10 +103,9 @@ def _alike(m: Method, x: int, o: int) -> bool:
             and (layout(m, x), w.device) == (layout(m, o), m.tensor(o).device))
 
 
-def _written_after_last_read(m: Method, x: int, o: int, k: int) -> bool:
-    """Whether input `x` is read for the last time before instruction `k` writes result `o`, or
-    at `k`, once, by a kernel that may write over it."""
-    last = _last_read(m, x)
+def _written_after_last_read(m: Method, x: int, o: int, k: int, last: int) -> bool:
+    """Whether input `x`, last read at instruction `last`, is read for the last time before
+    instruction `k` writes result `o`, or at `k`, once, by a kernel that may write over it."""
     if last < k:
         return True
     ins = m.instructions[k]

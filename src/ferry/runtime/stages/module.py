@@ -12,7 +12,7 @@ from ferry.device import CPU
 from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, ProgramError
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program import Program, load_program
-from ferry.program.dataflow import state_overwrite
+from ferry.program.dataflow import state_overwrites
 from ferry.program.footprint import unknown_limit_keys
 from ferry.program.ranks import program_ranks
 from ferry.program.schema import DelegateCall, MethodMeta, TensorValue
@@ -30,6 +30,7 @@ def _check_delegate_calls(program: Program, method) -> None:
     """Each delegate call agrees with its payload (backend_registry.Backend.check_call), before
     anything of the method is allocated."""
     host_io = not any(getattr(ins, "kernel", None) in OUT_COPY_KERNELS for ins in method.instructions)  # no placement
+    overwrites = state_overwrites(method)
     for k, ins in enumerate(method.instructions):
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate]
@@ -38,30 +39,33 @@ def _check_delegate_calls(program: Program, method) -> None:
             try:
                 backend.check_call(program.segments[d.payload], [method.values[a] for a in ins.args],
                                    [method.values[o] for o in ins.outputs], host_io=host_io, **data)
-                _check_state_written_over(method, k, backend, program.segments[d.payload], data)
+                _check_state_written_over(method, ins, overwrites, backend, program.segments[d.payload], data)
             except ProgramError as e:
                 raise ProgramError(f"method {method.name!r} instruction {k} (delegate {ins.delegate}): {e}") from None
 
 
-def _check_state_written_over(method, k: int, backend, payload, data: dict) -> None:
-    """Each update the call writes over its state (storage 'state'; dataflow.py checked the
-    method's side) is one its backend says it may write over that argument."""
-    for mb in method.mutable_buffers:
-        if method.tensor(mb.update).storage == "state" and mb.update in method.instructions[k].outputs:
-            where = state_overwrite(method, mb)
-            if where is None or backend.writes_over(payload, **data).get(where[2]) != where[1]:
-                raise ProgramError(f"result {method.instructions[k].outputs.index(mb.update)} is written over the state "
-                                   f"{mb.name!r} in place, which the delegate's payload does not allow")
+def _check_state_written_over(method, ins: DelegateCall, overwrites: dict, backend, payload, data: dict) -> None:
+    """Each result the call writes over a state (storage 'state'; dataflow.py checked the method's
+    side: `overwrites`, its state_overwrites) is one its backend says it may write over that
+    argument (the payload read only where there is one)."""
+    written = [o for o in ins.outputs if method.tensor(o).storage == "state"]
+    allowed = backend.writes_over(payload, **data) if written else {}
+    names = {mb.update: mb.name for mb in method.mutable_buffers}
+    for o in written:
+        where = overwrites.get(o)
+        if where is None or allowed.get(where[2]) != where[1]:
+            raise ProgramError(f"result {ins.outputs.index(o)} is written over the state {names.get(o)!r} in place, "
+                               "which the delegate's payload does not allow")
 
 
 def _state_overwrites(program: Program, index: int) -> dict[int, int]:
     """{result: argument} of delegate `index`'s call whose result the program keeps in that
     argument's memory: the update of a state written over the state in place."""
     for m in program.methods.values():
-        for ins in m.instructions:
+        for k, ins in enumerate(m.instructions):
             if isinstance(ins, DelegateCall) and ins.delegate == index:
-                updates = [mb for mb in m.mutable_buffers if mb.update in ins.outputs and m.tensor(mb.update).storage == "state"]
-                return {where[2]: where[1] for mb in updates if (where := state_overwrite(m, mb)) is not None}
+                return {result: arg for o, (at, arg, result) in state_overwrites(m).items()
+                        if at == k and m.tensor(o).storage == "state"}
     return {}
 
 
