@@ -222,11 +222,12 @@ class _Binder(KernelSteps):
         slots, args, outs = self.slots, list(ins.args), list(ins.outputs)
         declared = [self.m.tensor(o) for o in outs]
         want = [(v.shape, v.torch_dtype, v.device.to_torch()) for v in declared]
-        strides = [v.layout_strides for v in declared]
         kept = handle.storages()  # the delegate's constants
         # a device whose memory is host memory its allocator owns (the emulated one): compiled
         # code (CPU code on it) returns plain host tensors, which are copied into its memory
-        owned = [v.device if v.device.type not in ("cpu", "cuda") else None for v in declared]
+        # (a result written over the state in place, Backend.writes_over, is not taken)
+        taken = [(j, o, v.layout_strides, v.device if v.device.type not in ("cpu", "cuda") else None)
+                 for j, (o, v) in enumerate(zip(outs, declared)) if v.storage != "state"]
 
         def run():
             inputs = [slots[a] for a in args]
@@ -237,9 +238,8 @@ class _Binder(KernelSteps):
                        for r in results]
                 raise BackendError(f"delegate {ins.delegate} returned {got}; the program declares {want}")
             shared = kept | {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-            for o, r, st, v, dev in zip(outs, results, strides, declared, owned):
-                if v.storage == "state":
-                    continue  # written over the state in place by the delegate (Backend.writes_over)
+            for j, o, st, dev in taken:
+                r = results[j]
                 if dev is not None and device_of(r) != dev:
                     r = empty_on(dev, r.shape, r.dtype, st).copy_(r)
                 elif r.untyped_storage().data_ptr() in shared or not same_strides(r.shape, r.stride(), st):
