@@ -16,6 +16,7 @@ from torch import nn
 
 import ferry
 from ferry import ConfigError, InputError
+from ferry.program.footprint import load_bytes
 from ferry.runtime import clone_to, emulated_device
 from ferry.runtime.stages import method as method_module
 from models import loaded_method
@@ -107,8 +108,10 @@ def test_a_dynamic_program_with_device_inputs_and_outputs_is_captured_per_shape(
     input laid out otherwise (a slice of a wider tensor) is taken as it is, without graphs."""
     model = TinyLM(layers=2).eval()
     ep = torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=({0: BATCH, 1: SEQ},))
-    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), KEEP_ON_DEVICE), cuda_graphs=True,
-                          outputs=outputs)
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), KEEP_ON_DEVICE)
+    module = ferry.Module(program, cuda_graphs=True, outputs=outputs)
+    module.load_method()  # staging at the bound is memory counted before loading allocates it
+    assert emu_async.live_bytes == load_bytes(program, program.method("forward"), stage_io=True)[ferry.Device("emu", 0)]
     wide = torch.randint(0, 32, (8, 32), generator=torch.Generator().manual_seed(9))
     calls = [(2, 16)] * 3 + [(4, 5)] * 3 + [(2, 16), (1, 32), (4, 5), "slice", "slice", "slice"]
     for i, shape in enumerate(calls):

@@ -105,7 +105,7 @@ def load_bytes(program, method: Method, stage_io: bool = False, data: ProgramDat
             if key not in data.counted:
                 data.counted.add(key)
                 add(v.device, v.nbytes)
-        elif stage_io and v.storage in ("input", "output") and not any(v.dynamic):
+        elif stage_io and v.storage in ("input", "output"):  # staged for graphs (a dynamic one at its bound)
             add(v.device, v.nbytes)
         elif v.storage == "scratch":  # an out argument nobody reads: a tensor of its own, made at load
             add(v.device, v.nbytes)
