@@ -249,3 +249,27 @@ def test_on_a_gpu_a_hostile_delegate_allocates_nothing_of_its_size_and_a_call_is
         ferry.Module(program, max_memory={"cuda:0": need - 1}).load_method()
     x = torch.randn(4, 8)
     torch.testing.assert_close(ferry.Module(program, max_memory={"cuda:0": need})(x), torch.relu(x) * 2)
+
+
+def test_kernels_are_sized_per_call_only_on_a_first_call_at_a_shape(monkeypatch):
+    """The sizing is load-time work: a static method's plan is sized when it is bound, and a
+    dynamic method's plan for each shape too; only the plan for any shape sizes its kernels as a
+    call runs, on the first call at a shape."""
+    from ferry.runtime.stages import kernel_steps
+
+    calls = []
+    checked = kernel_steps.call_check
+    monkeypatch.setattr(kernel_steps, "call_check", lambda *a, **k: calls.append(1) or checked(*a, **k))
+    static = ferry.Module(relu_program())
+    for _ in range(3):
+        static(torch.randn(4, 8))
+    assert calls == []
+    ep = torch.export.export(ReluTimesTwo(), (torch.randn(4, 8),), dynamic_shapes=({0: torch.export.Dim("b", max=16)},))
+    dynamic = ferry.Module(ferry.compile(ep))
+    counts = []
+    for rows in (4, 4, 4, 7, 7):
+        before = len(calls)
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(dynamic(x), ReluTimesTwo()(x))
+        counts.append(len(calls) - before)
+    assert counts[0] > 0 and counts[1] == counts[2] == counts[4] == 0  # (a new shape: sized at most once)

@@ -3,7 +3,7 @@ ferry.Module and ferry.generate). ferry draws nothing itself: the `ferry` comman
 calls into progress bars on stderr.
 
 `progress(task, done, total, unit)`: `done` of `total` `unit`s of `task` are finished, e.g.
-("compile", 1, 2, "step"), ("load forward", 3, 5, "delegate"), ("upload weights", 4096, 0, "B"),
+("compile", 1, 2, "step"), ("load forward", 3, 5, "part"), ("upload weights", 4096, 0, "B"),
 ("generate", 7, 32, "token"); a total of 0 is not known ahead. One task's `done` only grows.
 """
 

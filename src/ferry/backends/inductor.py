@@ -258,8 +258,7 @@ def graph_of(method: Method, memory: Memory, overwrites: dict[int, int] | None =
             return env[r.vid]
         return [None if e is None else resolve(ref(e)) for e in r.ids]
 
-    texts = texts_for_codegen(method)
-    texts_for_codegen(method)  # each instruction a kernel the loader allows, called as its schema says
+    texts = texts_for_codegen(method)  # (each instruction a kernel the loader allows, called as its schema says)
     for index, ins in enumerate(method.instructions):
         assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
         op = resolve_kernel(ins.kernel)
