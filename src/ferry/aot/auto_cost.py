@@ -10,9 +10,12 @@ more than a cut between layers.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ferry import node_meta as M
+from ferry.ops import aliasing
 
 PEAK_FLOPS = 50e12
 MEMORY_BYTES_PER_S = 3e12
@@ -22,28 +25,16 @@ COPY_S = 10e-6
 
 
 def val_bytes(val) -> int:
-    """The bytes of a node's value (a tensor, or the tensors of a tuple); 0 for the rest."""
+    """The bytes of a node's value (a tensor, or the tensors of a tuple); 0 for the rest. A dynamic
+    size counts at the size export traced: reading it would add a guard to the caller's program
+    (its shape environment is shared), making the dimension static."""
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    total = 0
-    for v in vals:
-        if isinstance(v, torch.Tensor):
-            try:
-                total += int(v.numel()) * v.element_size()
-            except Exception:  # noqa: BLE001 - a symbolic size: count what the hint says
-                total += int(v.untyped_storage().nbytes()) if hasattr(v, "untyped_storage") else 0
-    return total
+    return sum(math.prod(M.hint_ints(v.shape)) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 def _shape(node) -> tuple[int, ...]:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return M.hint_ints(val.shape) if isinstance(val, torch.Tensor) else ()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def op_flops(node: torch.fx.Node) -> int:
@@ -53,20 +44,19 @@ def op_flops(node: torch.fx.Node) -> int:
     out = _shape(node)
     if name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear") and args:
         a = _shape(args[1] if name in ("addmm", "baddbmm") else args[0])
-        return 2 * _numel(out) * (a[-1] if a else 0)
+        return 2 * math.prod(out) * (a[-1] if a else 0)
     if name in ("convolution", "conv2d", "conv1d", "conv3d") and len(args) > 1:
         w = _shape(args[1])
-        return 2 * _numel(out) * _numel(w[1:]) if w else 0
+        return 2 * math.prod(out) * math.prod(w[1:]) if w else 0
     if name.startswith("scaled_dot_product") or name.startswith("_scaled_dot_product"):
         q, k = _shape(args[0]), _shape(args[1])
         if len(q) >= 2 and len(k) >= 2:
-            return 4 * _numel(q) * k[-2]
+            return 4 * math.prod(q) * k[-2]
     return 0
 
 
 def is_view(node: torch.fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns)
+    return isinstance(node.target, torch._ops.OpOverload) and aliasing.is_view(node.target)
 
 
 def op_seconds(node: torch.fx.Node) -> float:

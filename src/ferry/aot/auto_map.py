@@ -59,8 +59,6 @@ def parse_budgets(max_memory) -> dict[Device, int]:
     return budgets
 
 
-
-
 @dataclass(frozen=True)
 class Choice:
     """A chosen map; per device, the weight and activation bytes it was estimated at and the

@@ -143,8 +143,9 @@ class Spans:
                 through += self.made_bytes[b - 1] - sum(nb for m, nb in self.by_last[b - 1] if m >= a)
             groups = [self.seq[b].weights]
             if b in self.extra:
-                t_seconds, t_copies, t_weights, extra_act = self.extra[b]
+                t_seconds, t_copies, t_weights, t_act = self.extra[b]
                 extra_seconds, extra_copies = extra_seconds + t_seconds, extra_copies + t_copies
+                extra_act = max(extra_act, t_act)  # (a stage may hold two owners, each with its tied user)
                 groups.append(t_weights)
             for more in groups:
                 for name, nbytes in more.items():

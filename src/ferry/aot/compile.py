@@ -194,5 +194,5 @@ def budget_error(program: Program, budgets, over: dict[Device, int], auto: bool,
     return CompileError(
         f"{tried} does not fit max_memory on {worst}: loading it allocates {need[worst]:,} bytes there "
         f"(weights and planned buffers), over its budget of {budgets[worst]:,}: short by {over[worst]:,} bytes"
-        f"{diagnose(choice, worst) if choice else ''}; {fix}"
+        f"{diagnose(choice, worst) if choice is not None else ''}; {fix}"
     )
