@@ -10,7 +10,7 @@ import re
 
 import torch
 
-__all__ = ["kernel_name", "resolve_kernel"]
+__all__ = ["REFUSED_NAMESPACES", "kernel_name", "resolve_kernel"]
 
 _NAME_RE = re.compile(r"([a-z_][a-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\Z")
 
@@ -31,7 +31,7 @@ _REFUSED_OPS = frozenset({"aten::from_file", "debugprims::load_tensor", "aten::s
                           # ferry::conv_add_relu, which check (ferry/ops/fused.py)
                           "aten::cudnn_convolution_relu", "aten::cudnn_convolution_add_relu",
                           "aten::miopen_convolution_relu", "aten::miopen_convolution_add_relu"})
-_REFUSED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "symm_mem", "profiler",
+REFUSED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "symm_mem", "profiler",
                                  "debugprims"})
 
 
@@ -48,10 +48,10 @@ def resolve_kernel(name: str) -> torch._ops.OpOverload:
     if m is None:
         raise LookupError(f"malformed kernel name {name!r}: expected 'namespace::op.overload', e.g. 'aten::add.out'")
     ns, opname, overload = m.groups()
-    if _unchecked_layout(opname) and ns not in _REFUSED_NAMESPACES:
+    if _unchecked_layout(opname) and ns not in REFUSED_NAMESPACES:
         raise LookupError(f"{name!r} makes or reads sparse or nested tensors, or trusts indices it does not check: a "
                           "ferry program holds dense tensors only and may not call it")
-    if ns in _REFUSED_NAMESPACES or f"{ns}::{opname}" in _REFUSED_OPS:
+    if ns in REFUSED_NAMESPACES or f"{ns}::{opname}" in _REFUSED_OPS:
         raise LookupError(f"{name!r} reaches outside the program's tensors (files, other processes, the profiler): "
                           "a ferry program may not call it")
     try:  # the dispatcher's own table: only registered operators have a schema

@@ -13,6 +13,7 @@ from ferry.aot.auto_map import Choice, diagnose, parse_budgets
 from ferry.aot.config import CompileConfig, MethodOptions
 from ferry.aot.device_map import DeviceMapPartitioner
 from ferry.aot.emit import emit_method
+from ferry.aot.fallbacks import kernel_fallbacks
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
 from ferry.aot.storage_reads import equal_sizes, storage_inputs
@@ -112,8 +113,10 @@ def _compile(eps, partitioner, options, budgets, done: Callable[[int, int], obje
             placed = _place(ep, partitioner, options[name])
         done(2 * len(methods) + 1, 2 * len(eps))
         unmatched.append(_reemit_but_unmatched(caught))
+        fallbacks = kernel_fallbacks(placed.graph_module, name)
         method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
                              placed.range_constraints)
+        method.kernel_choices.update(fallbacks)
         method.storage_inputs = storage_inputs(placed.graph_module)
         method.equal_sizes = equal_sizes(placed.graph_module)
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}

@@ -217,7 +217,9 @@ class DeviceMapPartitioner:
         # what the chooser works to: the budgets, lowered where a real plan overflowed one
         self._working = dict(self.budgets or {})
         self._choice: Choice | None = None
-        self.support = AtenOpSupport(None, exclude)
+        # an op goes to an accelerator of the map only where every one of them has its kernel
+        accelerators = {d for d in [*self.device_map.values(), *(self.budgets or {})] if not d.is_cpu}
+        self.support = AtenOpSupport(None, exclude, devices=sorted(accelerators))
         self.backend_id = backend_id
         self.last_map: dict[str, Device] = dict(self.device_map)
 

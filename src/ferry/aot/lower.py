@@ -120,6 +120,7 @@ def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
     eager PyTorch would run for it."""
     dynamic = _dynamic_dims(ep, as_exported=True)
     ep = written_constants_as_state(ep)
+    exported_state = {s.target for s in ep.graph_signature.input_specs if s.target}
     try:
         with warnings.catch_warnings():
             # torch >= 2.13 deep-copies the program's call signature here, and copying its
@@ -133,7 +134,7 @@ def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
         raise CompileError(f"torch.export could not turn the program into functional ATen ops: "
                            f"{type(e).__name__}: {e}") from e
     _refuse_specialized(dynamic, _dynamic_dims(ep))
-    _refuse_hidden_mutations(ep)
+    _refuse_hidden_mutations(ep, exported_state)
     _drop_export_time_checks(ep.graph_module)
     _contiguous_gemm_inputs(ep.graph_module)
     return ep
@@ -147,11 +148,14 @@ def _producer(ep, name: str) -> str:
     return str(node.target) if node is not None and node.op == "call_function" else f"node {name!r}"
 
 
-def _refuse_hidden_mutations(ep) -> None:
+def _refuse_hidden_mutations(ep, exported_state: set[str]) -> None:
     """An input a composite op writes in place while its schema says nothing of it (eager's
     `instance_norm` updates the running statistics it is given) shows in the trace's version
     counter but not in the program's signature: ferry would not write it back, so the op is a
-    CompileError naming it rather than a program that silently skips the update."""
+    CompileError naming it rather than a program that silently skips the update.
+
+    State the decomposition made (`exported_state` lacks it: the inner tensors of a tensor-subclass
+    weight such as torchao's, set once as torch unwrapped it) was written by torch, not the model."""
     recorded = {s.arg.name for s in ep.graph_signature.output_specs
                 if s.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)}
     for node in ep.graph.nodes:
@@ -160,6 +164,8 @@ def _refuse_hidden_mutations(ep) -> None:
             continue
         targets = {s.target for s in ep.graph_signature.output_specs if s.target}
         spec = next((s for s in ep.graph_signature.input_specs if s.arg.name == node.name), None)
+        if spec is not None and spec.target is not None and spec.target not in exported_state:
+            continue  # an inner tensor of an unwrapped subclass weight
         if node.name in targets or (spec is not None and spec.target in targets) or node.name in recorded:
             continue  # a mutation the signature records (refused or kept as the program's state elsewhere)
         ops = ", ".join(_readers(node)[:3]) or "an op of the program"

@@ -37,6 +37,8 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ferry.device import Device
 from ferry.errors import CompileError
+from ferry.op_names import REFUSED_NAMESPACES
+from ferry.ops.device_kernels import has_kernel
 
 TARGET_DEVICE = "target_device"
 DEFAULT_BACKEND = "torch"
@@ -98,11 +100,14 @@ def _matches(target, keys: frozenset[str]) -> bool:
 
 
 class AtenOpSupport(OperatorSupportBase):
-    """Capability as data: ATen ops, optionally restricted to `ops`, minus `exclude`."""
+    """Capability as data: ATen ops and library ops (`torch.library`), optionally restricted to
+    `ops`, minus `exclude`, each only where it has a kernel for every one of `devices` (a custom
+    op with a CPU kernel alone stays on the CPU: ops/device_kernels.py)."""
 
-    def __init__(self, ops=None, exclude=()):
+    def __init__(self, ops=None, exclude=(), devices=()):
         self.ops = None if ops is None else frozenset(_op_key(o) for o in ops)
         self.exclude = frozenset(_op_key(o) for o in exclude)
+        self.devices = tuple(Device.parse(d) for d in devices)
 
     def warn_unmatched(self, graph: torch.fx.Graph) -> None:
         """A name in `ops` or `exclude` that no op of the program has is almost always a typo or a
@@ -125,7 +130,9 @@ class AtenOpSupport(OperatorSupportBase):
         if node.target is operator.getitem:
             src = node.args[0]
             return isinstance(src, torch.fx.Node) and self.is_node_supported(submodules, src)
-        if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
+        if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace in _NOT_DELEGATED:
+            return False
+        if node.target._schema.is_mutable or not all(has_kernel(node.target, d) for d in self.devices):
             return False
         if not node.target._schema.returns:
             return False  # a check (aten._assert_scalar, ...): defines nothing, runs on the host
@@ -135,6 +142,11 @@ class AtenOpSupport(OperatorSupportBase):
         if self.ops is not None and not _matches(node.target, self.ops):
             return False
         return not _matches(node.target, self.exclude)
+
+
+# namespaces whose ops a delegate never runs: ferry's copies, and ops that reach outside the
+# program's tensors (a program may not call them at all: op_names.py)
+_NOT_DELEGATED = frozenset({"et_copy", *REFUSED_NAMESPACES})
 
 
 def _connected_components(nodes) -> list[set]:
@@ -165,7 +177,7 @@ class OpSupportPartitioner:
 
     def __init__(self, device: str | Device, ops=None, exclude=(), backend_id: str = DEFAULT_BACKEND):
         self.device = Device.parse(device)
-        self.support = AtenOpSupport(ops, exclude)
+        self.support = AtenOpSupport(ops, exclude, devices=[self.device])
         self.backend_id = backend_id
 
     def partition(self, exported_program: torch.export.ExportedProgram) -> list[Partition]:

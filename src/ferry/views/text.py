@@ -87,7 +87,7 @@ def _method_lines(program: Program, name: str, m: Method, instructions: bool) ->
         out.append("  computed by their functional kernel (their results are allocated at run time):")
         out += [f"    {op}: {m.kernel_choices.get(op, 'no out variant')}" for op in m.runtime_allocating_ops]
     out += [f"  {what}: {why}" for what, why in m.kernel_choices.items()
-            if what.startswith("delegate ") and what not in m.runtime_allocating_ops]
+            if what.startswith(("delegate ", "on the CPU: ")) and what not in m.runtime_allocating_ops]
     return out
 
 

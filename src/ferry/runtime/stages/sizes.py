@@ -107,6 +107,10 @@ def _meta_results(op, args: list, kwargs: dict):
         return _described(op(*args, **kwargs))
     except Exception as e:  # noqa: BLE001 - no meta kernel, or arguments the kernel refuses
         why = _first_line(e)
+    try:
+        return _described(_as_fakes(op, args, kwargs))
+    except Exception:  # noqa: BLE001 - the first answer says more
+        pass
     twin = functional_variant(op) if outs else None
     if twin is not None:
         try:
@@ -114,6 +118,20 @@ def _meta_results(op, args: list, kwargs: dict):
         except Exception:  # noqa: BLE001 - the first answer says more
             pass
     return why
+
+
+def _as_fakes(op, args: list, kwargs: dict):
+    """`op` on fake tensors over the same meta tensors: some meta kernels are written for the
+    fake tensors export traces with and read `fake_device` (`_weight_int4pack_mm`, which
+    torchao's int4 weights call)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        def fake(a):
+            return FakeTensor(mode, a, a.device) if isinstance(a, torch.Tensor) else a
+
+        return op(*[fake(a) if not isinstance(a, list) else [fake(e) for e in a] for a in args],
+                  **{k: fake(v) for k, v in kwargs.items()})
 
 
 def _described(result) -> tuple:
