@@ -90,6 +90,7 @@ class Env:
     dtype: torch.dtype
     repeat: int
     prefill_repeat: int
+    quant: str = "none"  # torchao weight-only quantization of every linear: none, int8, int4
 
     @property
     def cuda(self) -> bool:
@@ -108,6 +109,7 @@ class Runner:
     load_s: float | None = None
     notes: list[str] = field(default_factory=list)
     close: Callable = lambda: None
+    file_bytes: int | None = None  # the program file's size (ferry runners)
 
 
 # ---------------------------------------------------------------- models and device
@@ -125,10 +127,37 @@ def build_model(name: str, env: Env):
     torch.manual_seed(0)
     with torch.device(env.device):
         model = getattr(transformers, model_cls)._from_config(config, dtype=env.dtype).eval()
-    model = model.cpu()
+    if env.quant != "none":
+        quantize(model, env.quant)  # where the model is: int4's packing needs the GPU, and stays there
+    else:
+        model = model.cpu()
     model.generation_config.cache_implementation = "static"
     _fresh(env)
     return model
+
+
+def quantize(model, quant: str) -> None:
+    """torchao's weight-only quantization of every linear layer (lm_head too), as its docs apply it."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    config = (Int8WeightOnlyConfig() if quant == "int8"
+              else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+    quantize_(model, config)
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a weight holds: a quantized tensor subclass's inner tensors, else its own."""
+    if hasattr(t, "__tensor_flatten__"):
+        return sum(stored_bytes(getattr(t, a)) for a in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once, but an untied input
+    embedding only by the rows it looks up (none counted)."""
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    skip = {id(emb)} if emb is not head else set()
+    return sum(stored_bytes(p) for p in model.parameters() if id(p) not in skip)
 
 
 def _fresh(env: Env) -> int:
@@ -209,7 +238,9 @@ def compile_program(built: dict, model, batch, cache, prompts, backend: str, env
     t0 = time.perf_counter()
     methods = eps if why is None else {"forward": eps["forward"]}
     program = ferry.compile(methods, ferry.OpSupportPartitioner(env.ferry_device, backend_id=backend), KEEP_ON_DEVICE)
-    return program, export_s + time.perf_counter() - t0, why
+    seconds = export_s + time.perf_counter() - t0
+    built.setdefault("file_bytes", {})[backend] = len(program.to_bytes())
+    return program, seconds, why
 
 
 def _no_prefill(prompts: list[int], backend: str) -> str | None:
@@ -241,7 +272,7 @@ def ferry_runner(built: dict, model, batch, cache, prompts, env: Env, graphs: bo
     prefill = None if why else (lambda ids, pos: module.run_method("prefill", [ids, pos])[0])
     return Runner(step=lambda ids, pos: module(ids, pos), feed=feed, prefill=prefill, no_prefill=why,
                   compile_s=compile_s, load_s=load_s, notes=[str(w.message)[:200] for w in caught],
-                  close=module.close)
+                  close=module.close, file_bytes=built["file_bytes"][backend])
 
 
 def make_runner(runner: str, model, batch, cache, prompts, env: Env, built: dict) -> Runner:
@@ -336,7 +367,7 @@ def measure(r: Runner, key: dict, prompts: list[int], vocab: int, env: Env, base
     peak, reserved = _mib(env, base)
     row = {**key, "ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "peak_mib": peak, "reserved_mib": reserved,
            "compile_s": r.compile_s, "load_s": r.load_s, "first_call_s": first_s, "tokens": tokens.tolist(),
-           "notes": r.notes}
+           "notes": r.notes, "file_mb": r.file_bytes and r.file_bytes / 2**20}
     if "tokens" in ref and key["runner"] != "eager":
         row.update(check(tokens, steps, ref, env.dtype))
     if key["runner"] == "compile":  # torch.compile skips CUDA graphs (mutated inputs, CPU ops) with a log line only
@@ -356,7 +387,7 @@ def bound_row(model, key: dict, bandwidth: float, env: Env) -> dict:
     """Time to read every weight and the whole static KV cache once at `bandwidth`."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embeddings once
+    weights = weight_bytes_read(model)
     kv = 2 * c.num_hidden_layers * key["batch"] * c.num_key_value_heads * key["cache"] * head_dim * env.dtype.itemsize
     ms = (weights + kv) / bandwidth * 1e3
     return {**key, "ms_per_token": ms, "tokens_per_s": key["batch"] / ms * 1e3, "weight_bytes": weights,
@@ -419,17 +450,17 @@ def report(rows, pre, settings: dict, out: str) -> None:
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append([r["model"], r["batch"], r["cache"], r["runner"], "FAILED", r["error"][:80]] + [""] * 7)
+            lines.append([r["model"], r["batch"], r["cache"], r["runner"], "FAILED", r["error"][:80]] + [""] * 8)
             continue
         bound = bounds.get((r["model"], r["batch"], r["cache"]))
         lines.append([r["model"], r["batch"], r["cache"], r["runner"], _f(r["ms_per_token"]), _f(r["tokens_per_s"], 1),
                       _f(bound and r["ms_per_token"] / bound, 2), _f(r.get("peak_mib"), 1),
                       _f(r.get("reserved_mib"), 1), _f(r.get("peak_with_prefill_mib"), 1), _f(r.get("compile_s"), 1),
                       _f(r.get("load_s") if r.get("load_s") is not None else r.get("first_call_s"), 2),
-                      _check_cell(r)])
+                      _f(r.get("file_mb"), 1), _check_cell(r)])
     print(table(f"Decode at cache_position L//2 (ms per step of B tokens; {settings['device']}, {settings['dtype']})",
                 ["model", "B", "cache L", "runner", "ms/token", "tok/s", "vs bound", "peak MiB", "reserved MiB",
-                 "peak w/ prefill MiB", "compile s", "load / 1st call s", "tokens = eager"], lines))
+                 "peak w/ prefill MiB", "compile s", "load / 1st call s", "file MiB", "tokens = eager"], lines))
     plines = [[p["model"], p["batch"], p["cache"], p["prompt"], p["runner"]]
               + (["not run", "", ""] if "not_run" in p else [_f(p["ms"]), _f(p["tokens_per_s"], 0), _f(p["first_call_s"], 2)])
               for p in pre]
@@ -449,6 +480,8 @@ def parse_args():
     p.add_argument("--prompt", default="128,512", help="prefill prompt lengths, those <= L run (grid: 128,512,2048)")
     p.add_argument("--runners", default=",".join(RUNNERS))
     p.add_argument("--repeat", type=int, default=50, help="timed decode steps per runner")
+    p.add_argument("--quant", default="none", choices=("none", "int8", "int4"),
+                   help="torchao weight-only quantization of every linear (eager and compile run torchao's own path)")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
     p.add_argument("--out", default=None, help="name of the JSON file under bench/results (default llm; llm_smoke with --tiny)")
     args = p.parse_args()
@@ -467,8 +500,10 @@ def main():
     env = Env(tiny=args.tiny, ferry_device="emu:0" if args.tiny else "cuda:0",
               device=torch.device("cpu" if args.tiny else "cuda:0"),
               dtype=torch.float32 if args.tiny else torch.bfloat16,
-              repeat=min(args.repeat, 10) if args.tiny else args.repeat, prefill_repeat=3 if args.tiny else 10)
+              repeat=min(args.repeat, 10) if args.tiny else args.repeat, prefill_repeat=3 if args.tiny else 10,
+              quant=args.quant)
     settings = {"device": env.ferry_device, "dtype": str(env.dtype).removeprefix("torch."), "tiny": env.tiny,
+                "quant": env.quant,
                 "decode_position": "cache_position = L // 2 for every timed step (a static cache: attention reads "
                                    "all L slots whatever the position)",
                 "decode_timing": f"median of {env.repeat} samples of {STEPS} back-to-back steps, CUDA synchronised "
@@ -486,9 +521,10 @@ def main():
         _fresh(env)
         for name in args.models.split(","):
             model = build_model(name, env)
+            label = name if env.quant == "none" else f"{name}-{env.quant}"
             for batch in map(int, args.batch.split(",")):
                 for cache in map(int, args.cache.split(",")):
-                    run_config(name, model, batch, cache, [int(x) for x in args.prompt.split(",")],
+                    run_config(label, model, batch, cache, [int(x) for x in args.prompt.split(",")],
                                args.runners.split(","), env, settings["bandwidth_gbps"] * 1e9, rows, pre, save)
             del model
     report(rows, pre, settings, out)

@@ -224,21 +224,25 @@ def test_op_without_out_variant_stays_functional(emu):
     op = torch.ops.ferry_test.twice_plus.default
     assert out_variant(op) is None and not is_view(op)
     model, inputs = UsesCustomOp(), small()
-    for partitioner in (None, ferry.OpSupportPartitioner("emu:0")):
-        program = ferry.compile(export(model, inputs), partitioner)
-        m = program.methods["forward"]
-        assert "ferry_test::twice_plus.default" in m.runtime_allocating_ops
-        assert m.kernel_choices["ferry_test::twice_plus.default"].startswith("no out variant")
-        (call,) = [i for i in m.instructions if isinstance(i, KernelCall) and i.kernel == "ferry_test::twice_plus.default"]
-        (out,) = call.outputs
-        assert out not in call.args, "the functional op has no out argument"
-        assert m.values[out].plan is None and m.values[out].device == CPU
-        others = [i for i in m.instructions if isinstance(i, KernelCall) and i is not call]
-        assert all(is_out_kernel(i.kernel) or not resolve_kernel(i.kernel)._schema.returns
-                   or is_view(resolve_kernel(i.kernel)) or i.kernel in m.kernel_choices for i in others)
-        assert "    ferry_test::twice_plus.default: no out variant" in program_summary(program)
-        assert "ferry_test::twice_plus.default" in program_json(program)["methods"]["forward"]["runtime_allocating_ops"]
-        run_vs_eager(roundtrip(program), model, inputs, seeds=(1, 2, 3))
+    program = ferry.compile(export(model, inputs))
+    m = program.methods["forward"]
+    assert "ferry_test::twice_plus.default" in m.runtime_allocating_ops
+    assert m.kernel_choices["ferry_test::twice_plus.default"].startswith("no out variant")
+    (call,) = [i for i in m.instructions if isinstance(i, KernelCall) and i.kernel == "ferry_test::twice_plus.default"]
+    (out,) = call.outputs
+    assert out not in call.args, "the functional op has no out argument"
+    assert m.values[out].plan is None and m.values[out].device == CPU
+    others = [i for i in m.instructions if isinstance(i, KernelCall) and i is not call]
+    assert all(is_out_kernel(i.kernel) or not resolve_kernel(i.kernel)._schema.returns
+               or is_view(resolve_kernel(i.kernel)) or i.kernel in m.kernel_choices for i in others)
+    assert "    ferry_test::twice_plus.default: no out variant" in program_summary(program)
+    assert "ferry_test::twice_plus.default" in program_json(program)["methods"]["forward"]["runtime_allocating_ops"]
+    run_vs_eager(roundtrip(program), model, inputs, seeds=(1, 2, 3))
+    # a device with a kernel for it (the emulated one runs CPU kernels) runs it in its delegate
+    program = ferry.compile(export(model, inputs), ferry.OpSupportPartitioner("emu:0"))
+    assert not any(isinstance(i, KernelCall) and i.kernel.startswith("ferry_test::")
+                   for i in program.methods["forward"].instructions)
+    run_vs_eager(roundtrip(program), model, inputs, seeds=(1, 2, 3))
 
 
 # ------------------------------------------------------------------ out_variant / is_view on ops

@@ -17,6 +17,7 @@ from ferry.aot.fallbacks import kernel_fallbacks
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
 from ferry.aot.storage_reads import equal_sizes, storage_inputs
+from ferry.aot.subclass_weights import quantized_weights
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import ProgramData
 from ferry.device import Device
@@ -117,6 +118,7 @@ def _compile(eps, partitioner, options, budgets, done: Callable[[int, int], obje
         method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
                              placed.range_constraints)
         method.kernel_choices.update(fallbacks)
+        method.quantized_weights = quantized_weights(ep)
         method.storage_inputs = storage_inputs(placed.graph_module)
         method.equal_sizes = equal_sizes(placed.graph_module)
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}

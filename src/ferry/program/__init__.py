@@ -17,6 +17,7 @@ from ferry.program.schema import (
     MethodMeta,
     MutableBuffer,
     PlanEntry,
+    QuantizedWeight,
     TensorMeta,
     TensorValue,
     Value,
@@ -29,6 +30,6 @@ from ferry.program.validate import validate_program
 __all__ = [
     "CONST_KINDS", "DEFAULT_ARG", "STORAGE_KINDS", "Buffer", "ConstValue", "CopyReport", "CopyRow", "Delegate",
     "DelegateCall", "Instruction", "KernelCall", "Method", "MethodMeta", "MutableBuffer", "PlanEntry", "Program",
-    "TensorMeta", "TensorValue", "Value", "dtype_from_name", "dtype_name", "element_size", "FORMAT_VERSION",
+    "QuantizedWeight", "TensorMeta", "TensorValue", "Value", "dtype_from_name", "dtype_name", "element_size", "FORMAT_VERSION",
     "SEGMENT_ALIGNMENT", "copy_report", "load_program", "program_to_bytes", "save_program", "validate_program",
 ]

@@ -48,6 +48,7 @@ from ferry.program.schema import (
     Method,
     MutableBuffer,
     PlanEntry,
+    QuantizedWeight,
     TensorValue,
 )
 
@@ -173,13 +174,19 @@ INSTRUCTION = Tagged((
 ))
 BUFFER = Record(Buffer, (("size", Int()), ("device", DeviceField()), ("alignment", Int(1, 1 << 30))))
 MUTABLE_BUFFER = Record(MutableBuffer, (("value", ID), ("update", ID), ("name", Str())))
+QUANTIZED_WEIGHT = Record(QuantizedWeight, (
+    ("name", Str(nonempty=True)), ("scheme", Str(nonempty=True)), ("dtype", Dtype()),
+    ("shape", Seq(Int(), as_tuple=True, max_len=MAX_RANK)), ("parts", StrKeyed(Str())), ("nbytes", Int()),
+    ("details", Str()),
+))
 METHOD = Record(Method, (
     ("name", Str(nonempty=True)), ("values", Seq(VALUE)), ("instructions", Seq(INSTRUCTION)),
     ("inputs", Seq(ID)), ("outputs", Seq(ID)), ("buffers", Seq(BUFFER)), ("mutable_buffers", Seq(MUTABLE_BUFFER)),
     ("lower_bounds", StrKeyed(Int())), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrKeyed(Str())),
     ("device_map", StrKeyed(Str())), ("max_memory", StrKeyed(Int())), ("storage_inputs", Seq(ID)),
     ("equal_sizes", Seq(Seq(Seq(Int(), max_len=2), max_len=MAX_RANK * 1024), max_len=1 << 16)),
-), optional=("device_map", "max_memory", "storage_inputs", "equal_sizes"))
+    ("quantized_weights", Seq(QUANTIZED_WEIGHT)),
+), optional=("device_map", "max_memory", "storage_inputs", "equal_sizes", "quantized_weights"))
 
 
 class _SpecPairs(Field):

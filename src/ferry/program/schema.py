@@ -297,6 +297,22 @@ class MutableBuffer:
     name: str = ""
 
 
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight the model held as a tensor subclass (torchao's int8/int4 weights), stored as its
+    inner tensors, each a constant of the method: what `ferry inspect` shows. `parts`: inner
+    tensor -> its dtype and shape ("int8[4096, 2048]"); `details`: the subclass's own settings
+    (block size, packing); `nbytes`: the bytes of all parts."""
+
+    name: str
+    scheme: str
+    dtype: str
+    shape: tuple[int, ...]
+    parts: dict[str, str]
+    nbytes: int
+    details: str = ""
+
+
 @dataclass
 class Method:
     name: str
@@ -320,6 +336,7 @@ class Method:
     # in this method or a delegate): a call must pass each as a tensor that is its whole storage
     storage_inputs: list[int] = field(default_factory=list)
     equal_sizes: list[list[list[int]]] = field(default_factory=list)  # [input, dim] pairs one dynamic size
+    quantized_weights: list[QuantizedWeight] = field(default_factory=list)  # facts for people, not read to run
 
     def tensor(self, vid: int) -> TensorValue:
         v = self.values[vid]

@@ -3,6 +3,7 @@ devices, copies, buffers, bytes per device, the delegates' kernel choices."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from types import MappingProxyType
@@ -10,7 +11,7 @@ from types import MappingProxyType
 from ferry.errors import FerryError
 from ferry.program import Program, load_program
 from ferry.program.report import copy_report
-from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, Method, TensorValue
+from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, Method, TensorValue, element_size
 from ferry.program.states import program_states
 from ferry.views.facts import device_memory, fmt_bytes, owner, plan_of
 
@@ -88,6 +89,21 @@ def _method_lines(program: Program, name: str, m: Method, instructions: bool) ->
         out += [f"    {op}: {m.kernel_choices.get(op, 'no out variant')}" for op in m.runtime_allocating_ops]
     out += [f"  {what}: {why}" for what, why in m.kernel_choices.items()
             if what.startswith(("delegate ", "on the CPU: ")) and what not in m.runtime_allocating_ops]
+    return out + _quantized_lines(m)
+
+
+def _quantized_lines(m: Method) -> list[str]:
+    """Each weight stored as a quantized tensor subclass's parts, and what it saves."""
+    if not m.quantized_weights:
+        return []
+    stored = sum(q.nbytes for q in m.quantized_weights)
+    dense = sum(math.prod(q.shape) * element_size(q.dtype) for q in m.quantized_weights)
+    out = [f"  quantized weights: {len(m.quantized_weights)}, {fmt_bytes(stored)} stored where {fmt_bytes(dense)} "
+           f"would be in their own dtype ({stored / max(dense, 1):.2f}x)"]
+    for q in m.quantized_weights:
+        parts = ", ".join(f"{a} {t}" for a, t in q.parts.items())
+        out.append(f"    {q.name}: {q.scheme}, {q.dtype}{list(q.shape)} in {fmt_bytes(q.nbytes)} ({parts})"
+                   + (f"; {q.details}" if q.details else ""))
     return out
 
 
@@ -186,6 +202,7 @@ def _method_json(program: Program, name: str, m: Method) -> dict:
         "runtime_allocating_ops": list(m.runtime_allocating_ops),
         "kernel_choices": dict(m.kernel_choices),
         "device_map": dict(m.device_map),
+        "quantized_weights": [dataclasses.asdict(q) | {"shape": list(q.shape)} for q in m.quantized_weights],
         "devices": device_memory(program, m),
     }
 

@@ -1,0 +1,51 @@
+"""Weights held as tensor subclasses (torchao's quantized weights), described for the file.
+
+torch.export keeps such a weight as its subclass; turning the program into functional ATen
+(aot/lower.py) replaces it by its inner tensors (int8 data, scales, packed int4 tiles) as plain
+weights and the subclass's methods by the ATen ops they call (`mm` of a dequantized weight,
+`_weight_int4pack_mm`). ferry stores those inner tensors as ordinary constants, checked like
+every constant on load, never as pickled Python objects. This module records what each weight
+was, so `ferry inspect` can say which weights are quantized, how, and what they cost.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ferry.program.schema import QuantizedWeight
+
+__all__ = ["quantized_weights"]
+
+
+def quantized_weights(ep: torch.export.ExportedProgram) -> list[QuantizedWeight]:
+    """One record per parameter, buffer or constant of `ep` that is a tensor subclass."""
+    tensors = {**ep.state_dict, **ep.constants}
+    out = []
+    for spec in ep.graph_signature.input_specs:
+        t = tensors.get(spec.target) if spec.target else None
+        if t is not None and is_traceable_wrapper_subclass(t):
+            out.append(_record(spec.target, t))
+    return out
+
+
+def _record(name: str, t: torch.Tensor) -> QuantizedWeight:
+    attrs, ctx = t.__tensor_flatten__()
+    inner = {a: getattr(t, a) for a in attrs}
+    kind = type(t)
+    return QuantizedWeight(
+        name=name, scheme=f"{kind.__module__.split('.')[0]} {kind.__qualname__}",
+        dtype=str(t.dtype).removeprefix("torch."), shape=tuple(int(s) for s in t.shape),
+        parts={a: f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for a, v in inner.items()},
+        nbytes=sum(v.numel() * v.element_size() for v in inner.values()),
+        details=", ".join(f"{k}={_setting(v)}" for k, v in (ctx or {}).items()
+                          if not isinstance(v, torch.Tensor))[:400])
+
+
+def _setting(v) -> str:
+    """A subclass setting as short text: a dtype or an enum by its name."""
+    if isinstance(v, torch.dtype):
+        return str(v).removeprefix("torch.")
+    return v.name if isinstance(v, enum.Enum) else str(v)

@@ -1,0 +1,131 @@
+"""Weight-only quantized models from torchao through ferry: int8 weights (Int8WeightOnlyConfig)
+compiled, saved, loaded and generating what torchao's eager model generates; the file holds the
+packed weights and their scales, not the float weights; `ferry inspect` shows each quantized
+weight's scheme and bytes; a corrupted scale is refused. int4 (`_weight_int4pack_mm`, a CUDA
+kernel only) on the GPU."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+import ferry
+from ferry.errors import ProgramError
+from ferry.views.text import program_json, program_summary
+from test_model_families import Compiled, token_ids
+
+torchao = pytest.importorskip("torchao")
+transformers = pytest.importorskip("transformers")
+executorch = pytest.importorskip("transformers.integrations.executorch")
+from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
+
+CACHE, PROMPT, NEW = 48, 8, 24
+PREFILL = torch.export.Dim("prefill", max=16)
+# weights larger than transformers' default (0.02), so a tiny random model's greedy tokens vary
+CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, bos_token_id=None,
+              eos_token_id=None, pad_token_id=None)
+
+
+def llama(quantized: bool):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    model.generation_config.cache_implementation = "static"
+    if quantized:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_(model, Int8WeightOnlyConfig())
+    return model
+
+
+@functools.cache
+def exported(quantized: bool):
+    recipe = executorch.TorchExportableModuleForDecoderOnlyLM(llama(quantized), batch_size=1, max_cache_len=CACHE)
+    with torch.no_grad():
+        return recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long), cache_position=torch.arange(3),
+                             dynamic_shapes={"input_ids": {1: PREFILL}, "cache_position": {0: PREFILL}})
+
+
+def test_int8_weights_are_subclasses_torch_export_keeps():
+    model = llama(True)
+    assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
+
+
+@pytest.mark.parametrize("placement", ["cpu", "emu-io"])
+def test_int8_llama_generates_what_torchao_eager_generates(emu, tmp_path, placement):
+    prompt = token_ids((1, PROMPT), 3) % CONFIG["vocab_size"]
+    with torch.no_grad():
+        want = llama(True).generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
+                                    do_sample=False)
+    assert len(set(want[0, PROMPT:].tolist())) >= 6, want  # varied enough that a wrong weight would show
+    run = Compiled(exported(True), placement, tmp_path / "int8.ferry")
+    got = ferry.generate(run.module, prompt, NEW)
+    assert got.tokens.tolist() == want.tolist()
+
+
+def test_the_file_holds_int8_weights_and_inspect_names_them(tmp_path):
+    q = ferry.compile(exported(True))
+    full = ferry.compile(exported(False))
+    q.save(tmp_path / "q.ferry")
+    full.save(tmp_path / "f.ferry")
+    q_size, f_size = (tmp_path / "q.ferry").stat().st_size, (tmp_path / "f.ferry").stat().st_size
+    linear = sum(p.numel() for n, p in llama(False).named_parameters() if "proj" in n)
+    # every projection shrank from 4 bytes to 1 a weight (plus a scale per row)
+    assert f_size - q_size >= 0.7 * 3 * linear, (q_size, f_size)
+    records = ferry.load_program(tmp_path / "q.ferry").method("forward").quantized_weights
+    names = {r.name for r in records}
+    assert {"model.model.layers.0.self_attn.q_proj.weight", "model.model.layers.1.mlp.down_proj.weight", "model.lm_head.weight"} <= names
+    assert len(records) == 7 * 2 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
+    up = next(r for r in records if r.name == "model.model.layers.0.mlp.up_proj.weight")
+    assert (up.scheme, up.dtype, up.shape) == ("torchao Int8Tensor", "float32", (128, 64))
+    assert up.parts["qdata"] == "int8[128, 64]" and up.parts["scale"] == "float32[128, 1]"
+    assert up.nbytes == 128 * 64 + 128 * 4 + 128
+    text = program_summary(q, instructions=False)
+    assert "quantized weights: 15" in text and "model.model.layers.0.mlp.up_proj.weight: torchao Int8Tensor" in text
+    assert program_json(q)["methods"]["forward"]["quantized_weights"][0]["scheme"] == "torchao Int8Tensor"
+
+
+def test_a_corrupted_scale_is_refused(tmp_path):
+    program = ferry.compile(exported(True))
+    path = tmp_path / "q.ferry"
+    program.save(path)
+    data = bytearray(path.read_bytes())
+    scale = next(bytes(s) for s in program.segments if len(s) == 128 * 4)  # an up_proj's per-row scales
+    at = bytes(data).index(scale)
+    data[at + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ProgramError, match="does not match its SHA-256 checksum"):
+        ferry.load_program(path, verify=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_quantized_llama_generates_as_torchao_eager_on_the_gpu(scheme):
+    """bf16 on the GPU: int4 weights packed for `_weight_int4pack_mm` (K a multiple of 128), and
+    int8; ferry's torch backend runs the kernels torchao's eager model runs, so the tokens match."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torchao.quantization import Int4WeightOnlyConfig
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**CONFIG, "hidden_size": 128, "intermediate_size": 256})
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    model.generation_config.cache_implementation = "static"
+    quantize_(model, Int8WeightOnlyConfig() if scheme == "int8"
+              else Int4WeightOnlyConfig(group_size=64, int4_packing_format="tile_packed_to_4d"))
+    prompt = (token_ids((1, PROMPT), 3) % CONFIG["vocab_size"]).cuda()
+    with torch.no_grad():
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False)
+        recipe = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
+        ep = recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long, device="cuda"),
+                           cache_position=torch.arange(3, device="cuda"),
+                           dynamic_shapes={"input_ids": {1: PREFILL}, "cache_position": {0: PREFILL}})
+    keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+        skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0"), keep)
+    assert program.method("forward").quantized_weights
+    got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 32)
+    assert got.tokens.tolist() == want.tolist()
