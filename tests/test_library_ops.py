@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import ferry
+from ferry.device import CPU, Device
 from ferry.errors import CompileError
 from ferry.ops.device_kernels import has_kernel
-from ferry.device import CPU, Device
 from ferry.views.text import program_summary
 
 _LIB = torch.library.Library("ferry_libtest", "DEF")  # noqa: TOR901 - kept for the process: its ops stay registered

@@ -60,7 +60,7 @@ def set_device(node: torch.fx.Node, device: Device) -> None:
 class InputInfo:
     kind: str  # user_input | parameter | buffer | constant
     target: str = ""  # fully qualified name of the parameter/buffer/constant
-    mutable: bool = False  # a buffer the program updates
+    mutable: bool = False  # a buffer the program updates (this method, or another compiled with it)
 
 
 @dataclass(frozen=True)

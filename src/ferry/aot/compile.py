@@ -50,8 +50,8 @@ def place(exported_program, partitioner=None, config: CompileConfig | None = Non
     return _place(exported_program, partitioner, options)
 
 
-def _place(exported_program, partitioner, options: MethodOptions) -> LoweredProgram:
-    lowered = to_backend(exported_program, partitioner)
+def _place(exported_program, partitioner, options: MethodOptions, shared_state=frozenset()) -> LoweredProgram:
+    lowered = to_backend(exported_program, partitioner, shared_state)
     PropagateDevicePass.for_options(options)(lowered.graph_module)
     return lowered
 
@@ -107,25 +107,26 @@ def _compile(eps, partitioner, options, budgets, done: Callable[[int, int], obje
     builder = ProgramBuilder()
     methods: dict[str, Method] = {}
     unmatched: list[dict[str, warnings.WarningMessage]] = []
-    buffers: dict[str, dict[str, bool]] = {}
+    placed_methods = {}
     for name, ep in eps.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            placed = _place(ep, partitioner, options[name])
-        done(2 * len(methods) + 1, 2 * len(eps))
+            placed_methods[name] = _place(ep, partitioner, options[name])
+        done(len(placed_methods), 2 * len(eps))
         unmatched.append(_reemit_but_unmatched(caught))
+    _place_shared_state(eps, partitioner, options, placed_methods)
+    for name, placed in placed_methods.items():
         fallbacks = kernel_fallbacks(placed.graph_module, name)
         method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
                              placed.range_constraints)
         method.kernel_choices.update(fallbacks)
-        method.quantized_weights = quantized_weights(ep)
+        method.quantized_weights = quantized_weights(eps[name])
         method.storage_inputs = storage_inputs(placed.graph_module)
         method.equal_sizes = equal_sizes(placed.graph_module)
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}
         method.max_memory = {str(d): n for d, n in (budgets or {}).items()}
         methods[name] = method
-        buffers[name] = placed.buffers
-        done(2 * len(methods), 2 * len(eps))
+        done(len(eps) + len(methods), 2 * len(eps))
     for key, w in unmatched[0].items():  # an op name is a mistake only if no method has that op
         if all(key in per_method for per_method in unmatched[1:]):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -133,21 +134,20 @@ def _compile(eps, partitioner, options, budgets, done: Callable[[int, int], obje
         program_states(methods)  # methods share each mutable buffer by name: they must agree on it
     except ProgramError as e:
         raise CompileError(str(e)) from None
-    _refuse_read_only_state(buffers)
     return Program(methods, builder.delegates, builder.segments)
 
 
-def _refuse_read_only_state(buffers: dict[str, dict[str, bool]]) -> None:
-    """A method that reads a buffer another method updates would read the buffer's initial value
-    (its own constant), not what the other method wrote, as eager does: refused, never wrong."""
-    for name, reads in buffers.items():
-        for target, writes in reads.items():
-            writers = [m for m, b in buffers.items() if b.get(target)]
-            if not writes and writers:
-                raise CompileError(
-                    f"method {name!r} reads buffer {target!r}, which method {writers[0]!r} updates, without updating it: "
-                    "ferry shares a buffer between methods that each update it (a KV cache written by prefill and "
-                    f"decode); give {name!r} the update too (write the buffer back unchanged), or compile it apart")
+def _place_shared_state(eps, partitioner, options, placed: dict) -> None:
+    """A method reading a buffer that another method updates holds it as the program's state too,
+    updated or not (an `encode` fills a cross-attention cache that `decode` only reads): it reads
+    what the last method wrote, as eager's methods of one model object do, never the buffer's
+    initial value. Such a method is placed again, told which buffers are state."""
+    written = frozenset(t for p in placed.values() for t, writes in p.buffers.items() if writes)
+    for name, p in placed.items():
+        if any(not writes and t in written for t, writes in p.buffers.items()):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # told once, by the first placement
+                placed[name] = _place(eps[name], partitioner, options[name], written)
 
 
 _UNMATCHED = re.compile(r"^(\w+=\S+) matches no op in this program")

@@ -63,6 +63,7 @@ class _MethodEmitter:
         self.outputs: list[int] = []
         self.mutable: list[MutableBuffer] = []
         self.mutable_ids: set[int] = set()
+        self.state_names: dict[int, str] = {}  # state value -> its buffer's name
         self.written_over: set[int] = set()  # updates a delegate writes over their state in place
         self.caller_owned: set[int] = set()
         self.runtime_alloc: set[int] = set()
@@ -214,6 +215,7 @@ class _MethodEmitter:
             vid = self.tensor_value(node, tensor, CPU if not info.mutable else self.device_of(node), constant=seg)
             if info.mutable:
                 self.mutable_ids.add(vid)
+                self.state_names[vid] = info.target
         self.env[node] = vid
 
     def _emit_get_attr(self, node):
@@ -383,6 +385,9 @@ class _MethodEmitter:
     # ---------------------------------------------------------------- plan
 
     def finish(self) -> Method:
+        updated = {mb.value for mb in self.mutable}
+        for vid in sorted(self.mutable_ids - updated):  # state this method reads and another updates
+            self.mutable.append(MutableBuffer(vid, vid, self.state_names[vid]))
         method = Method(
             name=self.name, values=list(self.values), instructions=self.instructions, inputs=self.inputs,
             outputs=self.outputs, buffers=[], mutable_buffers=self.mutable,

@@ -256,8 +256,9 @@ def _drop_export_time_checks(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _annotate(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
-    """Record input/output kinds on the graph; return placeholder name -> constant tensor."""
+def _annotate(ep: torch.export.ExportedProgram, shared_state=frozenset()) -> dict[str, torch.Tensor]:
+    """Record input/output kinds on the graph; return placeholder name -> constant tensor. A
+    buffer in `shared_state` is the program's state (`mutable`) even where this method only reads it."""
     sig = ep.graph_signature
     mutated = {s.target for s in sig.output_specs if s.kind == OutputKind.BUFFER_MUTATION}
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
@@ -267,7 +268,8 @@ def _annotate(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
         if kind is None:
             raise CompileError(f"input {spec.arg.name!r} is a {spec.kind.name}, which ferry does not support yet")
         node = by_name[spec.arg.name]
-        M.set_input_info(node, M.InputInfo(kind, spec.target or "", spec.target in mutated))
+        state = spec.target in mutated or (kind == M.BUFFER and spec.target in shared_state)
+        M.set_input_info(node, M.InputInfo(kind, spec.target or "", state))
         if kind != M.USER_INPUT:
             t = ep.state_dict.get(spec.target) if spec.target in ep.state_dict else ep.constants.get(spec.target)
             if t is None:
@@ -325,11 +327,13 @@ def _check_partitions(partitions, nodes_by_name) -> list[list[torch.fx.Node]]:
     return groups
 
 
-def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Partitioner | None) -> LoweredProgram:
-    """Replace each partition the partitioner proposes by one call_delegate node."""
+def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Partitioner | None,
+               shared_state=frozenset()) -> LoweredProgram:
+    """Replace each partition the partitioner proposes by one call_delegate node. `shared_state`:
+    buffers another method compiled with this one updates: read here, they are state too."""
     ep = functional_aten(exported_program)
     check_symbolic_shapes(ep.graph_module)
-    constants = _annotate(ep)
+    constants = _annotate(ep, shared_state)
     partitions = list(partitioner.partition(ep)) if partitioner is not None else []
     nodes = list(ep.graph.nodes)
     groups = _check_partitions(partitions, {n.name: n for n in nodes})
@@ -347,9 +351,12 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
         else:
             gi = cast(int, unit)
             _emit_delegate_call(root, g, env, groups_sorted(groups[gi], pos), partitions[gi], constants)
-    # constants every consumer of which was absorbed into delegates are gone from the graph
+    # constants every consumer of which was absorbed into delegates are gone from the graph, and
+    # so is state this method neither reads nor updates (another method's)
+    updated = set(ep.graph_signature.buffers_to_mutate.values())
     for n in list(g.nodes):
-        if n.op == "placeholder" and n.name in constants and not n.users and not M.input_info(n).mutable:
+        if (n.op == "placeholder" and n.name in constants and not n.users
+                and (not M.input_info(n).mutable or M.input_info(n).target not in updated)):
             g.erase_node(n)
             constants = {k: v for k, v in constants.items() if k != n.name}
     g.lint()

@@ -126,8 +126,9 @@ class PropagateDevicePass(PassBase):
 
     def _mutable_buffer_home(self, gm, node, targets) -> Device:
         """A buffer the program updates lives on a device when only delegates on that device read
-        it and one of them computes its new value: state such as a KV cache then never crosses
-        the host link. Otherwise it lives on the CPU."""
+        it and one of them computes its new value (or this method only reads it: another method
+        updates it): state such as a KV cache then never crosses the host link. Otherwise it
+        lives on the CPU."""
         users = list(node.users)
         if not users or not all(is_delegate_node(u) for u in users):
             return CPU
@@ -146,7 +147,7 @@ class PropagateDevicePass(PassBase):
                                and isinstance(src.args[0], torch.fx.Node) and is_delegate_node(src.args[0])
                                and targets[src.args[0]])
                 return dev if produced_on == dev else CPU
-        return CPU
+        return dev  # read only here: where it is read (the method updating it must agree: program_states)
 
     def _copy_destination(self, node, targets) -> Device:
         recorded = M.get_device(node)

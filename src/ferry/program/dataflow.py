@@ -34,7 +34,7 @@ def check_dataflow(m: Method) -> None:
     _planned_memory_is_sound(m, pre)
     overwrites = state_overwrites(m)
     for j, mb in enumerate(m.mutable_buffers):
-        if m.tensor(mb.update).storage == "state" and mb.update not in overwrites:
+        if m.tensor(mb.update).storage == "state" and mb.update != mb.value and mb.update not in overwrites:
             raise ProgramError(f"{pre} mutable buffer {j}: its update (value {mb.update}) is stored as the state "
                                "itself, so one delegate call must write it, reading the state once, with nothing "
                                "reading the state after that call")

@@ -118,7 +118,11 @@ class _MethodChecks:
                 raise ProgramError(f"{self.pre} mutable buffer {j}: its value {mb.value} is the program's state and "
                                    "needs a constant segment (its initial value)")
             update = m.tensor(mb.update)
-            if update.storage == "state" and (m.tensor(mb.value).storage != "state" or update.constant is not None):
+            if mb.update == mb.value:  # state this method reads and another method updates
+                if update.storage != "state":
+                    raise ProgramError(f"{self.pre} mutable buffer {j}: its update is its value, which only the "
+                                       "program's state may be (read here, updated by another method)")
+            elif update.storage == "state" and (m.tensor(mb.value).storage != "state" or update.constant is not None):
                 raise ProgramError(f"{self.pre} mutable buffer {j}: its update {mb.update} is stored as the state, so "
                                    "its value must be the state and the update has no segment of its own")
         states = {mb.value for mb in m.mutable_buffers} | {mb.update for mb in m.mutable_buffers}

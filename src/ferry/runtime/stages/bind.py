@@ -331,8 +331,8 @@ class _Binder(KernelSteps):
         own device: a stream-ordered device copy for device-resident state)."""
         out, slots = [], self.slots
         for mb in self.m.mutable_buffers:
-            if self.fixed[mb.update] and slots[mb.update] is slots[mb.value]:
-                continue
+            if mb.update == mb.value or (self.fixed[mb.update] and slots[mb.update] is slots[mb.value]):
+                continue  # (read only here, or written in place)
             value, update = mb.value, mb.update
             dev = self.m.tensor(value).device
             call = lambda value=value, update=update: slots[value].copy_(slots[update])  # noqa: E731
