@@ -130,12 +130,12 @@ class PropagateDevicePass(PassBase):
         updates it): state such as a KV cache then never crosses the host link. Otherwise it
         lives on the CPU."""
         users = list(node.users)
-        if not users or not all(is_delegate_node(u) for u in users):
+        if not all(is_delegate_node(u) for u in users):
             return CPU
         readers = {targets[u] for u in users}
-        if len(readers) != 1 or None in readers:
+        if len(readers) > 1 or None in readers:
             return CPU
-        (dev,) = readers
+        dev = next(iter(readers), None)  # None: never read here, only overwritten
         target = M.input_info(node).target
         out = gm.graph.output_node()
         for info, value in zip(M.output_infos(out), M.flat_outputs(out)):
@@ -146,8 +146,10 @@ class PropagateDevicePass(PassBase):
                 produced_on = (isinstance(src, torch.fx.Node) and src.target is operator.getitem
                                and isinstance(src.args[0], torch.fx.Node) and is_delegate_node(src.args[0])
                                and targets[src.args[0]])
+                if dev is None:
+                    return produced_on or CPU
                 return dev if produced_on == dev else CPU
-        return dev  # read only here: where it is read (the method updating it must agree: program_states)
+        return dev or CPU  # read only here: where it is read (the method updating it must agree: program_states)
 
     def _copy_destination(self, node, targets) -> Device:
         recorded = M.get_device(node)

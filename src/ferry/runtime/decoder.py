@@ -100,6 +100,8 @@ def plan_methods(module, method: str | None, prefill: str, decode: str) -> tuple
         first, step = read_signature(module, prefill), read_signature(module, decode)
     elif "forward" in names:
         first = step = read_signature(module, "forward")
+    elif decode in names:  # an encoder–decoder's decoder (its encode method runs first)
+        first = step = read_signature(module, decode)
     else:
         raise ConfigError(f"the program's methods are {', '.join(names)}: ferry.generate runs 'forward', or "
                           f"{prefill!r} and {decode!r}; name them with method= or prefill=/decode=")

@@ -73,7 +73,7 @@ class Generation:
 
 
 def generate(module, input_ids, max_new_tokens: int, *, method: str | None = None, prefill: str = "prefill",
-             decode: str = "decode", do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+             decode: str = "decode", encoder_inputs=None, encode: str = "encode", do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, generator: torch.Generator | None = None, seed: int | None = None,
              stop_tokens: Iterable[int] | int = (), on_token: Callable[[torch.Tensor], object] | None = None,
              check_stop_every: int = 8, max_length: int | None = None,
@@ -81,7 +81,9 @@ def generate(module, input_ids, max_new_tokens: int, *, method: str | None = Non
     """Generate up to `max_new_tokens` tokens after `input_ids` ([batch, prompt] or [prompt]).
 
     Methods: `method` names one method doing both prefill and decode; else `prefill` and `decode`
-    when the program has both, else 'forward'. A method whose input_ids length is dynamic takes the
+    when the program has both, else 'forward', else `decode` alone. An encoder–decoder (Whisper:
+    ferry.seq2seq) runs its `encode` method on `encoder_inputs` (a tensor or a list of them, such
+    as log-mel features) first; `input_ids` are then the decoder's prompt. A method whose input_ids length is dynamic takes the
     prompt in one call (calls of its bound, for a longer one); a fixed length of 1 takes it token by
     token. Inputs go where the method's metadata places them (device tensors for a program compiled
     with skip_h2d_for_method_inputs). `max_length` is the number of cache positions when the
@@ -108,8 +110,11 @@ def generate(module, input_ids, max_new_tokens: int, *, method: str | None = Non
     if not do_sample and (generator is not None or seed is not None):
         raise ConfigError("a generator or seed draws samples: pass do_sample=True with it (greedy decoding draws none)")
     rng = make_generator(generator, seed, step.logits.device.to_torch()) if do_sample else None
+    encoding = _encoder_call(module, encode, encoder_inputs)
     for name in dict.fromkeys((first.name, step.name)):
         module.load_method(name)  # allocation at load, not inside the timed prefill
+    if encoding is not None:
+        encoding()
     loop = _Loop(module, first, step, sampling, rng, stops, on_token, check_stop_every, checked(progress))
     return loop.run(prompt, max_new_tokens)
 
@@ -212,6 +217,25 @@ def _last(outs) -> torch.Tensor:
     """The last position's logits, [batch, vocab]."""
     logits = outs[0]
     return logits[:, -1, :] if logits.dim() == 3 else logits
+
+
+def _encoder_call(module, encode: str, encoder_inputs) -> Callable[[], object] | None:
+    """The `encode` call on `encoder_inputs`, each placed where the method takes it (checked now,
+    run once the decoder's methods are loaded); None without encoder inputs."""
+    if encoder_inputs is None:
+        return None
+    if encode not in module.method_names():
+        raise ConfigError(f"encoder_inputs are given, but the program has no method {encode!r} to take them; its "
+                          f"methods: {', '.join(module.method_names())} (name it with encode=)")
+    inputs = list(encoder_inputs) if isinstance(encoder_inputs, (list, tuple)) else [encoder_inputs]
+    meta = module.method_meta(encode)
+    if len(inputs) != meta.num_inputs() or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise InputError(f"method {encode!r} takes {meta.num_inputs()} tensor(s); encoder_inputs gave "
+                         f"{len(inputs)} value(s)")
+    placed = [t if device_of(t) == meta.input_meta(i).device else _place(_to_host(t), meta.input_meta(i).device)
+              for i, t in enumerate(inputs)]
+    module.load_method(encode)
+    return lambda: module.run_method(encode, placed)
 
 
 def _place(t: torch.Tensor, device: Device) -> torch.Tensor:
