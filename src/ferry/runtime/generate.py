@@ -73,7 +73,8 @@ class Generation:
 
 
 def generate(module, input_ids, max_new_tokens: int, *, method: str | None = None, prefill: str = "prefill",
-             decode: str = "decode", encoder_inputs=None, encode: str = "encode", do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+             decode: str = "decode", encoder_inputs=None, encode: str = "encode", do_sample: bool = False,
+             temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, generator: torch.Generator | None = None, seed: int | None = None,
              stop_tokens: Iterable[int] | int = (), on_token: Callable[[torch.Tensor], object] | None = None,
              check_stop_every: int = 8, max_length: int | None = None,
