@@ -29,9 +29,9 @@ done
 # every model and batch in a process of its own: a CUDA fault or a cold compile costs its rows only
 run bench/models.py --isolate 300 --runners eager,compile,compile-ro,ferry,ferry-graphs,ferry-inductor,ferry-inductor-graphs "$@"
 # generation: bf16 decode and prefill; int4 weights (torchao); a Whisper-small-shaped speech model
-run bench/llm.py --models llama-1b --batch 1 --cache 1024 --prompt 512 "$@"
-run bench/llm.py --quant int4 --models llama-1b --batch 1 --cache 1024 --prompt 1 --out llm_int4 "$@"
-run bench/speech.py "$@"
+run bench/llm.py --models llama-1b --batch 1 --cache 1024 --prompt 512
+run bench/llm.py --quant int4 --models llama-1b --batch 1 --cache 1024 --prompt 1 --out llm_int4
+run bench/speech.py
 run bench/cpu_overhead.py
 
 echo
