@@ -152,7 +152,7 @@ def _sync(device):
 
 def _time(fn, device, repeat, warmup=5) -> float:
     """Median ms per call, synchronised around each sample."""
-    return _time_interleaved([fn], device, repeat, rounds=1, warmup=warmup)[0]
+    return _time_interleaved([fn], device, repeat, rounds=1, warmup=warmup)[0][1]
 
 
 def _fresh_gpu(device, workspaces=True):
@@ -335,8 +335,8 @@ def run_model(name, batch, device, runners, ios, repeat):
                 print(f"{name} batch {batch} {io} {runner}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 rows.append({"model": name, "batch": batch, "io": io, "runner": runner,
                              "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        for (row, call, _), ms in zip(live, _time_interleaved([c for _, c, _ in live], device, repeat)):
-            row["ms"] = ms
+        for (row, call, _), (p10, ms, p90) in zip(live, _time_interleaved([c for _, c, _ in live], device, repeat)):
+            row["ms"], row["p10_ms"], row["p90_ms"] = ms, p10, p90
             row["rel_err_after"] = _check(call(), want)  # still right after the timed calls of every runner
             rows.append(row)
         for _, _, module in live:
@@ -347,8 +347,9 @@ def run_model(name, batch, device, runners, ios, repeat):
     return rows
 
 
-def _time_interleaved(calls, device, repeat, rounds=6, warmup=5) -> list[float]:
-    """Median ms per call of each of `calls`, sampled round-robin in `rounds` rounds."""
+def _time_interleaved(calls, device, repeat, rounds=6, warmup=5) -> list[tuple[float, float, float]]:
+    """(p10, median, p90) ms per call of each of `calls`, sampled round-robin in `rounds` rounds:
+    the spread shows a slow mode that a median hides (issue: a p90 above 1.25x the median)."""
     for call in calls:
         for _ in range(warmup):
             call()
@@ -362,7 +363,12 @@ def _time_interleaved(calls, device, repeat, rounds=6, warmup=5) -> list[float]:
                 call()
                 _sync(device)
                 out.append((time.perf_counter() - t) * 1e3)
-    return [statistics.median(s) for s in samples]
+    return [_spread(s) for s in samples]
+
+
+def _spread(samples: list[float]) -> tuple[float, float, float]:
+    deciles = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
+    return deciles[0], statistics.median(samples), deciles[-1]
 
 
 _CAPTURING = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-graphs")
@@ -471,21 +477,22 @@ def report(rows, out):
     for r in rows:
         if "error" in r:
             lines.append([r["model"], r["batch"], r.get("io", "-"), r.get("runner", "-"), "FAILED", r["error"][:60],
-                          "", "", "", "", "", "", ""])
+                          "", "", "", "", "", "", "", ""])
             continue
         key = (r["model"], r["batch"], r["io"])
         ratio = r["ms"] / eager[key] if key in eager else float("nan")
         mem = r["peak_mib"]
         at_load = r.get("at_load_mib")
         mem_ratio = mem / eager_mem[key] if mem is not None and eager_mem.get(key) else None
-        lines.append([r["model"], r["batch"], r["io"], r["runner"], round(r["ms"], 3), round(ratio, 2),
+        spread = "-" if r.get("p10_ms") is None else f"{r['p10_ms']:.3g} / {r['p90_ms']:.3g}"
+        lines.append([r["model"], r["batch"], r["io"], r["runner"], round(r["ms"], 3), spread, round(ratio, 2),
                       "-" if mem is None else round(mem, 1), "-" if mem_ratio is None else round(mem_ratio, 2),
                       "-" if r.get("peak_reserved_mib") is None else round(r["peak_reserved_mib"], 1),
                       "-" if at_load is None else round(at_load, 1),
                       "-" if r["compile_s"] is None else round(r["compile_s"], 1), round(r["load_s"], 2),
                       "-" if r.get("file_mib") is None else round(r["file_mib"], 1)])
     print(table("Real models (median ms per call; ratio to eager)",
-                ["model", "batch", "I/O", "runner", "ms", "vs eager", "peak MiB", "peak vs eager",
+                ["model", "batch", "I/O", "runner", "ms", "p10 / p90", "vs eager", "peak MiB", "peak vs eager",
                  "reserved peak MiB", "of it at load MiB", "compile s", "load/first call s", "file MiB"], lines))
     path = write_json(out, {"rows": rows})
     print(f"wrote {path}")
