@@ -261,7 +261,7 @@ def test_refuses_requests_the_program_cannot_hold(emu):
     with pytest.raises(ferry.ConfigError, match=r"keeps state between calls .*concurrency=2 each set of memory would "
                                                 r"hold a KV cache of its own.*concurrency=1"):
         ferry.Module(module.program, concurrency=2)
-    with pytest.raises(ferry.ConfigError, match=r"updates buffers in forward.*without microbatches"):
+    with pytest.raises(ferry.ConfigError, match=r"holds the program.s state.*without microbatches"):
         ferry.generate(ferry.Module(module.program, microbatches=2), prompt, 2)
 
 

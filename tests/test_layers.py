@@ -16,7 +16,7 @@ SRC = pathlib.Path(ferry.__file__).parent
 LAYERS = {
     **dict.fromkeys(("device", "errors", "alignment", "layout", "op_names", "node_meta", "capture",
                      "backend_registry", "progress"), 0),
-    "ops": 1, "program": 2, "choices": 3, "aot": 4, "runtime": 4, "backends": 5,
+    "ops": 1, "program": 2, "choices": 3, "aot": 4, "runtime": 4, "seq2seq": 4, "backends": 5,
     **dict.fromkeys(("cli", "cli_generate", "cli_progress", "views", "inspect", "distributed", "examples", "__main__"), 6),
 }
 TOP = 6  # the front ends may use one another

@@ -200,7 +200,7 @@ class Counter(nn.Module):
 
 def test_a_method_with_state_is_refused(emu):
     program = ferry.compile(torch.export.export(Counter(), (torch.zeros(2, 4),)))
-    with pytest.raises(ConfigError, match="updates buffers"):
+    with pytest.raises(ConfigError, match="holds the program's state"):
         ferry.Module(program, microbatches=2).load_method()
 
 

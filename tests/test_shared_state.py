@@ -169,6 +169,9 @@ def test_a_method_that_only_reads_another_methods_cache_reads_what_it_wrote(emu,
     assert "core.cache" in {mb.name for mb in read_only} and all(mb.update == mb.value for mb in read_only)
     states = program_json(ferry.load_program(program.to_bytes()))["state"]
     assert set(states["core.cache"]["methods"]) == {"prefill", "read"}
+    assert states["core.cache"]["updated_by"] == ["prefill"]
+    assert "core.cache: float32[16, 64]" in program_summary(program) and "updated by prefill; read by read" in \
+        program_summary(program)
     module = ferry.Module(program)
     torch.manual_seed(1)
     for name, n, pos in [("read", 1, [0]), ("prefill", 4, [0, 1, 2, 3]), ("read", 1, [0]), ("prefill", 4, [5, 6, 7, 8]),
@@ -201,7 +204,7 @@ def test_inspect_shows_the_state_and_which_methods_update_it(emu):
     assert "core.cache: float32[16, 64] on emu:0, 4,096 bytes, updated by prefill, decode" in text
     state = program_json(program)["state"]
     assert state["core.seen"] == {"dtype": "float32", "shape": [SLOTS], "device": "emu:0", "bytes": 64,
-                                  "methods": ["prefill", "decode"]}
+                                  "methods": ["prefill", "decode"], "updated_by": ["prefill", "decode"]}
 
 
 @pytest.mark.cuda
@@ -334,3 +337,69 @@ def test_an_inductor_delegate_writes_the_updates_over_the_state_in_its_compiled_
 @pytest.mark.parametrize("graphs", [False, True])
 def test_an_inductor_delegate_on_the_gpu_writes_the_updates_over_the_state(full_fp32, graphs):
     _inductor_writes_the_state("cuda:0", graphs)
+
+
+class PartReader(nn.Module):
+    """Reads the first rows of the cache through a view held by a plain Python object: non-strict
+    export captures that view as a constant with its value at export time."""
+
+    def __init__(self, core):
+        super().__init__()
+        self.core = core
+        self.held = [core.cache[:4]]
+
+    def forward(self, x):
+        return x @ self.held[0].T
+
+
+def test_a_constant_that_is_part_of_a_buffer_another_method_updates_is_refused():
+    core = _seeded()
+    prefill, _ = exported(core)
+    reader = torch.export.export(PartReader(core), (torch.randn(1, DIM),), strict=False)
+    assert any(s.kind.name == "CONSTANT_TENSOR" for s in reader.graph_signature.input_specs)
+    with pytest.raises(CompileError, match="method 'read' reads part of buffer 'core.cache', which a method updates, "
+                                           "through the constant"):
+        ferry.compile({"prefill": prefill, "read": reader})
+
+
+def _reader_program():
+    core = _seeded()
+    prefill, _ = exported(core)
+    reader = torch.export.export(Reader(core), (torch.randn(1, DIM),))
+    return ferry.compile({"prefill": prefill, "read": reader})
+
+
+def _with_read(program, **changes):
+    read = dataclasses.replace(program.method("read"), **changes)
+    return dataclasses.replace(program, methods={**program.methods, "read": read})
+
+
+def test_a_file_that_writes_a_state_it_only_reads_is_refused():
+    from ferry.program.schema import ConstValue, KernelCall
+
+    program = _reader_program()
+    m = program.method("read")
+    (mb,) = [mb for mb in m.mutable_buffers if mb.name == "core.cache"]
+    values = [*m.values, ConstValue("float", 64.0)]
+    write = KernelCall("aten::fill.Scalar_out", (mb.value, len(values) - 1, mb.value), (mb.value,))
+    bad = _with_read(program, values=values, instructions=[write, *m.instructions])
+    with pytest.raises(ProgramError, match="writes a mutable buffer's value .* directly"):
+        ferry.load_program(_unchecked_bytes(bad))
+
+
+def test_a_file_that_holds_one_state_under_two_names_is_refused():
+    from ferry.program.schema import MutableBuffer
+
+    program = _reader_program()
+    m = program.method("read")
+    (mb,) = [mb for mb in m.mutable_buffers if mb.name == "core.cache"]
+    bad = _with_read(program, mutable_buffers=[*m.mutable_buffers, MutableBuffer(mb.value, mb.value, "detached")])
+    with pytest.raises(ProgramError, match="two mutable buffers share one value"):
+        ferry.load_program(_unchecked_bytes(bad))
+
+
+def _unchecked_bytes(program) -> bytes:
+    """The file image of a program that saving would refuse (a hostile file's bytes)."""
+    from ferry.program import format as fmt
+
+    return b"".join(fmt.file_chunks(program.methods.values(), program.delegates, program.segments))

@@ -72,8 +72,8 @@ class EncoderDecoderExport(nn.Module):
 
     def export(self, input_features: torch.Tensor, *, strict: bool = True) -> dict:
         """{"encode": ..., "decode": ...} exported programs, to compile together (one program).
-        Strict (dynamo) by default: it sees that the cache's tensors are the buffers; non-strict
-        export would capture the cross-attention keys decode reads as constants of export time."""
+        Non-strict export lifts the cache tensors decode reads through the cache object as
+        constants; compile reads each as the buffer it is (aot/lifted_state.py)."""
         ids = torch.zeros(self.batch_size, 1, dtype=torch.long, device=input_features.device)
         with torch.no_grad():
             return {"encode": torch.export.export(_Method(self, "encode"), (input_features,), strict=strict),

@@ -30,7 +30,7 @@ def kernel_fallbacks(gm: torch.fx.GraphModule, method: str = "forward") -> dict[
     has no kernel for it (warned once per op); CompileError for an op on the CPU with no CPU kernel."""
     nodes = list(gm.graph.nodes)
     devices = sorted({d for n in nodes if (d := get_device(n)) is not None and not d.is_cpu})
-    found: dict[str, list] = {}  # key -> [devices without a kernel, calls, copies]
+    found: dict[str, list] = {}  # key -> [devices without a kernel, calls, the copies around them]
     for node in nodes:
         op = node.target
         if (node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or is_copy_node(node)
@@ -40,11 +40,11 @@ def kernel_fallbacks(gm: torch.fx.GraphModule, method: str = "forward") -> dict[
             raise CompileError(_no_cpu_kernel(method, node, op))
         missing = [str(d) for d in devices if not has_kernel(op, d)]
         if missing:
-            entry = found.setdefault(f"on the CPU: {kernel_name(op)}", [missing, 0, 0])
+            entry = found.setdefault(f"on the CPU: {kernel_name(op)}", [missing, 0, set()])
             entry[1] += 1
-            entry[2] += sum(is_copy_node(n) for n in (*node.all_input_nodes, *node.users))
-    notes = {key: f"no kernel for {', '.join(missing)}: runs on the CPU, {calls} call(s) with {copies} copies around them"
-             for key, (missing, calls, copies) in found.items()}
+            entry[2].update(n for n in (*node.all_input_nodes, *node.users) if is_copy_node(n))
+    notes = {key: f"no kernel for {', '.join(missing)}: runs on the CPU, {calls} call(s) with {len(copies)} copies "
+                  "around them" for key, (missing, calls, copies) in found.items()}
     for key, why in notes.items():
         warnings.warn(f"method {method!r}: {key.removeprefix('on the CPU: ')} has {why}", RuntimeWarning, stacklevel=4)
     return notes

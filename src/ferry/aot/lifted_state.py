@@ -8,7 +8,10 @@ writes a constant that is the buffer's tensor. torch cannot functionalize a writ
 constant (`run_decompositions` fails), yet eager's meaning is plain: the tensor keeps what each
 call writes, as a buffer does. So before functionalizing, a written constant becomes that
 buffer where a buffer holds the same tensor (the state keeps the buffer's name, and the program
-reads one tensor, not two copies of it), else a non-persistent buffer of its own.
+reads one tensor, not two copies of it), else a non-persistent buffer of its own. A constant
+the program only reads that is a buffer's tensor is that buffer too: another method may update
+it (Whisper's cross-attention cache, filled by `encode`, read by `decode` through the cache
+object), and the read must see what was written, not the value at export time.
 """
 
 from __future__ import annotations
@@ -21,24 +24,25 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 
 from ferry.ops.aliasing import is_view, view_source
 
-__all__ = ["written_constants_as_state"]
+__all__ = ["same_tensor", "written_constants_as_state"]
 
 
 def written_constants_as_state(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """`ep` with every constant it writes in place made a buffer (the caller's program unchanged)."""
-    written = _written_constants(ep)
+    """`ep` with every constant it writes in place, or that is a buffer's tensor, made a buffer
+    (the caller's program unchanged)."""
+    buffers = _buffer_tensors(ep)
+    written = _written_constants(ep) | _buffer_aliases(ep, buffers)
     if not written:
         return ep
     graph = copy.deepcopy(ep.graph)  # the nodes copied, keeping their names; their meta shared
     nodes = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-    buffers = _buffer_tensors(ep)
     constants, specs = dict(ep.constants), []
     for spec in ep.graph_signature.input_specs:
         if spec.arg.name not in written:
             specs.append(spec)
             continue
         tensor = constants.pop(spec.target)
-        same = next((name for name, (b, t) in buffers.items() if _same_tensor(t, tensor)), None)
+        same = next((name for name, (b, t) in buffers.items() if same_tensor(t, tensor)), None)
         if same is None:  # a buffer of its own, kept where torch keeps non-persistent buffers
             constants[spec.target] = tensor
             specs.append(InputSpec(InputKind.BUFFER, spec.arg, spec.target, persistent=False))
@@ -70,6 +74,13 @@ def _written_constants(ep) -> set[str]:
     return found
 
 
+def _buffer_aliases(ep, buffers: dict) -> set[str]:
+    """Placeholder names of the constant tensors that are a buffer's tensor."""
+    return {s.arg.name for s in ep.graph_signature.input_specs
+            if s.kind == InputKind.CONSTANT_TENSOR and isinstance(t := ep.constants.get(s.target), torch.Tensor)
+            and any(same_tensor(b, t) for _, b in buffers.values())}
+
+
 def _base(node: torch.fx.Node) -> torch.fx.Node:
     """The node a chain of views starts from."""
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and is_view(node.target):
@@ -91,7 +102,7 @@ def _buffer_tensors(ep) -> dict[str, tuple[str, torch.Tensor]]:
     return out
 
 
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """One tensor: the same memory seen with the same shape, strides and dtype."""
     return (a.numel() > 0 and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype and a.device == b.device)

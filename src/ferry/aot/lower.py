@@ -164,8 +164,9 @@ def _refuse_hidden_mutations(ep, exported_state: set[str]) -> None:
             continue
         targets = {s.target for s in ep.graph_signature.output_specs if s.target}
         spec = next((s for s in ep.graph_signature.input_specs if s.arg.name == node.name), None)
-        if spec is not None and spec.target is not None and spec.target not in exported_state:
-            continue  # an inner tensor of an unwrapped subclass weight
+        if (spec is not None and spec.target is not None and spec.target not in exported_state
+                and ".parametrizations." in spec.target):
+            continue  # an inner tensor of an unwrapped subclass weight (`w.parametrizations.<attr>.original<i>`)
         if node.name in targets or (spec is not None and spec.target in targets) or node.name in recorded:
             continue  # a mutation the signature records (refused or kept as the program's state elsewhere)
         ops = ", ".join(_readers(node)[:3]) or "an op of the program"

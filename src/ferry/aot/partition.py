@@ -132,16 +132,14 @@ class AtenOpSupport(OperatorSupportBase):
             return isinstance(src, torch.fx.Node) and self.is_node_supported(submodules, src)
         if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace in _NOT_DELEGATED:
             return False
-        if node.target._schema.is_mutable or not all(has_kernel(node.target, d) for d in self.devices):
-            return False
-        if not node.target._schema.returns:
+        if node.target._schema.is_mutable or not node.target._schema.returns:
             return False  # a check (aten._assert_scalar, ...): defines nothing, runs on the host
         val = node.meta.get("val")
         if val is not None and not all(isinstance(v, torch.Tensor) for v in (val if isinstance(val, (list, tuple)) else [val])):
             return False  # sizes (aten.sym_size, ...) are computed on the host, next to the shapes they read
         if self.ops is not None and not _matches(node.target, self.ops):
             return False
-        return not _matches(node.target, self.exclude)
+        return not _matches(node.target, self.exclude) and all(has_kernel(node.target, d) for d in self.devices)
 
 
 # namespaces whose ops a delegate never runs: ferry's copies, and ops that reach outside the

@@ -27,7 +27,10 @@ def quantized_weights(ep: torch.export.ExportedProgram) -> list[QuantizedWeight]
     for spec in ep.graph_signature.input_specs:
         t = tensors.get(spec.target) if spec.target else None
         if t is not None and is_traceable_wrapper_subclass(t):
-            out.append(_record(spec.target, t))
+            try:
+                out.append(_record(spec.target, t))
+            except Exception:  # noqa: BLE001 - a fact for people: a subclass that describes itself oddly is left out
+                continue
     return out
 
 
@@ -39,9 +42,13 @@ def _record(name: str, t: torch.Tensor) -> QuantizedWeight:
         name=name, scheme=f"{kind.__module__.split('.')[0]} {kind.__qualname__}",
         dtype=str(t.dtype).removeprefix("torch."), shape=tuple(int(s) for s in t.shape),
         parts={a: f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for a, v in inner.items()},
-        nbytes=sum(v.numel() * v.element_size() for v in inner.values()),
-        details=", ".join(f"{k}={_setting(v)}" for k, v in (ctx or {}).items()
-                          if not isinstance(v, torch.Tensor))[:400])
+        nbytes=sum(v.numel() * v.element_size() for v in inner.values()), details=_details(ctx))
+
+
+def _details(ctx) -> str:
+    """A subclass's settings (its flatten context: a dict, or a list or tuple of values) as text."""
+    items = ctx.items() if isinstance(ctx, dict) else enumerate(ctx if isinstance(ctx, (list, tuple)) else [ctx])
+    return ", ".join(f"{k}={_setting(v)}" for k, v in items if v is not None and not isinstance(v, torch.Tensor))[:400]
 
 
 def _setting(v) -> str:

@@ -34,7 +34,7 @@ def check_dataflow(m: Method) -> None:
     _planned_memory_is_sound(m, pre)
     overwrites = state_overwrites(m)
     for j, mb in enumerate(m.mutable_buffers):
-        if m.tensor(mb.update).storage == "state" and mb.update != mb.value and mb.update not in overwrites:
+        if m.tensor(mb.update).storage == "state" and not mb.read_only and mb.update not in overwrites:
             raise ProgramError(f"{pre} mutable buffer {j}: its update (value {mb.update}) is stored as the state "
                                "itself, so one delegate call must write it, reading the state once, with nothing "
                                "reading the state after that call")
@@ -168,6 +168,10 @@ def _written_once_before_read(m: Method, pre: str) -> None:
 
 
 def _check_writes(m: Method, ins, label: str) -> None:
+    held = {mb.value for mb in m.mutable_buffers}
+    if any(o in held for o in ins.outputs):  # a state's memory is written only by an update over it
+        raise ProgramError(f"{label}: it writes a mutable buffer's value (the program's state) directly; a state "
+                           "changes only through its update")
     if isinstance(ins, DelegateCall):
         kinds = {v.storage if isinstance(v, TensorValue) else None for v in (m.values[o] for o in ins.outputs)}
         if not (kinds <= {"planned", "output", "state"} or (kinds <= {"runtime", "state"} and "runtime" in kinds)):
@@ -186,9 +190,9 @@ def _check_writes(m: Method, ins, label: str) -> None:
         v = m.values[o]
         if not isinstance(v, TensorValue):
             continue
-        if o in ins.args and (behind := S.root_storage(m.values, o)) in ("constant", "input"):
+        if o in ins.args and (behind := S.root_storage(m.values, o)) in ("constant", "input", "state"):
             raise ProgramError(f"{label} ({ins.kernel}): value {o} is {behind} memory (the program "
-                               "file's or the caller's): a kernel may not write it")
+                               "file's, the caller's or the program's state): a kernel may not write it")
         if v.storage in _WRITTEN_IN_PLACE and o not in ins.args:
             raise ProgramError(f"{label} ({ins.kernel}): value {o} is {v.storage} memory, so it must be written "
                                "through an out argument of the kernel")

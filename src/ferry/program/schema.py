@@ -296,6 +296,11 @@ class MutableBuffer:
     update: int
     name: str = ""
 
+    @property
+    def read_only(self) -> bool:
+        """State this method reads and never writes (another method of the program updates it)."""
+        return self.update == self.value
+
 
 @dataclass(frozen=True)
 class QuantizedWeight:

@@ -22,7 +22,8 @@ class State:
 
     name: str
     value: TensorValue
-    methods: tuple[str, ...]
+    methods: tuple[str, ...]  # every method holding it
+    updated_by: tuple[str, ...] = ()  # those that write it (the others only read it)
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +58,7 @@ def program_states(methods) -> dict[str, State]:
     states: dict[str, State] = {}
     for m in methods.values():
         values = {mb.value for mb in m.mutable_buffers}
+        writes = {mb.value for mb in m.mutable_buffers if not mb.read_only}
         for vid, name in method_states(m).items():
             if vid not in values:
                 continue  # an update written over its state: validate.py checks it agrees with the state
@@ -64,15 +66,16 @@ def program_states(methods) -> dict[str, State]:
             if any(v.dynamic):
                 raise ProgramError(f"method {m.name!r}: state {name!r} has a dynamic shape; a state is held at one size")
             prior = states.get(name)
+            mine = (m.name,) if vid in writes else ()
             if prior is None:
-                states[name] = State(name, v, (m.name,))
+                states[name] = State(name, v, (m.name,), mine)
                 continue
             if _fact(prior.value) != _fact(v):
                 raise ProgramError(
                     f"state {name!r} is {_show(prior.value)} in method {prior.methods[0]!r} but {_show(v)} in method "
                     f"{m.name!r}: methods share a state by name, so they must agree on it (compile them together from "
                     "one model object, and place that buffer on one device for all)")
-            states[name] = State(name, prior.value, (*prior.methods, m.name))
+            states[name] = State(name, prior.value, (*prior.methods, m.name), (*prior.updated_by, *mine))
     return states
 
 

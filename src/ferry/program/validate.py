@@ -108,6 +108,10 @@ class _MethodChecks:
                 raise ProgramError(f"{self.pre} storage_inputs names input {x!r}; it has {len(m.inputs)} inputs")
         self.equal_sizes()
         self.io_storage()
+        for kind, ids in (("value", [mb.value for mb in m.mutable_buffers]),
+                          ("update", [mb.update for mb in m.mutable_buffers if not mb.read_only])):
+            if len(set(ids)) != len(ids):
+                raise ProgramError(f"{self.pre} two mutable buffers share one {kind}: a state is held under one name")
         for j, mb in enumerate(m.mutable_buffers):
             self.tensor_id(mb.value, f"mutable buffer {j} value")
             self.tensor_id(mb.update, f"mutable buffer {j} update")
@@ -118,7 +122,7 @@ class _MethodChecks:
                 raise ProgramError(f"{self.pre} mutable buffer {j}: its value {mb.value} is the program's state and "
                                    "needs a constant segment (its initial value)")
             update = m.tensor(mb.update)
-            if mb.update == mb.value:  # state this method reads and another method updates
+            if mb.read_only:  # state this method reads and another method updates
                 if update.storage != "state":
                     raise ProgramError(f"{self.pre} mutable buffer {j}: its update is its value, which only the "
                                        "program's state may be (read here, updated by another method)")

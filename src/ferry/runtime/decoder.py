@@ -104,7 +104,8 @@ def plan_methods(module, method: str | None, prefill: str, decode: str) -> tuple
         first = step = read_signature(module, decode)
     else:
         raise ConfigError(f"the program's methods are {', '.join(names)}: ferry.generate runs 'forward', or "
-                          f"{prefill!r} and {decode!r}; name them with method= or prefill=/decode=")
+                          f"{prefill!r} and {decode!r}, or {decode!r} alone; name them with method= or "
+                          "prefill=/decode=")
     if step.width not in (None, 1):
         raise ConfigError(f"method {step.name!r} takes exactly {step.width} tokens per call, but a decode step feeds "
                           "one: export it with input_ids of length 1 or a dynamic length (torch.export.Dim)")

@@ -224,6 +224,9 @@ def _encoder_call(module, encode: str, encoder_inputs) -> Callable[[], object] |
     """The `encode` call on `encoder_inputs`, each placed where the method takes it (checked now,
     run once the decoder's methods are loaded); None without encoder inputs."""
     if encoder_inputs is None:
+        if encode in module.method_names() and not {"forward", "prefill"} & set(module.method_names()):
+            raise ConfigError(f"this program's decoder reads what its {encode!r} method writes: pass the encoder's "
+                              "input as encoder_inputs= (log-mel features for a speech model)")
         return None
     if encode not in module.method_names():
         raise ConfigError(f"encoder_inputs are given, but the program has no method {encode!r} to take them; its "
@@ -232,7 +235,7 @@ def _encoder_call(module, encode: str, encoder_inputs) -> Callable[[], object] |
     meta = module.method_meta(encode)
     if len(inputs) != meta.num_inputs() or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise InputError(f"method {encode!r} takes {meta.num_inputs()} tensor(s); encoder_inputs gave "
-                         f"{len(inputs)} value(s)")
+                         f"{', '.join(type(t).__name__ for t in inputs)}")
     placed = [t if device_of(t) == meta.input_meta(i).device else _place(_to_host(t), meta.input_meta(i).device)
               for i, t in enumerate(inputs)]
     module.load_method(encode)

@@ -165,7 +165,7 @@ class _Builder:
             pos = self.value_node(f"out{k}", "output", f"output {k}", f"method output {k}", vid, True)
             self.link(self.last_def.get(vid), pos, vid)
         for k, mb in enumerate(m.mutable_buffers):
-            if not 0 <= mb.update < len(m.values):
+            if not 0 <= mb.update < len(m.values) or mb.read_only:  # (read only: nothing is written back)
                 continue
             what = f"written back into mutable buffer {mb.name!r} after the call"
             pos = self.value_node(f"up{k}", "update", clip(f"update {mb.name or k}", 28), what, mb.update)

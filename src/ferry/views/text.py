@@ -128,9 +128,11 @@ def _state_lines(program: Program) -> list[str]:
     if not states:
         return []
     total = sum(s.nbytes for s in states.values())
-    out = [f"state: {len(states)} buffers, {total:,} bytes, held once for every method that updates them"]
-    out += [f"  {s.name}: {_tensor_line(s.value)}, {s.nbytes:,} bytes, updated by {', '.join(s.methods)}"
-            for s in states.values()]
+    out = [f"state: {len(states)} buffers, {total:,} bytes, held once for every method that reads or updates them"]
+    for s in states.values():
+        readers = [m for m in s.methods if m not in s.updated_by]
+        out.append(f"  {s.name}: {_tensor_line(s.value)}, {s.nbytes:,} bytes, updated by "
+                   f"{', '.join(s.updated_by) or 'no method'}" + (f"; read by {', '.join(readers)}" if readers else ""))
     return out
 
 
@@ -170,7 +172,8 @@ def program_json(program: Program, method: str | None = None) -> dict:
     return _finite({
         "methods": {name: _method_json(program, name, m) for name, m in _methods(program, method)},
         "state": {s.name: {"dtype": s.value.dtype, "shape": list(s.value.shape), "device": str(s.value.device),
-                           "bytes": s.nbytes, "methods": list(s.methods)} for s in program_states(program.methods).values()},
+                           "bytes": s.nbytes, "methods": list(s.methods),
+                           "updated_by": list(s.updated_by)} for s in program_states(program.methods).values()},
         "delegates": [
             {"backend_id": d.backend_id, "compile_specs": {k: v.decode(errors="replace") for k, v in d.compile_specs},
              "kernel_choices": dict(inside.kernel_choices) if (inside := _torch_payload(program, d)) else {},

@@ -169,8 +169,9 @@ def batched_values(m, feature: str) -> tuple[list[TensorValue], list[TensorValue
     method with state (buffers it updates) is refused: its rows are not independent (one call
     made of parts would update the state once per part, padding rows would enter it)."""
     if m.mutable_buffers:
-        raise ConfigError(f"method {m.name!r} updates buffers in forward, so its rows are not independent and "
-                          f"{feature} cannot split or pad a call: load the method without {feature}")
+        raise ConfigError(f"method {m.name!r} holds the program's state (buffers a method updates), so its rows "
+                          f"are not independent and {feature} cannot split or pad a call: load the method without "
+                          f"{feature}")
     def batched(vid: int, what: str) -> TensorValue:
         v = m.values[vid]
         if not isinstance(v, TensorValue) or not v.shape:

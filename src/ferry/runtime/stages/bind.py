@@ -331,7 +331,7 @@ class _Binder(KernelSteps):
         own device: a stream-ordered device copy for device-resident state)."""
         out, slots = [], self.slots
         for mb in self.m.mutable_buffers:
-            if mb.update == mb.value or (self.fixed[mb.update] and slots[mb.update] is slots[mb.value]):
+            if mb.read_only or (self.fixed[mb.update] and slots[mb.update] is slots[mb.value]):
                 continue  # (read only here, or written in place)
             value, update = mb.value, mb.update
             dev = self.m.tensor(value).device

@@ -109,8 +109,9 @@ def _meta_results(op, args: list, kwargs: dict):
         why = _first_line(e)
     try:
         return _described(_as_fakes(op, args, kwargs))
-    except Exception:  # noqa: BLE001 - the first answer says more
-        pass
+    except Exception as e:  # noqa: BLE001 - a kernel written for fake tensors says why on them
+        if "fake_device" in why:
+            why = _first_line(e)
     twin = functional_variant(op) if outs else None
     if twin is not None:
         try:
