@@ -18,7 +18,7 @@ __all__ = ["EncoderDecoderExport"]
 
 
 class EncoderDecoderExport(nn.Module):
-    """`model`: a transformers encoder–decoder whose decoder layers attend to the encoder through
+    """`model`: a transformers (>= 5) encoder–decoder whose decoder layers attend to the encoder through
     `encoder_attn` (WhisperForConditionalGeneration). `frames`: the encoder's output length (1500
     for Whisper's 30 s of audio); `max_cache_len`: decoder positions."""
 
@@ -37,7 +37,8 @@ class EncoderDecoderExport(nn.Module):
         cross_cache = StaticCache(config=config, max_cache_len=self.frames)
         cross_cache.early_initialization(batch_size, self.heads, self.head_dim, dtype, device)
         self.cache = EncoderDecoderCache(self_cache, cross_cache)
-        for i, (mine, cross) in enumerate(zip(self_cache.layers, cross_cache.layers)):
+        layers: list = [*zip(self_cache.layers, cross_cache.layers)]  # static layers: keys and values
+        for i, (mine, cross) in enumerate(layers):
             self.register_buffer(f"key_cache_{i}", mine.keys, persistent=False)
             self.register_buffer(f"value_cache_{i}", mine.values, persistent=False)
             self.register_buffer(f"cross_key_{i}", cross.keys, persistent=False)
@@ -51,15 +52,16 @@ class EncoderDecoderExport(nn.Module):
         shape = (hidden.shape[0], -1, self.heads, self.head_dim)
         for i, layer in enumerate(self.model.get_decoder().layers):
             attn = layer.encoder_attn
-            getattr(self, f"cross_key_{i}").copy_(attn.k_proj(hidden).view(shape).transpose(1, 2))
-            getattr(self, f"cross_value_{i}").copy_(attn.v_proj(hidden).view(shape).transpose(1, 2))
+            self.get_buffer(f"cross_key_{i}").copy_(attn.k_proj(hidden).view(shape).transpose(1, 2))
+            self.get_buffer(f"cross_value_{i}").copy_(attn.v_proj(hidden).view(shape).transpose(1, 2))
         return hidden
 
     def decode(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         """Decoder tokens [batch, n] at `cache_position` -> logits [batch, n, vocab]."""
         for layer in self.cache.self_attention_cache.layers:
-            if hasattr(layer, "cumulative_length"):
-                layer.cumulative_length.copy_(cache_position[0])
+            written = getattr(layer, "cumulative_length", None)  # (transformers >= 5: positions written)
+            if isinstance(written, torch.Tensor):
+                written.copy_(cache_position[0])
         for i in range(len(self.cache.cross_attention_cache.layers)):
             self.cache.is_updated[i] = True  # the keys and values encode wrote: never projected here
         # the decoder attends across only where it is given encoder states; their values are unused

@@ -166,7 +166,7 @@ def _refuse_captured_state(eps, written: frozenset[str]) -> None:
         for kind, const, t in specs:
             if kind != kinds.CONSTANT_TENSOR or not isinstance(t, torch.Tensor):
                 continue
-            target, whole = buffers.get(_storage_key(t), (None, None))
+            target, whole = buffers.get(_storage_key(t), (None, t))
             if target is not None and not same_tensor(whole, t):
                 raise CompileError(
                     f"method {name!r} reads part of buffer {target!r}, which a method updates, through the constant "

@@ -34,7 +34,8 @@ def quantized_weights(ep: torch.export.ExportedProgram) -> list[QuantizedWeight]
     return out
 
 
-def _record(name: str, t: torch.Tensor) -> QuantizedWeight:
+def _record(name: str, t) -> QuantizedWeight:
+    """`t`: a traceable wrapper subclass (it has `__tensor_flatten__`)."""
     attrs, ctx = t.__tensor_flatten__()
     inner = {a: getattr(t, a) for a in attrs}
     kind = type(t)
