@@ -138,3 +138,19 @@ def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
         logits = ferry.Module(program.to_bytes()).forward(prompt, torch.arange(PROMPT, device="cuda"))
         scale = want_logits.abs().max().item()
         torch.testing.assert_close(logits.float(), want_logits.float(), rtol=0, atol=2e-2 * scale)
+
+
+def test_ferry_inspect_on_the_command_line_lists_the_quantized_weights(tmp_path):
+    import contextlib
+    import io
+
+    from ferry.cli import main
+
+    path = tmp_path / "q.ferry"
+    ferry.compile(exported(True)).save(path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["inspect", str(path)])
+    assert rc in (0, None)
+    assert "quantized weights: 15" in out.getvalue()
+    assert "model.lm_head.weight: torchao Int8Tensor, float32[96, 64]" in out.getvalue()
