@@ -38,7 +38,7 @@ from collections.abc import Mapping
 import torch
 
 from ferry.aot.auto_map import Choice, auto_device_map, parse_budgets
-from ferry.aot.partition import DEFAULT_BACKEND, AtenOpSupport, Partition, target_device
+from ferry.aot.partition import DEFAULT_BACKEND, OpSupport, Partition, target_device
 from ferry.device import Device
 from ferry.errors import ConfigError
 from ferry.node_meta import module_path
@@ -219,7 +219,7 @@ class DeviceMapPartitioner:
         self._choice: Choice | None = None
         # an op goes to an accelerator of the map only where every one of them has its kernel
         accelerators = {d for d in [*self.device_map.values(), *(self.budgets or {})] if not d.is_cpu}
-        self.support = AtenOpSupport(None, exclude, devices=sorted(accelerators))
+        self.support = OpSupport(None, exclude, devices=sorted(accelerators))
         self.backend_id = backend_id
         self.last_map: dict[str, Device] = dict(self.device_map)
 

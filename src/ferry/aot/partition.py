@@ -99,7 +99,7 @@ def _matches(target, keys: frozenset[str]) -> bool:
     return full in keys or full.rsplit(".", 1)[0] in keys
 
 
-class AtenOpSupport(OperatorSupportBase):
+class OpSupport(OperatorSupportBase):
     """Capability as data: ATen ops and library ops (`torch.library`), optionally restricted to
     `ops`, minus `exclude`, each only where it has a kernel for every one of `devices` (a custom
     op with a CPU kernel alone stays on the CPU: ops/device_kernels.py)."""
@@ -175,7 +175,7 @@ class OpSupportPartitioner:
 
     def __init__(self, device: str | Device, ops=None, exclude=(), backend_id: str = DEFAULT_BACKEND):
         self.device = Device.parse(device)
-        self.support = AtenOpSupport(ops, exclude, devices=[self.device])
+        self.support = OpSupport(ops, exclude, devices=[self.device])
         self.backend_id = backend_id
 
     def partition(self, exported_program: torch.export.ExportedProgram) -> list[Partition]:
