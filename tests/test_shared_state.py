@@ -10,6 +10,7 @@ that cache once, and hold the weights once (in the file and on the device).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -403,3 +404,34 @@ def _unchecked_bytes(program) -> bytes:
     from ferry.program import format as fmt
 
     return b"".join(fmt.file_chunks(program.methods.values(), program.delegates, program.segments))
+
+
+class MmReader(Prefill):
+    def forward(self, x):
+        return torch.mm(x, self.core.cache.T)
+
+
+def test_a_reader_on_another_device_than_the_writer_gets_a_copy_of_the_state(emu):
+    """The cache lives where prefill updates it (emu:0); a reader whose matmul stays on the CPU
+    reads it through a copy, and still sees every write."""
+    core, eager = _seeded(), _seeded()
+    prefill, _ = exported(core)
+    reader = torch.export.export(MmReader(core), (torch.randn(1, DIM),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # `aten.mm` is the reader's alone: no "matches no op" warning
+        program = ferry.compile({"prefill": prefill, "read": reader},
+                                ferry.OpSupportPartitioner("emu:0", exclude=["aten.mm"]))
+    read = program.method("read")
+    (mb,) = [mb for mb in read.mutable_buffers if mb.name == "core.cache"]
+    assert mb.read_only and read.tensor(mb.value).device == EMU0
+    assert ferry.copy_report(program, "read").count("d2h") >= 1
+    module = ferry.Module(program)
+    for name, pos in [("read", None), ("prefill", [0, 1, 2, 3]), ("read", None), ("prefill", [4, 5, 6, 7]),
+                      ("read", None)]:
+        if name == "prefill":
+            x, p = torch.randn(4, DIM), torch.tensor(pos)
+            torch.testing.assert_close(_call(module, "emu", name, x, p), eager.step(x, p))
+        else:
+            x = torch.randn(1, DIM)
+            (got,) = module.run_method("read", [x])
+            torch.testing.assert_close(got, x @ eager.cache.T)

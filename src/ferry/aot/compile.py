@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ferry import node_meta as M
 from ferry.aot.auto_map import Choice, diagnose, parse_budgets
 from ferry.aot.config import CompileConfig, MethodOptions
 from ferry.aot.device_map import DeviceMapPartitioner
@@ -21,8 +22,10 @@ from ferry.aot.storage_reads import equal_sizes, storage_inputs
 from ferry.aot.subclass_weights import quantized_weights
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import ProgramData
+from ferry.device import CPU as CPU_DEVICE
 from ferry.device import Device
 from ferry.errors import CompileError, ConfigError, ProgramError
+from ferry.node_meta import get_device
 from ferry.program import Method, Program
 from ferry.program.footprint import load_bytes
 from ferry.program.states import program_states
@@ -51,9 +54,10 @@ def place(exported_program, partitioner=None, config: CompileConfig | None = Non
     return _place(exported_program, partitioner, options)
 
 
-def _place(exported_program, partitioner, options: MethodOptions, shared_state=frozenset()) -> LoweredProgram:
-    lowered = to_backend(exported_program, partitioner, shared_state)
-    PropagateDevicePass.for_options(options)(lowered.graph_module)
+def _place(exported_program, partitioner, options: MethodOptions, state_homes=None) -> LoweredProgram:
+    """`state_homes`: {buffer: device} of state another method updates, where it keeps it."""
+    lowered = to_backend(exported_program, partitioner, frozenset(state_homes or ()))
+    PropagateDevicePass.for_options(options, state_homes)(lowered.graph_module)
     return lowered
 
 
@@ -142,14 +146,26 @@ def _place_shared_state(eps, partitioner, options, placed: dict) -> None:
     """A method reading a buffer that another method updates holds it as the program's state too,
     updated or not (an `encode` fills a cross-attention cache that `decode` only reads): it reads
     what the last method wrote, as eager's methods of one model object do, never the buffer's
-    initial value. Such a method is placed again, told which buffers are state."""
-    written = frozenset(t for p in placed.values() for t, writes in p.buffers.items() if writes)
-    _refuse_captured_state(eps, written)
+    initial value. Such a method is placed again, told which buffers are state and where the
+    method updating each keeps it (read elsewhere, it gets a copy like any value)."""
+    homes = _state_homes(placed)
+    _refuse_captured_state(eps, frozenset(homes))
     for name, p in placed.items():
-        if any(not writes and t in written for t, writes in p.buffers.items()):
+        if any(not writes and t in homes for t, writes in p.buffers.items()):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # told once, by the first placement
-                placed[name] = _place(eps[name], partitioner, options[name], written)
+                placed[name] = _place(eps[name], partitioner, options[name], homes)
+
+
+def _state_homes(placed: dict) -> dict[str, Device]:
+    """{buffer: device} of every buffer some method updates, where that method keeps it."""
+    homes: dict[str, Device] = {}
+    for p in placed.values():
+        for n in p.graph_module.graph.nodes:
+            info = M.input_info(n) if n.op == "placeholder" else None
+            if info is not None and info.mutable and p.buffers.get(info.target):
+                homes.setdefault(info.target, get_device(n) or CPU_DEVICE)
+    return homes
 
 
 def _refuse_captured_state(eps, written: frozenset[str]) -> None:

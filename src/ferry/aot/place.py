@@ -66,6 +66,7 @@ class PropagateDevicePass(PassBase):
         enable_non_cpu_memory_planning: bool = True,
     ):
         super().__init__()
+        self.state_homes: dict[str, Device] = {}  # state read here, kept where another method updates it
         if not enable_non_cpu_memory_planning and (skip_h2d_for_method_inputs or skip_d2h_for_method_outputs):
             raise CompileError(
                 "skip_h2d_for_method_inputs / skip_d2h_for_method_outputs need enable_non_cpu_memory_planning=True: "
@@ -76,9 +77,12 @@ class PropagateDevicePass(PassBase):
         self.enabled = bool(enable_non_cpu_memory_planning)
 
     @classmethod
-    def for_options(cls, options) -> PropagateDevicePass:
-        """The pass for one method's resolved MethodOptions."""
-        return cls(options.skip_h2d, options.skip_d2h, options.device_placement)
+    def for_options(cls, options, state_homes=None) -> PropagateDevicePass:
+        """The pass for one method's resolved MethodOptions. `state_homes`: {buffer: device} for
+        state this method only reads, where the method updating it keeps it."""
+        placer = cls(options.skip_h2d, options.skip_d2h, options.device_placement)
+        placer.state_homes = dict(state_homes or {})
+        return placer
 
     # ------------------------------------------------------------------ decide
 
@@ -114,6 +118,9 @@ class PropagateDevicePass(PassBase):
                 home[n] = home[n.args[0]]
             elif ops.is_copy_node(n):
                 home[n] = self._copy_destination(n, targets)
+            elif n.op == "placeholder" and M.input_info(n).target in self.state_homes:
+                home[n] = self.state_homes[M.input_info(n).target]  # read only here: where its writer keeps it
+                self._buffer_home[M.input_info(n).target] = home[n]
             elif n.op == "placeholder" and M.input_info(n).mutable:
                 home[n] = self._mutable_buffer_home(gm, n, targets)
                 self._buffer_home[M.input_info(n).target] = home[n]
