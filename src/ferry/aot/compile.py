@@ -15,7 +15,7 @@ from ferry.aot.config import CompileConfig, MethodOptions
 from ferry.aot.device_map import DeviceMapPartitioner
 from ferry.aot.emit import emit_method
 from ferry.aot.fallbacks import kernel_fallbacks
-from ferry.aot.lifted_state import same_tensor
+from ferry.aot.lifted_state import refuse_stale_views
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
 from ferry.aot.storage_reads import equal_sizes, storage_inputs
@@ -149,7 +149,8 @@ def _place_shared_state(eps, partitioner, options, placed: dict) -> None:
     initial value. Such a method is placed again, told which buffers are state and where the
     method updating each keeps it (read elsewhere, it gets a copy like any value)."""
     homes = _state_homes(placed)
-    _refuse_captured_state(eps, frozenset(homes))
+    for name, ep in eps.items():
+        refuse_stale_views(ep, name, frozenset(homes))
     for name, p in placed.items():
         if any(not writes and t in homes for t, writes in p.buffers.items()):
             with warnings.catch_warnings():
@@ -166,32 +167,6 @@ def _state_homes(placed: dict) -> dict[str, Device]:
             if info is not None and info.mutable and p.buffers.get(info.target):
                 homes.setdefault(info.target, get_device(n) or CPU_DEVICE)
     return homes
-
-
-def _refuse_captured_state(eps, written: frozenset[str]) -> None:
-    """A constant sharing memory with a buffer some method updates, and not that buffer's tensor
-    as a whole (which aot/lifted_state.py reads as the buffer), is part of it as export time saw
-    it (non-strict export captures a tensor reached other than as a module's attribute): every
-    call would read a stale copy. Refused, never a wrong answer."""
-    kinds = torch.export.graph_signature.InputKind
-    for name, ep in eps.items():
-        tensors = {**ep.state_dict, **ep.constants}
-        specs = [(s.kind, s.target, tensors.get(s.target)) for s in ep.graph_signature.input_specs if s.target]
-        buffers = {_storage_key(t): (target, t) for kind, target, t in specs
-                   if kind == kinds.BUFFER and target in written and isinstance(t, torch.Tensor)}
-        for kind, const, t in specs:
-            if kind != kinds.CONSTANT_TENSOR or not isinstance(t, torch.Tensor):
-                continue
-            target, whole = buffers.get(_storage_key(t), (None, t))
-            if target is not None and not same_tensor(whole, t):
-                raise CompileError(
-                    f"method {name!r} reads part of buffer {target!r}, which a method updates, through the constant "
-                    f"{const!r} that export captured with its value at export time: export it with strict=True "
-                    "(torch.export.export(..., strict=True) sees that the tensor is the buffer's)")
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
 
 
 _UNMATCHED = re.compile(r"^(\w+=\S+) matches no op in this program")

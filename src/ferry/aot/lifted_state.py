@@ -22,9 +22,10 @@ import torch
 import torch.fx
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 
+from ferry.errors import CompileError
 from ferry.ops.aliasing import is_view, view_source
 
-__all__ = ["same_tensor", "written_constants_as_state"]
+__all__ = ["refuse_stale_views", "same_tensor", "written_constants_as_state"]
 
 
 def written_constants_as_state(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -79,6 +80,24 @@ def _buffer_aliases(ep, buffers: dict) -> set[str]:
     return {s.arg.name for s in ep.graph_signature.input_specs
             if s.kind == InputKind.CONSTANT_TENSOR and isinstance(t := ep.constants.get(s.target), torch.Tensor)
             and any(same_tensor(b, t) for _, b in buffers.values())}
+
+
+def refuse_stale_views(ep, method: str, updated: frozenset[str]) -> None:
+    """A constant sharing memory with a buffer some method updates without being that buffer's
+    tensor as a whole (which `written_constants_as_state` reads as the buffer) is a part of it as
+    export time saw it: every call would read a stale copy. Refused, never a wrong answer."""
+    buffers = {t.untyped_storage().data_ptr(): (target, t) for target, (_, t) in _buffer_tensors(ep).items()
+               if target in updated and t.device.type != "meta"}
+    for spec in ep.graph_signature.input_specs:
+        t = ep.constants.get(spec.target) if spec.kind == InputKind.CONSTANT_TENSOR else None
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        target, whole = buffers.get(t.untyped_storage().data_ptr(), (None, t))
+        if target is not None and not same_tensor(whole, t):
+            raise CompileError(
+                f"method {method!r} reads part of buffer {target!r}, which a method updates, through the constant "
+                f"{spec.target!r} that export captured with its value at export time: export it with strict=True "
+                "(torch.export.export(..., strict=True) sees that the tensor is the buffer's)")
 
 
 def _base(node: torch.fx.Node) -> torch.fx.Node:

@@ -133,9 +133,8 @@ class PropagateDevicePass(PassBase):
 
     def _mutable_buffer_home(self, gm, node, targets) -> Device:
         """A buffer the program updates lives on a device when only delegates on that device read
-        it and one of them computes its new value (or this method only reads it: another method
-        updates it): state such as a KV cache then never crosses the host link. Otherwise it
-        lives on the CPU."""
+        it (or nothing reads it) and one of them computes its new value: state such as a KV cache
+        then never crosses the host link. Otherwise it lives on the CPU."""
         users = list(node.users)
         if not all(is_delegate_node(u) for u in users):
             return CPU
@@ -156,7 +155,7 @@ class PropagateDevicePass(PassBase):
                 if dev is None:
                     return produced_on or CPU
                 return dev if produced_on == dev else CPU
-        return dev or CPU  # read only here: where it is read (the method updating it must agree: program_states)
+        return CPU
 
     def _copy_destination(self, node, targets) -> Device:
         recorded = M.get_device(node)

@@ -146,13 +146,14 @@ def _reads(m: Method, ins) -> list[int]:
 
 def _written_once_before_read(m: Method, pre: str) -> None:
     defined = _initially_defined(m)
+    held = {mb.value for mb in m.mutable_buffers}
     writer: dict[int, int] = {}
     for k, ins in enumerate(m.instructions):
         label = f"{pre} instruction {k}"
         for r in _reads(m, ins):
             if r not in defined:
                 raise ProgramError(f"{label} reads value {r} ({_name(m, r)}) before anything writes it")
-        _check_writes(m, ins, label)
+        _check_writes(m, ins, label, held)
         for o in ins.outputs:
             if o in writer or (o in defined and o not in ins.args):
                 raise ProgramError(f"{label} writes value {o} ({_name(m, o)}), which "
@@ -167,8 +168,8 @@ def _written_once_before_read(m: Method, pre: str) -> None:
             raise ProgramError(f"{pre} mutable buffer {j}: its update (value {mb.update}) is never written")
 
 
-def _check_writes(m: Method, ins, label: str) -> None:
-    held = {mb.value for mb in m.mutable_buffers}
+def _check_writes(m: Method, ins, label: str, held: set[int]) -> None:
+    """`held`: the values of the method's mutable buffers (its state)."""
     if any(o in held for o in ins.outputs):  # a state's memory is written only by an update over it
         raise ProgramError(f"{label}: it writes a mutable buffer's value (the program's state) directly; a state "
                            "changes only through its update")
