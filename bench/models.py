@@ -1,8 +1,9 @@
 """Real models on the GPU: ferry against eager PyTorch and torch.compile, side by side in one run.
 
 Models (random weights, no downloads): torchvision ResNet-18, ResNet-50, MobileNetV3-Large,
-ConvNeXt-Tiny and ViT-B/16; transformers BERT-base (encoder), GPT-2 (6 layers, 512 wide,
-decoder) and Llama (4 layers, 512 wide, decoder). Each at batch 1 and a serving batch.
+ConvNeXt-Tiny, ViT-B/16, EfficientNet-B0, Swin-T and RegNetY-1.6GF; transformers BERT-base and
+DistilBERT (encoders), a T5 encoder (6 layers, 512 wide), GPT-2 (6 layers, 512 wide, decoder),
+Llama and Qwen2 (4 layers, 512 wide, decoders). Each at batch 1 and a serving batch.
 
 Runners, everything on cuda:0:
 - eager: the model on the GPU (`model.cuda()`);
@@ -139,6 +140,16 @@ MODELS = {
     "llama": (_hf("LlamaConfig", "LlamaForCausalLM", "logits", hidden_size=512, intermediate_size=1408,
                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, vocab_size=32000,
                   max_position_embeddings=512), 8),
+    # the rows issue 35 measured, beyond the ones above
+    "efficientnet_b0": (_tv("efficientnet_b0"), 8),
+    "swin_t": (_tv("swin_t"), 8),
+    "regnet_y_1_6gf": (_tv("regnet_y_1_6gf"), 8),
+    "distilbert": (_hf("DistilBertConfig", "DistilBertModel", "last_hidden_state", vocab_size=30522), 8),
+    "qwen2": (_hf("Qwen2Config", "Qwen2ForCausalLM", "logits", hidden_size=512, intermediate_size=1408,
+                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=32000,
+                  max_position_embeddings=512), 8),
+    "t5_encoder": (_hf("T5Config", "T5EncoderModel", "last_hidden_state", vocab_size=32128, d_model=512, d_ff=2048,
+                       num_layers=6, num_heads=8), 8),
 }
 
 

@@ -540,3 +540,28 @@ def test_planned_device_tensors_are_aligned_in_real_addresses(alignment):
     x = torch.randn_like(example[0])
     with torch.no_grad():
         torch.testing.assert_close(ferry.Module(program)(x), model(x), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("outputs", ["copy", "view"])
+def test_graphs_of_every_shape_share_one_pool_and_stay_right(outputs):
+    """Every shape's graphs allocate from the set's one pool (runtime/devices/graphs.py: GraphMemory):
+    what one graph frees in its capture another may keep, so shapes called in any order after
+    their capture must still equal eager; inputs and outputs kept on the GPU."""
+    import random
+
+    from test_device_map import TinyLM
+
+    model = TinyLM(layers=2).eval()
+    dims = {0: torch.export.Dim("batch", max=8), 1: torch.export.Dim("seq", max=32)}
+    ep = torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=(dims,))
+    keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0"), keep), cuda_graphs=True,
+                          outputs=outputs)
+    shapes = [(2, 16), (4, 5), (1, 9), (8, 32)]
+    for i, shape in enumerate(shapes * 4 + random.Random(0).choices(shapes, k=16)):
+        x = torch.randint(0, 32, shape, generator=torch.Generator().manual_seed(i))
+        got = module(x.cuda())
+        assert got.is_cuda
+        torch.testing.assert_close(got.cpu(), model(x), atol=1e-4, rtol=1e-4)
+    graphs = [g.graph for g in loaded_method(module).graphs if g.graph is not None]
+    assert len(graphs) >= len(shapes) and len({g.pool() for g in graphs}) == 1

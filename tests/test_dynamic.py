@@ -546,3 +546,27 @@ def test_a_file_naming_a_static_dim_as_one_dynamic_size_is_refused():
     program.method("forward").equal_sizes = [[[0, 1], [1, 0]]]  # dim 1 of input 0 is static
     with pytest.raises(ferry.ProgramError, match=r"equal_sizes names \[0, 1\], not a dynamic dim"):
         ferry.load_program(program.to_bytes())
+
+
+def test_every_graph_of_a_set_shares_its_pool_and_capture_stream(emu_async):
+    """One graph pool and one capture stream per device for all graphs of a set of planned
+    memory (every shape's plan), another for each other set; shapes called in any order stay
+    equal to eager."""
+    model = TinyLM(layers=2).eval()
+    ep = torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=({0: BATCH, 1: SEQ},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), KEEP_ON_DEVICE), cuda_graphs=True,
+                          concurrency=2)
+    shapes = [(2, 16), (4, 5), (1, 9)]
+    order = shapes * 10 + random.Random(0).choices(shapes, k=12)  # calls alternate between the sets
+    for i, shape in enumerate(order):
+        x = torch.randint(0, 32, shape, generator=torch.Generator().manual_seed(i))
+        torch.testing.assert_close(clone_to(module(clone_to(x, "emu:0")), "cpu"), model(x), atol=1e-5, rtol=1e-4)
+    # internal: the sets' loaded methods hold the graphs they captured
+    sets = [inst.methods["forward"] for inst in module._instances]
+    for m in sets:
+        graphs = [g.graph for g in m.graphs if g.graph is not None]
+        assert len({id(g.pool) for g in graphs}) == 1 and len(graphs) >= len(shapes)
+    pools = [next(g.graph.pool for g in m.graphs if g.graph is not None) for m in sets]
+    assert pools[0] is not pools[1]
+    assert [m.streams.capture_stream(0) for m in sets] == [m.streams.graph_memory.stream(m.streams.api, 0) for m in sets]
+    assert sets[0].streams.capture_stream(0) is not sets[1].streams.capture_stream(0)

@@ -99,3 +99,33 @@ def test_decoding_without_encoder_inputs_is_refused():
     program = ferry.compile(exported())
     with pytest.raises(ConfigError, match="pass the encoder's input as encoder_inputs="):
         ferry.generate(ferry.Module(program), torch.tensor([[1]]), 4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["torch", "inductor"])
+def test_whisper_on_the_gpu_generates_as_transformers(backend):
+    """fp32 on cuda:0 (TF32 off), inputs and outputs kept there, CUDA graphs on: 32 greedy tokens
+    equal transformers' generate on the same GPU model, for two utterances in a row."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = whisper().cuda()
+    try:
+        feats = [features(seed).cuda() for seed in (1, 2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            programs = EncoderDecoderExport(model, max_cache_len=40).export(feats[0])
+        program = ferry.compile(programs, ferry.OpSupportPartitioner("cuda:0", backend_id=backend), KEEP_ON_DEVICE)
+        for name in ("encode", "decode"):
+            assert ferry.copy_report(program, name).count("d2h") == 0, name
+        module = ferry.Module(program.to_bytes(), cuda_graphs=True)
+        for f in feats:
+            with torch.no_grad():
+                want = transformers.GenerationMixin.generate(
+                    model, input_features=f, decoder_input_ids=torch.tensor([[1]], device="cuda"),
+                    max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+            got = ferry.generate(module, torch.tensor([[1]], device="cuda"), 32, encoder_inputs=f)
+            assert got.tokens.tolist() == want.tolist()
+    finally:
+        whisper().cpu()

@@ -278,6 +278,7 @@ def test_an_empty_capture_is_never_replayed(emu_async, monkeypatch):
     """Capturing on another device's stream records nothing; ferry never replays it."""
     api = emu_async.streams_api()
     monkeypatch.setattr(CopyStreams, "capture_stream", lambda self, index: api.Stream(1 - index))
+    monkeypatch.setattr(CopyStreams, "capture_pool", lambda self, index: api.new_pool(1 - index))
     model, example, program = _block_program()
     module = ferry.Module(program, cuda_graphs=True)
     with pytest.warns(RuntimeWarning, match="graph is empty"):

@@ -32,6 +32,38 @@ class _Graph(Protocol):
     def replay(self) -> None: ...
 
 
+class GraphMemory:
+    """Where one set of planned memory captures its graphs: per device, one capture stream and
+    one memory pool, shared by every segment of every method the set runs (prefill's graphs and
+    decode's, a graph per shape). What captured kernels allocate (functional results, their
+    workspaces) then takes the most one plan needs, not the sum over every graph kept.
+
+    Sharing is safe because a set runs one call at a time, and a call replays only the graphs
+    of one plan, captured in one call in the order they replay: memory an earlier graph used
+    for temporaries and a later one keeps for a result is rewritten by the earlier one only
+    before the later one's replay in a call, or in the next call, when the result is dead (a
+    view the caller holds lasts until the set's next call, as documented). Eager runs, first
+    calls and timing graphs allocate outside the pool, so no graph ever writes their memory."""
+
+    def __init__(self) -> None:
+        self._sites: dict[tuple[str, int], tuple[object, object]] = {}
+
+    def _site(self, api, index: int) -> tuple[object, object]:
+        key = (api.device_type, index)
+        site = self._sites.get(key)
+        if site is None:
+            site = self._sites[key] = (api.Stream(index), api.new_pool(index))
+        return site
+
+    def stream(self, api, index: int):
+        """The side stream graphs of device `index` are captured on (never the default one:
+        torch.cuda.graph's default is one stream made on whichever GPU was current first)."""
+        return self._site(api, index)[0]
+
+    def pool(self, api, index: int):
+        return self._site(api, index)[1]
+
+
 class GraphSegment:
     def __init__(self, calls: Sequence[Callable[[], object]], device_index: int, streams, touches_host: bool,
                  label: str, slots: list | None = None, produced: frozenset[int] = frozenset()):
@@ -89,7 +121,7 @@ class GraphSegment:
                 stream = self.streams.capture_stream(self.index)
                 with shared_capture.LOCK, self.api.device(self.index):  # a kernel timed meanwhile would break it
                     self.api.prepare_capture(stream)
-                    with self.api.capture(graph, stream):
+                    with self.api.capture(graph, stream, self.streams.capture_pool(self.index)):
                         self._eager()
             for w in caught:
                 if "Graph is empty" in str(w.message):  # its work went to another stream or device

@@ -72,11 +72,19 @@ class SimEvent:
         return True
 
 
+class SimPool:
+    """A graph memory pool's handle: which graphs share one (tests read `graph.pool`)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
 class SimGraph:
     def __init__(self, api: SimulatedApi):
         self.api = api
         self.work: list[_Work] = []
         self.index: int | None = None
+        self.pool: SimPool | None = None
 
     def replay(self) -> None:
         if self.index is None:
@@ -133,11 +141,16 @@ class SimulatedApi:
     def new_graph(self) -> SimGraph:
         return SimGraph(self)
 
+    def new_pool(self, index: int) -> SimPool:
+        return SimPool(index)
+
     @contextlib.contextmanager
-    def capture(self, graph: SimGraph, stream: SimStream):
+    def capture(self, graph: SimGraph, stream: SimStream, pool: SimPool | None = None):
         if self._capturing is not None:
             raise RuntimeError("a graph is already being captured")
-        graph.index = stream.index
+        if pool is not None and pool.index != stream.index:
+            raise RuntimeError(f"a graph on device {stream.index} captured into device {pool.index}'s pool")
+        graph.index, graph.pool = stream.index, pool
         self._capturing = (stream, graph)
         try:
             with self.stream(stream):

@@ -24,6 +24,7 @@ import torch
 
 from ferry import capture as shared_capture
 from ferry.device import Device
+from ferry.runtime.devices.graphs import GraphMemory
 
 SMALL_COPY_BYTES = 1 << 20
 
@@ -39,13 +40,16 @@ class CudaApi:
     stream = staticmethod(lambda s: torch.cuda.stream(s))
     device = staticmethod(lambda index: torch.cuda.device(index))
     new_graph = staticmethod(lambda: torch.cuda.CUDAGraph())
+    new_pool = staticmethod(lambda index: torch.cuda.graph_pool_handle())
     synchronize = staticmethod(lambda index: torch.cuda.synchronize(index))
 
     @staticmethod
     @contextlib.contextmanager
-    def capture(graph, stream):
-        """torch.cuda.graph; a failed capture leaves the GPU's random generator usable."""
-        with shared_capture.random_state_kept_on_failure(stream.device), torch.cuda.graph(graph, stream=stream):
+    def capture(graph, stream, pool=None):
+        """torch.cuda.graph, allocating from `pool` (a graph pool handle; None: the graph's own);
+        a failed capture leaves the GPU's random generator usable."""
+        with (shared_capture.random_state_kept_on_failure(stream.device),
+              torch.cuda.graph(graph, pool=pool, stream=stream)):
             yield graph
 
     @staticmethod
@@ -102,12 +106,12 @@ class CopyStreams:
     code touches memory a copy may still use.
     """
 
-    def __init__(self, api) -> None:
+    def __init__(self, api, graph_memory: GraphMemory | None = None) -> None:
         self.api = api
         self._copy: dict[int, object] = {}
         self._events: dict[object, object] = {}
         self._issuers: dict[object, Callable] = {}
-        self._capture: dict[int, object] = {}
+        self.graph_memory = graph_memory if graph_memory is not None else GraphMemory()
         self._pending: list = []
         self.capturing = False
         self._bound: tuple[float, Callable[[], None]] | None = None
@@ -126,12 +130,12 @@ class CopyStreams:
         return s
 
     def capture_stream(self, index: int):
-        """The side stream graphs of device `index` are captured on (never the default one:
-        torch.cuda.graph's default is one stream made on whichever GPU was current first)."""
-        s = self._capture.get(index)
-        if s is None:
-            s = self._capture[index] = self.api.Stream(index)
-        return s
+        """The stream graphs of device `index` are captured on: the set's (GraphMemory)."""
+        return self.graph_memory.stream(self.api, index)
+
+    def capture_pool(self, index: int):
+        """The memory pool graphs of device `index` allocate from: the set's (GraphMemory)."""
+        return self.graph_memory.pool(self.api, index)
 
     def run(self, key, kernel, src: torch.Tensor, out: torch.Tensor, devices: tuple[Device, ...]):
         """A copy between tensors bound per call (the caller's, or sized per call)."""

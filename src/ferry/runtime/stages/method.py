@@ -48,13 +48,14 @@ def streams_api_for(method: Method):
 class LoadedMethod:
     def __init__(self, program, method: Method, delegate, *, pin_host: bool = True, cuda_graphs: bool = False,
                  asynchronous: bool = True, memory=None, transport=None, caller: CallerPlan = NOT_CAPTURED,
-                 uploads=None, state=None):
+                 uploads=None, state=None, graph_memory=None):
         self.method, self.name = method, method.name
         self.caller = caller  # a delegate's method: the plan it runs inside
         self.transport = transport
         self._delegate = delegate
         api = streams_api_for(method) if asynchronous else None
-        self.streams = CopyStreams(api) if api is not None else None
+        # graph_memory: the capture streams and pools of the set this method runs in
+        self.streams = CopyStreams(api, graph_memory) if api is not None else None
         if self.streams is not None and transport is not None:  # a dead peer must not hang a host wait
             self.streams.bound_waits(transport.timeout, transport.stuck)
         self.memory = load_memory(program.segments, method, pin_host=pin_host, stage_io=cuda_graphs and api is not None,

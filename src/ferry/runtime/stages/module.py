@@ -18,6 +18,7 @@ from ferry.program.ranks import program_ranks
 from ferry.program.schema import DelegateCall, MethodMeta, TensorValue
 from ferry.program.states import program_states
 from ferry.progress import Progress, checked, tell
+from ferry.runtime.devices.graphs import GraphMemory
 from ferry.runtime.devices.limits import call_bytes, check_limits, load_bytes, parse_limits
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
@@ -99,6 +100,7 @@ class _Instance:
     def __init__(self, module: Module, label: str = ""):
         self.module, self.label = module, label  # label: which set, in progress reports
         self.state = ProgramState(module.program.segments, module.program.methods, pin_host=module.pin_host_memory)
+        self.graph_memory = GraphMemory()  # one capture stream and graph pool per device for all methods
         self.methods: dict[str, LoadedMethod] = {}
         self.microbatches: dict[str, MicroBatches] = {}
         self.buckets: dict[str, ShapeBuckets] = {}
@@ -124,7 +126,7 @@ class _Instance:
         try:
             loaded = LoadedMethod(mod.program, mod.program.method(name), delegate, pin_host=mod.pin_host_memory,
                                   cuda_graphs=mod.cuda_graphs, transport=mod.transport, uploads=mod.uploads,
-                                  state=self.state)
+                                  state=self.state, graph_memory=self.graph_memory)
             try:
                 if mod.microbatches is not None:
                     self.microbatches[name] = MicroBatches(loaded, mod.microbatches, mod.cuda_graphs)
