@@ -90,7 +90,7 @@ class Env:
     dtype: torch.dtype
     repeat: int
     prefill_repeat: int
-    quant: str = "none"  # torchao weight-only quantization of every linear: none, int8, int4
+    quant: str = "none"  # torchao weight-only quantization of every linear and the embedding: none, int8, int4
 
     @property
     def cuda(self) -> bool:
@@ -137,12 +137,18 @@ def build_model(name: str, env: Env):
 
 
 def quantize(model, quant: str) -> None:
-    """torchao's weight-only quantization of every linear layer (lm_head too), as its docs apply it."""
-    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    """torchao's weight-only quantization of every linear layer (lm_head too), as its docs apply it,
+    and of the token embedding (int8 per row, or int4 in groups of 32: ExecuTorch's `--qembedding`);
+    a tied lm_head gets a quantized weight of its own first."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
 
     config = (Int8WeightOnlyConfig() if quant == "int8"
               else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
     quantize_(model, config)
+    embedding = (IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)) if quant == "int8"
+                 else IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    quantize_(model, embedding, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
 
 
 def stored_bytes(t: torch.Tensor) -> int:
@@ -482,7 +488,8 @@ def parse_args():
     p.add_argument("--runners", default=",".join(RUNNERS))
     p.add_argument("--repeat", type=int, default=50, help="timed decode steps per runner")
     p.add_argument("--quant", default="none", choices=("none", "int8", "int4"),
-                   help="torchao weight-only quantization of every linear (eager and compile run torchao's own path)")
+                   help="torchao weight-only quantization of every linear and the token embedding (eager and compile "
+                        "run torchao's own path)")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
     p.add_argument("--out", default=None, help="name of the JSON file under bench/results (default llm; llm_smoke with --tiny)")
     args = p.parse_args()

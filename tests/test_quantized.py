@@ -20,7 +20,8 @@ from test_model_families import Compiled, token_ids
 torchao = pytest.importorskip("torchao")
 transformers = pytest.importorskip("transformers")
 executorch = pytest.importorskip("transformers.integrations.executorch")
-from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
+from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, quantize_  # noqa: E402
+from torchao.quantization.granularity import PerGroup  # noqa: E402
 
 CACHE, PROMPT, NEW = 48, 8, 24
 PREFILL = torch.export.Dim("prefill", max=16)
@@ -30,20 +31,26 @@ CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_l
               eos_token_id=None, pad_token_id=None)
 
 
-def llama(quantized: bool):
+@functools.cache
+def llama(quantized: bool, embedding: bool = False):
+    """`embedding`: the token embedding too, int4 in groups of 32 (ExecuTorch's `--qembedding 4w`)."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     model.generation_config.cache_implementation = "static"
-    if quantized:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if quantized:
             quantize_(model, Int8WeightOnlyConfig())
+        if embedding:
+            quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+                      filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
     return model
 
 
 @functools.cache
-def exported(quantized: bool):
-    recipe = executorch.TorchExportableModuleForDecoderOnlyLM(llama(quantized), batch_size=1, max_cache_len=CACHE)
+def exported(quantized: bool, embedding: bool = False):
+    recipe = executorch.TorchExportableModuleForDecoderOnlyLM(llama(quantized, embedding), batch_size=1,
+                                                              max_cache_len=CACHE)
     with torch.no_grad():
         return recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long), cache_position=torch.arange(3),
                              dynamic_shapes={"input_ids": {1: PREFILL}, "cache_position": {0: PREFILL}})
@@ -59,6 +66,24 @@ def test_int8_llama_generates_what_torchao_eager_generates(emu, tmp_path, placem
     run = Compiled(exported(True), placement, tmp_path / "int8.ferry")
     got = ferry.generate(run.module, prompt, NEW)
     assert got.tokens.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("placement", ["cpu", "emu-io"])
+def test_an_int4_embedding_is_gathered_packed_and_generates_as_torchao(emu, tmp_path, placement):
+    """The embedding's rows are dequantized after the gather, from int4 values stored two to a
+    byte (aot/gathered_rows.py): torchao eager's tokens, at every prefill length."""
+    prompt = token_ids((1, PROMPT), 5) % CONFIG["vocab_size"]
+    with torch.no_grad():
+        want = llama(True, True).generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
+                                          do_sample=False)
+    assert len(set(want[0, PROMPT:].tolist())) >= 6, want
+    run = Compiled(exported(True, True), placement, tmp_path / "int4emb.ferry")
+    assert ferry.generate(run.module, prompt, NEW).tokens.tolist() == want.tolist()
+    records = {r.name: r for r in run.module.program.method("forward").quantized_weights}
+    embed = records["model.model.embed_tokens.weight"]
+    vocab, hidden = CONFIG["vocab_size"], CONFIG["hidden_size"]
+    assert embed.parts["qdata"] == f"uint8[{vocab}, {hidden // 2}] (int4, two per byte)"
+    assert embed.nbytes < vocab * hidden  # under a byte a weight, scales and zero points included
 
 
 def test_the_file_holds_int8_weights_and_inspect_names_them(tmp_path):
@@ -114,6 +139,9 @@ def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
     model.generation_config.cache_implementation = "static"
     quantize_(model, Int8WeightOnlyConfig() if scheme == "int8"
               else Int4WeightOnlyConfig(group_size=64, int4_packing_format="tile_packed_to_4d"))
+    if scheme == "int4":  # the embedding too, its rows gathered before they are dequantized
+        quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+                  filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
     prompt = (token_ids((1, PROMPT), 3) % CONFIG["vocab_size"]).cuda()
     with torch.no_grad():
         want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False)
@@ -125,7 +153,9 @@ def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
     keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
         skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
     program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0"), keep)
-    assert program.method("forward").quantized_weights
+    records = {r.name: r for r in program.method("forward").quantized_weights}
+    if scheme == "int4":
+        assert records["model.model.embed_tokens.weight"].parts["qdata"].endswith("(int4, two per byte)")
     if scheme == "int4":
         got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 32)
         assert got.tokens.tolist() == want.tolist()

@@ -125,7 +125,7 @@ def _compile(eps, partitioner, options, budgets, done: Callable[[int, int], obje
         method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
                              placed.range_constraints)
         method.kernel_choices.update(fallbacks)
-        method.quantized_weights = quantized_weights(eps[name])
+        method.quantized_weights = quantized_weights(eps[name], placed.weights)
         method.storage_inputs = storage_inputs(placed.graph_module)
         method.equal_sizes = equal_sizes(placed.graph_module)
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}

@@ -15,6 +15,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ferry import node_meta as M
 from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_device
+from ferry.aot.gathered_rows import gather_rows_first
 from ferry.aot.lifted_state import written_constants_as_state
 from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
 from ferry.device import Device
@@ -68,6 +69,9 @@ class LoweredProgram:
     range_constraints: dict = field(default_factory=dict)
     device_map: dict = field(default_factory=dict)
     buffers: dict[str, bool] = field(default_factory=dict)  # the model's buffers it reads: name -> it writes it
+    # every weight, buffer and constant by name as the program stores it, delegates' included
+    # (an int4 table two to a byte: aot/gathered_rows.py)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def placeholders(self) -> list[torch.fx.Node]:
         return [n for n in self.graph_module.graph.nodes if n.op == "placeholder"]
@@ -137,6 +141,7 @@ def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
     _refuse_hidden_mutations(ep, exported_state)
     _drop_export_time_checks(ep.graph_module)
     _contiguous_gemm_inputs(ep.graph_module)
+    gather_rows_first(ep)
     return ep
 
 
@@ -365,7 +370,7 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
     buffers = {s.target: s.target in ep.graph_signature.buffers_to_mutate.values()
                for s in ep.graph_signature.input_specs if s.kind == InputKind.BUFFER and s.target}
     return LoweredProgram(gm, constants, dict(ep.range_constraints), dict(getattr(partitioner, "last_map", None) or {}),
-                          buffers)
+                          buffers, {**ep.state_dict, **ep.constants})
 
 
 def _unit_order(nodes: list, groups: list, partitions: list) -> list[tuple[str, object]]:
