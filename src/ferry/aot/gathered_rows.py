@@ -16,6 +16,9 @@ gather (a mask, a shift and a sign fix on the rows read): the file and the devic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
@@ -110,8 +113,8 @@ def _row_operands(n: torch.fx.Node, rows: int, weights) -> list[torch.fx.Node] |
     if n.target in _VIEWS:
         source = _val(n.args[0])
         keeps_rows = isinstance(source, torch.Tensor) and source.ndim and source.shape[0] == rows
-        return [n.args[0]] if keeps_rows and list(n.args[1])[:1] == [rows] else None
-    if _is_dequantize(n) and (list(n.args[1])[:1] != [1] or len(n.args[1]) != val.ndim):
+        return [_node(n.args[0])] if keeps_rows and _ints(n)[:1] == [rows] else None
+    if _is_dequantize(n) and (_ints(n)[:1] != [1] or len(_ints(n)) != val.ndim):
         return None  # blocks spanning rows
     if not _is_dequantize(n) and (n.target not in _ELEMENTWISE
                                   or (n.target is aten._to_copy.default and set(n.kwargs) - {"dtype"})):
@@ -128,6 +131,16 @@ def _row_operands(n: torch.fx.Node, rows: int, weights) -> list[torch.fx.Node] |
     return out
 
 
+def _node(a) -> torch.fx.Node:
+    assert isinstance(a, torch.fx.Node)
+    return a
+
+
+def _ints(n: torch.fx.Node) -> list:
+    """The shape (a view's) or block size (a dequantize's) `n` takes as its second argument."""
+    return list(cast(Sequence, n.args[1]))
+
+
 def _is_dequantize(n: torch.fx.Node) -> bool:
     """torchao's `dequantize_affine` (kept whole by ferry's lowering): elementwise within blocks."""
     return str(n.target) == "torchao.dequantize_affine.default"
@@ -135,8 +148,8 @@ def _is_dequantize(n: torch.fx.Node) -> bool:
 
 def _rewrite(ep, gather: torch.fx.Node, chain: list[torch.fx.Node], weights, fake_mode) -> None:
     graph, ids = ep.graph, gather.args[1]
-    rows = _val(chain[-1]).shape[0]
     new: dict[torch.fx.Node, torch.fx.Node] = {}
+    args: tuple
     with graph.inserting_before(gather):
         lead = _sizes(graph, ids)
         for n in chain:
@@ -144,15 +157,15 @@ def _rewrite(ep, gather: torch.fx.Node, chain: list[torch.fx.Node], weights, fak
                 new[n] = _gathered(ep, n, ids, lead, weights, fake_mode)
                 continue
             if n.target in _VIEWS:
-                args = (new[n.args[0]], [*lead, *list(n.args[1])[1:]])
+                args = (new[_node(n.args[0])], [*lead, *_ints(n)[1:]])
             elif _is_dequantize(n):  # blocks of one row: one per gathered row
                 args = tuple(new.get(a, a) if isinstance(a, torch.fx.Node) else a for a in n.args)
-                args = (args[0], [1] * len(lead) + list(n.args[1])[1:], *args[2:])
+                args = (args[0], [1] * len(lead) + _ints(n)[1:], *args[2:])
             else:
                 args = tuple(new.get(a, a) if isinstance(a, torch.fx.Node) and a in new else a for a in n.args)
             new[n] = _call(graph, n.target, args, dict(n.kwargs), fake_mode, like=n)
     out = new[chain[-1]]
-    assert _val(out).shape[len(lead):] == _val(gather).shape[len(lead):] and rows == _val(chain[-1]).shape[0]
+    assert _val(out).shape[len(lead):] == _val(gather).shape[len(lead):]  # [*ids, row]: the gather's result
     gather.replace_all_uses_with(out)
     graph.erase_node(gather)
     for n in reversed(chain):  # the whole table's computation, now unread
