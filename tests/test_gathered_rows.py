@@ -104,3 +104,15 @@ def test_the_callers_exported_program_keeps_its_weights():
     assert {k: (v.dtype, tuple(v.shape)) for k, v in {**ep.state_dict, **ep.constants}.items()} == before
     ids = torch.randint(0, VOCAB, (2, 4))
     assert torch.equal(ep.module()(ids), model(ids))
+
+
+def test_methods_compiled_together_store_the_packed_table_once():
+    """torch unwraps a weight per method; the packed bytes are one tensor, one segment of the file."""
+    model = QuantizedEmbedding()
+    program = ferry.compile({"prefill": exported(model), "decode": exported(model)})
+    q = (model.q.to(torch.int16) & 15).to(torch.uint8)
+    packed = bytes((q[:, 0::2] | (q[:, 1::2] << 4)).flatten().tolist())
+    assert [bytes(s) for s in program.segments].count(packed) == 1
+    ids = torch.randint(0, VOCAB, (2, 5))
+    module = ferry.Module(program)
+    assert torch.equal(module.run_method("decode", [ids])[0], model(ids))

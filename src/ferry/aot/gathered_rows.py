@@ -16,6 +16,7 @@ gather (a mask, a shift and a sign fix on the rows read): the file and the devic
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import cast
 
@@ -224,10 +225,24 @@ def _int4_only(weight, tensor: torch.Tensor) -> bool:
     return bool(((tensor >= -8) & (tensor <= 7)).all())
 
 
+# (shape, sum) of packed bytes -> those bytes, while some program holds them: methods compiled
+# together from one model pack its weight into one tensor (torch unwraps a quantized weight into
+# a copy of its data per method), which the program then stores once (aot/values.py keeps one
+# segment per tensor address)
+_PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def _pack(q: torch.Tensor) -> torch.Tensor:
-    """[rows, 2k] int4 values -> [rows, k] bytes: the even column in the low nibble."""
+    """[rows, 2k] int4 values -> [rows, k] bytes: the even column in the low nibble; the very
+    tensor packed before from the same values, while a program compiled meanwhile holds it."""
     nibbles = (q.to(torch.int16) & 15).to(torch.uint8)
-    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous()
+    packed = torch.nn.Parameter((nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous(), requires_grad=False)
+    key = (tuple(packed.shape), int(packed.sum(dtype=torch.int64)))
+    known = _PACKED.get(key)
+    if known is not None and torch.equal(known, packed):
+        return known
+    _PACKED[key] = packed
+    return packed
 
 
 def _unpack(graph, packed: torch.fx.Node, lead, rest, fake_mode) -> torch.fx.Node:
@@ -243,10 +258,8 @@ def _unpack(graph, packed: torch.fx.Node, lead, rest, fake_mode) -> torch.fx.Nod
 
 def _store(ep, weight: torch.fx.Node, target: str, tensor: torch.Tensor, fake_mode) -> None:
     """`weight` now holds `tensor` (a new shape and dtype) in the program's state dict or constants."""
-    if target in ep.constants:
-        ep._constants = {**ep.constants, target: tensor}  # a new dict: the caller's program keeps its own
+    if target in ep.constants:  # new dicts: the caller's program keeps its own
+        ep._constants = {**ep.constants, target: tensor}
     else:
-        was = ep.state_dict[target]
-        ep._state_dict = {**ep.state_dict, target: torch.nn.Parameter(tensor, requires_grad=False)
-                          if isinstance(was, torch.nn.Parameter) else tensor}
+        ep._state_dict = {**ep.state_dict, target: tensor}
     weight.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
