@@ -439,3 +439,17 @@ def test_progress_hears_each_load_and_each_token_and_the_cli_draws_it(emu, tmp_p
     assert lines[0] == quiet_lines[0] and len(lines) == len(quiet_lines)  # the tokens, and as many lines
     assert re.search(r"generate: +\d+%\|.*\| \d/8 ", err), err
     assert "generate:" not in quiet_err
+
+
+def test_a_dynamic_prompt_compiled_by_inductor_generates_as_transformers(emu_async):
+    """The whole prompt in one call of a program Inductor compiled once for every length up to
+    the bound (backends/inductor.py), the cache and logits on the asynchronous emulated device,
+    graphs captured per shape: transformers' greedy tokens, for two prompts of other lengths."""
+    program = ferry.compile(export("qwen2", 1, True), ferry.OpSupportPartitioner("emu:0", backend_id="inductor"),
+                            KEEP_ON_DEVICE)
+    assert {d.backend_id for d in program.delegates} == {"inductor"}
+    module = ferry.Module(program, cuda_graphs=True)
+    for length, seed in ((PROMPT, 20), (7, 21), (PROMPT, 22)):
+        prompt = token_ids((1, length), seed)
+        got = ferry.generate(module, prompt, NEW)
+        assert got.tokens.tolist() == reference("qwen2", prompt, NEW).tolist()

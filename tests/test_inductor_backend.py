@@ -181,19 +181,37 @@ def test_results_that_are_views_of_the_delegates_inputs_or_weights_are_the_calle
     assert second[0].data_ptr() != first.data_ptr()
 
 
-def test_a_dynamic_partition_runs_op_by_op_with_a_warning_and_a_note_inspect_shows(block):
-    ep = torch.export.export(block, (torch.randn(SHAPE),), dynamic_shapes=({0: torch.export.Dim("b", max=8)},))
-    with pytest.warns(UserWarning, match="delegate 0 runs op by op .*dynamic sizes"):
-        program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
-    assert [d.backend_id for d in program.delegates] == ["torch"]
-    from ferry.inspect import program_summary
+def dynamic_lm():
+    from test_device_map import TinyLM
 
-    assert "delegate 0: runs op by op (backend 'torch'), not with 'inductor'" in program_summary(program)
+    model = TinyLM(layers=2).eval()
+    dims = {0: torch.export.Dim("batch", max=8), 1: torch.export.Dim("seq", max=32)}
+    return model, torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=(dims,))
+
+
+@pytest.mark.parametrize("placement", ["cpu", "emu"])
+def test_a_dynamic_partition_is_compiled_once_for_every_size_within_its_bounds(emu, placement):
+    """Inductor compiles the partition with its dynamic dimensions symbolic (a size the host
+    computes, `ids.shape[1]`, read inside from the input): every size from 2 to the bound runs
+    the same code; a dimension of 1 compiles once more, when first met."""
+    from torch._dynamo.utils import counters
+
+    model, ep = dynamic_lm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs op by op" warning
+        program = ferry.compile(ep, ferry.OpSupportPartitioner(f"{placement}:0" if placement == "emu" else "cpu",
+                                                               backend_id="inductor"))
+    assert [d.backend_id for d in program.delegates] == ["inductor"]
     module = ferry.Module(program)
-    for batch in (1, 5):
-        x = torch.randn(batch, *SHAPE[1:])
-        with torch.no_grad():
-            torch.testing.assert_close(module(x), block(x), rtol=1e-4, atol=1e-5)
+    module.load_method()
+    before = counters["stats"]["unique_graphs"]
+    for shape in [(2, 16), (4, 5), (8, 32), (3, 2), (2, 16), (5, 31)]:
+        x = torch.randint(0, 32, shape)
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == before  # compiled at load, for all of them
+    for shape in [(1, 9), (3, 1)]:
+        x = torch.randint(0, 32, shape)
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
 
 
 def test_a_payload_naming_something_that_is_not_an_operator_is_refused_at_load(inductor_program):

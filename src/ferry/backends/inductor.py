@@ -14,8 +14,10 @@ each is checked against its declared shape, dtype and device every call, and cop
 shares memory with the delegate's inputs or constants or is laid out otherwise than declared:
 runtime/stages/bind.py). An input laid out otherwise than compiled for is copied to that layout first.
 
-Static shapes only: a partition with a dynamic size runs op by op (backend "torch"), with a
-warning at compile time and a note `ferry inspect` shows. A graph Inductor fails to compile
+A partition with dynamic sizes is compiled once for every size up to its bounds (Dynamo traces it
+with those dimensions marked dynamic; a dimension of 1 compiles once more when first met); one
+given a size that is no input's dimension runs op by op (backend "torch"), with a warning at
+compile time and a note `ferry inspect` shows. A graph Inductor fails to compile
 still loads: it runs op by op, with a warning. Ahead-of-time AOTInductor packages are not offered: loading one crashed the
 process (SIGSEGV) on the H200 machines this was tested on, and native code would need an
 explicit opt-in to load.
@@ -64,14 +66,14 @@ class InductorBackend(Backend):
         device = delegate_target_device(lowered) or CPU
         if options.fuse_for_inference:
             merge_for_compiler(lowered.original_module)
+        passed = sizes_from_shapes(lowered.original_module)
+        if passed:
+            raise UnsupportedByBackend(f"Inductor compiles tensors' sizes here; this partition is given sizes that "
+                                       f"are no input's dimension ({', '.join(passed[:3])})")
         opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False,
                                    functional_kernels=True, fuse_for_inference=False)
         builder = ProgramBuilder()
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
-        dynamic = [v.name for v in method.values if isinstance(v, TensorValue) and any(v.dynamic)]
-        if dynamic or any(isinstance(v, ConstValue) and v.kind in ("symint", "symints") for v in method.values):
-            raise UnsupportedByBackend(f"Inductor compiles static shapes here; this partition has dynamic sizes "
-                                       f"({', '.join(dynamic[:3]) or 'computed sizes'})")
         if builder.delegates:
             raise CompileError("backend 'inductor': a partition must not contain delegates")
         try:
@@ -110,20 +112,85 @@ class InductorBackend(Backend):
         try:
             check_sizes(method, mem)  # before the dry run allocates what the file declares
             gm = graph_of(method, mem, overwrites)
-            examples: list = [_example(method.values[v]) for v in method.inputs]
+            _drop_size_inputs(gm, method)
+            examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
             _dry_run(gm, examples)
         except BaseException:
             mem.close()
             raise
         try:
-            with torch.no_grad():
-                compiled = torch._inductor.compile(gm, examples)
+            compiled = _inductor_compile(gm, examples, method)
         except Exception as e:  # noqa: BLE001 - the same graph still runs, op by op: never a failed load
             warnings.warn(f"Inductor could not compile this delegate ({type(e).__name__}: {str(e)[:200]}); it runs "
                           "op by op instead (give its partition backend_id='torch' to say so at compile time)",
                           RuntimeWarning, stacklevel=2)
             compiled = gm
         return _Compiled(compiled, mem, method)
+
+
+def tensor_inputs(method: Method) -> list[int]:
+    """The inputs the compiled graph takes: its tensors (a size the caller passes in goes unused:
+    sizes_from_shapes)."""
+    return [vid for vid in method.inputs if isinstance(method.values[vid], TensorValue)]
+
+
+def _drop_size_inputs(gm: torch.fx.GraphModule, method: Method) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, vid in zip(placeholders, method.inputs):
+        if isinstance(method.values[vid], TensorValue):
+            continue
+        if node.users:
+            raise ProgramError(f"method {method.name!r}: an inductor delegate reads its sizes from its tensors; "
+                               f"input {vid} is a size it uses")
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def sizes_from_shapes(gm: torch.fx.GraphModule) -> list[str]:
+    """A size the partition is given (computed outside it: `x.shape[1]` read on the host) is read
+    from the input tensor it is a dimension of, inside the graph: Inductor then sees one set of
+    symbols, and the size input goes unused. Returns the sizes no input's dimension matches."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    dims: dict[str, tuple[torch.fx.Node, int]] = {}
+    for p in placeholders:
+        val = p.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, dim in enumerate(val.shape):
+                if isinstance(dim, torch.SymInt):
+                    dims.setdefault(str(dim.node.expr), (p, d))
+    unmatched = []
+    for p in placeholders:
+        val = p.meta.get("val")
+        if not isinstance(val, torch.SymInt) or not p.users:
+            continue
+        match = dims.get(str(val.node.expr))
+        if match is None:
+            unmatched.append(p.name)
+            continue
+        with gm.graph.inserting_after(placeholders[-1]):
+            size = gm.graph.call_function(torch.ops.aten.sym_size.int, match)
+        size.meta.update(p.meta)
+        p.replace_all_uses_with(size)
+    gm.recompile()
+    return unmatched
+
+
+def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method):
+    """Inductor's code for the graph: for its one shape, or, where inputs have dynamic sizes, for
+    every size up to their bounds at once (Dynamo traces the graph with those dimensions marked
+    dynamic, so a new size within the bounds runs the same kernels, never a new compile; a
+    dimension of 1 is a shape of its own, compiled when first met)."""
+    dynamic = {i: [d for d, dyn in enumerate(method.tensor(vid).dynamic) if dyn and examples[i].shape[d] >= 2]
+               for i, vid in enumerate(tensor_inputs(method))}
+    with torch.no_grad():
+        if not any(dynamic.values()):
+            return torch._inductor.compile(gm, examples)
+        for i, dims in dynamic.items():
+            for d in dims:
+                torch._dynamo.mark_dynamic(examples[i], d, min=2, max=examples[i].shape[d])
+        compiled = torch.compile(gm, backend="inductor", fullgraph=True)
+        compiled(*examples)  # compiled here, at load
+    return compiled
 
 
 def check_sizes(method: Method, memory: Memory) -> None:
@@ -136,9 +203,10 @@ def check_sizes(method: Method, memory: Memory) -> None:
         pos, kw = bind_aten(op, ins.args, lambda vid: ref(memory.slots, memory.fixed, method, vid))
         try:
             check_kernel(method, op, pos, kw, ins.outputs, f"method {method.name!r} instruction {index} ({ins.kernel})")
-        except NoMeta:
-            raise ProgramError(f"method {method.name!r} instruction {index}: an inductor delegate has static shapes "
-                               "only") from None
+        except NoMeta:  # a size known per call: the dry run at the bounds, and each call's results, are checked
+            if not any(any(method.tensor(vid).dynamic) for vid in tensor_inputs(method)):
+                raise ProgramError(f"method {method.name!r} instruction {index}: a size computed per call in an "
+                                   "inductor delegate whose inputs are static") from None
 
 
 def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
@@ -158,15 +226,19 @@ class _Compiled(DelegateHandle):
 
     def __init__(self, fn, memory: Memory, method: Method):
         self.fn, self.memory = fn, memory
-        self.devices = [method.tensor(v).device.to_torch() for v in method.inputs]
-        self.strides = [method.tensor(v).layout_strides for v in method.inputs]
+        self.takes = [i for i, v in enumerate(method.inputs) if isinstance(method.values[v], TensorValue)]
+        self.devices = [method.tensor(v).device.to_torch() for v in tensor_inputs(method)]
+        # a dynamic input is compiled for contiguous tensors of any size within its bounds
+        self.strides = [None if any(method.tensor(v).dynamic) else method.tensor(v).layout_strides
+                        for v in tensor_inputs(method)]
 
     def execute(self, inputs, outputs):
         """The results, as a list (`outputs` None), or copied into `outputs` (a program compiled
         without device placement plans them)."""
         # legacy mode (no device placement) passes host tensors: move them as the torch backend does;
         # compiled code assumes the layouts it was compiled for: an input laid out otherwise is copied
-        args = [_as_compiled(t if t.device == d else t.to(d), s) for t, d, s in zip(inputs, self.devices, self.strides)]
+        tensors = [inputs[i] for i in self.takes]
+        args = [_as_compiled(t if t.device == d else t.to(d), s) for t, d, s in zip(tensors, self.devices, self.strides)]
         with torch.no_grad():
             results = list(self.fn(*args))
         if outputs is None:
@@ -196,6 +268,8 @@ def _example(v) -> torch.Tensor:
 
 
 def _as_compiled(t: torch.Tensor, strides) -> torch.Tensor:
+    if strides is None:
+        return t.contiguous()
     if t.stride() == strides:
         return t
     return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)

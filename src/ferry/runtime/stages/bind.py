@@ -23,7 +23,7 @@ import torch
 from ferry.backend_registry import NOT_CAPTURED, CallerPlan
 from ferry.device import Device
 from ferry.errors import BackendError, ProgramError
-from ferry.layout import same_strides
+from ferry.layout import contiguous_strides, same_strides
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.ranks import RECV, SEND
 from ferry.program.schema import (
@@ -128,6 +128,16 @@ def _device_sync(streams, device: Device) -> Callable[[], None]:
     return lambda: synchronize(index)
 
 
+def _fits(r, want: tuple, dynamic: tuple) -> bool:
+    """Result `r` is what the program declares: its shape, or (`dynamic` flags) at most the bound
+    in each dynamic dimension; its dtype and device."""
+    if not isinstance(r, torch.Tensor) or (r.dtype, r.device) != want[1:]:
+        return False
+    if not dynamic:
+        return tuple(r.shape) == tuple(want[0])
+    return r.ndim == len(want[0]) and all(s == b or (dyn and s <= b) for s, b, dyn in zip(r.shape, want[0], dynamic))
+
+
 class _Binder(KernelSteps):
     def __init__(self, method: Method, slots: list, fixed: list, ctx: BindContext, shapes: dict | None = None):
         self.m, self.slots, self.fixed, self.ctx = method, slots, fixed, ctx
@@ -221,25 +231,30 @@ class _Binder(KernelSteps):
                                "backend writes into memory it is given")
         slots, args, outs = self.slots, list(ins.args), list(ins.outputs)
         declared = [self.m.tensor(o) for o in outs]
-        want = [(v.shape, v.torch_dtype, v.device.to_torch()) for v in declared]
+        # at one call's shapes (a bound plan) each result's shape and layout are known; in the
+        # generic plan a dynamic dimension may be anything up to its bound, laid out contiguously
+        at = [self.shapes.get(o) if self.shapes is not None else None for o in outs]
+        want = [(tuple(a[0]) if a else v.shape, v.torch_dtype, v.device.to_torch()) for v, a in zip(declared, at)]
+        bounded = [tuple(v.dynamic) if any(v.dynamic) and a is None else () for v, a in zip(declared, at)]
         kept = handle.storages()  # the delegate's constants
         # a device whose memory is host memory its allocator owns (the emulated one): compiled
         # code (CPU code on it) returns plain host tensors, which are copied into its memory
         # (a result written over the state in place, Backend.writes_over, is not taken)
-        taken = [(j, o, v.layout_strides, v.device if v.device.type not in ("cpu", "cuda") else None)
-                 for j, (o, v) in enumerate(zip(outs, declared)) if v.storage != "state"]
+        taken = [(j, o, tuple(a[1]) if a else None if bounded[j] else v.layout_strides,
+                  v.device if v.device.type not in ("cpu", "cuda") else None)
+                 for j, (o, v, a) in enumerate(zip(outs, declared, at)) if v.storage != "state"]
 
         def run():
             inputs = [slots[a] for a in args]
             results = handle.execute(inputs, None)
-            if len(results) != len(want) or any(not isinstance(r, torch.Tensor) or (tuple(r.shape), r.dtype, r.device) != w
-                                                for r, w in zip(results, want)):
+            if len(results) != len(want) or any(not _fits(r, w, b) for r, w, b in zip(results, want, bounded)):
                 got = [(tuple(r.shape), r.dtype, r.device) if isinstance(r, torch.Tensor) else type(r).__name__
                        for r in results]
                 raise BackendError(f"delegate {ins.delegate} returned {got}; the program declares {want}")
             shared = kept | {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
             for j, o, st, dev in taken:
                 r = results[j]
+                st = st if st is not None else contiguous_strides(tuple(r.shape))
                 if dev is not None and device_of(r) != dev:
                     r = empty_on(dev, r.shape, r.dtype, st).copy_(r)
                 elif r.untyped_storage().data_ptr() in shared or not same_strides(r.shape, r.stride(), st):
