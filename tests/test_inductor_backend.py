@@ -189,17 +189,19 @@ def dynamic_lm():
     return model, torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=(dims,))
 
 
-@pytest.mark.parametrize("placement", ["cpu", "emu"])
+@pytest.mark.parametrize("placement", ["cpu", "emu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_a_dynamic_partition_is_compiled_once_for_every_size_within_its_bounds(emu, placement):
     """Inductor compiles the partition with its dynamic dimensions symbolic (a size the host
     computes, `ids.shape[1]`, read inside from the input): every size from 2 to the bound runs
     the same code; a dimension of 1 compiles once more, when first met."""
     from torch._dynamo.utils import counters
 
+    if placement == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     model, ep = dynamic_lm()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "runs op by op" warning
-        program = ferry.compile(ep, ferry.OpSupportPartitioner(f"{placement}:0" if placement == "emu" else "cpu",
+        program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu" if placement == "cpu" else f"{placement}:0",
                                                                backend_id="inductor"))
     assert [d.backend_id for d in program.delegates] == ["inductor"]
     module = ferry.Module(program)
@@ -207,11 +209,11 @@ def test_a_dynamic_partition_is_compiled_once_for_every_size_within_its_bounds(e
     before = counters["stats"]["unique_graphs"]
     for shape in [(2, 16), (4, 5), (8, 32), (3, 2), (2, 16), (5, 31)]:
         x = torch.randint(0, 32, shape)
-        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(module(x), model(x), atol=1e-4, rtol=1e-4)
     assert counters["stats"]["unique_graphs"] == before  # compiled at load, for all of them
     for shape in [(1, 9), (3, 1)]:
         x = torch.randint(0, 32, shape)
-        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(module(x), model(x), atol=1e-4, rtol=1e-4)
 
 
 def test_a_payload_naming_something_that_is_not_an_operator_is_refused_at_load(inductor_program):
