@@ -67,10 +67,10 @@ def exported(core, prompt: int = 4):
             torch.export.export(Decode(core), (torch.randn(1, DIM), torch.tensor([prompt]))))
 
 
-def compiled(placement: str, core=None):
+def compiled(placement: str, core=None, backend: str = "torch"):
     core = core if core is not None else _seeded()
     prefill, decode = exported(core)
-    part = None if placement == "cpu" else ferry.OpSupportPartitioner("emu:0")
+    part = None if placement == "cpu" else ferry.OpSupportPartitioner("emu:0", backend_id=backend)
     return ferry.compile({"prefill": prefill, "decode": decode}, part, KEEP_ON_DEVICE if placement == "emu-io" else None)
 
 
@@ -106,9 +106,12 @@ def test_two_methods_share_one_cache_as_eager(emu, tmp_path, placement):
     assert [s for s in module._instances[0].state.tensors] == module.state_names()  # one tensor per buffer
 
 
-def test_the_cache_and_the_weights_are_held_once(emu):
-    program = compiled("emu")
-    one_method = ferry.compile({"prefill": exported(_seeded())[0]}, ferry.OpSupportPartitioner("emu:0"))
+@pytest.mark.parametrize("backend", ["torch", "inductor"])
+def test_the_cache_and_the_weights_are_held_once(emu, backend):
+    """Either backend's delegates keep their weights in the program's segments: stored once, uploaded once."""
+    program = compiled("emu", backend=backend)
+    one_method = ferry.compile({"prefill": exported(_seeded())[0]}, ferry.OpSupportPartitioner("emu:0",
+                                                                                               backend_id=backend))
     # the file: the weights (33 KB) once; the second method adds its instructions, not its weights
     weights = sum(p.numel() * 4 for p in _seeded().parameters())
     assert len(program.to_bytes()) - len(one_method.to_bytes()) < weights / 2
@@ -122,6 +125,8 @@ def test_the_cache_and_the_weights_are_held_once(emu):
     both.load_method("decode")  # only its planned working memory is new: no weights, no cache
     decode_arena = sum(b.size for b in program.method("decode").buffers[1:] if b.device == EMU0)
     assert emu.live_bytes == alone + decode_arena
+    if backend == "inductor":
+        assert {d.backend_id for d in program.delegates} == {"inductor"}
     both.close()
     assert emu.live_bytes == 0
 

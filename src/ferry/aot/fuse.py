@@ -55,11 +55,12 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     return done
 
 
-def merge_for_compiler(gm: torch.fx.GraphModule) -> list[Rewrite]:
+def merge_for_compiler(gm: torch.fx.GraphModule, merged: dict | None = None) -> list[Rewrite]:
     """What a graph compiler (the inductor backend) does not do itself: grouped KV heads read by
     attention as they are (no repeated copy of the cache), and projections of one input merged
-    into one GEMM over stacked weights (Inductor keeps each linear its own cuBLAS call)."""
-    done = attention.grouped_heads(gm) + gemm.merge_projections(gm)
+    into one GEMM over stacked weights (Inductor keeps each linear its own cuBLAS call).
+    `merged`: the program's stacked weights, shared by its methods (gemm.merge_projections)."""
+    done = attention.grouped_heads(gm) + gemm.merge_projections(gm, merged)
     if done:
         tidy(gm)
     return done

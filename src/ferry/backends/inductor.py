@@ -36,13 +36,13 @@ from ferry.aot.emit import emit_method
 from ferry.aot.fuse import merge_for_compiler
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
-from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle
-from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes
+from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
+from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_program
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
 from ferry.ops.strings import safe_text
-from ferry.program import Program, load_program, program_to_bytes
+from ferry.program import Program, program_to_bytes
 from ferry.program.dataflow import in_place_outputs
 from ferry.program.ranks import localized
 from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
@@ -58,21 +58,25 @@ class InductorBackend(Backend):
     backend_id = "inductor"
     returns_outputs = True  # its results are Inductor's own tensors: the method plans none for them
     takes_overwrites = True  # results the caller keeps in an argument's memory are copied there in the graph
+    # its weights are the program's segments (ProgramData), as the torch backend's are: a weight the
+    # delegates of several methods use (prefill and decode) is stored and uploaded once
+    shares_program_data = True
 
-    def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False) -> None:
-        check_payload_call(payload, args, outputs, host_io)
+    def check_call(self, payload, args: list, outputs: list, *, host_io: bool = False,
+                   data: ProgramData | None = None) -> None:
+        check_payload_call(payload, args, outputs, host_io, data)
 
-    def preprocess(self, lowered, options, range_constraints=None) -> bytes:
+    def preprocess(self, lowered, options, range_constraints=None, data: ProgramData | None = None) -> bytes:
         device = delegate_target_device(lowered) or CPU
         if options.fuse_for_inference:
-            merge_for_compiler(lowered.original_module)
+            merge_for_compiler(lowered.original_module, data.store.merged if data is not None else None)
         passed = sizes_from_shapes(lowered.original_module)
         if passed:
             raise UnsupportedByBackend(f"Inductor compiles tensors' sizes here; this partition is given sizes that "
                                        f"are no input's dimension ({', '.join(passed[:3])})")
         opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False,
                                    functional_kernels=True, fuse_for_inference=False)
-        builder = ProgramBuilder()
+        builder = ProgramBuilder(outer=data.store if data is not None else None)
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
         if builder.delegates:
             raise CompileError("backend 'inductor': a partition must not contain delegates")
@@ -80,35 +84,39 @@ class InductorBackend(Backend):
             texts_for_codegen(method)
         except ProgramError as e:  # a string Inductor must not see: ferry's own backend runs it
             raise UnsupportedByBackend(str(e)) from None
-        return program_to_bytes(Program({"forward": method}, [], builder.segments))
+        if data is None:
+            return program_to_bytes(Program({"forward": method}, [], builder.segments))
+        return program_to_bytes(Program({"forward": method}, [], list(data.segments)), with_segments=False)
 
-    def writes_over(self, payload) -> dict[int, int]:
+    def writes_over(self, payload, data: ProgramData | None = None) -> dict[int, int]:
         """Its compiled graph writes such a result over its argument as its last step (init's
         `overwrites`), after every read of the argument: a result it returns may be any
         argument's memory of its layout (program/dataflow.py)."""
-        return in_place_outputs(load_program(payload).method("forward"))
+        return in_place_outputs(payload_program(payload, data).method("forward"))
 
-    def memory_needs(self, payload) -> list:
+    def memory_needs(self, payload, data: ProgramData | None = None) -> list:
         return []  # nothing is planned: Inductor allocates what it computes
 
-    def load_bytes(self, payload, given_memory: bool) -> dict:
-        return payload_load_bytes(payload, given_memory)  # the constants it uploads (nothing is planned)
+    def load_bytes(self, payload, given_memory: bool, data: ProgramData | None = None) -> dict:
+        return payload_load_bytes(payload, given_memory, data)  # the constants it uploads (nothing is planned)
 
-    def call_bytes(self, payload) -> dict:
-        return payload_call_bytes(payload)  # counted op by op, as eager allocates (the dry run too)
+    def call_bytes(self, payload, data: ProgramData | None = None) -> dict:
+        return payload_call_bytes(payload, data)  # counted op by op, as eager allocates (the dry run too)
 
     def init(self, payload, compile_specs, *, pin_host: bool = True, memory=None,
-             caller: CallerPlan = NOT_CAPTURED, overwrites: dict[int, int] | None = None) -> DelegateHandle:
+             caller: CallerPlan = NOT_CAPTURED, overwrites: dict[int, int] | None = None,
+             data: ProgramData | None = None) -> DelegateHandle:
         """`overwrites`: {result: argument} the caller keeps in the argument's memory (a KV cache
         updated in place): the compiled graph copies each such result there as its last step."""
-        program = load_program(payload)
+        program = payload_program(payload, data)
+        uploads = data.uploads if data is not None and program.holder_segments else None
         method = localized(program.method("forward"))
         overwrites = overwrites or {}
         allowed = in_place_outputs(method)
         if any(allowed.get(r) != a for r, a in overwrites.items()):
             raise ProgramError(f"an inductor delegate is asked to write results over arguments {overwrites}; its "
                                f"graph allows {allowed}")
-        mem = load_memory(program.segments, method, pin_host=False)
+        mem = load_memory(program.segments, method, pin_host=False, uploads=uploads)
         try:
             check_sizes(method, mem)  # before the dry run allocates what the file declares
             gm = graph_of(method, mem, overwrites)
