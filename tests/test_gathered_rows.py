@@ -116,3 +116,18 @@ def test_methods_compiled_together_store_the_packed_table_once():
     ids = torch.randint(0, VOCAB, (2, 5))
     module = ferry.Module(program)
     assert torch.equal(module.run_method("decode", [ids])[0], model(ids))
+
+
+def test_rows_picked_by_index_select_are_gathered_first_too():
+    class Picked(QuantizedEmbedding):
+        def forward(self, ids):
+            table = ((self.q.view(VOCAB, DIM // GROUP, GROUP).float() - self.zero) * self.scale).view(VOCAB, DIM)
+            return table.index_select(0, ids.flatten()) + 1
+
+    model = Picked()
+    ep = torch.export.export(model, (torch.randint(0, VOCAB, (2, 5)),), dynamic_shapes=({1: SEQ},))
+    assert gathers(functional_aten(ep)) == ["q", "scale", "zero"]
+    module = ferry.Module(ferry.compile(ep))
+    for seq in (2, 9):
+        ids = torch.randint(0, VOCAB, (2, seq))
+        assert torch.equal(module(ids), model(ids))

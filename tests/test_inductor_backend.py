@@ -216,6 +216,25 @@ def test_a_dynamic_partition_is_compiled_once_for_every_size_within_its_bounds(e
         torch.testing.assert_close(module(x), model(x), atol=1e-4, rtol=1e-4)
 
 
+def test_a_partition_given_a_size_that_is_no_inputs_dimension_runs_op_by_op_with_a_note():
+    class Doubled(torch.nn.Module):
+        def forward(self, x):
+            return x.repeat(2, 1) + torch.ones(x.shape[0] * 2, x.shape[1])  # the host computes 2 * batch
+
+    model = Doubled()
+    ep = torch.export.export(model, (torch.randn(4, 8),), dynamic_shapes=({0: torch.export.Dim("b", min=2, max=16)},))
+    with pytest.warns(UserWarning, match="delegate 0 runs op by op .*sizes that are no input's dimension"):
+        program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    assert [d.backend_id for d in program.delegates] == ["torch"]
+    from ferry.inspect import program_summary
+
+    assert "delegate 0: runs op by op (backend 'torch'), not with 'inductor'" in program_summary(program)
+    module = ferry.Module(program)
+    for batch in (3, 7):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(module(x), model(x))
+
+
 def test_a_payload_naming_something_that_is_not_an_operator_is_refused_at_load(inductor_program):
     """A hostile payload cannot name Python callables: kernel names resolve only to operators."""
     d = inductor_program.delegates[0]

@@ -1,5 +1,5 @@
-"""A table computed from weights row by row and then gathered (`embedding`) is computed only for
-the rows gathered; a table of 4-bit integers is stored two to a byte.
+"""A table computed from weights row by row and then gathered (`embedding`, `index_select` of
+rows) is computed only for the rows gathered; a table of 4-bit integers is stored two to a byte.
 
 A quantized embedding (torchao's `IntxWeightOnlyConfig`, ExecuTorch's `--qembedding`) reaches
 ferry as int8 data, scales and zero points, dequantized into the whole table, from which
@@ -48,14 +48,26 @@ def gather_rows_first(ep: torch.export.ExportedProgram) -> list[Rewrite]:
     weights = _weight_tensors(ep)
     done = []
     for node in list(ep.graph.nodes):
-        if node.op == "call_function" and node.target is aten.embedding.default:
-            chain = _row_chain(node.args[0], weights)
-            if chain is not None:
-                _rewrite(ep, node, chain, weights, fake_mode)
-                done.append(Rewrite("rows gathered first", node.name))
+        table, ids = _gather(node)
+        chain = _row_chain(table, weights) if table is not None else None
+        if chain is not None:
+            _rewrite(ep, node, ids, chain, weights, fake_mode)
+            done.append(Rewrite("rows gathered first", node.name))
     if done:
         ep.graph_module.recompile()
     return done
+
+
+def _gather(node: torch.fx.Node) -> tuple:
+    """(table, indices) of a gather of whole rows: `embedding(table, ids)` or
+    `index_select(table, 0, ids)`; else (None, None)."""
+    if node.op != "call_function":
+        return None, None
+    if node.target is aten.embedding.default:
+        return node.args[0], node.args[1]
+    if node.target is aten.index_select.default and node.args[1] == 0:
+        return node.args[0], node.args[2]
+    return None, None
 
 
 def _weight_tensors(ep) -> dict[torch.fx.Node, tuple[str, torch.Tensor]]:
@@ -147,8 +159,8 @@ def _is_dequantize(n: torch.fx.Node) -> bool:
     return str(n.target) == "torchao.dequantize_affine.default"
 
 
-def _rewrite(ep, gather: torch.fx.Node, chain: list[torch.fx.Node], weights, fake_mode) -> None:
-    graph, ids = ep.graph, gather.args[1]
+def _rewrite(ep, gather: torch.fx.Node, ids: torch.fx.Node, chain: list[torch.fx.Node], weights, fake_mode) -> None:
+    graph = ep.graph
     new: dict[torch.fx.Node, torch.fx.Node] = {}
     args: tuple
     with graph.inserting_before(gather):
