@@ -131,3 +131,69 @@ def test_rows_picked_by_index_select_are_gathered_first_too():
     for seq in (2, 9):
         ids = torch.randint(0, VOCAB, (2, seq))
         assert torch.equal(module(ids), model(ids))
+
+
+def test_a_dequantize_with_scales_not_given_per_row_equals_eager():
+    """torchao reads a 1-d scale of `dequantize_affine` by its own layout: such a table is computed
+    whole, never gathered as if the scale broadcast over its rows."""
+    torchao = pytest.importorskip("torchao")  # noqa: F841 - registers torch.ops.torchao
+
+    class OneDScale(QuantizedEmbedding):
+        def forward(self, ids):
+            scale = self.scale.view(VOCAB, -1)[:, 0].contiguous()  # [VOCAB]: one per row, 1-d
+            table = torch.ops.torchao.dequantize_affine(self.q, [1, DIM], scale, None, torch.int8, -8, 7)
+            return torch.nn.functional.embedding(ids, table)
+
+    model = OneDScale()
+    ep = exported(model)
+    assert gathers(functional_aten(ep)) == ["torchao.dequantize_affine.default"]
+    module = ferry.Module(ferry.compile(ep))
+    ids = torch.randint(0, VOCAB, (2, 7))
+    assert torch.equal(module(ids), model(ids))
+
+
+class Updated(QuantizedEmbedding):
+    """`decode` reads a table `refresh` writes: the table is state, neither packed nor rewritten."""
+
+    def forward(self, ids):
+        return super().forward(ids)
+
+    def refresh(self, ids):
+        self.q.copy_(self.q.flip(0))
+        return ids + 1
+
+
+def test_a_table_another_method_updates_is_read_as_that_method_left_it():
+    model = Updated()
+    ids = torch.randint(0, VOCAB, (2, 5))
+    decode, refresh = (torch.export.export(_Call(model, name), (ids,)) for name in ("forward", "refresh"))
+    assert gathers(functional_aten(decode)) == ["model.q", "model.scale", "model.zero"]  # alone: packed
+    assert gathers(functional_aten(decode, frozenset({"model.q"}))) == ["model.q", "model.scale", "model.zero"]
+    program = ferry.compile({"decode": decode, "refresh": refresh})
+    module = ferry.Module(program)
+    assert torch.equal(module.run_method("decode", [ids])[0], model(ids))
+    module.run_method("refresh", [ids])
+    model.refresh(ids)
+    assert torch.equal(module.run_method("decode", [ids])[0], model(ids))
+
+
+class _Call(torch.nn.Module):
+    """`model.<name>` as the forward of a module sharing the model's buffers."""
+
+    def __init__(self, model, name):
+        super().__init__()
+        self.model, self.name = model, name
+
+    def forward(self, *args):
+        return getattr(self.model, self.name)(*args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tables_packed_on_two_devices_are_two_tensors():
+    from ferry.aot.gathered_rows import _pack
+
+    q = QuantizedEmbedding().q
+    on_cpu, on_gpu = _pack(q), _pack(q.cuda())
+    assert on_cpu.device.type == "cpu" and on_gpu.device.type == "cuda"
+    assert _pack(q.clone()) is on_cpu and _pack(q.cuda()) is on_gpu  # same values, same device: one tensor

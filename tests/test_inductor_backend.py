@@ -412,6 +412,43 @@ def test_an_inductor_payload_with_a_view_outside_its_input_is_refused_at_load():
         ferry.Module(_with_instructions(program, make)).load_method()
 
 
+def test_an_inductor_payload_with_dynamic_inputs_and_explicit_strides_is_refused_at_load():
+    """An `as_strided` view of 16 elements fits an input at its bound of 16, where the load's dry run
+    checks it, and reads past the same input called with 4: such a payload never loads."""
+    from ferry.program.schema import ConstValue, KernelCall, TensorValue
+
+    ep = torch.export.export(Double(), (torch.randn(16),), dynamic_shapes=({0: torch.export.Dim("n", max=16)},))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    assert [d.backend_id for d in program.delegates] == ["inductor"]
+
+    def make(m, add):
+        x, dev = m.inputs[0], m.values[m.inputs[0]].device
+        wide = add(TensorValue("float32", (16,), dev, storage="view", alias_of=x, dynamic=(True,)))
+        call = KernelCall("aten::as_strided.default",
+                          (x, add(ConstValue("ints", [16])), add(ConstValue("ints", [1])), -1), (wide,))
+        first = m.instructions[0]
+        return [call, dataclasses.replace(first, args=(wide, *first.args[1:]))]
+
+    with pytest.raises(ProgramError, match="explicit strides"):
+        ferry.Module(_with_instructions(program, make)).load_method()
+
+
+class Strided(torch.nn.Module):
+    def forward(self, x):
+        return x.as_strided((4,), (2,)) + x[:4]
+
+
+def test_a_dynamic_partition_with_explicit_strides_runs_on_ferrys_own_backend():
+    ep = torch.export.export(Strided(), (torch.randn(16),), dynamic_shapes=({0: torch.export.Dim("n", min=8, max=16)},))
+    with pytest.warns(UserWarning, match="explicit strides"):
+        program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    assert [d.backend_id for d in program.delegates] == ["torch"]
+    module = ferry.Module(program)
+    for n in (16, 9):
+        x = torch.randn(n)
+        torch.testing.assert_close(module(x), Strided()(x))
+
+
 class TransposedIn(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -40,12 +40,13 @@ _ELEMENTWISE = frozenset({
 _WEIGHTS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
 
-def gather_rows_first(ep: torch.export.ExportedProgram) -> list[Rewrite]:
-    """Rewrite `ep` (functional ATen, after decomposition) in place; return what was done."""
+def gather_rows_first(ep: torch.export.ExportedProgram, state=frozenset()) -> list[Rewrite]:
+    """Rewrite `ep` (functional ATen, after decomposition) in place; return what was done.
+    `state`: buffers another method updates, left as they are."""
     fake_mode = detect_fake_mode([n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"])
     if fake_mode is None:
         return []
-    weights = _weight_tensors(ep)
+    weights = _weight_tensors(ep, state)
     done = []
     for node in list(ep.graph.nodes):
         table, ids = _gather(node)
@@ -70,8 +71,10 @@ def _gather(node: torch.fx.Node) -> tuple:
     return None, None
 
 
-def _weight_tensors(ep) -> dict[torch.fx.Node, tuple[str, torch.Tensor]]:
-    """{placeholder: (target, tensor)} of the weights and constants (not the program's state)."""
+def _weight_tensors(ep, state) -> dict[torch.fx.Node, tuple[str, torch.Tensor, bool]]:
+    """{placeholder: (target, tensor, may be packed)} of the weights, constants and buffers this
+    method does not update; a buffer in `state` (another method compiled with this one updates it)
+    is read as it is then, never packed."""
     mutated = {s.target for s in ep.graph_signature.output_specs if s.target}
     tensors = {**ep.state_dict, **ep.constants}
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
@@ -79,7 +82,7 @@ def _weight_tensors(ep) -> dict[torch.fx.Node, tuple[str, torch.Tensor]]:
     for spec in ep.graph_signature.input_specs:
         t = tensors.get(spec.target) if spec.target else None
         if spec.kind in _WEIGHTS and isinstance(t, torch.Tensor) and spec.target not in mutated:
-            out[by_name[spec.arg.name]] = (spec.target, t)
+            out[by_name[spec.arg.name]] = (spec.target, t, spec.target not in state)
     return out
 
 
@@ -127,8 +130,9 @@ def _row_operands(n: torch.fx.Node, rows: int, weights) -> list[torch.fx.Node] |
         source = _val(n.args[0])
         keeps_rows = isinstance(source, torch.Tensor) and source.ndim and source.shape[0] == rows
         return [_node(n.args[0])] if keeps_rows and _ints(n)[:1] == [rows] else None
-    if _is_dequantize(n) and (_ints(n)[:1] != [1] or len(_ints(n)) != val.ndim):
-        return None  # blocks spanning rows
+    if _is_dequantize(n) and (_ints(n)[:1] != [1] or len(_ints(n)) != val.ndim
+                              or any(not _has_rows(a, val.ndim, rows) for a in n.all_input_nodes)):
+        return None  # blocks spanning rows, or scales not given per row (their layout is torchao's to read)
     if not _is_dequantize(n) and (n.target not in _ELEMENTWISE
                                   or (n.target is aten._to_copy.default and set(n.kwargs) - {"dtype"})):
         return None  # (a copy that moves or lays out is not ours to move)
@@ -142,6 +146,11 @@ def _row_operands(n: torch.fx.Node, rows: int, weights) -> list[torch.fx.Node] |
                 return None
             out.append(a)  # a row operand; one of fewer dimensions, or of one row, broadcasts
     return out
+
+
+def _has_rows(a: torch.fx.Node, ndim: int, rows: int) -> bool:
+    v = _val(a)
+    return isinstance(v, torch.Tensor) and v.ndim == ndim and v.shape[0] == rows
 
 
 def _node(a) -> torch.fx.Node:
@@ -216,9 +225,9 @@ def _gathered(ep, weight: torch.fx.Node, ids, lead, weights, fake_mode) -> torch
     """The rows `ids` of a weight, shaped [*ids, *weight's other dims]; int4 values in int8 bytes
     are stored packed and unpacked here."""
     graph = ep.graph
-    target, tensor = weights[weight]
+    target, tensor, packable = weights[weight]
     rest = list(tensor.shape[1:])
-    if _int4_only(weight, tensor):
+    if packable and _int4_only(weight, tensor):
         _store(ep, weight, target, _pack(tensor), fake_mode)
         rows = _call(graph, aten.embedding.default, (weight, ids), {}, fake_mode)
         return _unpack(graph, rows, lead, rest, fake_mode)
@@ -237,7 +246,7 @@ def _int4_only(weight, tensor: torch.Tensor) -> bool:
     return bool(((tensor >= -8) & (tensor <= 7)).all())
 
 
-# (shape, sum) of packed bytes -> those bytes, while some program holds them: methods compiled
+# (device, shape, sum) of packed bytes -> those bytes, while some program holds them: methods compiled
 # together from one model pack its weight into one tensor (torch unwraps a quantized weight into
 # a copy of its data per method), which the program then stores once (aot/values.py keeps one
 # segment per tensor address)
@@ -249,7 +258,7 @@ def _pack(q: torch.Tensor) -> torch.Tensor:
     tensor packed before from the same values, while a program compiled meanwhile holds it."""
     nibbles = (q.to(torch.int16) & 15).to(torch.uint8)
     packed = torch.nn.Parameter((nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous(), requires_grad=False)
-    key = (tuple(packed.shape), int(packed.sum(dtype=torch.int64)))
+    key = (str(packed.device), tuple(packed.shape), int(packed.sum(dtype=torch.int64)))
     known = _PACKED.get(key)
     if known is not None and torch.equal(known, packed):
         return known

@@ -114,14 +114,14 @@ _INPUT_KINDS = MappingProxyType({
 EXPORT_TIME_CHECKS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
-def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+def functional_aten(ep: torch.export.ExportedProgram, shared_state=frozenset()) -> torch.export.ExportedProgram:
     """The program as functional ATen with every op the user wrote kept whole.
 
     Nothing is decomposed: `linear`, `layer_norm`, `softmax`, `silu`, `scaled_dot_product_attention`
     stay what `print(exported_program)` shows, so partitioners see those names and each target
     runs its own fused kernels (CUDA's flash attention, the CPU's fused softmax). Only what is
     not functional, or not an operator of its own (`chunk`, `reshape`), becomes the ATen ops
-    eager PyTorch would run for it."""
+    eager PyTorch would run for it. `shared_state`: buffers other methods update (to_backend)."""
     dynamic = _dynamic_dims(ep, as_exported=True)
     ep = written_constants_as_state(ep)
     exported_state = {s.target for s in ep.graph_signature.input_specs if s.target}
@@ -141,7 +141,7 @@ def functional_aten(ep: torch.export.ExportedProgram) -> torch.export.ExportedPr
     _refuse_hidden_mutations(ep, exported_state)
     _drop_export_time_checks(ep.graph_module)
     _contiguous_gemm_inputs(ep.graph_module)
-    gather_rows_first(ep)
+    gather_rows_first(ep, shared_state)
     return ep
 
 
@@ -337,7 +337,7 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
                shared_state=frozenset()) -> LoweredProgram:
     """Replace each partition the partitioner proposes by one call_delegate node. `shared_state`:
     buffers another method compiled with this one updates: read here, they are state too."""
-    ep = functional_aten(exported_program)
+    ep = functional_aten(exported_program, shared_state)
     check_symbolic_shapes(ep.graph_module)
     constants = _annotate(ep, shared_state)
     partitions = list(partitioner.partition(ep)) if partitioner is not None else []

@@ -82,7 +82,9 @@ class InductorBackend(Backend):
             raise CompileError("backend 'inductor': a partition must not contain delegates")
         try:
             texts_for_codegen(method)
-        except ProgramError as e:  # a string Inductor must not see: ferry's own backend runs it
+            refuse_strides_per_size(method)
+        except ProgramError as e:  # a string Inductor must not see, or a layout it cannot check: ferry's own
+            # backend runs it
             raise UnsupportedByBackend(str(e)) from None
         if data is None:
             return program_to_bytes(Program({"forward": method}, [], builder.segments))
@@ -203,8 +205,11 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method):
 
 def check_sizes(method: Method, memory: Memory) -> None:
     """Every kernel of the payload makes what it declares, on meta tensors (runtime/stages/sizes.py):
-    the dry run and Inductor's code then allocate no more than `call_bytes` counted."""
+    the dry run and Inductor's code then allocate no more than `call_bytes` counted. A size known
+    only per call (dynamic inputs) is checked by the dry run at the bounds and on each call's
+    results (bind.py); explicit strides, which neither check bounds, are refused."""
     texts_for_codegen(method)  # each instruction a kernel the loader allows, called as its schema says
+    refuse_strides_per_size(method)
     for index, ins in enumerate(method.instructions):
         assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
         op = resolve_kernel(ins.kernel)
@@ -215,6 +220,20 @@ def check_sizes(method: Method, memory: Memory) -> None:
             if not any(any(method.tensor(vid).dynamic) for vid in tensor_inputs(method)):
                 raise ProgramError(f"method {method.name!r} instruction {index}: a size computed per call in an "
                                    "inductor delegate whose inputs are static") from None
+
+
+def refuse_strides_per_size(method: Method) -> None:
+    """A payload with dynamic inputs must not lay out a view by explicit strides (`as_strided`):
+    the dry run checks such a view inside its input at the bounds only, and compiled code would
+    read past a smaller input. (Other views are sized from their input, or fail Dynamo's guards.)"""
+    if not any(any(method.tensor(vid).dynamic) for vid in tensor_inputs(method)):
+        return
+    for index, ins in enumerate(method.instructions):
+        assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
+        if any(a.name == "stride" for a in resolve_kernel(ins.kernel)._schema.arguments):
+            raise ProgramError(f"method {method.name!r} instruction {index} ({ins.kernel}): explicit strides in an "
+                               "inductor delegate with dynamic inputs, which no check at its bounds can bound; "
+                               "give this partition backend_id='torch'")
 
 
 def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
