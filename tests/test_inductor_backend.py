@@ -449,6 +449,14 @@ def test_a_dynamic_partition_with_explicit_strides_runs_on_ferrys_own_backend():
         torch.testing.assert_close(module(x), Strided()(x))
 
 
+def test_a_dynamic_convolution_stays_with_inductor():
+    """A convolution's `stride` is not a layout: only views by explicit strides leave Inductor."""
+    model = torch.nn.Conv2d(3, 4, 3, stride=2).eval()
+    ep = torch.export.export(model, (torch.randn(2, 3, 9, 9),), dynamic_shapes=({0: torch.export.Dim("b", max=4)},))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    assert [d.backend_id for d in program.delegates] == ["inductor"]
+
+
 class TransposedIn(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -230,10 +230,18 @@ def refuse_strides_per_size(method: Method) -> None:
         return
     for index, ins in enumerate(method.instructions):
         assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
-        if any(a.name == "stride" for a in resolve_kernel(ins.kernel)._schema.arguments):
+        if _views_by_strides(resolve_kernel(ins.kernel)):
             raise ProgramError(f"method {method.name!r} instruction {index} ({ins.kernel}): explicit strides in an "
                                "inductor delegate with dynamic inputs, which no check at its bounds can bound; "
                                "give this partition backend_id='torch'")
+
+
+def _views_by_strides(op) -> bool:
+    """`op` lays its tensor argument out by sizes and strides it is given (`as_strided`,
+    `_reshape_alias`), not by the tensor's own (a convolution's `stride` is another thing)."""
+    args = op._schema.arguments
+    names = {a.name for a in args}
+    return "size" in names and "stride" in names and bool(args) and str(args[0].type) == "Tensor"
 
 
 def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
