@@ -101,6 +101,17 @@ def test_decoding_without_encoder_inputs_is_refused():
         ferry.generate(ferry.Module(program), torch.tensor([[1]]), 4)
 
 
+def test_a_decoder_under_another_name_still_needs_the_encoder_inputs():
+    """Whatever the decoder method is called (here 'forward'), it reads the cross cache only
+    `encode` fills: without encoder inputs it would read an encoding of nothing."""
+    ep = exported()
+    module = ferry.Module(ferry.compile({"encode": ep["encode"], "forward": ep["decode"]}))
+    with pytest.raises(ConfigError, match=r"reads what its 'encode' method writes \(recipe.cross_"):
+        ferry.generate(module, torch.tensor([[1]]), 4)
+    got = ferry.generate(module, torch.tensor([[1]]), NEW, encoder_inputs=features(1))
+    assert got.tokens.tolist() == reference(features(1))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["torch", "inductor"])
 def test_whisper_on_the_gpu_generates_as_transformers(backend):

@@ -36,6 +36,7 @@ import torch
 
 from ferry.device import CPU, Device
 from ferry.errors import ConfigError, InputError
+from ferry.program.states import program_states
 from ferry.progress import Progress, checked, tell
 from ferry.runtime.decoder import Signature, cache_capacity, check_fits, check_prefill, integer_dtype, plan_methods
 from ferry.runtime.devices.tensor import clone_to, device_of
@@ -111,7 +112,7 @@ def generate(module, input_ids, max_new_tokens: int, *, method: str | None = Non
     if not do_sample and (generator is not None or seed is not None):
         raise ConfigError("a generator or seed draws samples: pass do_sample=True with it (greedy decoding draws none)")
     rng = make_generator(generator, seed, step.logits.device.to_torch()) if do_sample else None
-    encoding = _encoder_call(module, encode, encoder_inputs)
+    encoding = _encoder_call(module, encode, encoder_inputs, (first.name, step.name))
     for name in dict.fromkeys((first.name, step.name)):
         module.load_method(name)  # allocation at load, not inside the timed prefill
     if encoding is not None:
@@ -220,13 +221,17 @@ def _last(outs) -> torch.Tensor:
     return logits[:, -1, :] if logits.dim() == 3 else logits
 
 
-def _encoder_call(module, encode: str, encoder_inputs) -> Callable[[], object] | None:
+def _encoder_call(module, encode: str, encoder_inputs, decoder: tuple[str, ...]) -> Callable[[], object] | None:
     """The `encode` call on `encoder_inputs`, each placed where the method takes it (checked now,
-    run once the decoder's methods are loaded); None without encoder inputs."""
+    run once the decoder's methods are loaded); None without encoder inputs, where the decoder
+    reads no state only `encode` writes (it would read an encoding of nothing, or of an earlier
+    generation's audio)."""
     if encoder_inputs is None:
-        if encode in module.method_names() and not {"forward", "prefill"} & set(module.method_names()):
-            raise ConfigError(f"this program's decoder reads what its {encode!r} method writes: pass the encoder's "
-                              "input as encoder_inputs= (log-mel features for a speech model)")
+        filled = _filled_only_by(module, encode, decoder)
+        if filled:
+            raise ConfigError(f"this program's decoder reads what its {encode!r} method writes ({', '.join(filled[:2])}"
+                              f"{', ...' if len(filled) > 2 else ''}): pass the encoder's input as encoder_inputs= "
+                              "(log-mel features for a speech model), on every generation")
         return None
     if encode not in module.method_names():
         raise ConfigError(f"encoder_inputs are given, but the program has no method {encode!r} to take them; its "
@@ -240,6 +245,14 @@ def _encoder_call(module, encode: str, encoder_inputs) -> Callable[[], object] |
               for i, t in enumerate(inputs)]
     module.load_method(encode)
     return lambda: module.run_method(encode, placed)
+
+
+def _filled_only_by(module, encode: str, decoder: tuple[str, ...]) -> list[str]:
+    """The state `decoder`'s methods read and never write, which `encode` writes."""
+    if encode not in module.method_names():
+        return []
+    return [s.name for s in program_states(module.program.methods).values()
+            if encode in s.updated_by and set(decoder) & set(s.methods) and not set(decoder) & set(s.updated_by)]
 
 
 def _place(t: torch.Tensor, device: Device) -> torch.Tensor:
