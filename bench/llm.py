@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import result_name, table, time_host, write_json  # noqa: E402
 
 import ferry  # noqa: E402
+from ferry.choices.summary import details  # noqa: E402
 from ferry.runtime import clone_to, device_of, emulated_device  # noqa: E402
 
 MODELS = {
@@ -275,7 +276,8 @@ def ferry_runner(built: dict, model, batch, cache, prompts, env: Env, graphs: bo
         feed = lambda t: t if str(device_of(t)) == env.ferry_device else clone_to(t, env.ferry_device)
     prefill = None if why else (lambda ids, pos: module.run_method("prefill", [ids, pos])[0])
     return Runner(step=lambda ids, pos: module(ids, pos), feed=feed, prefill=prefill, no_prefill=why,
-                  compile_s=compile_s, load_s=load_s, notes=[str(w.message)[:200] for w in caught],
+                  compile_s=compile_s, load_s=load_s,
+                  notes=[str(w.message)[:200] for w in caught] + details(),  # + the kernel choices timed at load
                   close=module.close, file_bytes=built["file_bytes"][backend])
 
 

@@ -38,6 +38,7 @@ from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
 from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_program
+from ferry.choices import gemv
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
@@ -124,7 +125,8 @@ class InductorBackend(Backend):
             gm = graph_of(method, mem, overwrites)
             _drop_size_inputs(gm, method)
             examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
-            _dry_run(gm, examples)
+            shapes = _dry_run(gm, examples)
+            gemv.apply(gm, shapes)  # one-row products Inductor streams faster as reductions (timed)
         except BaseException:
             mem.close()
             raise
@@ -244,16 +246,32 @@ def _views_by_strides(op) -> bool:
     return "size" in names and "stride" in names and bool(args) and str(args[0].type) == "Tensor"
 
 
-def _dry_run(gm: torch.fx.GraphModule, examples: list) -> None:
+def _dry_run(gm: torch.fx.GraphModule, examples: list) -> dict[torch.fx.Node, torch.Tensor]:
     """Run the rebuilt graph once, op by op, on inputs of its declared shapes and layouts. ATen
     checks what compiled code trusts (a view's bounds inside its storage, shapes that fit), so a
-    payload that would read outside its tensors is refused here, before Inductor sees it."""
+    payload that would read outside its tensors is refused here, before Inductor sees it.
+    Returns a meta tensor of each node's tensor result, for the load-time kernel choices."""
     try:
         with torch.no_grad():
-            gm(*examples)
+            return _Shapes(gm).shapes(examples)
     except Exception as e:  # noqa: BLE001 - any refusal by a kernel: the program is at fault
         raise ProgramError(f"an inductor delegate's graph fails on inputs of its own declared shapes: "
                            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+
+class _Shapes(torch.fx.Interpreter):
+    """Runs the graph (each value freed after its last use) and keeps what each tensor looked like."""
+
+    def shapes(self, examples: list) -> dict[torch.fx.Node, torch.Tensor]:
+        self.seen: dict[torch.fx.Node, torch.Tensor] = {}
+        self.run(*examples)
+        return self.seen
+
+    def run_node(self, n: torch.fx.Node):
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor):
+            self.seen[n] = torch.empty_strided(result.shape, result.stride(), dtype=result.dtype, device="meta")
+        return result
 
 
 class _Compiled(DelegateHandle):

@@ -32,17 +32,19 @@ def may_time(site: Site, device: torch.device) -> bool:
 
 
 def decision(family: str, op: str, shape: str, device: torch.device, dtype: torch.dtype, forms: tuple[str, str],
-             times: tuple[float, float]) -> Decision:
-    """The decision between eager's form (first) and another, timed: the other where `faster`."""
-    pick = forms[1] if faster(*times) else forms[0]
+             times: tuple[float, float], min_saving_us: float = MIN_SAVING_US) -> Decision:
+    """The decision between eager's form (first) and another, timed: the other where `faster`.
+    `min_saving_us`: 0 where the other form launches no more kernels than eager's."""
+    pick = forms[1] if faster(*times, min_saving_us=min_saving_us) else forms[0]
     why = (f"{forms[1]} saves {times[0] - times[1]:.1f} µs of {times[0]:.1f}" if pick != forms[0]
-           else f"{forms[1]} saves less than {1 - KEEP_IF_ABOVE:.0%} and {MIN_SAVING_US:g} µs")
+           else f"{forms[1]} saves less than {1 - KEEP_IF_ABOVE:.0%}"
+           + (f" and {min_saving_us:g} µs" if min_saving_us else ""))
     return Decision(family, op, f"{shape} {str(dtype).removeprefix('torch.')}", forms, times, pick, why, str(device))
 
 
-def faster(eager_us: float, other_us: float) -> bool:
-    """The alternative is kept only where it saves at least 10% and 2 µs."""
-    return other_us <= KEEP_IF_ABOVE * eager_us and eager_us - other_us >= MIN_SAVING_US
+def faster(eager_us: float, other_us: float, min_saving_us: float = MIN_SAVING_US) -> bool:
+    """The alternative is kept only where it saves at least 10% and 2 µs (`min_saving_us`)."""
+    return other_us <= KEEP_IF_ABOVE * eager_us and eager_us - other_us >= min_saving_us
 
 
 def gpu_of(operands, device: torch.device | None = None) -> torch.device | None:

@@ -1,0 +1,147 @@
+"""Matrix-vector products in the inductor backend: cuBLAS's GEMV, or the product written as a
+multiply and a sum, which Inductor generates as one reduction kernel (load time, timed).
+
+A decode step multiplies one row by each weight and reads every weight once: its time is how fast
+each product streams its weight. On an H200 (`bench/gemv_kernels.py`, bf16, weights cold), cuBLAS
+streams a 2048 x 2048 weight at 1.4 TB/s and an 8192 x 2048 one at 2.5 TB/s, where Inductor's
+reduction reaches 1.9 and 3.6; at 2048 x 16384 and a 128k-token head cuBLAS is the faster (3.7
+and 4.2 TB/s against 2.8 and 3.0), and at 8 rows the reduction reads the weight once per row. No
+shape rule holds across GPUs, so each distinct one-row product of a half-precision weight is timed
+both ways when its method loads, weights rotated through more copies than the GPU's L2 holds (a
+decode step reads them cold), and the reduction is kept where it saves 10% (one kernel either way: no launch to pay for).
+Both forms accumulate in fp32 and round once, as cuBLAS does for half types.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ferry.choices import timing
+from ferry.choices.decisions import DECISIONS, Decision
+
+__all__ = ["FAMILY", "FORMS", "TIMED_ON", "apply", "by_reduction", "candidates", "choose", "measure", "rewrite"]
+
+aten = torch.ops.aten
+FAMILY = "matrix-vector product"
+FORMS = ("linear (cuBLAS)", "Inductor reduction")
+_DTYPES = (torch.bfloat16, torch.float16)  # where both forms accumulate in fp32 and round once
+_COLD_L2_TIMES = 2  # weight copies timed: at least this many times the L2 cache's bytes
+TIMED_ON = frozenset({"cuda"})  # device types whose products are timed (tests add the CPU, with a fake clock)
+
+
+def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -> list[Decision]:
+    """Time each one-row product of `gm` (on a device of TIMED_ON) and rewrite those the reduction
+    runs faster; returns the decisions, in graph order."""
+    made = []
+    for node in candidates(gm, shapes):
+        if getattr(gm, node.args[1].target).device.type not in TIMED_ON:
+            continue
+        decision = choose(gm, node)
+        if decision is not None:
+            made.append(decision)
+            if decision.taken:
+                rewrite(gm, node)
+    if any(d.taken for d in made):
+        gm.recompile()
+    return made
+
+
+def by_reduction(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` as a multiply and a sum over the inner dimension, in fp32."""
+    out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def candidates(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -> list[torch.fx.Node]:
+    """The `linear` nodes of one row by a constant half-precision weight (and constant bias).
+    `shapes`: a meta tensor per node, as the dry run made it."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        x, w = (shapes.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:2])
+        bias = node.args[2] if len(node.args) > 2 else None
+        if x is None or w is None or node.args[1].op != "get_attr" or node.kwargs:
+            continue
+        if bias is not None and not (isinstance(bias, torch.fx.Node) and bias.op == "get_attr"):
+            continue
+        if (x.dtype in _DTYPES and w.dtype == x.dtype and w.dim() == 2 and w.is_contiguous()
+                and math.prod(x.shape[:-1]) == 1):
+            out.append(node)
+    return out
+
+
+def choose(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Decision | None:
+    """The decision for this product's shape on its GPU: timed once per process (DECISIONS)."""
+    weight = getattr(gm, node.args[1].target)
+    bias = getattr(gm, node.args[2].target) if len(node.args) > 2 and node.args[2] is not None else None
+    n, k = weight.shape
+    key = (FAMILY, n, k, bias is not None, weight.dtype, str(weight.device))
+    may_time = weight.device.type != "cuda" or not timing.capturing(weight.device)
+    return DECISIONS.get(key, lambda: _decide(weight, bias), may_time)
+
+
+def _decide(weight: torch.Tensor, bias: torch.Tensor | None) -> Decision | None:
+    times = measure(weight, bias)
+    if times is None:
+        return None
+    shape = f"{weight.shape[1]}->{weight.shape[0]}" + (" +bias" if bias is not None else "")
+    # one kernel either way (a split-K GEMV is two), so no launch is saved or added: 10% decides
+    return timing.decision(FAMILY, "aten.linear", shape, weight.device, weight.dtype, FORMS, times, min_saving_us=0)
+
+
+def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, float] | None:
+    """(cuBLAS µs, reduction µs) on the weight's GPU, or None where it ran out of memory."""
+    device = weight.device
+    with timing.on(device):
+        x = torch.full((1, weight.shape[1]), 0.5, dtype=weight.dtype, device=device)
+        copies = [weight] + [torch.full_like(weight, 0.5) for _ in range(_copies(weight) - 1)]
+        try:
+            reduction = _compiled(x, weight, bias)
+            times = timing.time_both(lambda: [torch.nn.functional.linear(x, w, bias) for w in copies],
+                                     lambda: [reduction(x, w, bias) for w in copies])
+            return times[0] / len(copies), times[1] / len(copies)
+        except torch.cuda.OutOfMemoryError:
+            return None  # nothing measured: cuBLAS's kernel stays
+        finally:
+            copies.clear()
+            torch.cuda.empty_cache()
+
+
+def _copies(weight: torch.Tensor) -> int:
+    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 64 << 20)
+    nbytes = weight.numel() * weight.element_size()
+    return max(1, min(64, -(-_COLD_L2_TIMES * l2 // nbytes)))
+
+
+def _compiled(x, weight, bias):
+    """Inductor's kernel for `by_reduction` at these shapes, as the method's graph will have it."""
+    args = [x, weight] + ([bias] if bias is not None else [])
+    gm = make_fx(lambda *a: (by_reduction(*a),))(*args)
+    fn = torch._inductor.compile(gm, args)
+    return lambda x, w, b: fn(*([x, w] + ([b] if b is not None else [])))[0]
+
+
+def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Replace the `linear` node by `by_reduction`'s ops, which Inductor fuses into one kernel."""
+    x, weight = node.args[:2]
+    bias = node.args[2] if len(node.args) > 2 else None
+    g = gm.graph
+    with g.inserting_before(node):
+        f32 = torch.float32
+        xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (x, -2)),), {"dtype": f32})
+        wf = g.call_function(aten._to_copy.default, (weight,), {"dtype": f32})
+        out = g.call_function(aten.sum.dim_IntList, (g.call_function(aten.mul.Tensor, (xf, wf)), [-1]))
+        if bias is not None:
+            out = g.call_function(aten.add.Tensor, (out, g.call_function(aten._to_copy.default, (bias,),
+                                                                          {"dtype": f32})))
+        dtype = getattr(gm, weight.target).dtype
+        result = g.call_function(aten._to_copy.default, (out,), {"dtype": dtype})
+    node.replace_all_uses_with(result)
+    g.erase_node(node)

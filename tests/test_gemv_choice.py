@@ -1,0 +1,197 @@
+"""The inductor backend's choice for one-row products (ferry/choices/gemv.py): cuBLAS's GEMV or an
+Inductor reduction, timed at load. On the CPU the clock is faked; the rewrite itself runs for real
+and is compared with eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ferry
+from ferry.choices import gemv
+from ferry.choices.decisions import DECISIONS
+
+
+@pytest.fixture(autouse=True)
+def fresh_decisions():
+    DECISIONS.forget()
+    yield
+    DECISIONS.forget()
+
+
+@pytest.fixture
+def timed_on_cpu(monkeypatch):
+    """Products on the CPU are 'timed' too, by a fake clock the test sets: {(out, in): (cuBLAS, reduction) µs}."""
+    clock: dict = {}
+    monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(gemv, "measure", lambda w, b: clock[tuple(w.shape)])
+    return clock
+
+
+class Step(torch.nn.Module):
+    """A decode step's MLP: one row through gate and up (merged by ferry into one product) and a
+    biased down projection."""
+
+    def __init__(self, hidden: int = 64, inner: int = 96):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, inner, bias=False)
+        self.up = torch.nn.Linear(hidden, inner, bias=False)
+        self.down = torch.nn.Linear(inner, hidden)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x)) + x
+
+
+def test_the_reduction_equals_a_linear_in_fp32_within_half_precision_rounding():
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        x, w, b = torch.randn(1, 1, 300, dtype=dtype), torch.randn(70, 300, dtype=dtype), torch.randn(70, dtype=dtype)
+        exact = F.linear(x.double(), w.double(), b.double())
+        got = gemv.by_reduction(x, w, b)
+        assert got.dtype == dtype and got.shape == (1, 1, 70)
+        eps = torch.finfo(dtype).eps
+        assert torch.allclose(got.double(), exact, rtol=eps, atol=eps * exact.abs().max().item())
+
+
+def _graph(rows: int, dtype: torch.dtype, weight_is_input: bool = False):
+    torch.manual_seed(1)
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.randn(48, 32, dtype=dtype))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    w = g.placeholder("w_in") if weight_is_input else g.get_attr("w")
+    g.output((g.call_function(torch.ops.aten.relu.default, (g.call_function(torch.ops.aten.linear.default, (x, w)),)),))
+    gm = torch.fx.GraphModule(module, g)
+    xs = [torch.randn(rows, 32, dtype=dtype)] + ([module.w] if weight_is_input else [])
+    shapes = {n: torch.empty(0, device="meta") for n in g.nodes}
+    shapes[x] = xs[0].to("meta")
+    shapes[w] = module.w.to("meta")
+    return gm, xs, shapes
+
+
+@pytest.mark.parametrize("rows, dtype, weight_is_input, picked", [
+    (1, torch.bfloat16, False, True),
+    (1, torch.float16, False, True),
+    (4, torch.bfloat16, False, False),  # the reduction would read the weight once per row
+    (1, torch.float32, False, False),  # cuBLAS's fp32 GEMV is not rounded like the fp32 sum
+    (1, torch.bfloat16, True, False),  # a weight passed per call: its cast to fp32 is not free
+])
+def test_only_one_row_products_of_a_constant_half_precision_weight_are_candidates(rows, dtype, weight_is_input,
+                                                                                    picked):
+    gm, _, shapes = _graph(rows, dtype, weight_is_input)
+    assert bool(gemv.candidates(gm, shapes)) is picked
+
+
+def test_a_product_rewritten_as_a_reduction_equals_the_linear_and_compiles_with_inductor():
+    gm, xs, shapes = _graph(1, torch.bfloat16)
+    want = gm(*xs)[0]
+    (node,) = gemv.candidates(gm, shapes)
+    gemv.rewrite(gm, node)
+    gm.recompile()
+    assert torch.ops.aten.linear.default not in {n.target for n in gm.graph.nodes}
+    got = torch._inductor.compile(gm, xs)(*xs)[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("times, rewritten", [((10.0, 5.0), True), ((10.0, 9.5), False), ((3.0, 2.5), True)])
+def test_the_reduction_is_kept_where_it_saves_a_tenth_and_the_decision_is_recorded(timed_on_cpu, times, rewritten):
+    gm, xs, shapes = _graph(1, torch.bfloat16)
+    timed_on_cpu[(48, 32)] = times
+    (decision,) = gemv.apply(gm, shapes)
+    assert decision.times_us == times and decision.taken is rewritten and decision.family == gemv.FAMILY
+    assert (torch.ops.aten.linear.default not in {n.target for n in gm.graph.nodes}) is rewritten
+    assert DECISIONS.values(timed=True) == [decision]
+
+
+def test_nothing_is_timed_on_a_device_that_is_not_timed():
+    gm, _, shapes = _graph(1, torch.bfloat16)
+    assert gemv.apply(gm, shapes) == []  # the CPU: cuBLAS's question does not arise
+    assert torch.ops.aten.linear.default in {n.target for n in gm.graph.nodes}
+
+
+@pytest.mark.parametrize("prefer_reduction", [True, False])
+def test_an_inductor_program_with_its_products_as_reductions_equals_eager(timed_on_cpu, prefer_reduction):
+    torch.manual_seed(2)
+    model = Step().to(torch.bfloat16).eval()
+    x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    ep = torch.export.export(model, (x,))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    timed_on_cpu.update({(192, 64): (10.0, 5.0 if prefer_reduction else 10.0), (64, 96): (10.0, 5.0)})
+    module = ferry.Module(program)
+    for _ in range(3):
+        x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+        (got,) = module(x)
+        want = model(x)
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    made = {d.shape: d.taken for d in DECISIONS.values(timed=True)}
+    assert made == {"64->192 bfloat16": prefer_reduction, "96->64 +bias bfloat16": True}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_on_the_gpu_each_one_row_product_is_timed_and_the_program_equals_eager(graphs):
+    torch.manual_seed(3)
+    model = Step(2048, 4096).to(torch.bfloat16).eval()
+    ep = torch.export.export(model, (torch.randn(1, 1, 2048, dtype=torch.bfloat16),))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id="inductor"),
+                            ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+                                skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True)))
+    module = ferry.Module(program, cuda_graphs=graphs)
+    model = model.cuda()
+    for _ in range(3):
+        x = torch.randn(1, 1, 2048, dtype=torch.bfloat16, device="cuda")
+        (got,) = module(x)
+        want = model(x)
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    made = DECISIONS.values(timed=True)
+    assert {d.shape for d in made if d.family == gemv.FAMILY} == {"2048->8192 bfloat16", "4096->2048 +bias bfloat16"}
+    assert all(0 < us < 1e4 for d in made for us in d.times_us)
+
+
+@pytest.mark.parametrize("device, graphs", [
+    ("cpu", False),
+    pytest.param("cuda", False, marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                              reason="needs a GPU")]),
+    pytest.param("cuda", True, marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs a GPU")]),
+])
+def test_a_bf16_decoder_with_every_product_a_reduction_follows_eager_step_by_step(monkeypatch, device, graphs):
+    """Teacher forcing: ferry's decode (inductor backend, every one-row product made a reduction by a
+    fake clock, biased q/k/v included) and transformers' static-cache step are fed the same tokens;
+    each step's logits agree within bf16 rounding."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from transformers.integrations.executorch import (
+        TorchExportableModuleForDecoderOnlyLM,
+        TorchExportableModuleWithStaticCache,
+    )
+
+    from test_generate import CACHE, KEEP_ON_DEVICE, decoder, token_ids
+
+    monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(gemv, "measure", lambda w, b: (10.0, 1.0))
+    bf16 = lambda: copy.deepcopy(decoder("qwen2")).to(device=device, dtype=torch.bfloat16)  # noqa: E731
+    recipe = TorchExportableModuleForDecoderOnlyLM(bf16(), batch_size=1, max_cache_len=CACHE)
+    with torch.no_grad():
+        ep = recipe.export(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                           cache_position=torch.tensor([0], device=device))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner(f"{device}:0" if device == "cuda" else device,
+                                                           backend_id="inductor"),
+                            KEEP_ON_DEVICE if device == "cuda" else None)
+    module = ferry.Module(program, cuda_graphs=graphs)
+    module.load_method()
+    made = [d for d in DECISIONS.values(timed=True) if d.family == gemv.FAMILY]
+    assert len(made) >= 3 and all(d.taken for d in made)  # q/k/v (merged), o, gate/up (merged), down, head
+    eager = TorchExportableModuleWithStaticCache(bf16(), batch_size=1, max_cache_len=CACHE)
+    tokens = token_ids((1, 12), 5).to(device)
+    with torch.no_grad():
+        for i in range(tokens.shape[1]):
+            ids, pos = tokens[:, i:i + 1].contiguous(), torch.tensor([i], device=device)
+            (got,) = module(ids, pos)
+            want = eager(input_ids=ids, cache_position=pos)
+            scale = want.float().abs().max().item()
+            assert torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale), i
