@@ -38,7 +38,7 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -
     runs faster; returns the decisions, in graph order."""
     made = []
     for node in candidates(gm, shapes):
-        if getattr(gm, node.args[1].target).device.type not in TIMED_ON:
+        if _weights(gm, node)[0].device.type not in TIMED_ON:
             continue
         decision = choose(gm, node)
         if decision is not None:
@@ -66,10 +66,8 @@ def candidates(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tenso
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue
         x, w = (shapes.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args[:2])
-        bias = node.args[2] if len(node.args) > 2 else None
-        if x is None or w is None or node.args[1].op != "get_attr" or node.kwargs:
-            continue
-        if bias is not None and not (isinstance(bias, torch.fx.Node) and bias.op == "get_attr"):
+        constant = [isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in node.args[1:]]
+        if x is None or w is None or node.kwargs or not all(c or a is None for c, a in zip(constant, node.args[1:])):
             continue
         if (x.dtype in _DTYPES and w.dtype == x.dtype and w.dim() == 2 and w.is_contiguous()
                 and math.prod(x.shape[:-1]) == 1):
@@ -79,12 +77,18 @@ def candidates(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tenso
 
 def choose(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Decision | None:
     """The decision for this product's shape on its GPU: timed once per process (DECISIONS)."""
-    weight = getattr(gm, node.args[1].target)
-    bias = getattr(gm, node.args[2].target) if len(node.args) > 2 and node.args[2] is not None else None
+    weight, bias = _weights(gm, node)
     n, k = weight.shape
     key = (FAMILY, n, k, bias is not None, weight.dtype, str(weight.device))
     may_time = weight.device.type != "cuda" or not timing.capturing(weight.device)
     return DECISIONS.get(key, lambda: _decide(weight, bias), may_time)
+
+
+def _weights(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A candidate's weight and bias (None where it has none): constants of the graph module."""
+    got = [getattr(gm, str(a.target)) if isinstance(a, torch.fx.Node) else None for a in node.args[1:3]]
+    assert got[0] is not None  # (candidates: a constant weight)
+    return got[0], got[1] if len(got) > 1 else None
 
 
 def _decide(weight: torch.Tensor, bias: torch.Tensor | None) -> Decision | None:
@@ -141,7 +145,7 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         if bias is not None:
             out = g.call_function(aten.add.Tensor, (out, g.call_function(aten._to_copy.default, (bias,),
                                                                           {"dtype": f32})))
-        dtype = getattr(gm, weight.target).dtype
+        dtype = _weights(gm, node)[0].dtype
         result = g.call_function(aten._to_copy.default, (out,), {"dtype": dtype})
     node.replace_all_uses_with(result)
     g.erase_node(node)
