@@ -112,13 +112,22 @@ def test_nothing_is_timed_on_a_device_that_is_not_timed():
 
 
 @pytest.mark.parametrize("prefer_reduction", [True, False])
-def test_an_inductor_program_with_its_products_as_reductions_equals_eager(timed_on_cpu, prefer_reduction):
+def test_an_inductor_program_with_its_products_as_reductions_equals_eager(timed_on_cpu, monkeypatch,
+                                                                          prefer_reduction):
+    from ferry.backends import inductor
+
+    compiled_with = []
+    real_compile = inductor._inductor_compile
+    monkeypatch.setattr(inductor, "_inductor_compile",
+                        lambda gm, ex, method, tuning=None: compiled_with.append(tuning) or real_compile(
+                            gm, ex, method, tuning))
     torch.manual_seed(2)
     model = Step().to(torch.bfloat16).eval()
     x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
     ep = torch.export.export(model, (x,))
     program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
-    timed_on_cpu.update({(192, 64): (10.0, 5.0 if prefer_reduction else 10.0), (64, 96): (10.0, 5.0)})
+    faster = 5.0 if prefer_reduction else 10.0
+    timed_on_cpu.update({(192, 64): (10.0, faster), (64, 96): (10.0, 9.5)})
     module = ferry.Module(program)
     for _ in range(3):
         x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
@@ -126,7 +135,9 @@ def test_an_inductor_program_with_its_products_as_reductions_equals_eager(timed_
         want = model(x)
         assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
     made = {d.shape: d.taken for d in DECISIONS.values(timed=True)}
-    assert made == {"64->192 bfloat16": prefer_reduction, "96->64 +bias bfloat16": True}
+    assert made == {"64->192 bfloat16": prefer_reduction, "96->64 +bias bfloat16": False}
+    # a graph with a product rewritten is compiled with the tuning the reduction was timed with
+    assert compiled_with == [gemv.TUNING if prefer_reduction else {}]
 
 
 @pytest.mark.cuda
@@ -195,3 +206,13 @@ def test_a_bf16_decoder_with_every_product_a_reduction_follows_eager_step_by_ste
             want = eager(input_ids=ids, cache_position=pos)
             scale = want.float().abs().max().item()
             assert torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale), i
+
+
+def test_the_kernel_timed_is_inductors_reduction_and_equals_the_linear():
+    torch.manual_seed(4)
+    x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(96, 64, dtype=torch.bfloat16)
+    for bias in (torch.randn(96, dtype=torch.bfloat16), None):
+        got = gemv._compiled(x, w, bias)(x, w, bias)
+        want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        assert got.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())

@@ -126,12 +126,13 @@ class InductorBackend(Backend):
             _drop_size_inputs(gm, method)
             examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
             shapes = _dry_run(gm, examples)
-            gemv.apply(gm, shapes)  # one-row products Inductor streams faster as reductions (timed)
+            # one-row products Inductor streams faster as reductions (timed); tuned as they were timed
+            tuning = gemv.TUNING if any(d.taken for d in gemv.apply(gm, shapes)) else {}
         except BaseException:
             mem.close()
             raise
         try:
-            compiled = _inductor_compile(gm, examples, method)
+            compiled = _inductor_compile(gm, examples, method, tuning)
         except Exception as e:  # noqa: BLE001 - the same graph still runs, op by op: never a failed load
             warnings.warn(f"Inductor could not compile this delegate ({type(e).__name__}: {str(e)[:200]}); it runs "
                           "op by op instead (give its partition backend_id='torch' to say so at compile time)",
@@ -187,14 +188,15 @@ def sizes_from_shapes(gm: torch.fx.GraphModule) -> list[str]:
     return unmatched
 
 
-def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method):
+def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, tuning: dict | None = None):
     """Inductor's code for the graph: for its one shape, or, where inputs have dynamic sizes, for
     every size up to their bounds at once (Dynamo traces the graph with those dimensions marked
     dynamic, so a new size within the bounds runs the same kernels, never a new compile; a
-    dimension of 1 is a shape of its own, compiled when first met)."""
+    dimension of 1 is a shape of its own, compiled when first met). `tuning`: Inductor settings
+    for this compile (choices/gemv.py)."""
     dynamic = {i: [d for d, dyn in enumerate(method.tensor(vid).dynamic) if dyn and examples[i].shape[d] >= 2]
                for i, vid in enumerate(tensor_inputs(method))}
-    with torch.no_grad():
+    with torch.no_grad(), torch._inductor.config.patch(tuning or {}):
         if not any(dynamic.values()):
             return torch._inductor.compile(gm, examples)
         for i, dims in dynamic.items():
