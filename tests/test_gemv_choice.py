@@ -216,3 +216,12 @@ def test_the_kernel_timed_is_inductors_reduction_and_equals_the_linear():
         want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         assert got.dtype == torch.bfloat16
         assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
+def test_a_product_that_cannot_be_timed_keeps_its_linear_and_the_load_goes_on(monkeypatch):
+    monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))  # the real clock: it needs a GPU
+    gm, xs, shapes = _graph(1, torch.bfloat16)
+    want = gm(*xs)[0]
+    assert gemv.apply(gm, shapes) == []
+    assert torch.ops.aten.linear.default in {n.target for n in gm.graph.nodes}
+    assert torch.equal(gm(*xs)[0], want)

@@ -106,20 +106,22 @@ def _decide(weight: torch.Tensor, bias: torch.Tensor | None) -> Decision | None:
 
 
 def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, float] | None:
-    """(cuBLAS µs, reduction µs) on the weight's GPU, or None where it ran out of memory."""
-    device = weight.device
-    with timing.on(device):
-        x = torch.full((1, weight.shape[1]), 0.5, dtype=weight.dtype, device=device)
-        copies = [weight] + [torch.full_like(weight, 0.5) for _ in range(_copies(weight) - 1)]
-        try:
+    """(cuBLAS µs, reduction µs) on the weight's GPU, or None where nothing could be timed (out of
+    memory, or Inductor could not build the reduction): cuBLAS's kernel stays."""
+    device, copies = weight.device, [weight]
+    try:
+        with timing.on(device):
+            x = torch.full((1, weight.shape[1]), 0.5, dtype=weight.dtype, device=device)
+            copies += [torch.full_like(weight, 0.5) for _ in range(_copies(weight) - 1)]
             reduction = _compiled(x, weight, bias)
             times = timing.time_both(lambda: [torch.nn.functional.linear(x, w, bias) for w in copies],
                                      lambda: [reduction(x, w, bias) for w in copies])
             return times[0] / len(copies), times[1] / len(copies)
-        except torch.cuda.OutOfMemoryError:
-            return None  # nothing measured: cuBLAS's kernel stays
-        finally:
-            copies.clear()
+    except Exception:  # noqa: BLE001 - a choice that cannot be timed is not made; the load goes on
+        return None
+    finally:
+        copies.clear()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
