@@ -225,3 +225,20 @@ def test_a_product_that_cannot_be_timed_keeps_its_linear_and_the_load_goes_on(mo
     assert gemv.apply(gm, shapes) == []
     assert torch.ops.aten.linear.default in {n.target for n in gm.graph.nodes}
     assert torch.equal(gm(*xs)[0], want)
+
+
+def test_weights_are_copied_past_the_l2_cache_only_when_they_fit_in_it(monkeypatch):
+    """A weight smaller than L2 is rotated through copies that hold more than L2; one larger than
+    L2 is timed alone (a copy of a 525 MB head once raised the load's peak by as much)."""
+    class Props:
+        L2_cache_size = 60 << 20
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    for n, k in [(3072, 2048), (2048, 2048), (2048, 8192), (16384, 2048), (128256, 2048), (8, 8)]:
+        w = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+        copies, nbytes = gemv._copies(w), 2 * n * k
+        if nbytes >= Props.L2_cache_size:
+            assert copies == 1
+        else:
+            assert (copies - 1) * nbytes >= Props.L2_cache_size or copies == 32
+            assert copies * nbytes <= Props.L2_cache_size + 2 * nbytes

@@ -3,16 +3,16 @@ multiply and a sum, which Inductor generates as one reduction kernel (load time,
 
 A decode step multiplies one row by each weight and reads every weight once: its time is how fast
 each product streams its weight. On an H200 (`bench/gemv_kernels.py`, bf16, weights cold), cuBLAS
-streams a 2048 x 2048 weight at 1.4 TB/s and an 8192 x 2048 one at 2.5 TB/s, where Inductor's
-reduction reaches 1.9 and 3.6; at 2048 x 16384 and a 128k-token head cuBLAS is the faster (3.7
-and 4.2 TB/s against 2.8 and 3.0), and at 8 rows the reduction reads the weight once per row. No
-shape rule holds across GPUs, so each distinct one-row product of a half-precision weight is timed
-both ways when its method loads, weights rotated through more copies than the GPU's L2 holds (a
-decode step reads them cold), and the reduction is kept where it saves 10% (one kernel either way: no
-launch to pay for). Inside the method's graph Inductor also fuses what surrounds a reduction into
-it (the activation before a down projection, the residual add after), which cuBLAS's kernel cannot.
-Both forms accumulate in fp32 and round once, as cuBLAS does for half types.
-"""
+streams Llama-1B's 2048 x 2048 weight at 1.4 TB/s, its 2048 x 3072 at 2.0 and its 8192 x 2048 at
+2.5, where Inductor's reduction, its block sizes tuned (TUNING), reaches 2.1, 2.5 and 3.6; at
+2048 x 16384 and the 128k-token head the two are within 10% (3.7 and 4.2 TB/s against 3.9 and
+4.5), and at 8 rows the reduction would read the weight once per row. No shape rule holds across
+GPUs, so each distinct one-row product of a half-precision weight is timed both ways when its
+method loads, weights rotated through more copies than the GPU's L2 holds (a decode step reads
+them cold), and the reduction is kept where it saves 10% (one kernel either way: no launch to pay
+for). Inside the method's graph Inductor also fuses what surrounds a reduction into it (the
+activation before a down projection, the residual add after), which cuBLAS's kernel cannot.
+Both forms accumulate in fp32 and round once, as cuBLAS does for half types."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ aten = torch.ops.aten
 FAMILY = "matrix-vector product"
 FORMS = ("linear (cuBLAS)", "Inductor reduction")
 _DTYPES = (torch.bfloat16, torch.float16)  # where both forms accumulate in fp32 and round once
-# Inductor's search of each reduction's block sizes: the reduction beats cuBLAS at every Llama-1B
-# shape with it (2048 x 16384: 17.5 against 18.0 µs; the head 115.7 against 125.0), at two of five
-# without (bench/gemv_kernels.py); a graph with a product rewritten is compiled with it too
+# Inductor's search of each reduction's block sizes: with it the reduction beat cuBLAS at all five
+# Llama-1B shapes (three by 10% or more), without it at two (bench/gemv_kernels.py); a graph with
+# a product rewritten is compiled with it too, so its kernels are the ones that were timed
 TUNING = {"coordinate_descent_tuning": True}
 TIMED_ON = frozenset({"cuda"})  # device types whose products are timed (tests add the CPU, with a fake clock)
 
@@ -126,11 +126,11 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, flo
 
 
 def _copies(weight: torch.Tensor) -> int:
-    """Copies enough that each is out of L2 by the time it is read again (a few hundred MB at most,
-    for the moment it is timed)."""
+    """Copies enough that each is out of L2 by the time it is read again; one for a weight larger
+    than L2, which evicts itself (a second copy of a 525 MB head raised the load's peak by as much)."""
     l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 64 << 20)
     nbytes = weight.numel() * weight.element_size()
-    return max(1, min(32, -(-l2 // nbytes) + 1))
+    return 1 if nbytes >= l2 else min(32, -(-l2 // nbytes) + 1)
 
 
 def _compiled(x, weight, bias):
