@@ -122,12 +122,12 @@ class InductorBackend(Backend):
         mem = load_memory(program.segments, method, pin_host=False, uploads=uploads)
         try:
             check_sizes(method, mem)  # before the dry run allocates what the file declares
-            gm = graph_of(method, mem, overwrites)
-            _drop_size_inputs(gm, method)
+            gm = _rebuilt(method, mem, overwrites)
             examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
             shapes = _dry_run(gm, examples)
             # one-row products Inductor streams faster as reductions (timed); tuned as they were timed
-            tuning = gemv.TUNING if any(d.taken for d in gemv.apply(gm, shapes)) else {}
+            chosen = gemv.apply(gm, shapes)
+            tuning = gemv.TUNING if chosen is not None and chosen.taken else {}
         except BaseException:
             mem.close()
             raise
@@ -137,8 +137,15 @@ class InductorBackend(Backend):
             warnings.warn(f"Inductor could not compile this delegate ({type(e).__name__}: {str(e)[:200]}); it runs "
                           "op by op instead (give its partition backend_id='torch' to say so at compile time)",
                           RuntimeWarning, stacklevel=2)
-            compiled = gm
+            # as the program states it: products rewritten as reductions would make fp32 copies op by op
+            compiled = _rebuilt(method, mem, overwrites) if tuning else gm
         return _Compiled(compiled, mem, method)
+
+
+def _rebuilt(method: Method, memory: Memory, overwrites: dict[int, int]) -> torch.fx.GraphModule:
+    gm = graph_of(method, memory, overwrites)
+    _drop_size_inputs(gm, method)
+    return gm
 
 
 def tensor_inputs(method: Method) -> list[int]:
@@ -196,13 +203,14 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
     for this compile (choices/gemv.py)."""
     dynamic = {i: [d for d, dyn in enumerate(method.tensor(vid).dynamic) if dyn and examples[i].shape[d] >= 2]
                for i, vid in enumerate(tensor_inputs(method))}
-    with torch.no_grad(), torch._inductor.config.patch(tuning or {}):
+    with torch.no_grad():
         if not any(dynamic.values()):
-            return torch._inductor.compile(gm, examples)
+            return torch._inductor.compile(gm, examples, options=tuning or None)
         for i, dims in dynamic.items():
             for d in dims:
                 torch._dynamo.mark_dynamic(examples[i], d, min=2, max=examples[i].shape[d])
-        compiled = torch.compile(gm, backend="inductor", fullgraph=True)
+        # options: every compile of it, a later one at call time too (a dimension of 1), is tuned alike
+        compiled = torch.compile(gm, backend="inductor", fullgraph=True, options=tuning or None)
         compiled(*examples)  # compiled here, at load
     return compiled
 
@@ -271,7 +279,7 @@ class _Shapes(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node):
         result = super().run_node(n)
-        if isinstance(result, torch.Tensor):
+        if isinstance(result, torch.Tensor) and result.layout == torch.strided:
             self.seen[n] = torch.empty_strided(result.shape, result.stride(), dtype=result.dtype, device="meta")
         return result
 

@@ -22,10 +22,13 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ferry.capture import LOCK
 from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision
+from ferry.choices.gemm import blas_settings
 
-__all__ = ["FAMILY", "FORMS", "TIMED_ON", "TUNING", "apply", "by_reduction", "candidates", "choose", "measure", "rewrite"]
+__all__ = ["FAMILY", "FORMS", "TIMED_ON", "TUNING", "apply", "by_reduction", "candidates", "measure", "product_times",
+           "rewrite"]
 
 aten = torch.ops.aten
 FAMILY = "matrix-vector product"
@@ -36,23 +39,31 @@ _DTYPES = (torch.bfloat16, torch.float16)  # where both forms accumulate in fp32
 # a product rewritten is compiled with it too, so its kernels are the ones that were timed
 TUNING = {"coordinate_descent_tuning": True}
 TIMED_ON = frozenset({"cuda"})  # device types whose products are timed (tests add the CPU, with a fake clock)
+_TIMES: dict[tuple, tuple[float, float] | None] = {}  # per product shape, dtype, device and BLAS settings
 
 
-def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -> list[Decision]:
-    """Time each one-row product of `gm` (on a device of TIMED_ON) and rewrite those the reduction
-    runs faster; returns the decisions, in graph order."""
-    made = []
-    for node in candidates(gm, shapes):
-        if _weights(gm, node)[0].device.type not in TIMED_ON:
-            continue
-        decision = choose(gm, node)
-        if decision is not None:
-            made.append(decision)
-            if decision.taken:
-                rewrite(gm, node)
-    if any(d.taken for d in made):
+def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -> Decision | None:
+    """One decision per graph: its one-row products (on a device of TIMED_ON) all as tuned
+    reductions, or all cuBLAS's. Per graph because Inductor, compiling with TUNING, itself turns
+    every one-row `mm` of the graph into a reduction: a product left to cuBLAS would not stay
+    there. Each product is timed both ways once per process (its shape's times are reused); the
+    reductions are kept where their sum over the graph saves 10%, and then written into the graph."""
+    nodes = [n for n in candidates(gm, shapes) if _weights(gm, n)[0].device.type in TIMED_ON]
+    times = [product_times(gm, n) for n in nodes]
+    if not nodes or any(t is None for t in times):
+        return None  # nothing to choose, or a product that could not be timed: cuBLAS's kernels stay
+    weight = _weights(gm, nodes[0])[0]
+    totals = (sum(t[0] for t in times if t), sum(t[1] for t in times if t))
+    shapes_seen = sorted({_shape(*_weights(gm, n)) for n in nodes})
+    decision = timing.decision(FAMILY, "aten.linear", f"{len(nodes)} products ({', '.join(shapes_seen)})",
+                               weight.device, weight.dtype, FORMS, totals, min_saving_us=0)
+    key = (FAMILY, tuple(sorted(_shape(*_weights(gm, n)) for n in nodes)), weight.dtype, str(weight.device))
+    decision = DECISIONS.get(key, lambda: decision) or decision  # kept, so `ferry run` lists it
+    if decision.taken:
+        for node in nodes:
+            rewrite(gm, node)
         gm.recompile()
-    return made
+    return decision
 
 
 def by_reduction(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,13 +91,27 @@ def candidates(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tenso
     return out
 
 
-def choose(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Decision | None:
-    """The decision for this product's shape on its GPU: timed once per process (DECISIONS)."""
+def product_times(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[float, float] | None:
+    """(cuBLAS µs, tuned reduction µs) of this product's shape on its GPU, measured once per process;
+    None where it could not be timed. The reduction is compiled outside the capture lock (seconds,
+    with tuning); only the timing holds it."""
     weight, bias = _weights(gm, node)
-    n, k = weight.shape
-    key = (FAMILY, n, k, bias is not None, weight.dtype, str(weight.device))
-    may_time = weight.device.type != "cuda" or not timing.capturing(weight.device)
-    return DECISIONS.get(key, lambda: _decide(weight, bias), may_time)
+    key = (_shape(weight, bias), weight.dtype, str(weight.device), blas_settings())
+    with LOCK:
+        if key in _TIMES:
+            return _TIMES[key]
+    try:
+        reduction = _compiled(weight, bias) if weight.device.type == "cuda" else None
+    except Exception:  # noqa: BLE001 - Inductor could not build it: nothing is timed, cuBLAS stays
+        reduction = None
+    with LOCK:
+        if key not in _TIMES and (weight.device.type != "cuda" or not timing.capturing(weight.device)):
+            _TIMES[key] = measure(weight, bias, reduction)
+        return _TIMES.get(key)
+
+
+def _shape(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    return f"{weight.shape[1]}->{weight.shape[0]}" + (" +bias" if bias is not None else "")
 
 
 def _weights(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -96,24 +121,16 @@ def _weights(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.Tenso
     return got[0], got[1] if len(got) > 1 else None
 
 
-def _decide(weight: torch.Tensor, bias: torch.Tensor | None) -> Decision | None:
-    times = measure(weight, bias)
-    if times is None:
+def measure(weight: torch.Tensor, bias: torch.Tensor | None, reduction) -> tuple[float, float] | None:
+    """(cuBLAS µs, reduction µs) on the weight's GPU, or None where nothing could be timed (no
+    reduction was built, or out of memory): cuBLAS's kernel stays."""
+    if reduction is None:
         return None
-    shape = f"{weight.shape[1]}->{weight.shape[0]}" + (" +bias" if bias is not None else "")
-    # one kernel either way (a split-K GEMV is two), so no launch is saved or added: 10% decides
-    return timing.decision(FAMILY, "aten.linear", shape, weight.device, weight.dtype, FORMS, times, min_saving_us=0)
-
-
-def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[float, float] | None:
-    """(cuBLAS µs, reduction µs) on the weight's GPU, or None where nothing could be timed (out of
-    memory, or Inductor could not build the reduction): cuBLAS's kernel stays."""
     device, copies = weight.device, [weight]
     try:
         with timing.on(device):
             x = torch.full((1, weight.shape[1]), 0.5, dtype=weight.dtype, device=device)
             copies += [torch.full_like(weight, 0.5) for _ in range(_copies(weight) - 1)]
-            reduction = _compiled(x, weight, bias)
             times = timing.time_both(lambda: [torch.nn.functional.linear(x, w, bias) for w in copies],
                                      lambda: [reduction(x, w, bias) for w in copies])
             return times[0] / len(copies), times[1] / len(copies)
@@ -133,14 +150,14 @@ def _copies(weight: torch.Tensor) -> int:
     return 1 if nbytes >= l2 else min(32, -(-l2 // nbytes) + 1)
 
 
-def _compiled(x, weight, bias):
-    """Inductor's kernel for `by_reduction` at these shapes, as the method's graph will have it:
-    traced on fake tensors (a real trace would make the fp32 product, 1 GB for a 128k-token head),
-    compiled with coordinate-descent tuning (TUNING)."""
+def _compiled(weight, bias):
+    """Inductor's kernel for `by_reduction` of one row by this weight, as the method's graph will
+    have it: traced on fake tensors (a real trace would make the fp32 product, 1 GB for a
+    128k-token head), compiled with coordinate-descent tuning (TUNING)."""
+    x = torch.zeros((1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
     args = [x, weight] + ([bias] if bias is not None else [])
     gm = make_fx(lambda *a: (by_reduction(*a),), tracing_mode="fake")(*args)
-    with torch._inductor.config.patch(TUNING):
-        fn = torch._inductor.compile(gm, args)
+    fn = torch._inductor.compile(gm, args, options=TUNING)
     return lambda x, w, b: fn(*([x, w] + ([b] if b is not None else [])))[0]
 
 
