@@ -205,7 +205,7 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
                for i, vid in enumerate(tensor_inputs(method))}
     with torch.no_grad():
         if not any(dynamic.values()):
-            return torch._inductor.compile(gm, examples, options=tuning or None)
+            return torch._inductor.compile(gm, examples, options=tuning) if tuning else torch._inductor.compile(gm, examples)
         for i, dims in dynamic.items():
             for d in dims:
                 torch._dynamo.mark_dynamic(examples[i], d, min=2, max=examples[i].shape[d])
