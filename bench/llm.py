@@ -362,6 +362,15 @@ def _mib(env: Env, base: int) -> tuple[float | None, float | None]:
     return (torch.cuda.max_memory_allocated() - base) / 2**20, (torch.cuda.max_memory_reserved() - base) / 2**20
 
 
+def _load_peak(env: Env, base: int) -> float | None:
+    """Peak MiB above `base` while the runner was made (weights uploaded; ferry: its dry runs and
+    the kernels timed at load), then the peak counter restarts: the run's peaks come after."""
+    peak = _mib(env, base)[0]
+    if env.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
 def measure(r: Runner, key: dict, prompts: list[int], vocab: int, env: Env, base: int, ref: dict):
     """One runner's decode row and prefill rows; `ref` holds eager's greedy tokens and logits."""
     batch, cache = key["batch"], key["cache"]
@@ -418,7 +427,9 @@ def run_config(name, model, batch, cache, prompts, runners, env: Env, bandwidth:
         try:
             base = _fresh(env)
             r = make_runner(runner, model, batch, cache, fits, env, built)
+            load_peak = _load_peak(env, base)
             row, p = measure(r, key, fits, model.config.vocab_size, env, base, ref)
+            row["load_peak_mib"] = load_peak
             rows.append(row)
             pre += p
         except Exception as e:  # noqa: BLE001 - one runner failing must not lose the others' rows
@@ -456,16 +467,17 @@ def report(rows, pre, settings: dict, out: str) -> None:
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append([r["model"], r["batch"], r["cache"], r["runner"], "FAILED", r["error"][:80]] + [""] * 8)
+            lines.append([r["model"], r["batch"], r["cache"], r["runner"], "FAILED", r["error"][:80]] + [""] * 9)
             continue
         bound = bounds.get((r["model"], r["batch"], r["cache"]))
         lines.append([r["model"], r["batch"], r["cache"], r["runner"], _f(r["ms_per_token"]), _f(r["tokens_per_s"], 1),
-                      _f(bound and r["ms_per_token"] / bound, 2), _f(r.get("peak_mib"), 1),
-                      _f(r.get("reserved_mib"), 1), _f(r.get("peak_with_prefill_mib"), 1), _f(r.get("compile_s"), 1),
+                      _f(bound and r["ms_per_token"] / bound, 2), _f(r.get("load_peak_mib"), 1),
+                      _f(r.get("peak_mib"), 1), _f(r.get("reserved_mib"), 1), _f(r.get("peak_with_prefill_mib"), 1),
+                      _f(r.get("compile_s"), 1),
                       _f(r.get("load_s") if r.get("load_s") is not None else r.get("first_call_s"), 2),
                       _f(r.get("file_mb"), 1), _check_cell(r)])
     print(table(f"Decode at cache_position L//2 (ms per step of B tokens; {settings['device']}, {settings['dtype']})",
-                ["model", "B", "cache L", "runner", "ms/token", "tok/s", "vs bound", "peak MiB", "reserved MiB",
+                ["model", "B", "cache L", "runner", "ms/token", "tok/s", "vs bound", "load peak MiB", "peak MiB", "reserved MiB",
                  "peak w/ prefill MiB", "compile s", "load / 1st call s", "file MiB", "tokens = eager"], lines))
     plines = [[p["model"], p["batch"], p["cache"], p["prompt"], p["runner"]]
               + (["not run", "", ""] if "not_run" in p else [_f(p["ms"]), _f(p["tokens_per_s"], 0), _f(p["first_call_s"], 2)])
@@ -515,6 +527,9 @@ def main():
                                    "all L slots whatever the position)",
                 "decode_timing": f"median of {env.repeat} samples of {STEPS} back-to-back steps, CUDA synchronised "
                                  "at both ends of a sample",
+                "memory": "load peak: while the runner is made; peak: from then on, through the check and the "
+                          "timed decode steps; peak w/ prefill: through the prefills too (MiB above what was "
+                          "allocated before the runner)",
                 "check": f"{CHECK_PROMPT} prompt tokens fed one at a time, then {CHECK_NEW} greedy tokens",
                 "prefill": "one forward over P tokens from position 0, for each P <= L; ferry: a method exported "
                            "with a dynamic prompt length (2 to the longest P), sharing the decode method's cache"}
