@@ -9,9 +9,11 @@ streams Llama-1B's 2048 x 2048 weight at 1.4 TB/s, its 2048 x 3072 at 2.0 and it
 4.5), and at 8 rows the reduction would read the weight once per row. No shape rule holds across
 GPUs, so each distinct one-row product of a half-precision weight is timed both ways when its
 method loads, weights rotated through more copies than the GPU's L2 holds (a decode step reads
-them cold), and the reduction is kept where it saves 10% (one kernel either way: no launch to pay
-for). Inside the method's graph Inductor also fuses what surrounds a reduction into it (the
-activation before a down projection, the residual add after), which cuBLAS's kernel cannot.
+them cold). The choice is made per graph (`apply`: Inductor's tuning rewrites every one-row
+product of a graph it compiles), and the reductions are kept where their sum saves 10% (one
+kernel either way: no launch to pay for). Inside the graph Inductor also fuses what surrounds a
+reduction into it (the activation before a down projection, the residual add after), which
+cuBLAS's kernel cannot.
 Both forms accumulate in fp32 and round once, as cuBLAS does for half types."""
 
 from __future__ import annotations
