@@ -273,3 +273,33 @@ def test_a_graph_inductor_cannot_compile_runs_op_by_op_as_the_program_states_it(
     assert [torch.ops.aten.linear.default in {n.target for n in gm.graph.nodes} for gm in built] == [False, True]
     got = module(x)
     assert torch.equal(got, model(x))  # eager's own kernels, op by op
+
+
+_GPU = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
+@pytest.mark.parametrize("prefer_reduction", [True, False])
+def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, device, prefer_reduction):
+    """Kept: no product reaches the BLAS library (on a GPU Inductor's tuning would rewrite any left).
+    Not kept: every product is the library's (compiled without the tuning, which would rewrite them)."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(gemv, "measure", lambda w, b, reduction: (10.0, 1.0 if prefer_reduction else 10.0))
+    torch.manual_seed(6)
+    model = Step(256, 512).to(device=device, dtype=torch.bfloat16).eval()
+    ep = torch.export.export(model, (torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device),))
+    where = "cuda:0" if device == "cuda" else "cpu"
+    program = ferry.compile(ep, ferry.OpSupportPartitioner(where, backend_id="inductor"),
+                            ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+                                skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True)))
+    module = ferry.Module(program)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(module.load_method)
+    code = "\n".join(codes)
+    assert ("extern_kernels.mm(" in code) is not prefer_reduction  # gate/up, merged
+    assert ("extern_kernels.addmm(" in code) is not prefer_reduction  # down, biased
+    x = torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device)
+    want = model(x)
+    assert torch.allclose(module(x).float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
