@@ -56,10 +56,10 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -
         return None  # nothing to choose, or a product that could not be timed: cuBLAS's kernels stay
     weight = _weights(gm, nodes[0])[0]
     totals = (sum(t[0] for t in times if t), sum(t[1] for t in times if t))
-    shapes_seen = sorted({_shape(*_weights(gm, n)) for n in nodes})
-    decision = timing.decision(FAMILY, "aten.linear", f"{len(nodes)} products ({', '.join(shapes_seen)})",
+    names = sorted(_shape(*_weights(gm, n)) for n in nodes)
+    decision = timing.decision(FAMILY, "aten.linear", f"{len(nodes)} products ({', '.join(dict.fromkeys(names))})",
                                weight.device, weight.dtype, FORMS, totals, min_saving_us=0)
-    key = (FAMILY, tuple(sorted(_shape(*_weights(gm, n)) for n in nodes)), weight.dtype, str(weight.device))
+    key = (FAMILY, tuple(names), weight.dtype, str(weight.device), blas_settings())
     decision = DECISIONS.get(key, lambda: decision) or decision  # kept, so `ferry run` lists it
     if decision.taken:
         for node in nodes:
