@@ -7,7 +7,9 @@ resolve only to operators registered with PyTorch (none that reaches outside the
 every call is checked against its schema before anything runs. At load the method is rebuilt as
 a torch.fx graph, with its constants uploaded to the delegate's device, run once op by op on
 inputs of its declared shapes (ATen checks the bounds of every view; compiled code would not),
-and compiled by Inductor for that device (Triton kernels on CUDA, C++ on the CPU). Inductor's
+on CUDA given its one-row products as tuned reductions where those were timed faster
+(choices/gemv.py), and compiled by Inductor for that device (Triton kernels on CUDA, C++ on the
+CPU). Inductor's
 on-disk cache makes a later load of the same graph fast. Inductor allocates its results, and
 they become the delegate's outputs (storage `runtime`: the method plans no memory for them;
 each is checked against its declared shape, dtype and device every call, and copied only when it
@@ -205,7 +207,8 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
                for i, vid in enumerate(tensor_inputs(method))}
     with torch.no_grad():
         if not any(dynamic.values()):
-            return torch._inductor.compile(gm, examples, options=tuning) if tuning else torch._inductor.compile(gm, examples)
+            options = {"options": tuning} if tuning else {}  # none: Inductor's own call, as before
+            return torch._inductor.compile(gm, examples, **options)
         for i, dims in dynamic.items():
             for d in dims:
                 torch._dynamo.mark_dynamic(examples[i], d, min=2, max=examples[i].shape[d])

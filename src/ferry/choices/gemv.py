@@ -57,8 +57,8 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -
     weight = _weights(gm, nodes[0])[0]
     totals = (sum(t[0] for t in times if t), sum(t[1] for t in times if t))
     names = sorted(_shape(*_weights(gm, n)) for n in nodes)
-    decision = timing.decision(FAMILY, "aten.linear", f"{len(nodes)} products ({', '.join(dict.fromkeys(names))})",
-                               weight.device, weight.dtype, FORMS, totals, min_saving_us=0)
+    what = f"{len(nodes)} product{'s' * (len(nodes) > 1)} ({', '.join(dict.fromkeys(names))})"
+    decision = timing.decision(FAMILY, "aten.linear", what, weight.device, weight.dtype, FORMS, totals, min_saving_us=0)
     key = (FAMILY, tuple(names), weight.dtype, str(weight.device), blas_settings())
     decision = DECISIONS.get(key, lambda: decision) or decision  # kept, so `ferry run` lists it
     if decision.taken:
