@@ -8,7 +8,11 @@ heads of 64, one query token):
 - repeat + sdpa: what the exported graph runs;
 - sdpa enable_gqa: SDPA told the heads are grouped (no copy of the cache);
 - grouped matmuls: the query heads of a group as rows against their KV head (bmm, masked
-  softmax in fp32, bmm): no copy of the cache either.
+  softmax in fp32, bmm): no copy of the cache either;
+- sdpa enable_gqa under each of SDPA's kernels (cuDNN, memory-efficient, math), for a choice
+  of kernel at load;
+- grouped matmuls and sdpa enable_gqa compiled by Inductor with its block sizes tuned (what the
+  inductor backend would make of either form).
 
 `python bench/decode_attention.py` prints a table and writes bench/results/decode_attention.json.
 """
@@ -50,7 +54,29 @@ def grouped_matmuls(q, k, v, mask):
     return (probs @ v).view(b, h, s, d)
 
 
-CANDIDATES = {"repeat + sdpa": repeat_sdpa, "sdpa enable_gqa": gqa_sdpa, "grouped matmuls": grouped_matmuls}
+def _on(backend):
+    def fn(q, k, v, mask):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return gqa_sdpa(q, k, v, mask)
+    return fn
+
+
+def _compiled(fn):
+    made: list = []
+
+    def run(q, k, v, mask):
+        if not made:
+            made.append(torch.compile(fn, fullgraph=True, options={"coordinate_descent_tuning": True}))
+        return made[0](q, k, v, mask)
+    return run
+
+
+CANDIDATES = {"repeat + sdpa": repeat_sdpa, "sdpa enable_gqa": gqa_sdpa, "grouped matmuls": grouped_matmuls,
+              **{f"sdpa enable_gqa, {b.lower()}": _on(b) for b in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION",
+                                                                    "FLASH_ATTENTION", "MATH")},
+              "grouped matmuls, Inductor tuned": _compiled(grouped_matmuls),
+              "sdpa enable_gqa, Inductor tuned": _compiled(gqa_sdpa)}
 
 
 def main():

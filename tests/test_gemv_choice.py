@@ -281,8 +281,12 @@ _GPU = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reas
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
 @pytest.mark.parametrize("prefer_reduction", [True, False])
 def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, device, prefer_reduction):
-    """Kept: no product reaches the BLAS library (on a GPU Inductor's tuning would rewrite any left).
-    Not kept: every product is the library's (compiled without the tuning, which would rewrite them)."""
+    """Kept: no product reaches the BLAS library (on a GPU Inductor's tuning would rewrite any left),
+    and the down projection's row (SiLU times up) is stored in bf16 before its reduction reads it,
+    as the timed kernel read its row, not recomputed inside it. Not kept: every product is the
+    library's (compiled without the tuning, which would rewrite them)."""
+    import re
+
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
@@ -300,6 +304,8 @@ def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, d
     code = "\n".join(codes)
     assert ("extern_kernels.mm(" in code) is not prefer_reduction  # gate/up, merged
     assert ("extern_kernels.addmm(" in code) is not prefer_reduction  # down, biased
+    if prefer_reduction:
+        assert re.search(r"empty_strided_\w+\(\(1, 1, 512\), \([\d, ]+\), torch\.bfloat16\)", code)
     x = torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device)
     want = model(x)
     assert torch.allclose(module(x).float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())

@@ -63,7 +63,7 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -
     decision = DECISIONS.get(key, lambda: decision) or decision  # kept, so `ferry run` lists it
     if decision.taken:
         for node in nodes:
-            rewrite(gm, node)
+            rewrite(gm, node, shapes)
         gm.recompile()
     return decision
 
@@ -163,14 +163,18 @@ def _compiled(weight, bias):
     return lambda x, w, b: fn(*([x, w] + ([b] if b is not None else [])))[0]
 
 
-def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
-    """Replace the `linear` node by `by_reduction`'s ops, which Inductor fuses into one kernel."""
+def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
+            shapes: dict[torch.fx.Node, torch.Tensor] | None = None) -> None:
+    """Replace the `linear` node by `by_reduction`'s ops, which Inductor fuses into one kernel, its
+    row read from memory as the timed kernel read it (`_realized`)."""
     x, weight = node.args[:2]
     bias = node.args[2] if len(node.args) > 2 else None
     g = gm.graph
     with g.inserting_before(node):
         f32 = torch.float32
-        xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (x, -2)),), {"dtype": f32})
+        row = _realized(g, x, (shapes or {}).get(x))
+        xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (row, -2)),),
+                             {"dtype": f32})
         wf = g.call_function(aten._to_copy.default, (weight,), {"dtype": f32})
         out = g.call_function(aten.sum.dim_IntList, (g.call_function(aten.mul.Tensor, (xf, wf)), [-1]))
         if bias is not None:
@@ -180,3 +184,16 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         result = g.call_function(aten._to_copy.default, (out,), {"dtype": dtype})
     node.replace_all_uses_with(result)
     g.erase_node(node)
+
+
+def _realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) -> torch.fx.Node:
+    """The row as a tensor in memory. Left to itself Inductor computes the ops that make the row
+    inside the reduction, once per block of outputs: a down projection fused so with its SiLU and
+    multiply took 15 µs on an H200 where the timed kernel, reading its row, took 9.3. A view
+    Inductor cannot inline (`as_strided`, the row's own layout) makes it store the row first, in
+    the kernel that computes it (a norm's, or one of its own). A row that is already memory (an
+    input, a constant) or whose layout is not known is left as it is."""
+    if x.op != "call_function" or meta is None or meta.dim() == 0 or meta.stride(-1) != 1:
+        return x
+    contiguous = [math.prod(meta.shape[d + 1:]) for d in range(meta.dim())]  # leading dims are 1: same addresses
+    return g.call_function(aten.as_strided.default, (x, list(meta.shape), contiguous))
