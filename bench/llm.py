@@ -412,7 +412,43 @@ def bound_row(model, key: dict, bandwidth: float, env: Env) -> dict:
 # ---------------------------------------------------------------- one configuration
 
 
-def run_config(name, model, batch, cache, prompts, runners, env: Env, bandwidth: float, rows, pre, save):
+def _record_owners(env: Env, on: bool) -> None:
+    """With --memory-owners: record where each GPU allocation was made (Python frames), from now on."""
+    if on and env.cuda:
+        torch.cuda.memory._record_memory_history(max_entries=100000, stacks="python")
+
+
+def memory_owners(env: Env, on: bool, top: int = 8) -> list | None:
+    """The memory allocated now in blocks of 1 MiB or more, summed by the innermost frame outside
+    this benchmark and outside Python's own modules that made it: [[frame, MiB, blocks]], largest
+    first. Weights show up as their upload; anything else held is what a runner keeps."""
+    if not (on and env.cuda):
+        return None
+    owners: dict = {}
+    try:
+        for segment in torch.cuda.memory._snapshot()["segments"]:
+            for block in segment["blocks"]:
+                if block["state"] == "active_allocated" and block["size"] >= 2**20:
+                    where = _allocated_by(block.get("frames", []))
+                    o = owners.setdefault(where, [where, 0.0, 0])
+                    o[1] += block["size"] / 2**20
+                    o[2] += 1
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return sorted(owners.values(), key=lambda o: -o[1])[:top]
+
+
+def _allocated_by(frames: list) -> str:
+    """The innermost frame of library code and the innermost of ferry's, innermost first."""
+    code = [f for f in frames if "/bench/" not in f["filename"]
+            and ("site-packages" in f["filename"] or "/ferry/" in f["filename"])]  # not the standard library
+    picked = code[:1] + [f for f in code[1:] if "/ferry/" in f["filename"]][:1]
+    return " < ".join(f"{Path(f['filename']).parent.name}/{Path(f['filename']).name}:{f['line']} {f['name']}"
+                       for f in picked) or "(no Python frame)"
+
+
+def run_config(name, model, batch, cache, prompts, runners, env: Env, bandwidth: float, rows, pre, save,
+               owners: bool = False):
     """Every runner at one (model, batch, cache length): appends decode rows and prefill rows,
     saved after each runner (what is measured survives a time limit)."""
     fits = [p for p in prompts if p <= cache]
@@ -426,10 +462,12 @@ def run_config(name, model, batch, cache, prompts, runners, env: Env, bandwidth:
         r = None
         try:
             base = _fresh(env)
+            _record_owners(env, owners)
             r = make_runner(runner, model, batch, cache, fits, env, built)
             load_peak = _load_peak(env, base)
             row, p = measure(r, key, fits, model.config.vocab_size, env, base, ref)
             row["load_peak_mib"] = load_peak
+            row["memory_owners"] = memory_owners(env, owners)
             rows.append(row)
             pre += p
         except Exception as e:  # noqa: BLE001 - one runner failing must not lose the others' rows
@@ -487,6 +525,11 @@ def report(rows, pre, settings: dict, out: str) -> None:
                 ["model", "B", "cache L", "prompt", "runner", "ms", "tokens/s", "1st call s"], plines))
     for runner, why in dict.fromkeys((p["runner"], p["not_run"]) for p in pre if "not_run" in p):
         print(f"- {runner}: prefill not run: {why}")
+    for r in rows:
+        if r.get("memory_owners"):
+            print()
+            print(table(f"GPU memory held after the run: {r['model']} B={r['batch']} L={r['cache']} {r['runner']}",
+                        ["allocated by", "MiB", "blocks"], [[w, _f(m, 1), n] for w, m, n in r["memory_owners"]]))
     print(f"wrote {write_json(out, {'settings': settings, 'decode': rows, 'prefill': pre})}")
 
 
@@ -501,6 +544,8 @@ def parse_args():
     p.add_argument("--quant", default="none", choices=("none", "int8", "int4"),
                    help="torchao weight-only quantization of every linear and the token embedding (eager and compile "
                         "run torchao's own path)")
+    p.add_argument("--memory-owners", action="store_true",
+                   help="list what holds the GPU memory allocated after each runner's run, by the code that allocated it")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
     p.add_argument("--out", default=None, help="name of the JSON file under bench/results (default llm; llm_smoke with --tiny)")
     args = p.parse_args()
@@ -547,7 +592,8 @@ def main():
             for batch in map(int, args.batch.split(",")):
                 for cache in map(int, args.cache.split(",")):
                     run_config(label, model, batch, cache, [int(x) for x in args.prompt.split(",")],
-                               args.runners.split(","), env, settings["bandwidth_gbps"] * 1e9, rows, pre, save)
+                               args.runners.split(","), env, settings["bandwidth_gbps"] * 1e9, rows, pre, save,
+                               args.memory_owners)
             del model
     report(rows, pre, settings, out)
 
