@@ -42,6 +42,7 @@ differently may pick another token: the first-step logit error is shown beside i
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
 import gc
@@ -544,6 +545,8 @@ def parse_args():
     p.add_argument("--quant", default="none", choices=("none", "int8", "int4"),
                    help="torchao weight-only quantization of every linear and the token embedding (eager and compile "
                         "run torchao's own path)")
+    p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="an experiment: set torch._inductor.config.KEY (a Python literal) for every compile of the run")
     p.add_argument("--memory-owners", action="store_true",
                    help="list what holds the GPU memory allocated after each runner's run, by the code that allocated it")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
@@ -558,6 +561,9 @@ def parse_args():
 
 def main():
     args = parse_args()
+    for item in args.inductor_config:
+        key, _, value = item.partition("=")
+        setattr(torch._inductor.config, key, ast.literal_eval(value))
     if not args.tiny and not torch.cuda.is_available():
         print("llm: skipped: no CUDA device; --tiny runs the ferry code paths on the emulated device")
         return
@@ -566,7 +572,7 @@ def main():
               dtype=torch.float32 if args.tiny else torch.bfloat16,
               repeat=min(args.repeat, 10) if args.tiny else args.repeat, prefill_repeat=3 if args.tiny else 10,
               quant=args.quant)
-    settings = {"device": env.ferry_device, "dtype": str(env.dtype).removeprefix("torch."), "tiny": env.tiny,
+    settings = {"device": env.ferry_device, "inductor_config": args.inductor_config, "dtype": str(env.dtype).removeprefix("torch."), "tiny": env.tiny,
                 "quant": env.quant,
                 "decode_position": "cache_position = L // 2 for every timed step (a static cache: attention reads "
                                    "all L slots whatever the position)",

@@ -97,6 +97,37 @@ def test_a_product_rewritten_as_a_reduction_equals_the_linear_and_compiles_with_
     assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
 
 
+def test_a_row_an_inductor_kernel_computes_is_stored_before_its_reduction_and_a_row_in_memory_is_read_as_is():
+    """The timed kernel read its row from memory: a row made by fused ops (a SiLU) is marked to be
+    stored first; an input, or a view of a library kernel's result (a GEMM's, attention's), is
+    memory already and is left as it is."""
+    aten = torch.ops.aten
+    torch.manual_seed(2)
+    module = torch.nn.Module()
+    for name in ("a", "b", "c"):
+        module.register_buffer(name, torch.randn(32, 32, dtype=torch.bfloat16))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a, b, c = (g.get_attr(n) for n in "abc")
+    from_input = g.call_function(aten.linear.default, (x, a))
+    computed = g.call_function(aten.linear.default, (g.call_function(aten.silu.default, (x,)), b))
+    library = g.call_function(aten.view.default, (g.call_function(aten.mm.default, (x, c)), [1, 32]))
+    viewed = g.call_function(aten.linear.default, (library, c))
+    g.output((from_input, computed, viewed))
+    gm = torch.fx.GraphModule(module, g)
+    xs = [torch.randn(1, 32, dtype=torch.bfloat16)]
+    want = gm(*xs)
+    shapes = {n: torch.empty(1, 32, dtype=torch.bfloat16, device="meta") for n in g.nodes if n.op != "output"}
+    for node in gemv.candidates(gm, shapes):
+        gemv.rewrite(gm, node, shapes)
+    gm.recompile()
+    stored = [n for n in gm.graph.nodes if n.target is aten.as_strided.default]
+    assert [n.args[0].target for n in stored] == [aten.silu.default]
+    got = torch._inductor.compile(gm, xs)(*xs)
+    for g_, w_ in zip(got, want):
+        assert torch.allclose(g_.float(), w_.float(), rtol=2 ** -7, atol=2 ** -7 * w_.abs().max().item())
+
+
 @pytest.mark.parametrize("times, rewritten", [((10.0, 5.0), True), ((10.0, 9.5), False), ((3.0, 2.5), True)])
 def test_the_reduction_is_kept_where_it_saves_a_tenth_and_the_decision_is_recorded(timed_on_cpu, times, rewritten):
     gm, xs, shapes = _graph(1, torch.bfloat16)

@@ -19,6 +19,7 @@ Both forms accumulate in fp32 and round once, as cuBLAS does for half types."""
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx
@@ -169,6 +170,7 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
     row read from memory as the timed kernel read it (`_realized`)."""
     x, weight = node.args[:2]
     bias = node.args[2] if len(node.args) > 2 else None
+    assert isinstance(x, torch.fx.Node)  # (candidates: a row the graph computes or takes)
     g = gm.graph
     with g.inserting_before(node):
         f32 = torch.float32
@@ -191,9 +193,33 @@ def _realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) ->
     inside the reduction, once per block of outputs: a down projection fused so with its SiLU and
     multiply took 15 µs on an H200 where the timed kernel, reading its row, took 9.3. A view
     Inductor cannot inline (`as_strided`, the row's own layout) makes it store the row first, in
-    the kernel that computes it (a norm's, or one of its own). A row that is already memory (an
-    input, a constant) or whose layout is not known is left as it is."""
-    if x.op != "call_function" or meta is None or meta.dim() == 0 or meta.stride(-1) != 1:
+    the kernel that computes it (a norm's, or one of its own). A row that is memory already (an
+    input, a constant, a view of what a library kernel made, such as attention's output) is read
+    as it is: marked too, the o projection took 15.7 µs instead of 4.4 in 7 of Llama-1B's 16
+    layers. A row whose layout is not known is left as it is too."""
+    if meta is None or meta.dim() == 0 or meta.stride(-1) != 1 or _in_memory(x):
         return x
     contiguous = [math.prod(meta.shape[d + 1:]) for d in range(meta.dim())]  # leading dims are 1: same addresses
     return g.call_function(aten.as_strided.default, (x, list(meta.shape), contiguous))
+
+
+_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+                    aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                    aten.squeeze.default, aten.slice.Tensor, aten.select.int, aten.expand.default,
+                    aten.alias.default, aten.t.default})
+
+
+def _in_memory(x: torch.fx.Node) -> bool:
+    """`x` is (a view of) an input, a constant or the result of an op Inductor leaves to a library
+    (no Inductor kernel computes it: aten's fallbacks and extern kernels, attention, GEMMs)."""
+    while x.op == "call_function" and x.target in _VIEWS:
+        x = x.args[0]  # type: ignore[assignment]
+    if x.op != "call_function":
+        return True
+    if x.target is operator.getitem:
+        return True  # an element of a multi-output op's results: attention's, a library's
+    return x.target in _LIBRARY
+
+
+_LIBRARY = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
+                      aten.linear.default, aten.convolution.default, aten.scaled_dot_product_attention.default})
