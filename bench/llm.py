@@ -572,7 +572,8 @@ def main():
               dtype=torch.float32 if args.tiny else torch.bfloat16,
               repeat=min(args.repeat, 10) if args.tiny else args.repeat, prefill_repeat=3 if args.tiny else 10,
               quant=args.quant)
-    settings = {"device": env.ferry_device, "inductor_config": args.inductor_config, "dtype": str(env.dtype).removeprefix("torch."), "tiny": env.tiny,
+    settings = {"device": env.ferry_device, "inductor_config": args.inductor_config,
+                "dtype": str(env.dtype).removeprefix("torch."), "tiny": env.tiny,
                 "quant": env.quant,
                 "decode_position": "cache_position = L // 2 for every timed step (a static cache: attention reads "
                                    "all L slots whatever the position)",
