@@ -426,16 +426,13 @@ def memory_owners(env: Env, on: bool, top: int = 8) -> list | None:
     if not (on and env.cuda):
         return None
     owners: dict = {}
-    try:
-        for segment in torch.cuda.memory._snapshot()["segments"]:
-            for block in segment["blocks"]:
-                if block["state"] == "active_allocated" and block["size"] >= 2**20:
-                    where = _allocated_by(block.get("frames", []))
-                    o = owners.setdefault(where, [where, 0.0, 0])
-                    o[1] += block["size"] / 2**20
-                    o[2] += 1
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated" and block["size"] >= 2**20:
+                where = _allocated_by(block.get("frames", []))
+                o = owners.setdefault(where, [where, 0.0, 0])
+                o[1] += block["size"] / 2**20
+                o[2] += 1
     return sorted(owners.values(), key=lambda o: -o[1])[:top]
 
 
@@ -476,6 +473,8 @@ def run_config(name, model, batch, cache, prompts, runners, env: Env, bandwidth:
             print(f"{name} batch {batch} cache {cache} {runner}: FAILED {error}", flush=True)
             rows.append({**key, "error": error})
         finally:
+            if owners and env.cuda:
+                torch.cuda.memory._record_memory_history(enabled=None)  # also when the runner failed
             if r is not None:
                 r.close()
             del r

@@ -4,6 +4,8 @@ and is compared with eager."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,13 +101,14 @@ def test_a_product_rewritten_as_a_reduction_equals_the_linear_and_compiles_with_
 
 def test_a_row_an_inductor_kernel_computes_is_stored_before_its_reduction_and_a_row_in_memory_is_read_as_is():
     """The timed kernel read its row from memory: a row made by fused ops (a SiLU) is marked to be
-    stored first; an input, or a view of a library kernel's result (a GEMM's, attention's), is
-    memory already and is left as it is."""
+    stored first; an input, a view of a library kernel's result (a GEMM's, attention's) or an
+    element of a split of one is memory already and is left as it is."""
     aten = torch.ops.aten
     torch.manual_seed(2)
     module = torch.nn.Module()
     for name in ("a", "b", "c"):
         module.register_buffer(name, torch.randn(32, 32, dtype=torch.bfloat16))
+    module.register_buffer("d", torch.randn(32, 16, dtype=torch.bfloat16))
     g = torch.fx.Graph()
     x = g.placeholder("x")
     a, b, c = (g.get_attr(n) for n in "abc")
@@ -113,11 +116,17 @@ def test_a_row_an_inductor_kernel_computes_is_stored_before_its_reduction_and_a_
     computed = g.call_function(aten.linear.default, (g.call_function(aten.silu.default, (x,)), b))
     library = g.call_function(aten.view.default, (g.call_function(aten.mm.default, (x, c)), [1, 32]))
     viewed = g.call_function(aten.linear.default, (library, c))
-    g.output((from_input, computed, viewed))
+    halves = g.call_function(aten.split.Tensor, (g.call_function(aten.mm.default, (x, c)), 16, -1))
+    both = g.call_function(aten.cat.default, ([g.call_function(operator.getitem, (halves, 1)),
+                                                g.call_function(operator.getitem, (halves, 0))], -1))
+    split = g.call_function(aten.linear.default, (g.call_function(operator.getitem, (halves, 0)), g.get_attr("d")))
+    g.output((from_input, computed, viewed, split, both))
     gm = torch.fx.GraphModule(module, g)
     xs = [torch.randn(1, 32, dtype=torch.bfloat16)]
     want = gm(*xs)
     shapes = {n: torch.empty(1, 32, dtype=torch.bfloat16, device="meta") for n in g.nodes if n.op != "output"}
+    shapes[split.args[0]] = torch.empty(1, 16, dtype=torch.bfloat16, device="meta")  # an element of the split
+    shapes[split.args[1]] = module.d.to("meta")
     for node in gemv.candidates(gm, shapes):
         gemv.rewrite(gm, node, shapes)
     gm.recompile()

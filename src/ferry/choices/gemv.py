@@ -29,6 +29,7 @@ from ferry.capture import LOCK
 from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision
 from ferry.choices.gemm import blas_settings
+from ferry.ops.aliasing import is_view, view_source
 
 __all__ = ["FAMILY", "FORMS", "TIMED_ON", "TUNING", "apply", "by_reduction", "candidates", "measure", "product_times",
            "rewrite"]
@@ -203,23 +204,20 @@ def _realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) ->
     return g.call_function(aten.as_strided.default, (x, list(meta.shape), contiguous))
 
 
-_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
-                    aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                    aten.squeeze.default, aten.slice.Tensor, aten.select.int, aten.expand.default,
-                    aten.alias.default, aten.t.default})
-
-
 def _in_memory(x: torch.fx.Node) -> bool:
-    """`x` is (a view of) an input, a constant or the result of an op Inductor leaves to a library
-    (no Inductor kernel computes it: aten's fallbacks and extern kernels, attention, GEMMs)."""
-    while x.op == "call_function" and x.target in _VIEWS:
-        x = x.args[0]  # type: ignore[assignment]
-    if x.op != "call_function":
-        return True
-    if x.target is operator.getitem:
-        return True  # an element of a multi-output op's results: attention's, a library's
-    return x.target in _LIBRARY
+    """`x` is (a view or an element of) an input, a constant or the result of an op Inductor leaves
+    to a library (no Inductor kernel computes it: GEMMs, convolutions, attention)."""
+    while x.op == "call_function":
+        op = x.target
+        src = x.args[0] if op is operator.getitem else (
+            x.args[view_source(op)] if isinstance(op, torch._ops.OpOverload) and is_view(op) else None)
+        if not isinstance(src, torch.fx.Node):
+            break
+        x = src
+    return x.op != "call_function" or getattr(x.target, "_overloadpacket", None) in _LIBRARY
 
 
-_LIBRARY = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
-                      aten.linear.default, aten.convolution.default, aten.scaled_dot_product_attention.default})
+_LIBRARY = frozenset(getattr(aten, name) for name in (
+    "mm", "bmm", "addmm", "baddbmm", "linear", "convolution", "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name))
