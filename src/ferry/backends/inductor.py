@@ -128,8 +128,7 @@ class InductorBackend(Backend):
             examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
             shapes = _dry_run(gm, examples)
             # one-row products Inductor streams faster as reductions (timed); tuned as they were timed
-            chosen = gemv.apply(gm, shapes)
-            tuning = gemv.TUNING if chosen is not None and chosen.taken else {}
+            tuning = gemv.TUNING if any(d.taken for d in gemv.apply(gm, shapes)) else {}
         except BaseException:
             mem.close()
             raise

@@ -9,11 +9,12 @@ streams Llama-1B's 2048 x 2048 weight at 1.4 TB/s, its 2048 x 3072 at 2.0 and it
 4.5), and at 8 rows the reduction would read the weight once per row. No shape rule holds across
 GPUs, so each distinct one-row product of a half-precision weight is timed both ways when its
 method loads, weights rotated through more copies than the GPU's L2 holds (a decode step reads
-them cold). The choice is made per graph (`apply`: Inductor's tuning rewrites every one-row
-product of a graph it compiles), and the reductions are kept where their sum saves 10% (one
-kernel either way: no launch to pay for). Inside the graph Inductor also fuses what surrounds a
-reduction into it (the activation before a down projection, the residual add after), which
-cuBLAS's kernel cannot.
+them cold). The choice is made per shape (`apply`): the reduction where it saves 3% (one kernel
+either way: no launch to pay for). One graph may mix the two: Llama-1B's q/k/v, o and down
+products as reductions and its 128k-token head as cuBLAS's, whose tuned reduction took 117 µs at
+one load and 175 at another against cuBLAS's 121-126. Inside the graph Inductor also fuses what
+surrounds a reduction into it (the activation before a down projection, the residual add after),
+which cuBLAS's kernel cannot.
 Both forms accumulate in fp32 and round once, as cuBLAS does for half types."""
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from ferry.choices.decisions import DECISIONS, Decision
 from ferry.choices.gemm import blas_settings
 from ferry.ops.aliasing import is_view, view_source
 
-__all__ = ["FAMILY", "FORMS", "TIMED_ON", "TUNING", "apply", "by_reduction", "candidates", "measure", "product_times",
-           "rewrite"]
+__all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "TIMED_ON", "TUNING", "apply", "by_reduction", "candidates", "measure",
+           "product_times", "rewrite"]
 
 aten = torch.ops.aten
 FAMILY = "matrix-vector product"
@@ -42,32 +43,73 @@ _DTYPES = (torch.bfloat16, torch.float16)  # where both forms accumulate in fp32
 # Llama-1B shapes (three by 10% or more), without it at two (bench/gemv_kernels.py); a graph with
 # a product rewritten is compiled with it too, so its kernels are the ones that were timed
 TUNING = {"coordinate_descent_tuning": True}
+KEEP_IF_ABOVE = 0.97  # the reduction's time over cuBLAS's: above this, cuBLAS's kernel stays
 TIMED_ON = frozenset({"cuda"})  # device types whose products are timed (tests add the CPU, with a fake clock)
 _TIMES: dict[tuple, tuple[float, float] | None] = {}  # per product shape, dtype, device and BLAS settings
 
 
-def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -> Decision | None:
-    """One decision per graph: its one-row products (on a device of TIMED_ON) all as tuned
-    reductions, or all cuBLAS's. Per graph because Inductor, compiling with TUNING, itself turns
-    every one-row `mm` of the graph into a reduction: a product left to cuBLAS would not stay
-    there. Each product is timed both ways once per process (its shape's times are reused); the
-    reductions are kept where their sum over the graph saves 10%, and then written into the graph."""
+def _library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return aten.linear.default(x, weight, bias)
+
+
+def _register() -> torch.library.Library | None:
+    """`ferry::library_linear`: `linear`, opaque to Inductor, so a product cuBLAS runs faster stays
+    cuBLAS's in a graph compiled with TUNING (which rewrites every one-row `mm` it sees)."""
+    try:
+        torch._C._get_schema("ferry::library_linear", "")
+        return None  # defined already (a second import, or a reload)
+    except RuntimeError:
+        pass
+    lib = torch.library.Library("ferry", "FRAGMENT")
+    lib.define("library_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+    lib.impl("library_linear", _library_linear, "CompositeExplicitAutograd")
+    torch.library.register_fake("ferry::library_linear",
+                                lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])), lib=lib)
+    return lib
+
+
+_lib = globals().get("_lib") or _register()  # kept: the registrations live as long as it does
+LIBRARY_LINEAR = torch.ops.ferry.library_linear.default
+
+
+def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -> list[Decision]:
+    """One decision per product shape of the graph's one-row products (on a device of TIMED_ON):
+    a tuned reduction where it streams the weight faster, else cuBLAS's kernel. Each shape is timed
+    both ways once per process. Where any product becomes a reduction the graph is compiled with
+    TUNING, under which Inductor itself would turn every one-row `mm` into an untimed reduction:
+    the products left to cuBLAS are then called through `library_linear`, which it leaves alone.
+    Returns the decisions (none: nothing to choose, or a product that could not be timed)."""
     nodes = [n for n in candidates(gm, shapes) if _weights(gm, n)[0].device.type in TIMED_ON]
     times = [product_times(gm, n) for n in nodes]
     if not nodes or any(t is None for t in times):
-        return None  # nothing to choose, or a product that could not be timed: cuBLAS's kernels stay
-    weight = _weights(gm, nodes[0])[0]
-    totals = (sum(t[0] for t in times if t), sum(t[1] for t in times if t))
-    names = sorted(_shape(*_weights(gm, n)) for n in nodes)
-    what = f"{len(nodes)} product{'s' * (len(nodes) > 1)} ({', '.join(dict.fromkeys(names))})"
-    decision = timing.decision(FAMILY, "aten.linear", what, weight.device, weight.dtype, FORMS, totals, min_saving_us=0)
-    key = (FAMILY, tuple(names), weight.dtype, str(weight.device), blas_settings())
-    decision = DECISIONS.get(key, lambda: decision) or decision  # kept, so `ferry run` lists it
-    if decision.taken:
-        for node in nodes:
-            rewrite(gm, node, shapes)
+        return []  # nothing to choose, or a product that could not be timed: cuBLAS's kernels stay
+    by_shape: dict[str, list[torch.fx.Node]] = {}
+    for node in nodes:
+        by_shape.setdefault(_shape(*_weights(gm, node)), []).append(node)
+    decisions = {name: _decided(gm, group) for name, group in sorted(by_shape.items())}
+    if any(d.taken for d in decisions.values()):
+        for name, group in by_shape.items():
+            for node in group:
+                if decisions[name].taken:
+                    rewrite(gm, node, shapes)
+                else:
+                    node.target = LIBRARY_LINEAR
         gm.recompile()
-    return decision
+    return list(decisions.values())
+
+
+def _decided(gm: torch.fx.GraphModule, group: list[torch.fx.Node]) -> Decision:
+    """The decision for the products of one shape (`group`), made once per process. One kernel
+    either way, so no launch to pay for: the reduction is kept where it saves 3% (what the timing
+    of one graph-captured kernel tells apart; the graph's own compile tunes it again)."""
+    weight, bias = _weights(gm, group[0])
+    times = product_times(gm, group[0])
+    assert times is not None  # (apply: every product was timed)
+    name = _shape(weight, bias)
+    key = (FAMILY, name, weight.dtype, str(weight.device), blas_settings())
+    made = timing.decision(FAMILY, "aten.linear", name, weight.device, weight.dtype, FORMS, times,
+                           min_saving_us=0, keep_if_above=KEEP_IF_ABOVE)
+    return DECISIONS.get(key, lambda: made) or made  # kept, so `ferry run` lists it
 
 
 def by_reduction(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,4 +262,5 @@ def _in_memory(x: torch.fx.Node) -> bool:
 _LIBRARY = frozenset(getattr(aten, name) for name in (
     "mm", "bmm", "addmm", "baddbmm", "linear", "convolution", "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name))
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name)
+) | {torch.ops.ferry.library_linear}
