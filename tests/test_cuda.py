@@ -272,6 +272,49 @@ def test_cuda_graphs_stay_right_after_cublas_workspaces_are_cleared():
     assert all(g.graph is not None and not g.failed for g in loaded_method(module).graphs)
 
 
+_CALLER_WORKSPACE = """
+import sys, torch, ferry
+backend, graphs = sys.argv[1], sys.argv[2] == "graphs"
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+model = model.to("cuda", torch.bfloat16).eval()
+x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+program = ferry.compile(torch.export.export(model, (x,)), ferry.OpSupportPartitioner("cuda:0", backend_id=backend), keep)
+module = ferry.Module(program, cuda_graphs=graphs)
+for _ in range(3):
+    x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), model(x), atol=2e-2, rtol=2e-2)
+torch.cuda.synchronize()
+before = torch.cuda.memory_allocated()
+a = torch.ones(16, 16, device="cuda")
+out = torch.mm(a, a)  # the caller's stream's cuBLAS workspace: made now unless something made it before
+torch.cuda.synchronize()
+print(torch.cuda.memory_allocated() - before - 2 * a.numel() * a.element_size())
+"""
+
+
+@pytest.mark.parametrize("backend", ["torch", "inductor"])
+def test_a_plan_run_as_graphs_makes_no_cublas_workspace_on_the_callers_stream(backend):
+    """Loaded and run with CUDA graphs (the first call, the dry run and the timing at load
+    included), ferry runs cuBLAS only on its capture stream: the caller's stream gets no 32 MiB
+    workspace of its own (a fresh process each, as workspaces last for the process). Without
+    graphs ferry runs on the caller's stream as eager does, and makes it (the check's control)."""
+    import os
+    import subprocess
+    import sys
+
+    def workspace_made_after(graphs: str) -> int:
+        done = subprocess.run([sys.executable, "-c", _CALLER_WORKSPACE, backend, graphs], capture_output=True,
+                              text=True, env=os.environ.copy(), timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.strip().splitlines()[-1])
+
+    assert workspace_made_after("graphs") >= 1 << 20
+    assert workspace_made_after("eager") == 0
+
+
 def test_cuda_graphs_with_cpu_fallback_segments():
     model, example = transformer_block()
     module = ferry.Module(_compile(model, example, exclude=["aten.softmax"]), cuda_graphs=True)

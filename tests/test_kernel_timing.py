@@ -2,7 +2,8 @@
 read a fake host clock: a run the host launches slower than the GPU's queued wait lasts is timed
 again behind a longer wait, so a form of many small launches is not timed at the host's pace; in
 a plan captured as CUDA graphs, each form is captured on the plan's capture stream and replayed,
-after the stream's cuBLAS workspace was made in a graph kept alive."""
+after the stream's cuBLAS workspace was made in a memory pool kept alive, and nothing, the forms'
+warm-up included, runs on the caller's stream (its cuBLAS workspace would be 32 MiB more)."""
 
 import contextlib
 import math
@@ -53,9 +54,10 @@ def fake_gpu(monkeypatch):
                 capturing[-1].recorded.append(us)
             else:
                 clock[0] += us * 1e-6
+                ran_on.append(current[0])
         return run
 
-    capturing, graphs, alive, emptied = [], [], weakref.WeakSet(), []
+    capturing, graphs, alive, emptied, ran_on, workspaces = [], [], weakref.WeakSet(), [], [], []
 
     class Capture:
         """What a fake graph captured (kept after the graph is gone): its stream, pool and kernels."""
@@ -87,11 +89,18 @@ def fake_gpu(monkeypatch):
         def pool(self):
             return self.capture.pool()
 
-    def empty_cache():  # how many timing graphs (not the kept workspace graphs) are still alive
-        kept = set(shared_capture.KEPT_WORKSPACES.values())
-        emptied.append(sum(1 for g in list(alive) if g not in kept))
+    def empty_cache():  # how many timing graphs are still alive
+        emptied.append(len(list(alive)))
 
     current = ["default"]
+
+    class MemPool:
+        pass
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool):  # where cuBLAS's workspace would be made: the pool and the stream
+        workspaces.append((pool, current[0]))
+        yield
 
     class Stream:
         device = "cpu"
@@ -114,8 +123,11 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "MemPool", MemPool)
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", use_mem_pool)
     monkeypatch.setattr(shared_capture, "KEPT_WORKSPACES", {})
     kernel.graphs, kernel.Stream, kernel.capturing, kernel.emptied = graphs, Stream, capturing, emptied
+    kernel.ran_on, kernel.workspaces = ran_on, workspaces
     return kernel, sleeps
 
 
@@ -154,12 +166,13 @@ def test_in_a_captured_plan_each_form_is_replayed_from_a_graph_on_its_capture_st
     assert kernel_timing.time_both(kernel(3.0), kernel(2.0), site.replay_stream(), reps=4) == pytest.approx((3.0, 2.0))
     kernel_timing.time_both(kernel(3.0), kernel(2.0), site.replay_stream())
     assert sleeps == [] and streams.asked == [0, 0]  # no queued waits: replays run back to back
-    workspace_1, first, second, workspace_2, *_ = kernel.graphs
+    first, second, *_ = kernel.graphs
     assert first.stream is stream and second.stream is stream and first.recorded == [3.0] * 4
     assert first.pool_arg is None and second.pool_arg == first.pool()  # one pool for the two forms
-    assert workspace_1.stream is stream and workspace_1.pool_arg is None  # made before the forms are captured
-    assert workspace_2.pool_arg == workspace_1.pool()  # made again in the same pool, which stays alive
-    assert [g.capture for g in shared_capture.KEPT_WORKSPACES.values()] == [workspace_2]
+    # the workspace made on the capture stream in one kept pool, again before each timing
+    (pool,) = shared_capture.KEPT_WORKSPACES.values()
+    assert kernel.workspaces == [(pool, stream), (pool, stream)]
+    assert kernel.ran_on and set(kernel.ran_on) == {stream}  # the warm-up too: the caller's stream runs nothing
     assert kernel.emptied == [0, 0]  # after each timing, its graphs gone: their pool is handed back
     assert {g.mode for g in kernel.graphs} == {"thread_local"}  # another thread's host wait breaks nothing
 

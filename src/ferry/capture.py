@@ -19,7 +19,7 @@ __all__ = ["LOCK", "capture", "keep_workspace", "on_side_stream", "random_state_
 
 LOCK = threading.RLock()
 
-# registry: capture stream -> the graph that made its cuBLAS workspace (see keep_workspace);
+# registry: capture stream -> the memory pool its cuBLAS workspace lives in (see keep_workspace);
 # kept for the life of the process, one pool per capture stream (torch has 32 per device)
 KEPT_WORKSPACES: dict = {}
 
@@ -70,23 +70,21 @@ def capture(fn: Callable, reps: int, pool=None):
 
 
 def keep_workspace(stream) -> None:
-    """Make the cuBLAS workspace of `stream` (one per stream, 32 MiB on an H200) inside a graph
-    kept for the life of the process. A graph bakes that workspace's address in; made inside a
-    timing graph, it would live in that graph's pool, which is freed after the timing, and
-    `torch._C._cuda_clearCublasWorkspaces` (torch.compile's reduce-overhead mode calls it) would
-    then hand its memory to anyone while the plan's own graphs still use it. In a kept pool, freed
-    memory is reused only by the workspace made again there. Called again before every timing and
-    every capture of a plan's graphs (a few µs): the workspace may have been cleared since."""
+    """Make the cuBLAS workspace of `stream` (one per stream, 32 MiB on an H200) inside a memory
+    pool kept for the life of the process. A graph bakes that workspace's address in; made in a
+    timing graph's pool, it would be freed with it, and `torch._C._cuda_clearCublasWorkspaces`
+    (torch.compile's reduce-overhead mode calls it) would then hand its memory to anyone while the
+    plan's own graphs still use it. In the kept pool, freed memory is reused only by the workspace
+    made again there. The products that make it run on `stream` itself: run on the caller's
+    stream they would make that stream's workspace too, 32 MiB more than eager holds. Called
+    again before every timing and every capture of a plan's graphs (a few µs): the workspace may
+    have been cleared since."""
     with LOCK, torch.cuda.device(stream.device):
-        kept = KEPT_WORKSPACES.get(stream)
+        pool = KEPT_WORKSPACES.get(stream)
+        if pool is None:
+            pool = KEPT_WORKSPACES[stream] = torch.cuda.MemPool()
         a = torch.ones(16, 16, device=stream.device)
         bias = torch.ones(16, device=stream.device)
-
-        def gemms():
-            torch.mm(a, a)
-            torch.addmm(bias, a, a)  # cublasLt's path, where its workspace is separate
-
-        gemms()  # cuBLAS's handles made first, outside any capture (cublasCreate fails inside one)
-        with on_side_stream(stream):
-            graph = capture(gemms, 1, kept.pool() if kept is not None else None)
-        KEPT_WORKSPACES[stream] = graph  # the pool lives on in it
+        with on_side_stream(stream), torch.cuda.use_mem_pool(pool):
+            torch.mm(a, a)  # cuBLAS's handle made (outside any capture) and the stream's workspace
+            torch.addmm(bias, a, a)  # cublasLt's path, where its workspace may be separate

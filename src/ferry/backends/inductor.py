@@ -27,6 +27,7 @@ explicit opt-in to load.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import warnings
@@ -40,6 +41,7 @@ from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
 from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_program
+from ferry.capture import keep_workspace, on_side_stream
 from ferry.choices import gemv
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
@@ -126,14 +128,16 @@ class InductorBackend(Backend):
             check_sizes(method, mem)  # before the dry run allocates what the file declares
             gm = _rebuilt(method, mem, overwrites)
             examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
-            shapes = _dry_run(gm, examples)
-            # one-row products Inductor streams faster as reductions (timed); tuned as they were timed
-            tuning = gemv.TUNING if any(d.taken for d in gemv.apply(gm, shapes)) else {}
+            with _load_stream(method, caller):
+                shapes = _dry_run(gm, examples)
+                # one-row products Inductor streams faster as reductions (timed); tuned as they were timed
+                tuning = gemv.TUNING if any(d.taken for d in gemv.apply(gm, shapes)) else {}
         except BaseException:
             mem.close()
             raise
         try:
-            compiled = _inductor_compile(gm, examples, method, tuning)
+            with _load_stream(method, caller):
+                compiled = _inductor_compile(gm, examples, method, tuning)
         except Exception as e:  # noqa: BLE001 - the same graph still runs, op by op: never a failed load
             warnings.warn(f"Inductor could not compile this delegate ({type(e).__name__}: {str(e)[:200]}); it runs "
                           "op by op instead (give its partition backend_id='torch' to say so at compile time)",
@@ -141,6 +145,25 @@ class InductorBackend(Backend):
             # as the program states it: products rewritten as reductions would make fp32 copies op by op
             compiled = _rebuilt(method, mem, overwrites) if tuning else gm
         return _Compiled(compiled, mem, method)
+
+
+@contextlib.contextmanager
+def _load_stream(method: Method, caller: CallerPlan):
+    """Where the load runs its kernels (the dry run, the products it times, Inductor's tuning):
+    in a plan captured as CUDA graphs, on the plan's capture stream of the delegate's GPU, whose
+    cuBLAS workspace the graphs use (made first, in its kept pool). On the caller's stream they
+    would make that stream's workspace too: 32 MiB more than eager holds, used by nothing later."""
+    devices = {method.tensor(v).device.to_torch() for v in tensor_inputs(method)}
+    streams = caller.streams
+    device = next(iter(devices)) if len(devices) == 1 else None
+    if (not caller.captured or streams is None or streams.api.device_type != "cuda" or device is None
+            or device.type != "cuda"):
+        yield
+        return
+    stream = streams.capture_stream(device.index or 0)
+    keep_workspace(stream)
+    with torch.cuda.device(device), on_side_stream(stream):
+        yield
 
 
 def _rebuilt(method: Method, memory: Memory, overwrites: dict[int, int]) -> torch.fx.GraphModule:

@@ -87,17 +87,21 @@ def time_both(first: Callable, second: Callable, stream=None, reps: int = 10, ro
     nn.MultiheadAttention composed at ViT-B/16's batch 1, 84.7 µs on a stream, 74.1 replayed).
     Otherwise on the current stream (`_on_stream`). `stream`: the plan's capture stream
     (`Site.replay_stream`), or None."""
-    _warm_up((first, second))
     if stream is None:
+        _warm_up((first, second))
         eager_us, other_us = _on_stream((first, second), reps, rounds)
         return eager_us, other_us
+    keep_workspace(stream)
+    with on_side_stream(stream):  # the caller's stream runs nothing: its cuBLAS workspace is not made
+        _warm_up((first, second))
     try:
         return _replayed((first, second), stream, reps, rounds)
     except torch.cuda.OutOfMemoryError:
         raise  # the caller's to handle: eager's kernel stays
     except RuntimeError:  # a form that cannot be captured: the plan's capture would fail with it
         torch.cuda.synchronize()
-        return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays
+        with on_side_stream(stream):
+            return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays
 
 
 def _warm_up(fns) -> None:
@@ -106,7 +110,6 @@ def _warm_up(fns) -> None:
 
 
 def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
-    keep_workspace(stream)
     try:
         with on_side_stream(stream):
             return _replay_times(fns, reps, rounds)  # its graphs are gone when it returns

@@ -1,7 +1,8 @@
 """Graph replay of device segments (CUDA graphs; simulated graphs in tests).
 
 A captured segment runs eagerly on its first call (lazy initialisation such as cuBLAS
-handles stays out of the graph), is captured on the second and replayed from then on. Before
+handles stays out of the graph), on its capture stream, is captured on the second and replayed
+from then on. Before
 each capture the streams API prepares the capture stream (`prepare_capture`; on CUDA, its cuBLAS
 workspace, whose address a graph bakes in, made in a graph pool kept for the process:
 ferry/capture.py). Made in the segment's own pool, a workspace another module's
@@ -98,8 +99,25 @@ class GraphSegment:
             return self._replay()
         self.runs += 1
         if self.runs == 1:
-            return self._eager()
+            return self._first_run()
         return self._capture(key)
+
+    def _first_run(self) -> None:
+        """Eager, on the capture stream once the streams API prepared it, ordered after the caller's
+        stream's work and before its later work. On the caller's stream the first call would make
+        that stream's cuBLAS workspace too (32 MiB on an H200, held for the process) where every
+        later call replays graphs that use the capture stream's."""
+        stream = self.streams.capture_stream(self.index)
+        with self.api.device(self.index):
+            self.api.prepare_capture(stream)
+            caller = self.api.current_stream(self.index)
+            ready, done = self.api.Event(), self.api.Event()
+            ready.record(caller)
+            stream.wait_event(ready)
+            with self.api.stream(stream):
+                self._eager()
+            done.record(stream)
+            caller.wait_event(done)
 
     def _replay(self) -> None:
         assert self.graph is not None  # only called once a capture succeeded
