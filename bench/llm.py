@@ -29,10 +29,12 @@ Runners, one after another in one process, each from an empty GPU and guarded (a
 - bound: (weight bytes + the whole static KV cache, which attention reads every step) divided by the
   bandwidth of a 1 GiB device-to-device copy (2 x bytes / time, median of 10).
 
-A decode step: forward of one token per row at cache_position L//2, then argmax on the device fed
-back as the next input (nothing crosses to the host). ms/token: median over --repeat samples of 5
-back-to-back steps, synchronised at both ends. Prefill: one forward over a prompt of P tokens from
-position 0; tokens/s = B * P / time.
+A decode step: forward of one token per row at cache_position L//2, then the greedy pick on the
+device fed back as the next input (nothing crosses to the host): each runner picks as its
+generation loop does (eager and compile: torch's argmax, as transformers' `generate`; ferry:
+`ferry.runtime.sampling.greedy`, as `ferry.generate`; bench/greedy_pick.py times the two).
+ms/token: median over --repeat samples of 5 back-to-back steps, synchronised at both ends.
+Prefill: one forward over a prompt of P tokens from position 0; tokens/s = B * P / time.
 Peak memory: torch.cuda.max_memory_allocated (and reserved) from an empty GPU, after decode and
 again after prefill. "tokens = eager": the runner's greedy tokens after a 4-token prompt fed one
 token at a time, against eager's; random bf16 weights give flat logits, so kernels that round
@@ -61,7 +63,7 @@ from common import result_name, table, time_host, write_json  # noqa: E402
 
 import ferry  # noqa: E402
 from ferry.choices.summary import details  # noqa: E402
-from ferry.runtime import clone_to, device_of, emulated_device  # noqa: E402
+from ferry.runtime import clone_to, device_of, emulated_device, sampling  # noqa: E402
 
 MODELS = {
     "llama-1b": ("LlamaConfig", "LlamaForCausalLM", dict(
@@ -111,6 +113,7 @@ class Runner:
     notes: list[str] = field(default_factory=list)
     close: Callable = lambda: None
     file_bytes: int | None = None  # the program file's size (ferry runners)
+    pick: Callable = lambda logits: logits.argmax(-1)  # the greedy pick of its generation loop
 
 
 # ---------------------------------------------------------------- models and device
@@ -276,7 +279,7 @@ def ferry_runner(built: dict, model, batch, cache, prompts, env: Env, graphs: bo
     else:  # the emulated device: its memory is host memory that ferry's allocator owns
         feed = lambda t: t if str(device_of(t)) == env.ferry_device else clone_to(t, env.ferry_device)
     prefill = None if why else (lambda ids, pos: module.run_method("prefill", [ids, pos])[0])
-    return Runner(step=lambda ids, pos: module(ids, pos), feed=feed, prefill=prefill, no_prefill=why,
+    return Runner(step=lambda ids, pos: module(ids, pos), feed=feed, prefill=prefill, no_prefill=why, pick=sampling.greedy,
                   compile_s=compile_s, load_s=load_s,
                   notes=[str(w.message)[:200] for w in caught] + details(),  # + the kernel choices timed at load
                   close=module.close, file_bytes=built["file_bytes"][backend])
@@ -335,7 +338,7 @@ def time_decode(r: Runner, batch: int, cache: int, env: Env) -> float:
     pos = r.feed(torch.tensor([cache // 2]))
 
     def one():
-        state["ids"] = r.feed(r.step(state["ids"], pos)[:, -1:].argmax(-1))
+        state["ids"] = r.feed(r.pick(r.step(state["ids"], pos)[:, -1:]))
 
     return time_host(one, repeat=env.repeat, warmup=5, inner=STEPS) * 1e3
 
@@ -576,6 +579,8 @@ def main():
                 "quant": env.quant,
                 "decode_position": "cache_position = L // 2 for every timed step (a static cache: attention reads "
                                    "all L slots whatever the position)",
+                "decode_pick": "eager, compile: torch's argmax; ferry: ferry.runtime.sampling.greedy (what "
+                               "ferry.generate runs)",
                 "decode_timing": f"median of {env.repeat} samples of {STEPS} back-to-back steps, CUDA synchronised "
                                  "at both ends of a sample",
                 "memory": "load peak: while the runner is made; peak: from then on, through the check and the "

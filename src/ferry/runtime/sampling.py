@@ -1,9 +1,10 @@
 """Picking the next token from logits, on the device the logits are on.
 
-Greedy is an argmax. Sampling applies temperature, then top-k, then top-p to the logits and draws
-one token per row with torch.multinomial: the order and the arithmetic of transformers'
-TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper followed by its sampling step, so
-that a generator seeded as torch's global one draws the tokens transformers' `generate` draws.
+Greedy is an argmax (`greedy`: in two passes over a long vocabulary). Sampling applies
+temperature, then top-k, then top-p to the logits and draws one token per row with
+torch.multinomial: the order and the arithmetic of transformers' TemperatureLogitsWarper,
+TopKLogitsWarper and TopPLogitsWarper followed by its sampling step, so that a generator seeded
+as torch's global one draws the tokens transformers' `generate` draws.
 Nothing here reads a value back to the host.
 """
 
@@ -16,7 +17,9 @@ import torch
 
 from ferry.errors import ConfigError
 
-__all__ = ["Sampling", "make_generator"]
+__all__ = ["Sampling", "by_rows", "greedy", "make_generator"]
+
+_CHUNKS = (128, 2048)  # the lengths a first pass may reduce: enough rows to fill the GPU, short enough to be quick
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class Sampling:
     def pick(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """[batch, vocab] logits -> [batch] int64 token ids, on the logits' device."""
         if not self.do_sample:
-            return logits.argmax(dim=-1)
+            return greedy(logits)
         scores = self.filtered(logits.float())
         return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
@@ -63,6 +66,30 @@ class Sampling:
             drop[..., -1:] = False  # the most likely token always stays
             scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
         return scores
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)`, the same index on ties (the first) and NaNs (the first), in two passes
+    where the vocabulary splits into rows of a length in _CHUNKS: the maximum of each row, then the
+    row holding the first of them. torch's argmax reduces a 128k-token row in one pass, which
+    leaves most of a GPU idle (`bench/greedy_pick.py`)."""
+    chunk = _chunk(logits.shape[-1]) if logits.device.type == "cuda" else None  # the CPU: one pass is quick
+    return logits.argmax(dim=-1) if chunk is None else by_rows(logits, chunk)
+
+
+def by_rows(logits: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`greedy`'s two passes, the vocabulary split into rows of `chunk` tokens (a divisor of it)."""
+    rows = logits.reshape(*logits.shape[:-1], logits.shape[-1] // chunk, chunk)
+    best, where = rows.max(dim=-1)
+    row = best.argmax(dim=-1, keepdim=True)
+    return (row * chunk + where.gather(-1, row)).squeeze(-1)
+
+
+def _chunk(vocab: int) -> int | None:
+    """The divisor of `vocab` in _CHUNKS nearest its square root (two passes of like length), or None."""
+    low, high = _CHUNKS
+    fits = [d for d in range(low, min(high, vocab // 2) + 1) if vocab % d == 0]
+    return min(fits, key=lambda d: abs(d * d - vocab)) if fits else None
 
 
 def make_generator(generator: torch.Generator | None, seed: int | None, device: torch.device) -> torch.Generator | None:
