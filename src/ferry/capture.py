@@ -10,6 +10,7 @@ for kernel decisions, which take it too.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Callable
 
@@ -82,9 +83,17 @@ def keep_workspace(stream) -> None:
     with LOCK, torch.cuda.device(stream.device):
         pool = KEPT_WORKSPACES.get(stream)
         if pool is None:
-            pool = KEPT_WORKSPACES[stream] = torch.cuda.MemPool()
+            pool = KEPT_WORKSPACES[stream] = _immortal(torch.cuda.MemPool())
         a = torch.ones(16, 16, device=stream.device)
         bias = torch.ones(16, device=stream.device)
         with on_side_stream(stream), torch.cuda.use_mem_pool(pool):
             torch.mm(a, a)  # cuBLAS's handle made (outside any capture) and the stream's workspace
             torch.addmm(bias, a, a)  # cublasLt's path, where its workspace may be separate
+
+
+def _immortal(pool):
+    """`pool`, never destroyed, not even at exit: its destructor empties the pool's cache, which
+    torch refuses once any graph capture of the process failed (it leaves the capture registered),
+    with an internal assert in a destructor that aborts the process."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pool))
+    return pool

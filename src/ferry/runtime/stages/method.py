@@ -89,7 +89,9 @@ class LoadedMethod:
               record: tuple[int, ...] = (), measure: bool = False, caller: CallerPlan | None = None) -> Plan:
         api = self.streams.api if self.streams is not None else None
         caller = caller or self.caller
-        inside = CallerPlan(True, self.streams) if graphs and not caller.captured else caller  # the outermost's streams
+        # a dynamic method with graphs: its delegates load as for the plans captured per shape later
+        captured = graphs or (self._graphs and bool(self._dynamic) and self.streams is not None)
+        inside = CallerPlan(True, self.streams) if captured and not caller.captured else caller  # the outermost's streams
         ctx = BindContext(self._delegate, self.streams, api.page_locked if api is not None else None, self.transport,
                           measure, inside)
         bound = bind_method(self.method, self.memory, ctx, io=io, per_call=per_call, shapes=shapes)
