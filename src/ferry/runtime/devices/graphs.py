@@ -2,17 +2,15 @@
 
 A captured segment runs eagerly on its first call (lazy initialisation such as cuBLAS
 handles stays out of the graph), on its capture stream, is captured on the second and replayed
-from then on. Before
-each capture the streams API prepares the capture stream (`prepare_capture`; on CUDA, its cuBLAS
-workspace, whose address a graph bakes in, made in a graph pool kept for the process:
-ferry/capture.py). Made in the segment's own pool, a workspace another module's
-captures later found there would be freed under their graphs by
+from then on. Before each (the first run too) the streams API prepares the capture stream
+(`prepare_capture`; on CUDA, its cuBLAS workspace, whose address a graph bakes in, made in a
+memory pool kept for the process: ferry/capture.py). Made in the segment's own pool, a
+workspace another module's captures later found there would be freed under their graphs by
 `torch._C._cuda_clearCublasWorkspaces` (torch.compile's reduce-overhead mode calls it) once this
 module closed; made outside any pool, under this one's (tried: replays then fail with
-"unspecified launch failure"). Every
-address in it is fixed — planned memory, the fixed tensors device inputs are staged into, or
-what a functional kernel allocated during the capture (from the graph's own memory pool) —
-which is what makes replay legal. After a replay, the slots of the values the segment
+"unspecified launch failure"). Every address in it is fixed — planned memory, the fixed tensors
+device inputs are staged into, or what a functional kernel allocated during the capture (from
+the graph's own memory pool) — which is what makes replay legal. After a replay, the slots of the values the segment
 produced point at the tensors the capture made, whose memory the replay has rewritten. A
 capture that fails, or records nothing, falls back to running the segment eagerly, with a
 warning: never a wrong result.
@@ -114,10 +112,12 @@ class GraphSegment:
             ready, done = self.api.Event(), self.api.Event()
             ready.record(caller)
             stream.wait_event(ready)
-            with self.api.stream(stream):
-                self._eager()
-            done.record(stream)
-            caller.wait_event(done)
+            try:
+                with self.api.stream(stream):
+                    self._eager()
+            finally:  # a call that failed part way still leaves its work ordered before the caller's next
+                done.record(stream)
+                caller.wait_event(done)
 
     def _replay(self) -> None:
         assert self.graph is not None  # only called once a capture succeeded
