@@ -248,7 +248,40 @@ def test_each_first_run_and_capture_goes_to_its_capture_stream_once_prepared(emu
     graphs = loaded_method(module).graphs
     assert all(g.graph is not None for g in graphs)
     assert seen == [(True, True)] * (2 * len(graphs))
-    assert len(graphs[0].api.prepared) == 2 * len(graphs)
+    assert len(graphs[0].api.prepared) == 1 + 2 * len(graphs)  # the first call's too
+
+
+def test_with_graphs_no_call_before_the_capture_runs_device_work_on_the_callers_stream(emu_async, monkeypatch):
+    """The first call (steps one by one, shapes checked) and the second (each segment's eager run)
+    launch their kernels on the capture stream, as the capture does: on CUDA the caller's stream
+    then never makes a cuBLAS workspace of its own. What every call puts on the caller's stream
+    (the input staged into the graph's fixed memory, a replay) is the same in all four calls."""
+    api = emu_async.streams_api()
+    launched_on, enqueue = [], type(api).enqueue
+
+    def recording(self, stream, fn, touches_host=False):
+        launched_on.append(stream.name)
+        return enqueue(self, stream, fn, touches_host)
+
+    monkeypatch.setattr(type(api), "enqueue", recording)
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+    model, example, program = _block_program(exclude=(), config=cfg)
+    module = ferry.Module(program, cuda_graphs=True, outputs="view")  # no copy of the result, on the caller's stream
+    per_call = []
+    for seed in range(4):
+        (x,) = fresh_inputs(example, seed)
+        on_device = clone_to(x, "emu:0")
+        launched_on.clear()
+        got = module(on_device)
+        per_call.append(list(launched_on))
+        torch.testing.assert_close(clone_to(got, "cpu"), model(x), atol=1e-5, rtol=1e-4)
+    (g,) = loaded_method(module).graphs
+    capture = g.streams.capture_stream(g.index).name
+    on_caller = [sum(name == "default" for name in names) for names in per_call]
+    on_capture = [sum(name == capture for name in names) for names in per_call]
+    assert on_caller == [on_caller[3]] * 4 and on_caller[3] <= 1  # the staged input only
+    assert min(on_capture[:3]) >= 1  # first call, first run, capture
+    assert on_capture[3] == 0  # a replay: the graph's work queued as a whole on the caller's stream
 
 
 def test_capture_that_fails_falls_back_with_correct_results(emu_async, monkeypatch):

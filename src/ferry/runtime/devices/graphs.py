@@ -18,6 +18,7 @@ warning: never a wrong result.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -63,6 +64,28 @@ class GraphMemory:
         return self._site(api, index)[1]
 
 
+@contextlib.contextmanager
+def on_capture_stream(streams, index: int):
+    """Device work launched inside runs on device `index`'s capture stream, prepared first (CUDA:
+    its cuBLAS workspace in the kept pool), ordered after the work queued on the caller's stream
+    and before its later work, also when it fails part way."""
+    api = streams.api
+    stream = streams.capture_stream(index)
+    with api.device(index):
+        api.prepare_capture(stream)
+        caller = api.current_stream(index)
+        ready, done = api.Event(), api.Event()
+        ready.record(caller)
+        stream.wait_event(ready)
+    try:
+        with api.stream(stream):
+            yield
+    finally:
+        with api.device(index):
+            done.record(stream)
+            caller.wait_event(done)
+
+
 class GraphSegment:
     def __init__(self, calls: Sequence[Callable[[], object]], device_index: int, streams, touches_host: bool,
                  label: str, slots: list | None = None, produced: frozenset[int] = frozenset()):
@@ -101,23 +124,11 @@ class GraphSegment:
         return self._capture(key)
 
     def _first_run(self) -> None:
-        """Eager, on the capture stream once the streams API prepared it, ordered after the caller's
-        stream's work and before its later work. On the caller's stream the first call would make
-        that stream's cuBLAS workspace too (32 MiB on an H200, held for the process) where every
-        later call replays graphs that use the capture stream's."""
-        stream = self.streams.capture_stream(self.index)
-        with self.api.device(self.index):
-            self.api.prepare_capture(stream)
-            caller = self.api.current_stream(self.index)
-            ready, done = self.api.Event(), self.api.Event()
-            ready.record(caller)
-            stream.wait_event(ready)
-            try:
-                with self.api.stream(stream):
-                    self._eager()
-            finally:  # a call that failed part way still leaves its work ordered before the caller's next
-                done.record(stream)
-                caller.wait_event(done)
+        """Eager, on the capture stream (`on_capture_stream`): on the caller's stream the first
+        call would make that stream's cuBLAS workspace too (32 MiB on an H200, held for the
+        process) where every later call replays graphs that use the capture stream's."""
+        with on_capture_stream(self.streams, self.index):
+            self._eager()
 
     def _replay(self) -> None:
         assert self.graph is not None  # only called once a capture succeeded

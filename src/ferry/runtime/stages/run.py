@@ -8,6 +8,7 @@ A call then only meets the caller's tensors (copy in, bind, stage) and loops ove
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ferry.device import Device
 from ferry.errors import AllocationError, FerryError, ProgramError
 from ferry.runtime.devices.allocator import DeviceMemoryBuffer
-from ferry.runtime.devices.graphs import GraphSegment
+from ferry.runtime.devices.graphs import GraphSegment, on_capture_stream
 from ferry.runtime.devices.tensor import device_of, make_tensor, pad_rows
 from ferry.runtime.stages.frame import record_shapes
 from ferry.runtime.stages.schedule import HostWait, Run, Schedule, Segment
@@ -170,8 +171,9 @@ class Plan:
             self._fresh_outputs(bind_outputs)
             if self.graphs:
                 self._key = tuple((pad_to, *t.shape[1:]) if pad_to else tuple(t.shape) for t in inputs)
-            for call in self._work(part, finish):
-                call()
+            with self._first_call_streams():
+                for call in self._work(part, finish):
+                    call()
             self._allocate_unwritten()
             self.checked = True
             if finish:
@@ -189,6 +191,16 @@ class Plan:
             for vid in io.transient:
                 slots[vid] = None
         return outs
+
+    @contextlib.contextmanager
+    def _first_call_streams(self):
+        """A plan with graphs runs its first call (its steps one by one, with the shape checks) on
+        the capture streams its graphs use, as their first runs do (runtime/devices/graphs.py)."""
+        with contextlib.ExitStack() as stack:
+            if not self.checked:
+                for index in dict.fromkeys(g.index for g in self.graphs):
+                    stack.enter_context(on_capture_stream(self.streams, index))
+            yield
 
     def _work(self, part: bool, finish: bool) -> tuple:
         if not self.checked:
