@@ -4,8 +4,10 @@ Every runner of `bench/llm.py` pays it once a step. Candidates, timed on the sam
 vocabularies of Llama 3, Qwen2/3, Llama 2 and Whisper, batch 1 and 8:
 
 - torch argmax: `logits.argmax(-1)`, what transformers' greedy `generate` runs;
-- ferry greedy: `ferry.runtime.sampling.greedy`, the maximum of each row of a split vocabulary
-  and then the row of the first maximum (what `ferry.generate` runs);
+- two passes: the maximum of each row of a split vocabulary, then the row of the first maximum
+  (`ferry.runtime.sampling.by_rows`);
+- ferry greedy: `ferry.runtime.sampling.greedy`, which times the two above once per shape and keeps
+  the faster (what `ferry.generate` runs);
 - Inductor argmax: `torch.compile` of the argmax with its block sizes tuned.
 
 Each is timed as a generation loop without CUDA graphs runs it (launched from the host, one
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, table, write_json  # noqa: E402
 from gemm_kernels import graph_us  # noqa: E402
 
-from ferry.runtime.sampling import greedy  # noqa: E402
+from ferry.runtime.sampling import _chunk, by_rows, greedy  # noqa: E402
 
 VOCABS = {"llama-3": 128256, "qwen3": 151936, "llama-2": 32000, "whisper": 51865}
 
@@ -47,7 +49,8 @@ def main():
         print("greedy_pick: skipped: needs a CUDA device")
         return
     inductor = torch.compile(lambda x: x.argmax(-1), options={"coordinate_descent_tuning": True}, dynamic=False)
-    candidates = {"torch argmax": lambda x: x.argmax(-1), "ferry greedy": greedy, "Inductor argmax": inductor}
+    candidates = {"torch argmax": lambda x: x.argmax(-1), "two passes": lambda x: by_rows(x, _chunk(x.shape[-1])),
+                  "ferry greedy": greedy, "Inductor argmax": inductor}
     rows, out = [], []
     for family, vocab in VOCABS.items():
         for batch in (1, 8):

@@ -1,12 +1,13 @@
 """The greedy pick (ferry/runtime/sampling.py): its two passes over a long vocabulary pick the index
 torch's argmax picks, ties and NaNs included, on random logits of every vocabulary length a model
-family uses."""
+family uses; on a GPU they are used where timing says they are faster (a fake clock on the CPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ferry.choices.decisions import DECISIONS
 from ferry.runtime import sampling
 
 VOCABS = [128256, 151936, 32000, 50257, 51865, 256000]  # Llama 3, Qwen2/3, Llama 2, GPT-2, Whisper, Gemma
@@ -42,6 +43,28 @@ def test_a_vocabulary_with_no_divisor_to_split_by_keeps_one_pass():
     assert sampling._chunk(100) is None  # too short to split
     logits = torch.randn(2, 131071)
     assert torch.equal(sampling.greedy(logits), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("times, two_passes", [((26.6, 11.9), True), ((8.7, 11.2), False), ((3.0, 1.5), False)])
+def test_two_passes_are_kept_where_timed_faster_once_per_shape(monkeypatch, times, two_passes):
+    """Llama 3's and Qwen3's times on an H200; the last saves half but under 2 µs (three more launches)."""
+    from ferry.choices import timing
+
+    DECISIONS.forget()
+    timed = []
+    monkeypatch.setattr(timing, "capturing", lambda device: False)
+    monkeypatch.setattr(timing, "time_both", lambda first, second: timed.append((first(), second())) or times)
+    logits = torch.randn(2, 128256).to(torch.bfloat16)
+    try:
+        for _ in range(3):
+            assert sampling._passes(logits) == (334 if two_passes else None)
+        assert len(timed) == 1 and all(torch.equal(a, logits.argmax(-1)) for a in timed[0])  # both forms: argmax's
+        (made,) = DECISIONS.values(timed=True)
+        assert made.family == sampling.FAMILY and made.taken is two_passes and made.times_us == times
+        assert sampling._passes(logits[:1]) is not None or not two_passes  # another shape: timed again
+        assert len(timed) == 2
+    finally:
+        DECISIONS.forget()
 
 
 @pytest.mark.cuda
