@@ -375,8 +375,10 @@ def _load_peak(env: Env, base: int) -> float | None:
     return peak
 
 
-def measure(r: Runner, key: dict, prompts: list[int], vocab: int, env: Env, base: int, ref: dict):
-    """One runner's decode row and prefill rows; `ref` holds eager's greedy tokens and logits."""
+def measure(r: Runner, key: dict, prompts: list[int], vocab: int, env: Env, base: int, ref: dict,
+            loaded_at: int | None = None):
+    """One runner's decode row and prefill rows; `ref` holds eager's greedy tokens and logits.
+    `loaded_at`: the trace mark at the end of the load (--memory-owners), or None."""
     batch, cache = key["batch"], key["cache"]
     prompt = torch.randint(0, vocab, (batch, CHECK_PROMPT), generator=torch.Generator().manual_seed(0))
     tokens, steps, first_s = greedy(r, prompt, env)
@@ -384,9 +386,12 @@ def measure(r: Runner, key: dict, prompts: list[int], vocab: int, env: Env, base
         ref.update(tokens=tokens, steps=steps)
     ms = time_decode(r, batch, cache, env)
     peak, reserved = _mib(env, base)
+    decode_owners = peak_owners(env, loaded_at)
     row = {**key, "ms_per_token": ms, "tokens_per_s": batch / ms * 1e3, "peak_mib": peak, "reserved_mib": reserved,
            "compile_s": r.compile_s, "load_s": r.load_s, "first_call_s": first_s, "tokens": tokens.tolist(),
            "notes": r.notes, "file_mb": r.file_bytes and r.file_bytes / 2**20}
+    if decode_owners is not None:
+        row["decode_peak_owners"] = decode_owners
     if "tokens" in ref and key["runner"] != "eager":
         row.update(check(tokens, steps, ref, env.dtype))
     if key["runner"] == "compile":  # torch.compile skips CUDA graphs (mutated inputs, CPU ops) with a log line only
@@ -439,6 +444,42 @@ def memory_owners(env: Env, on: bool, top: int = 8) -> list | None:
     return sorted(owners.values(), key=lambda o: -o[1])[:top]
 
 
+def trace_length(env: Env, on: bool) -> int | None:
+    """With --memory-owners: how many allocation events are recorded so far (a mark in the trace)."""
+    if not (on and env.cuda):
+        return None
+    return len(torch.cuda.memory._snapshot()["device_traces"][env.device.index or 0])
+
+
+def peak_owners(env: Env, since: int | None, top: int = 8) -> list | None:
+    """The blocks of 1 MiB or more allocated after trace event `since` and live at the highest point
+    of allocated memory after it, summed by `_allocated_by`: what made a phase's peak, where
+    `memory_owners` shows only what is held at its end. [[frame, MiB, blocks]], largest first."""
+    if since is None:
+        return None
+    trace = torch.cuda.memory._snapshot()["device_traces"][env.device.index or 0]
+    live: dict = {}
+    total = peak = 0
+    at_peak: dict = {}
+    for i, event in enumerate(trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = (i, event)
+            total += event["size"]
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            total -= live.pop(event["addr"])[1]["size"]
+        else:
+            continue
+        if i >= since and total > peak:
+            peak, at_peak = total, {a: e for a, (j, e) in live.items() if j >= since and e["size"] >= 2**20}
+    owners: dict = {}
+    for event in at_peak.values():
+        where = _allocated_by(event.get("frames", []))
+        o = owners.setdefault(where, [where, 0.0, 0])
+        o[1] += event["size"] / 2**20
+        o[2] += 1
+    return sorted(owners.values(), key=lambda o: -o[1])[:top]
+
+
 def _allocated_by(frames: list) -> str:
     """The innermost frame of library code and the innermost of ferry's, innermost first."""
     code = [f for f in frames if "/bench/" not in f["filename"]
@@ -466,7 +507,7 @@ def run_config(name, model, batch, cache, prompts, runners, env: Env, bandwidth:
             _record_owners(env, owners)
             r = make_runner(runner, model, batch, cache, fits, env, built)
             load_peak = _load_peak(env, base)
-            row, p = measure(r, key, fits, model.config.vocab_size, env, base, ref)
+            row, p = measure(r, key, fits, model.config.vocab_size, env, base, ref, trace_length(env, owners))
             row["load_peak_mib"] = load_peak
             row["memory_owners"] = memory_owners(env, owners)
             rows.append(row)
@@ -533,6 +574,11 @@ def report(rows, pre, settings: dict, out: str) -> None:
             print()
             print(table(f"GPU memory held after the run: {r['model']} B={r['batch']} L={r['cache']} {r['runner']}",
                         ["allocated by", "MiB", "blocks"], [[w, _f(m, 1), n] for w, m, n in r["memory_owners"]]))
+        if r.get("decode_peak_owners") is not None:
+            print()
+            print(table(f"Made after the load, live at the decode peak: {r['model']} B={r['batch']} L={r['cache']} "
+                        f"{r['runner']}", ["allocated by", "MiB", "blocks"],
+                        [[w, _f(m, 1), n] for w, m, n in r["decode_peak_owners"]]))
     print(f"wrote {write_json(out, {'settings': settings, 'decode': rows, 'prefill': pre})}")
 
 
