@@ -4,6 +4,8 @@ family uses; on a GPU they are used where timing says they are faster (a fake cl
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -53,6 +55,7 @@ def test_two_passes_are_kept_where_timed_faster_once_per_shape(monkeypatch, time
     DECISIONS.forget()
     timed = []
     monkeypatch.setattr(timing, "capturing", lambda device: False)
+    monkeypatch.setattr(timing, "on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(timing, "time_both", lambda first, second: timed.append((first(), second())) or times)
     logits = torch.randn(2, 128256).to(torch.bfloat16)
     try:
@@ -76,3 +79,20 @@ def test_on_the_gpu_greedy_picks_argmaxs_token(vocab):
         logits = torch.randn(batch, vocab, device="cuda", generator=g).to(torch.bfloat16)
         logits[0, vocab // 3] = logits[0, vocab - 1] = logits.max() + 1  # a tie in separate rows
         assert torch.equal(sampling.greedy(logits), logits.argmax(-1))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_the_two_passes_pick_argmaxs_token_ties_and_nans_included():
+    """The two passes themselves on CUDA (greedy may have kept argmax): ties across rows, NaNs,
+    all -inf, a [batch, 1, vocab] and a non-contiguous input."""
+    vocab = 32000
+    chunk = sampling._chunk(vocab)
+    logits = torch.randn(5, vocab, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    logits = logits.to(torch.bfloat16)
+    logits[0, [5, 7000, 31999]] = 100.0
+    logits[1, [200, 161]] = 100.0
+    logits[2, [9000, 9001, 30000]] = float("nan")
+    logits[3] = float("-inf")
+    for x in (logits, logits[:, None], logits.t().contiguous().t()):
+        assert torch.equal(sampling.by_rows(x, chunk), x.argmax(-1))

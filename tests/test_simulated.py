@@ -336,6 +336,37 @@ def test_a_new_input_shape_runs_without_the_graph(emu_async):
         torch.testing.assert_close(module(x), Scale()(x))
 
 
+def test_a_dynamic_method_with_graphs_loads_its_delegates_as_captured(emu_async, monkeypatch):
+    """Its first plan is bound without graphs (each new shape's first call runs through it), but
+    the plans per shape are captured: a delegate, loaded once by the first plan, is told so (an
+    inductor delegate then loads on the capture stream), while the first plan's own kernel
+    choices stay those of a plan run eagerly."""
+    from ferry.runtime.stages import module as module_mod
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+
+    callers, init = [], module_mod.Module._init_delegate
+
+    def recording(self, index, memory, caller):
+        callers.append(caller.captured)
+        return init(self, index, memory, caller)
+
+    monkeypatch.setattr(module_mod.Module, "_init_delegate", recording)
+    batch = torch.export.Dim("batch", max=64)
+    ep = torch.export.export(Scale(), (torch.randn(8, 16),), dynamic_shapes=({0: batch},))
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(False, False))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), cfg)
+    for graphs in (True, False):
+        callers.clear()
+        module = ferry.Module(program, cuda_graphs=graphs)
+        for n in (8, 8, 8, 5):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(module(x), Scale()(x))
+        assert callers and set(callers) == {graphs}
+
+
 def test_pageable_host_memory_is_never_captured(emu_async, monkeypatch):
     """A copy from pageable host memory would replay a staging buffer filled at capture: it
     runs without a graph, and the user is told; the device work after it is still captured."""

@@ -78,7 +78,10 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -
     both ways once per process. Where any product becomes a reduction the graph is compiled with
     TUNING, under which Inductor itself would turn every one-row `mm` into an untimed reduction:
     the products left to cuBLAS are then called through `library_linear`, which it leaves alone.
-    Returns the decisions (none: nothing to choose, or a product that could not be timed)."""
+    Other one-row products of such a graph (fp32, a weight passed in, a `bmm` of one query row)
+    are not candidates and are left to Inductor's rewrite. Outside CUDA graphs `library_linear`
+    costs a Python call per product and call. Returns the decisions (none: nothing to choose, or
+    a product that could not be timed)."""
     nodes = [n for n in candidates(gm, shapes) if _weights(gm, n)[0].device.type in TIMED_ON]
     times = [product_times(gm, n) for n in nodes]
     if not nodes or any(t is None for t in times):

@@ -93,7 +93,8 @@ def _passes(logits: torch.Tensor) -> int | None:
 
     def decide():
         x = logits.detach()
-        times = timing.time_both(lambda: x.argmax(dim=-1), lambda: by_rows(x, chunk))
+        with timing.on(logits.device):  # its events and queued waits on the logits' GPU
+            times = timing.time_both(lambda: x.argmax(dim=-1), lambda: by_rows(x, chunk))
         shape = f"{'x'.join(map(str, logits.shape))} in rows of {chunk}"
         return timing.decision(FAMILY, "aten.argmax", shape, logits.device, logits.dtype, FORMS, times)
 

@@ -89,16 +89,25 @@ class LoadedMethod:
               record: tuple[int, ...] = (), measure: bool = False, caller: CallerPlan | None = None) -> Plan:
         api = self.streams.api if self.streams is not None else None
         caller = caller or self.caller
-        # a dynamic method with graphs: its delegates load as for the plans captured per shape later
-        captured = graphs or (self._graphs and bool(self._dynamic) and self.streams is not None)
-        inside = CallerPlan(True, self.streams) if captured and not caller.captured else caller  # the outermost's streams
-        ctx = BindContext(self._delegate, self.streams, api.page_locked if api is not None else None, self.transport,
-                          measure, inside)
+        inside = CallerPlan(True, self.streams) if graphs and not caller.captured else caller  # the outermost's streams
+        ctx = BindContext(self._delegates_for(inside), self.streams, api.page_locked if api is not None else None,
+                          self.transport, measure, inside)
         bound = bind_method(self.method, self.memory, ctx, io=io, per_call=per_call, shapes=shapes)
         kind = api.device_type if api is not None else None
         return Plan(self.name, bound, schedule(bound.steps, kind, graphs), schedule(bound.steps, kind), self.streams,
                     list(self.method.outputs), record, schedule(bound.steps, kind, graphs, pending=True),
                     self.transport)
+
+    def _delegates_for(self, inside: CallerPlan):
+        """The delegate loader a plan binds with. A dynamic method with graphs binds its first plan
+        without them, but its plans per shape are captured later: a delegate (loaded once, by the
+        first plan) loads as for those (an inductor delegate's load on the capture stream), while
+        the plan's own kernel choices stay those of a plan run eagerly."""
+        if inside.captured or not (self._graphs and self._dynamic and self.streams is not None):
+            return self._delegate
+        later = CallerPlan(True, self.streams)
+        return lambda index, memory=(), caller=NOT_CAPTURED: self._delegate(
+            index, memory, caller if caller.captured else later)
 
     @property
     def notes(self) -> tuple[str, ...]:

@@ -57,6 +57,17 @@ def empty_on(device: Device, shape, dtype: torch.dtype, strides=()) -> torch.Ten
     return t
 
 
+def _used_on_callers_stream(outs: list) -> None:
+    """Results a call before the capture made on a capture stream (runtime/devices/graphs.py
+    `on_capture_stream`) are the caller's, used on its current stream: once freed, their memory
+    waits for that stream's work before the capture stream reuses it (a caller that changes
+    streams between calls would otherwise race with it)."""
+    for t in outs:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            with contextlib.suppress(RuntimeError):  # memory the caching allocator does not own
+                t.record_stream(torch.cuda.current_stream(t.device))
+
+
 class Plan:
     """An immutable list of work for one bound method, and the per-call handling of its I/O."""
 
@@ -171,6 +182,7 @@ class Plan:
             self._fresh_outputs(bind_outputs)
             if self.graphs:
                 self._key = tuple((pad_to, *t.shape[1:]) if pad_to else tuple(t.shape) for t in inputs)
+            before_capture = any(g.graph is None for g in self.graphs)  # work on the capture streams
             with self._first_call_streams():
                 for call in self._work(part, finish):
                     call()
@@ -181,6 +193,8 @@ class Plan:
             outs = [slots[vid] for vid in self.outputs]
             for i, pos in io.passthrough:
                 outs[i] = inputs[pos]
+            if before_capture:
+                _used_on_callers_stream(outs)
             if bind_outputs is not None:
                 _copy_into(bind_outputs, outs) if finish else self._copy_in_order(bind_outputs, outs)
             if self.shapes is not None:
