@@ -89,16 +89,16 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -
     by_shape: dict[str, list[torch.fx.Node]] = {}
     for node in nodes:
         by_shape.setdefault(_shape(*_weights(gm, node)), []).append(node)
-    decisions = {name: _decided(gm, group) for name, group in sorted(by_shape.items())}
-    if any(d.taken for d in decisions.values()):
-        for name, group in by_shape.items():
+    decided = [(_decided(gm, group), group) for _, group in sorted(by_shape.items())]
+    if any(d.taken for d, _ in decided):
+        for d, group in decided:
             for node in group:
-                if decisions[name].taken:
+                if d.taken:
                     rewrite(gm, node, shapes)
                 else:
                     node.target = LIBRARY_LINEAR
         gm.recompile()
-    return list(decisions.values())
+    return [d for d, _ in decided]
 
 
 def _decided(gm: torch.fx.GraphModule, group: list[torch.fx.Node]) -> Decision:
@@ -106,7 +106,7 @@ def _decided(gm: torch.fx.GraphModule, group: list[torch.fx.Node]) -> Decision:
     either way, so no launch to pay for: the reduction is kept where it saves 3% (what the timing
     of one graph-captured kernel tells apart; the graph's own compile tunes it again)."""
     weight, bias = _weights(gm, group[0])
-    times = product_times(gm, group[0])
+    times = product_times(gm, group[0])  # (measured already, by apply)
     assert times is not None  # (apply: every product was timed)
     name = _shape(weight, bias)
     key = (FAMILY, name, weight.dtype, str(weight.device), blas_settings())

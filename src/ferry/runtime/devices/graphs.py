@@ -10,10 +10,10 @@ workspace another module's captures later found there would be freed under their
 module closed; made outside any pool, under this one's (tried: replays then fail with
 "unspecified launch failure"). Every address in it is fixed — planned memory, the fixed tensors
 device inputs are staged into, or what a functional kernel allocated during the capture (from
-the graph's own memory pool) — which is what makes replay legal. After a replay, the slots of the values the segment
-produced point at the tensors the capture made, whose memory the replay has rewritten. A
-capture that fails, or records nothing, falls back to running the segment eagerly, with a
-warning: never a wrong result.
+the graph's own memory pool) — which is what makes replay legal. After a replay, the slots of
+the values the segment produced point at the tensors the capture made, whose memory the replay
+has rewritten. A capture that fails, or records nothing, falls back to running the segment
+eagerly, with a warning: never a wrong result.
 """
 
 from __future__ import annotations

@@ -183,7 +183,8 @@ class Plan:
             if self.graphs:
                 self._key = tuple((pad_to, *t.shape[1:]) if pad_to else tuple(t.shape) for t in inputs)
             before_capture = any(g.graph is None for g in self.graphs)  # work on the capture streams
-            with self._first_call_streams():
+            first = self._on_capture_streams() if before_capture and not self.checked else contextlib.nullcontext()
+            with first:
                 for call in self._work(part, finish):
                     call()
             self._allocate_unwritten()
@@ -207,13 +208,12 @@ class Plan:
         return outs
 
     @contextlib.contextmanager
-    def _first_call_streams(self):
+    def _on_capture_streams(self):
         """A plan with graphs runs its first call (its steps one by one, with the shape checks) on
         the capture streams its graphs use, as their first runs do (runtime/devices/graphs.py)."""
         with contextlib.ExitStack() as stack:
-            if not self.checked:
-                for index in dict.fromkeys(g.index for g in self.graphs):
-                    stack.enter_context(on_capture_stream(self.streams, index))
+            for index in dict.fromkeys(g.index for g in self.graphs):
+                stack.enter_context(on_capture_stream(self.streams, index))
             yield
 
     def _work(self, part: bool, finish: bool) -> tuple:
