@@ -842,3 +842,72 @@ def test_grouped_kv_heads_on_cuda_equal_eager(full_fp32):
     program = compile_on(model, _grouped_inputs(), device="cuda:0")
     assert "aten::expand.default" not in delegate_kernels(program)
     assert_matches_eager(program, model, lambda: _grouped_inputs())
+
+
+class SharedMask(torch.nn.Module):
+    """Two attention calls (grouped heads, as a decoder's layers) reading one boolean mask made
+    from the step's position, as transformers' causal mask of a static cache is."""
+
+    def forward(self, q, k, v, pos):
+        mask = (torch.arange(k.shape[-2]) <= pos)[None, None, None, :].expand(1, 1, q.shape[-2], -1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return torch.nn.functional.scaled_dot_product_attention(a, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _wheres(kernels) -> int:
+    return sum(k.startswith("aten::where.self") for k in kernels)
+
+
+def _shared_mask_inputs(dtype=torch.float32, device="cpu"):
+    q = torch.randn(1, 8, 1, 16, dtype=dtype, device=device)
+    k, v = (torch.randn(1, 2, 12, 16, dtype=dtype, device=device) for _ in range(2))
+    return q, k, v, torch.randint(0, 12, (1,), device=device)
+
+
+def test_a_boolean_mask_shared_by_attention_calls_is_made_additive_once(emu):
+    model = SharedMask()
+    program = compile_on(model, _shared_mask_inputs())
+    kernels = delegate_kernels(program)
+    assert _wheres(kernels) == 1 and kernels.count(SDPA) == 2, kernels
+    assert "boolean attention masks made additive once" in delegate_method(program).kernel_choices
+    assert _wheres(delegate_kernels(compile_on(model, _shared_mask_inputs(), fuse=False))) == 0
+    module = ferry.Module(program)
+    for _ in range(4):
+        inputs = _shared_mask_inputs()
+        assert torch.equal(module(*inputs), model(*inputs))  # ATen makes the same bias inside each call
+
+
+def test_a_mask_read_by_one_attention_stays_boolean(emu):
+    model = GroupedHeads()
+    program = compile_on(model, _grouped_inputs())
+    assert _wheres(delegate_kernels(program)) == 0
+
+
+def test_a_shared_mask_through_the_inductor_backend_equals_eager():
+    model = SharedMask()
+    ep = torch.export.export(model.eval(), _shared_mask_inputs())
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    assert _wheres(delegate_kernels(program)) == 1
+    module = ferry.Module(program)
+    for _ in range(3):
+        inputs = _shared_mask_inputs()
+        torch.testing.assert_close(module(*inputs), model(*inputs), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["torch", "inductor"])
+def test_a_shared_mask_made_additive_on_cuda_equals_eager(backend):
+    model = SharedMask()
+    inputs = _shared_mask_inputs(torch.bfloat16, "cuda")
+    ep = torch.export.export(model.eval(), inputs)
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id=backend))
+    assert _wheres(delegate_kernels(program)) == 1
+    module = ferry.Module(program)
+    for _ in range(3):
+        inputs = _shared_mask_inputs(torch.bfloat16, "cuda")
+        got, want = module(*inputs), model(*inputs)
+        if backend == "torch":
+            assert torch.equal(got.cpu(), want.cpu())  # cuDNN's kernel given the bias ATen would make
+        else:
+            torch.testing.assert_close(got.cpu(), want.cpu(), rtol=2e-2, atol=2e-2)

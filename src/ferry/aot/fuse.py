@@ -57,10 +57,11 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
 
 def merge_for_compiler(gm: torch.fx.GraphModule, merged: dict | None = None) -> list[Rewrite]:
     """What a graph compiler (the inductor backend) does not do itself: grouped KV heads read by
-    attention as they are (no repeated copy of the cache), and projections of one input merged
+    attention as they are (no repeated copy of the cache), a boolean mask that several attention
+    calls share made additive once (each call would convert it again), and projections of one input merged
     into one GEMM over stacked weights (Inductor keeps each linear its own cuBLAS call).
     `merged`: the program's stacked weights, shared by its methods (gemm.merge_projections)."""
-    done = attention.grouped_heads(gm) + gemm.merge_projections(gm, merged)
+    done = attention.grouped_heads(gm) + attention.additive_masks(gm) + gemm.merge_projections(gm, merged)
     if done:
         tidy(gm)
     return done
@@ -103,6 +104,8 @@ _NOTES = {
                       "heads (enable_gqa): the traced copies repeating the cache per query head are gone"),
     "projections merged": ("linears of one input merged", "{n} linears reading one input (q/k/v, gate/up) run as "
                            "fewer GEMMs over their weights stacked at compile time, each result a slice"),
+    "additive mask": ("boolean attention masks made additive once", "{n} attention(s) read one additive mask made "
+                      "once from the boolean mask they share (ATen converts it inside every call)"),
     "copy dropped": ("clones dropped", "{n} copies that keep the layout (dropout at inference) dropped: the value "
                      "itself is read"),
     "conv relu": ("aten::relu.default", "{n} fused with the convolution (and residual add) before it "
