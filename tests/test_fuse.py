@@ -849,7 +849,7 @@ class SharedMask(torch.nn.Module):
     from the step's position, as transformers' causal mask of a static cache is."""
 
     def forward(self, q, k, v, pos):
-        mask = (torch.arange(k.shape[-2]) <= pos)[None, None, None, :].expand(1, 1, q.shape[-2], -1)
+        mask = (torch.arange(k.shape[-2], device=pos.device) <= pos)[None, None, None, :].expand(1, 1, q.shape[-2], -1)
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return torch.nn.functional.scaled_dot_product_attention(a, k, v, attn_mask=mask, enable_gqa=True)
 
