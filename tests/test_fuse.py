@@ -855,7 +855,7 @@ class SharedMask(torch.nn.Module):
 
 
 def _wheres(kernels) -> int:
-    return sum(k.startswith("aten::where.self") for k in kernels)
+    return sum(k.startswith("aten::where.") for k in kernels)
 
 
 def _shared_mask_inputs(dtype=torch.float32, device="cpu"):

@@ -37,7 +37,7 @@ from ferry import node_meta as M
 from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision, Site
 from ferry.choices.gemm import biased_gemm, blas_settings
-from ferry.choices.graph_edits import Rewrite, attr, call, constant
+from ferry.choices.graph_edits import Rewrite, attr, call
 
 __all__ = ["OPS", "PATTERNS", "additive_masks", "composed_attention", "form", "grouped_heads"]
 
@@ -421,13 +421,13 @@ def additive_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
     for (mask, dtype), calls in users.items():
         if len(calls) < 2:
             continue  # one call: the same one conversion either way
-        with gm.graph.inserting_after(mask):
-            zero = constant(gm, "attention_mask_zero", torch.zeros((), dtype=dtype), mask)
-            with gm.graph.inserting_after(zero):
-                neg = constant(gm, "attention_mask_neg_inf", torch.full((), -math.inf, dtype=dtype), mask)
-            with gm.graph.inserting_after(neg):
-                bias = call(gm, mask, aten.where.self, (mask, zero, neg),
-                            mask.meta["val"].new_empty(mask.meta["val"].shape, dtype=dtype))
+        val = mask.meta["val"]
+        with gm.graph.inserting_after(mask):  # no constants: only ops of the step itself
+            bias = call(gm, mask, aten.where.Scalar, (mask, 0.0, -math.inf), val.new_empty(val.shape, dtype=torch.float32))
+        if dtype != torch.float32:
+            with gm.graph.inserting_after(bias):
+                bias = call(gm, mask, aten._to_copy.default, (bias,), val.new_empty(val.shape, dtype=dtype))
+                bias.kwargs = {"dtype": dtype}
         for node in calls:
             if len(node.args) > 3:
                 node.args = (*node.args[:3], bias, *node.args[4:])
