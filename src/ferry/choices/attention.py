@@ -414,8 +414,8 @@ def additive_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
         mask = {**dict(zip(_SDPA_PARAMS, node.args[3:])), **node.kwargs}.get("attn_mask")
         mval = mask.meta.get("val") if isinstance(mask, torch.fx.Node) else None
         q = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        if (isinstance(mval, torch.Tensor) and mval.dtype == torch.bool and isinstance(q, torch.Tensor)
-                and q.dtype.is_floating_point):
+        if (isinstance(mask, torch.fx.Node) and isinstance(mval, torch.Tensor) and mval.dtype == torch.bool
+                and isinstance(q, torch.Tensor) and q.dtype.is_floating_point):
             users.setdefault((mask, q.dtype), []).append(node)
     done = []
     for (mask, dtype), calls in users.items():
