@@ -901,7 +901,9 @@ def test_a_shared_mask_made_additive_on_cuda_equals_eager(backend):
     model = SharedMask()
     inputs = _shared_mask_inputs(torch.bfloat16, "cuda")
     ep = torch.export.export(model.eval(), inputs)
-    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id=backend))
+    keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+        skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))  # inputs and result stay on the GPU
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id=backend), keep)
     assert _wheres(delegate_kernels(program)) == 1
     module = ferry.Module(program)
     for _ in range(3):

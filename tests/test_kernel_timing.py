@@ -245,6 +245,18 @@ def test_faster_needs_a_tenth_and_two_microseconds():
     assert not kernel_timing.faster(10.0, 8.5) and kernel_timing.faster(20.0, 17.5)
 
 
+def test_the_margins_are_read_when_deciding_so_a_form_can_be_forced(monkeypatch):
+    """The GPU tests force the other form by setting the margins: a decision must read them then."""
+    times = (10.0, 30.0)  # the other form three times slower: eager's kept
+    assert not kernel_timing.faster(*times)
+    monkeypatch.setattr(kernel_timing, "KEEP_IF_ABOVE", math.inf)
+    monkeypatch.setattr(kernel_timing, "MIN_SAVING_US", -math.inf)
+    assert kernel_timing.faster(*times)
+    d = kernel_timing.decision("f", "op", "s", torch.device("cpu"), torch.float32, ("eager", "other"), times)
+    assert d.taken
+    assert not kernel_timing.faster(*times, keep_if_above=0.9, min_saving_us=2.0)  # given: those
+
+
 def test_the_summary_says_what_load_chose_of_each_kind(timed, monkeypatch):
     from ferry.choices import summary as kernel_choices
     from ferry.ops import fused
