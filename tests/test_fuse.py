@@ -913,3 +913,16 @@ def test_a_shared_mask_made_additive_on_cuda_equals_eager(backend):
             assert torch.equal(got.cpu(), want.cpu())  # cuDNN's kernel given the bias ATen would make
         else:
             torch.testing.assert_close(got.cpu(), want.cpu(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_shared_mask_over_a_dynamic_length_equals_eager_at_sizes_large_small_large(emu):
+    model = SharedMask()
+    n = torch.export.Dim("n", min=2, max=12)
+    ep = torch.export.export(model.eval(), _shared_mask_inputs(), dynamic_shapes=({}, {2: n}, {2: n}, {}))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
+    assert _wheres(delegate_kernels(program)) == 1
+    module = ferry.Module(program)
+    for length in (12, 5, 12):
+        q, k, v, _ = _shared_mask_inputs()
+        k, v, pos = k[:, :, :length], v[:, :, :length], torch.randint(0, length, (1,))
+        assert torch.equal(module(q, k, v, pos), model(q, k, v, pos))

@@ -323,12 +323,17 @@ def _same_result(gm, members, region) -> bool:
 _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
+def _sdpa_options(node: torch.fx.Node) -> dict:
+    """An attention call's arguments after q, k and v, by name (given by position or keyword)."""
+    return {**dict(zip(_SDPA_PARAMS, node.args[3:])), **node.kwargs}
+
+
 def simplify_attention_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
     done = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
-        kwargs = {**dict(zip(_SDPA_PARAMS, node.args[3:])), **node.kwargs}
+        kwargs = _sdpa_options(node)
         mask = kwargs.get("attn_mask")
         value = _constant_value(gm, mask, {}) if isinstance(mask, torch.fx.Node) else None
         if value is None or value.dtype != torch.bool:
@@ -411,7 +416,7 @@ def additive_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not SDPA:
             continue
-        mask = {**dict(zip(_SDPA_PARAMS, node.args[3:])), **node.kwargs}.get("attn_mask")
+        mask = _sdpa_options(node).get("attn_mask")
         mval = mask.meta.get("val") if isinstance(mask, torch.fx.Node) else None
         q = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
         if (isinstance(mask, torch.fx.Node) and isinstance(mval, torch.Tensor) and mval.dtype == torch.bool
@@ -429,10 +434,7 @@ def additive_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
                 bias = call(gm, mask, aten._to_copy.default, (bias,), val.new_empty(val.shape, dtype=dtype))
                 bias.kwargs = {"dtype": dtype}
         for node in calls:
-            if len(node.args) > 3:
-                node.args = (*node.args[:3], bias, *node.args[4:])
-            else:
-                node.kwargs = {**node.kwargs, "attn_mask": bias}
+            node.args, node.kwargs = tuple(node.args[:3]), {**_sdpa_options(node), "attn_mask": bias}
             done.append(Rewrite("additive mask", node.name))
     return done
 

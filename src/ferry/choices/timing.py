@@ -37,8 +37,7 @@ def decision(family: str, op: str, shape: str, device: torch.device, dtype: torc
     """The decision between eager's form (first) and another, timed: the other where `faster`.
     `min_saving_us`: 0 where the other form launches no more kernels than eager's. Left out, the
     margins are this module's, read at the call (tests force a form by setting them)."""
-    min_saving_us = MIN_SAVING_US if min_saving_us is None else min_saving_us
-    keep_if_above = KEEP_IF_ABOVE if keep_if_above is None else keep_if_above
+    min_saving_us, keep_if_above = _margins(min_saving_us, keep_if_above)
     pick = forms[1] if faster(*times, min_saving_us=min_saving_us, keep_if_above=keep_if_above) else forms[0]
     why = (f"{forms[1]} saves {times[0] - times[1]:.1f} µs of {times[0]:.1f}" if pick != forms[0]
            else f"{forms[1]} saves less than {1 - keep_if_above:.0%}"
@@ -50,9 +49,13 @@ def faster(eager_us: float, other_us: float, min_saving_us: float | None = None,
            keep_if_above: float | None = None) -> bool:
     """The alternative is kept only where it saves at least 10% (`keep_if_above`) and 2 µs
     (`min_saving_us`); left out, each is this module's, read at the call."""
-    min_saving_us = MIN_SAVING_US if min_saving_us is None else min_saving_us
-    keep_if_above = KEEP_IF_ABOVE if keep_if_above is None else keep_if_above
+    min_saving_us, keep_if_above = _margins(min_saving_us, keep_if_above)
     return other_us <= keep_if_above * eager_us and eager_us - other_us >= min_saving_us
+
+
+def _margins(min_saving_us: float | None, keep_if_above: float | None) -> tuple[float, float]:
+    return (MIN_SAVING_US if min_saving_us is None else min_saving_us,
+            KEEP_IF_ABOVE if keep_if_above is None else keep_if_above)
 
 
 def gpu_of(operands, device: torch.device | None = None) -> torch.device | None:
