@@ -285,7 +285,7 @@ def test_weights_are_copied_past_the_l2_cache_only_when_they_fit_in_it(monkeypat
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     for n, k in [(3072, 2048), (2048, 2048), (2048, 8192), (16384, 2048), (128256, 2048), (8, 8)]:
         w = torch.empty(n, k, dtype=torch.bfloat16, device="meta")
-        copies, nbytes = gemv._copies(w), 2 * n * k
+        copies, nbytes = gemv.cold_copies(w), 2 * n * k
         if nbytes >= Props.L2_cache_size:
             assert copies == 1
         else:

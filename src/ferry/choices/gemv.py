@@ -32,8 +32,8 @@ from ferry.choices.decisions import DECISIONS, Decision
 from ferry.choices.gemm import blas_settings
 from ferry.ops.aliasing import is_view, view_source
 
-__all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "TIMED_ON", "TUNING", "apply", "by_reduction", "candidates", "measure",
-           "product_times", "rewrite"]
+__all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "TIMED_ON", "TUNING", "apply", "by_reduction", "candidates", "cold_copies",
+           "measure", "product_times", "realized", "rewrite"]
 
 aten = torch.ops.aten
 FAMILY = "matrix-vector product"
@@ -179,7 +179,7 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, reduction) -> tuple
     try:
         with timing.on(device):
             x = torch.full((1, weight.shape[1]), 0.5, dtype=weight.dtype, device=device)
-            copies += [torch.full_like(weight, 0.5) for _ in range(_copies(weight) - 1)]
+            copies += [torch.full_like(weight, 0.5) for _ in range(cold_copies(weight) - 1)]
             times = timing.time_both(lambda: [torch.nn.functional.linear(x, w, bias) for w in copies],
                                      lambda: [reduction(x, w, bias) for w in copies])
             return times[0] / len(copies), times[1] / len(copies)
@@ -191,7 +191,7 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, reduction) -> tuple
             torch.cuda.empty_cache()
 
 
-def _copies(weight: torch.Tensor) -> int:
+def cold_copies(weight: torch.Tensor) -> int:
     """Copies enough that each is out of L2 by the time it is read again; one for a weight larger
     than L2, which evicts itself (a second copy of a 525 MB head raised the load's peak by as much)."""
     l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 64 << 20)
@@ -213,14 +213,14 @@ def _compiled(weight, bias):
 def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
             shapes: dict[torch.fx.Node, torch.Tensor] | None = None) -> None:
     """Replace the `linear` node by `by_reduction`'s ops, which Inductor fuses into one kernel, its
-    row read from memory as the timed kernel read it (`_realized`)."""
+    row read from memory as the timed kernel read it (`realized`)."""
     x, weight = node.args[:2]
     bias = node.args[2] if len(node.args) > 2 else None
     assert isinstance(x, torch.fx.Node)  # (candidates: a row the graph computes or takes)
     g = gm.graph
     with g.inserting_before(node):
         f32 = torch.float32
-        row = _realized(g, x, (shapes or {}).get(x))
+        row = realized(g, x, (shapes or {}).get(x))
         xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (row, -2)),),
                              {"dtype": f32})
         wf = g.call_function(aten._to_copy.default, (weight,), {"dtype": f32})
@@ -234,7 +234,7 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
     g.erase_node(node)
 
 
-def _realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) -> torch.fx.Node:
+def realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) -> torch.fx.Node:
     """The row as a tensor in memory. Left to itself Inductor computes the ops that make the row
     inside the reduction, once per block of outputs: a down projection fused so with its SiLU and
     multiply took 15 µs on an H200 where the timed kernel, reading its row, took 9.3. A view
