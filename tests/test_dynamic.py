@@ -136,6 +136,37 @@ def test_the_graph_report_says_what_each_shape_captured(emu_async):
     assert not any(r.eager for r in by_shape.values())
 
 
+def test_with_graphs_a_dynamic_methods_first_call_at_each_shape_runs_on_the_capture_stream(emu_async, monkeypatch):
+    """Each new shape's first call runs through the plan bound without graphs (it records the
+    sizes); with graphs that plan launches its device work on the capture stream as the captured
+    plans do, so on CUDA the caller's stream makes no cuBLAS workspace of its own (32 MiB). In
+    every call the caller's stream gets no more than a replay; results equal eager's in any order
+    of shapes."""
+    api = emu_async.streams_api()
+    launched_on, enqueue = [], type(api).enqueue
+
+    def recording(self, stream, fn, touches_host=False):
+        launched_on.append(stream.name)
+        return enqueue(self, stream, fn, touches_host)
+
+    monkeypatch.setattr(type(api), "enqueue", recording)
+    model = TinyLM(layers=2).eval()
+    ep = torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=({0: BATCH, 1: SEQ},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), KEEP_ON_DEVICE), cuda_graphs=True,
+                          outputs="view")
+    per_call = []
+    for shape in [(2, 16), (4, 5), (2, 16), (2, 16), (3, 7), (4, 5), (4, 5), (2, 16)]:
+        ids = torch.randint(0, 32, shape)
+        launched_on.clear()
+        got = module(clone_to(ids, "emu:0"))
+        per_call.append((shape, list(launched_on)))
+        torch.testing.assert_close(clone_to(got, "cpu"), model(ids), atol=1e-5, rtol=1e-4)
+    (capture,) = {g.streams.capture_stream(g.index).name for g in loaded_method(module).graphs}
+    firsts = [names for i, (shape, names) in enumerate(per_call) if shape not in [s for s, _ in per_call[:i]]]
+    assert len(firsts) == 3 and all(names.count(capture) >= 1 for names in firsts)
+    assert all(names.count("default") <= 1 for _, names in per_call)  # a replay at most
+
+
 def test_graphs_asked_of_a_program_with_no_device_work_say_so_once(emu):
     model = TinyLM(layers=1).eval()
     program = ferry.compile(torch.export.export(model, (torch.randint(0, 32, (2, 8)),)))  # all on the CPU

@@ -159,40 +159,10 @@ def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
     if scheme == "int4":
         got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 32)
         assert got.tokens.tolist() == want.tolist()
-        _int4_products_as_reductions_follow_eager(model, prompt, keep)
     else:
         logits = ferry.Module(program.to_bytes()).forward(prompt, torch.arange(PROMPT, device="cuda"))
         scale = want_logits.abs().max().item()
         torch.testing.assert_close(logits.float(), want_logits.float(), rtol=0, atol=2e-2 * scale)
-
-
-def _int4_products_as_reductions_follow_eager(model, prompt, keep) -> None:
-    """A decode step (one token) in the inductor backend with every one-row int4 product a
-    reduction over its plain values (forced: choices/int4_gemv.py), CUDA graphs on: its logits,
-    fed the prompt and then eager's greedy tokens, equal torchao eager's within bf16 tolerance
-    (the reduction sums in another order)."""
-    from ferry.choices import int4_gemv
-    from ferry.choices.decisions import DECISIONS
-
-    recipe = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
-    with torch.no_grad():
-        ep = recipe.export(input_ids=torch.zeros(1, 1, dtype=torch.long, device="cuda"),
-                           cache_position=torch.arange(1, device="cuda"))
-    DECISIONS.forget()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(int4_gemv, "KEEP_IF_ABOVE", 100.0)
-        program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id="inductor"), keep)
-        module = ferry.Module(program.to_bytes(), cuda_graphs=True)
-    assert any(d.family == int4_gemv.FAMILY and d.taken for d in DECISIONS.values(timed=True))
-    with torch.no_grad():
-        cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
-        tokens = prompt[:, :1]
-        for pos in range(PROMPT + 8):
-            want = model(tokens, past_key_values=cache, cache_position=torch.tensor([pos], device="cuda")).logits
-            got = module.forward(tokens, torch.tensor([pos], device="cuda"))
-            scale = want.abs().max().item()
-            torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * scale)
-            tokens = prompt[:, pos + 1:pos + 2] if pos + 1 < PROMPT else want[:, -1:].argmax(-1)
 
 
 def test_ferry_inspect_on_the_command_line_lists_the_quantized_weights(tmp_path):

@@ -1,20 +1,20 @@
 """The `inductor` backend: a delegate compiled by PyTorch's Inductor when the program loads.
 
 Its payload is a ferry program, like the `torch` backend's, but functional: every op is its
-functional overload and nothing is planned, which is the graph a graph compiler wants. It is stored
-in ferry's own format, so the file holds no pickle and no native code: kernel names resolve only to
-operators registered with PyTorch (none that reaches outside the tensors), and every call is checked
-against its schema before anything runs. At load the method is rebuilt as a torch.fx graph, with its
-constants uploaded to the delegate's device, run once op by op on inputs of its declared shapes
-(ATen checks the bounds of every view; compiled code would not), on CUDA given its one-row products
-as tuned reductions where those were timed faster (choices/gemv.py; int4 weights:
-choices/int4_gemv.py), and compiled by Inductor for that device (Triton kernels on CUDA, C++ on the
-CPU). Inductor's on-disk cache makes a later load of the same graph fast. Inductor allocates its
-results, and they become the delegate's outputs (storage `runtime`: the method plans no memory for
-them; each is checked against its declared shape, dtype and device every call, and copied only when
-it shares memory with the delegate's inputs or constants or is laid out otherwise than declared:
-runtime/stages/bind.py). An input laid out otherwise than compiled for is copied to that layout
-first.
+functional overload and nothing is planned, which is the graph a graph compiler wants. It is
+stored in ferry's own format, so the file holds no pickle and no native code: kernel names
+resolve only to operators registered with PyTorch (none that reaches outside the tensors), and
+every call is checked against its schema before anything runs. At load the method is rebuilt as
+a torch.fx graph, with its constants uploaded to the delegate's device, run once op by op on
+inputs of its declared shapes (ATen checks the bounds of every view; compiled code would not),
+on CUDA given its one-row products as tuned reductions where those were timed faster
+(choices/gemv.py), and compiled by Inductor for that device (Triton kernels on CUDA, C++ on the
+CPU). Inductor's
+on-disk cache makes a later load of the same graph fast. Inductor allocates its results, and
+they become the delegate's outputs (storage `runtime`: the method plans no memory for them;
+each is checked against its declared shape, dtype and device every call, and copied only when it
+shares memory with the delegate's inputs or constants or is laid out otherwise than declared:
+runtime/stages/bind.py). An input laid out otherwise than compiled for is copied to that layout first.
 
 A partition with dynamic sizes is compiled once for every size up to its bounds (Dynamo traces it
 with those dimensions marked dynamic; a dimension of 1 compiles once more when first met); one
@@ -42,7 +42,7 @@ from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
 from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_program
 from ferry.capture import keep_workspace, on_side_stream
-from ferry.choices import gemv, int4_gemv
+from ferry.choices import gemv
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
@@ -131,8 +131,7 @@ class InductorBackend(Backend):
             with _load_stream(method, caller):
                 shapes = _dry_run(gm, examples)
                 # one-row products Inductor streams faster as reductions (timed); tuned as they were timed
-                decided = gemv.apply(gm, shapes) + int4_gemv.apply(gm, shapes)
-                tuning = gemv.TUNING if any(d.taken for d in decided) else {}
+                tuning = gemv.TUNING if any(d.taken for d in gemv.apply(gm, shapes)) else {}
         except BaseException:
             mem.close()
             raise

@@ -72,8 +72,12 @@ class Plan:
     """An immutable list of work for one bound method, and the per-call handling of its I/O."""
 
     def __init__(self, name: str, bound: Bound, sched: Schedule, first: Schedule, streams, outputs: list[int],
-                 record: tuple[int, ...] = (), in_flight: Schedule | None = None, transport=None):
+                 record: tuple[int, ...] = (), in_flight: Schedule | None = None, transport=None,
+                 stands_in: tuple[int, ...] = ()):
         self.name, self.bound, self.io = name, bound, bound.io
+        # a plan without graphs that stands in for captured ones (a dynamic method's first call at
+        # each shape): the devices whose capture streams every call of it runs on, as a first call does
+        self.stands_in = stands_in
         self.transport = transport  # copies between ranks, whose receives may finish at the end
         # the dynamic values whose sizes a call records (a method bound per shape: runtime/stages/method.py)
         self.record = record
@@ -183,8 +187,8 @@ class Plan:
             if self.graphs:
                 self._key = tuple((pad_to, *t.shape[1:]) if pad_to else tuple(t.shape) for t in inputs)
             before_capture = any(g.graph is None for g in self.graphs)  # work on the capture streams
-            first = self._on_capture_streams() if before_capture and not self.checked else contextlib.nullcontext()
-            with first:
+            on_capture = self.stands_in or (tuple(g.index for g in self.graphs) if not self.checked else ())
+            with self._on_capture_streams(on_capture) if before_capture or self.stands_in else contextlib.nullcontext():
                 for call in self._work(part, finish):
                     call()
             self._allocate_unwritten()
@@ -194,7 +198,7 @@ class Plan:
             outs = [slots[vid] for vid in self.outputs]
             for i, pos in io.passthrough:
                 outs[i] = inputs[pos]
-            if before_capture:
+            if before_capture or self.stands_in:
                 _used_on_callers_stream(outs)
             if bind_outputs is not None:
                 _copy_into(bind_outputs, outs) if finish else self._copy_in_order(bind_outputs, outs)
@@ -208,11 +212,12 @@ class Plan:
         return outs
 
     @contextlib.contextmanager
-    def _on_capture_streams(self):
+    def _on_capture_streams(self, indices: tuple[int, ...]):
         """A plan with graphs runs its first call (its steps one by one, with the shape checks) on
-        the capture streams its graphs use, as their first runs do (runtime/devices/graphs.py)."""
+        the capture streams its graphs use, as their first runs do (runtime/devices/graphs.py);
+        a plan standing in for captured ones runs every call there."""
         with contextlib.ExitStack() as stack:
-            for index in dict.fromkeys(g.index for g in self.graphs):
+            for index in dict.fromkeys(indices):
                 stack.enter_context(on_capture_stream(self.streams, index))
             yield
 

@@ -1,0 +1,158 @@
+"""int4 matrix-vector products at a decoder's decode shapes: tinygemm's kernel against Inductor's
+reductions over the plain int4 values.
+
+    python bench/int4_gemv_kernels.py [--model llama-1b] [--group 128]
+
+torchao's `Int4WeightOnlyConfig` packs each weight into tinygemm's tiles; a decode step multiplies
+one row by each. For each linear of the model (as torchao quantizes it: q, k, v, o, gate, up, down,
+the head) this times, from a CUDA graph with the weights rotated through more copies than fit in
+L2 (a decode step reads them cold):
+
+- `tinygemm`: `_weight_int4pack_mm` on the packed tiles (what torchao runs);
+- `words`: each element of the sum an int32 word of eight values, its scale applied once
+  (`s sum_j x_j q_j + (z - 8 s) sum_j x_j`), the row read as it is;
+- `words inlined`: the same, Inductor told not to store the word's eight products first (its
+  default, for a pointwise of more than 8 reads, made a second kernel and an fp32 buffer 8x the weight);
+- `words xt inlined`: the same, the row given transposed ([8, k / 8], as the kernel producing it
+  could store it), so each of its eight loads per word is contiguous;
+- `flat`: one element of the sum per value (a flat sum over k), scales indexed by k // group;
+- `bytes`: the values read a byte at a time, each dequantized and rounded to bf16, summed over
+  (groups, values of a group);
+- `bf16 linear`: cuBLAS on the bf16 weight of the same shape, for scale.
+Every form is compiled with coordinate-descent tuning, as ferry compiles its bf16 reductions.
+
+Columns give µs per product and the achieved TB/s (bytes of packed weight and scales / time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, table, write_json  # noqa: E402
+
+from ferry.choices import gemv, timing  # noqa: E402
+
+aten = torch.ops.aten
+SHAPES = {  # name: (in, out) of each linear torchao quantizes in one layer, then the head
+    "llama-1b": {"q/o": (2048, 2048), "k/v": (2048, 512), "gate/up": (2048, 8192), "down": (8192, 2048),
+                 "lm_head": (2048, 128256)},
+    "qwen3-0.6b": {"q": (1024, 2048), "k/v": (1024, 1024), "o": (2048, 1024), "gate/up": (1024, 3072),
+                   "down": (3072, 1024), "lm_head": (1024, 151936)},
+}
+
+
+def by_words(x, words, scales, group):
+    """Words of eight values ([n, k / 8]: value j of a word is bits 4j to 4j + 3)."""
+    n, k = words.shape[0], words.shape[1] * 8
+    xw = x.float().view(x.shape[0], 1, k // 8, 8)
+    dots = sum(((words >> (4 * j)) & 15).float() * xw[..., j] for j in range(8))  # [m, n, k / 8]
+    per_word = [n, k // group, group // 8]
+    scale = scales[..., 0].t().float().unsqueeze(-1).expand(per_word).reshape(n, k // 8)
+    zero = scales[..., 1].t().float().unsqueeze(-1).expand(per_word).reshape(n, k // 8)
+    return (scale * dots + (zero - 8 * scale) * xw.sum(-1)).sum(-1).to(x.dtype)
+
+
+def by_bytes(x, values, scales, group):
+    """The first form: values a byte at a time, each dequantized and rounded to x's dtype."""
+    n, k = values.shape[0], values.shape[1] * 2
+    q = torch.stack([values & 15, values >> 4], -1).view(n, k // group, group).float()
+    weight = ((q - 8) * scales[..., 0].t().unsqueeze(-1).float() + scales[..., 1].t().unsqueeze(-1).float())
+    return (x.float().view(1, 1, k // group, group) * weight.to(x.dtype).float()).sum([-2, -1]).to(x.dtype)
+
+
+def by_words_t(xt, words, scales, group):
+    """Words of eight values, the row given transposed ([8, k / 8], as a producer would store it),
+    so each of its eight loads per word is contiguous along the sum."""
+    n, k = words.shape[0], words.shape[1] * 8
+    per_word = [n, k // group, group // 8]
+    scale = scales[..., 0].t().float().unsqueeze(-1).expand(per_word).reshape(n, k // 8)
+    zero = scales[..., 1].t().float().unsqueeze(-1).expand(per_word).reshape(n, k // 8)
+    dots = sum(((words >> (4 * j)) & 15).float() * xt[j] for j in range(8))
+    return (scale * dots + (zero - 8 * scale) * xt.sum(0)).sum(-1).unsqueeze(0).to(torch.bfloat16)
+
+
+def by_flat(x, values, scales, group):
+    """One element of the sum per value (a flat sum over k), scales indexed by k // group."""
+    n, k = values.shape[0], values.shape[1] * 2
+    shifts = torch.arange(0, 8, 4, dtype=torch.uint8, device=values.device)
+    q = ((values.unsqueeze(-1) >> shifts) & 15).view(n, k).float()
+    scale = scales[..., 0].t().float().unsqueeze(-1).expand(n, k // group, group).reshape(n, k)
+    zero = scales[..., 1].t().float().unsqueeze(-1).expand(n, k // group, group).reshape(n, k)
+    return (x.float().unsqueeze(-2) * ((q - 8) * scale + zero)).sum(-1).to(x.dtype)
+
+
+FORMS = ("words", "words inlined", "words xt inlined", "flat", "bytes")
+INLINE = {"realize_acc_reads_threshold": 64, "realize_opcount_threshold": 400}  # keep a word's sum in the kernel
+
+
+def compiled(fn, x, weights, scales, group, options=None):
+    gm = make_fx(lambda x, v, s: (fn(x, v, s, group),), tracing_mode="fake")(x, weights, scales)
+    run = torch._inductor.compile(gm, [x, weights, scales], options={**gemv.TUNING, **(options or {})})
+    return lambda x, v, s: run(x, v, s)[0]
+
+
+def one_shape(k: int, n: int, group: int) -> dict:
+    g = torch.Generator().manual_seed(k + n)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8).cuda()
+    scales = torch.stack([torch.rand(k // group, n, generator=g) * 0.05 + 0.01,
+                          torch.randn(k // group, n, generator=g) * 0.05], -1).to(torch.bfloat16).cuda()
+    packed = aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
+    values = q[:, ::2] | (q[:, 1::2] << 4)  # value 2j in the low nibble of byte j
+    words, x = values.view(torch.int32), torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    want = aten._weight_int4pack_mm(x, packed, group, scales).float()
+    out = {}
+    xt = x.float().view(k // 8, 8).t().contiguous()
+    forms = (("words", by_words, words, x, None), ("words inlined", by_words, words, x, INLINE),
+             ("words xt inlined", by_words_t, words, xt, INLINE), ("flat", by_flat, values, x, None),
+             ("bytes", by_bytes, values, x, None))
+    for name, fn, weight, row, options in forms:
+        try:
+            reduction = compiled(fn, row, weight, scales, group, options)
+            err = (reduction(row, weight, scales).float() - want).abs().max().item() / want.abs().max().item()
+            copies = [(packed, weight)] + [(packed.clone(), weight.clone()) for _ in range(gemv.cold_copies(weight) - 1)]
+            with timing.on(x.device):
+                times = timing.time_both(lambda: [aten._weight_int4pack_mm(x, p, group, scales) for p, _ in copies],
+                                         lambda: [reduction(row, v, scales) for _, v in copies])
+            out["tinygemm"], out[name], out[f"{name} rel err"] = times[0] / len(copies), times[1] / len(copies), err
+        except Exception as e:  # noqa: BLE001 - a form that fails is reported, the others still run
+            print(f"{k}x{n} {name}: {type(e).__name__}: {str(e)[:300]}")
+            out[name], out[f"{name} rel err"] = float("nan"), float("nan")
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+    copies = [w] + [w.clone() for _ in range(gemv.cold_copies(w) - 1)]
+    with timing.on(w.device):
+        out["bf16 linear"] = timing.time_both(lambda: [F.linear(x, c) for c in copies],
+                                              lambda: [F.linear(x, c) for c in copies])[0] / len(copies)
+    out["int4 bytes"] = values.numel() + scales.numel() * 2
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
+    p.add_argument("--group", type=int, default=128)
+    p.add_argument("--out", default="int4_gemv_kernels")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("int4_gemv_kernels: skipped: tinygemm's int4 kernel needs a CUDA GPU")
+        return
+    rows, records = [], []
+    for name, (k, n) in SHAPES[args.model].items():
+        r = one_shape(k, n, args.group)
+        records.append({"linear": name, "in": k, "out": n, "group": args.group, **r})
+        cell = lambda us: f"{us:.1f} ({r['int4 bytes'] / us / 1e6:.2f})"
+        rows.append([name, f"{k} x {n}", cell(r["tinygemm"])] + [cell(r[f]) for f in FORMS]
+                    + [f"{max(r[f + ' rel err'] for f in FORMS):.1e}", f"{r['bf16 linear']:.1f}"])
+    print(table(f"{args.model}, int4 groups of {args.group}: µs per one-row product (TB/s of int4 bytes), weights cold",
+                ["linear", "in x out", "tinygemm", *FORMS, "max err / max", "bf16 linear µs"], rows))
+    print(f"wrote {write_json(args.out, {'machine': machine(), 'model': args.model, 'rows': records})}")
+
+
+if __name__ == "__main__":
+    main()
