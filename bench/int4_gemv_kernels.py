@@ -18,8 +18,13 @@ L2 (a decode step reads them cold):
 - `flat`: one element of the sum per value (a flat sum over k), scales indexed by k // group;
 - `bytes`: the values read a byte at a time, each dequantized and rounded to bf16, summed over
   (groups, values of a group);
+- `triton`: a hand-written Triton kernel over the words (each program: a block of rows, one group
+  of words per step, a share of the groups; partial sums per share added after), its block of
+  rows, warps and shares swept, the fastest reported (`--forms triton` runs it alone);
 - `bf16 linear`: cuBLAS on the bf16 weight of the same shape, for scale.
-Every form is compiled with coordinate-descent tuning, as ferry compiles its bf16 reductions.
+The Inductor forms are compiled with coordinate-descent tuning, as ferry compiles its bf16
+reductions. `--interpret` checks the Triton kernel against the exact product on the CPU (Triton's
+interpreter; no timing), for work on it without a GPU.
 
 Columns give µs per product and the achieved TB/s (bytes of packed weight and scales / time).
 """
@@ -27,6 +32,8 @@ Columns give µs per product and the achieved TB/s (bytes of packed weight and s
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -92,13 +99,81 @@ FORMS = ("words", "words inlined", "words xt inlined", "flat", "bytes")
 INLINE = {"realize_acc_reads_threshold": 64, "realize_opcount_threshold": 400}  # keep a word's sum in the kernel
 
 
+def triton_kernel():
+    """The Triton kernel (Triton ships with CUDA builds of PyTorch): out[share, n] = this share's
+    groups of x . dequantized row n, with s sum_j x_j q_j + (z - 8 s) sum_j x_j per group."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def int4_gemv(x_ptr, w_ptr, sz_ptr, out_ptr, N, K8, G, GROUP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GROUPS: tl.constexpr):
+        pid_n, share = tl.program_id(0), tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        shifts = tl.arange(0, 8) * 4
+        for i in range(GROUPS):
+            g = share * GROUPS + i
+            cols = g * GROUP8 + tl.arange(0, GROUP8)
+            w = tl.load(w_ptr + rows[:, None] * K8 + cols[None, :], mask=live[:, None], other=0)
+            xj = tl.load(x_ptr + cols[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
+            q = ((w[:, :, None] >> shifts[None, None, :]) & 15).to(tl.float32)
+            dot = tl.sum(tl.sum(q * xj[None, :, :], axis=2), axis=1)
+            xsum = tl.sum(tl.sum(xj, axis=1), axis=0)
+            scale = tl.load(sz_ptr + rows * (2 * G) + 2 * g, mask=live, other=0).to(tl.float32)
+            zero = tl.load(sz_ptr + rows * (2 * G) + 2 * g + 1, mask=live, other=0).to(tl.float32)
+            acc += scale * dot + (zero - 8 * scale) * xsum
+        tl.store(out_ptr + share * N + rows, acc, mask=live)
+
+    return triton, int4_gemv
+
+
+def triton_form(scales: torch.Tensor, group: int, block_n: int, warps: int, shares: int):
+    """x [1, k] bf16, words [n, k / 8] -> [1, n] bf16 through the Triton kernel."""
+    triton, kernel = triton_kernel()
+    groups, n = scales.shape[:2]
+    per_row = scales.transpose(0, 1).contiguous()  # [n, groups, 2]: a row's scales side by side
+
+    def run(x, words):
+        partial = torch.empty(shares, n, dtype=torch.float32, device=x.device)
+        kernel[(triton.cdiv(n, block_n), shares)](x, words, per_row, partial, n, words.shape[1], groups,
+                                                   GROUP8=group // 8, BLOCK_N=block_n, GROUPS=groups // shares,
+                                                   num_warps=warps)
+        return partial.sum(0, keepdim=True).to(x.dtype)
+
+    return run
+
+
+def triton_configs(groups: int):
+    shares = sorted({s for s in (1, 4, 16) if groups % s == 0} | {groups})
+    return list(itertools.product((8, 16, 32, 64), (4, 8), shares))
+
+
 def compiled(fn, x, weights, scales, group, options=None):
     gm = make_fx(lambda x, v, s: (fn(x, v, s, group),), tracing_mode="fake")(x, weights, scales)
     run = torch._inductor.compile(gm, [x, weights, scales], options={**gemv.TUNING, **(options or {})})
     return lambda x, v, s: run(x, v, s)[0]
 
 
-def one_shape(k: int, n: int, group: int) -> dict:
+def sweep_triton(x, packed, words, scales, group: int, want: torch.Tensor) -> dict:
+    """Every configuration of the Triton kernel timed against tinygemm, weights cold: the fastest."""
+    copies = [(packed, words)] + [(packed.clone(), words.clone()) for _ in range(gemv.cold_copies(words) - 1)]
+    best: dict = {"triton": float("inf")}
+    for block_n, warps, shares in triton_configs(scales.shape[0]):
+        run = triton_form(scales, group, block_n, warps, shares)
+        err = (run(x, words).float() - want).abs().max().item() / want.abs().max().item()
+        with timing.on(x.device):
+            times = timing.time_both(lambda: [aten._weight_int4pack_mm(x, p, group, scales) for p, _ in copies],
+                                     lambda: [run(x, w) for _, w in copies])
+        us = times[1] / len(copies)
+        if us < best["triton"]:
+            best = {"triton": us, "triton rel err": err, "triton config": [block_n, warps, shares],
+                    "tinygemm (triton's timing)": times[0] / len(copies)}
+    return best
+
+
+def one_shape(k: int, n: int, group: int, wanted: tuple[str, ...]) -> dict:
     g = torch.Generator().manual_seed(k + n)
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8).cuda()
     scales = torch.stack([torch.rand(k // group, n, generator=g) * 0.05 + 0.01,
@@ -112,7 +187,7 @@ def one_shape(k: int, n: int, group: int) -> dict:
     forms = (("words", by_words, words, x, None), ("words inlined", by_words, words, x, INLINE),
              ("words xt inlined", by_words_t, words, xt, INLINE), ("flat", by_flat, values, x, None),
              ("bytes", by_bytes, values, x, None))
-    for name, fn, weight, row, options in forms:
+    for name, fn, weight, row, options in (f for f in forms if f[0] in wanted):
         try:
             reduction = compiled(fn, row, weight, scales, group, options)
             err = (reduction(row, weight, scales).float() - want).abs().max().item() / want.abs().max().item()
@@ -124,6 +199,8 @@ def one_shape(k: int, n: int, group: int) -> dict:
         except Exception as e:  # noqa: BLE001 - a form that fails is reported, the others still run
             print(f"{k}x{n} {name}: {type(e).__name__}: {str(e)[:300]}")
             out[name], out[f"{name} rel err"] = float("nan"), float("nan")
+    if "triton" in wanted:
+        out.update(sweep_triton(x, packed, words, scales, group, want))
     w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
     copies = [w] + [w.clone() for _ in range(gemv.cold_copies(w) - 1)]
     with timing.on(w.device):
@@ -137,21 +214,52 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
     p.add_argument("--group", type=int, default=128)
+    p.add_argument("--forms", default=",".join(FORMS + ("triton",)))
+    p.add_argument("--interpret", action="store_true", help="check the Triton kernel on the CPU (no timing)")
     p.add_argument("--out", default="int4_gemv_kernels")
     args = p.parse_args()
+    if args.interpret:
+        interpret(args.model, args.group)
+        return
     if not torch.cuda.is_available():
         print("int4_gemv_kernels: skipped: tinygemm's int4 kernel needs a CUDA GPU")
         return
+    wanted = tuple(args.forms.split(","))
     rows, records = [], []
     for name, (k, n) in SHAPES[args.model].items():
-        r = one_shape(k, n, args.group)
+        r = one_shape(k, n, args.group, wanted)
         records.append({"linear": name, "in": k, "out": n, "group": args.group, **r})
         cell = lambda us: f"{us:.1f} ({r['int4 bytes'] / us / 1e6:.2f})"
-        rows.append([name, f"{k} x {n}", cell(r["tinygemm"])] + [cell(r[f]) for f in FORMS]
-                    + [f"{max(r[f + ' rel err'] for f in FORMS):.1e}", f"{r['bf16 linear']:.1f}"])
+        shown = [f for f in (*FORMS, "triton") if f in wanted]
+        tinygemm = r.get("tinygemm", r.get("tinygemm (triton's timing)"))
+        rows.append([name, f"{k} x {n}", cell(tinygemm)] + [cell(r[f]) for f in shown]
+                    + [f"{max(r[f + ' rel err'] for f in shown):.1e}", f"{r['bf16 linear']:.1f}"]
+                    + ([str(r["triton config"])] if "triton" in shown else []))
     print(table(f"{args.model}, int4 groups of {args.group}: µs per one-row product (TB/s of int4 bytes), weights cold",
-                ["linear", "in x out", "tinygemm", *FORMS, "max err / max", "bf16 linear µs"], rows))
+                ["linear", "in x out", "tinygemm", *shown, "max err / max", "bf16 linear µs"]
+                + (["triton rows, warps, shares"] if "triton" in wanted else []), rows))
     print(f"wrote {write_json(args.out, {'machine': machine(), 'model': args.model, 'rows': records})}")
+
+
+def interpret(model: str, group: int) -> None:
+    """The Triton kernel on the CPU through Triton's interpreter, at each shape with its rows cut to
+    at most 256 (the interpreter is slow), every configuration against the exact product."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name, (k, n) in SHAPES[model].items():
+        n = min(n, 256)
+        g = torch.Generator().manual_seed(k + n)
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scales = torch.stack([torch.rand(k // group, n, generator=g) * 0.05 + 0.01,
+                              torch.randn(k // group, n, generator=g) * 0.05], -1).to(torch.bfloat16)
+        words = (q[:, ::2] | (q[:, 1::2] << 4)).view(torch.int32)
+        x = torch.randn(1, k, dtype=torch.bfloat16, generator=g)
+        weight = ((q.float() - 8) * scales[..., 0].t().float().repeat_interleave(group, 1)
+                  + scales[..., 1].t().float().repeat_interleave(group, 1))
+        want = x.float() @ weight.t()
+        worst = max((triton_form(scales, group, *c)(x, words).float() - want).abs().max().item()
+                    for c in triton_configs(k // group)[::5]) / want.abs().max().item()
+        print(f"{name} {k} x {n}: largest error over the configurations {worst:.1e} of the largest output")
+        assert worst < 2 ** -7, "the Triton kernel does not compute the product"
 
 
 if __name__ == "__main__":
