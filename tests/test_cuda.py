@@ -274,15 +274,18 @@ def test_cuda_graphs_stay_right_after_cublas_workspaces_are_cleared():
 
 _CALLER_WORKSPACE = """
 import sys, torch, ferry
-backend, graphs = sys.argv[1], sys.argv[2] == "graphs"
+backend, graphs, dynamic = sys.argv[1], sys.argv[2] == "graphs", sys.argv[3] == "dynamic"
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
 model = model.to("cuda", torch.bfloat16).eval()
-x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(4 if dynamic else 1, 256, device="cuda", dtype=torch.bfloat16)
+dims = ({0: torch.export.Dim("rows", max=8)},) if dynamic else None
 keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
-program = ferry.compile(torch.export.export(model, (x,)), ferry.OpSupportPartitioner("cuda:0", backend_id=backend), keep)
+program = ferry.compile(torch.export.export(model, (x,), dynamic_shapes=dims),
+                        ferry.OpSupportPartitioner("cuda:0", backend_id=backend), keep)
 module = ferry.Module(program, cuda_graphs=graphs)
-xs = [torch.randn(1, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+rows = [4, 2, 4, 4, 3, 2, 2] if dynamic else [1, 1, 1]  # each new shape's first call, then its own plan
+xs = [torch.randn(r, 256, device="cuda", dtype=torch.bfloat16) for r in rows]
 got = [module(x).clone() for x in xs]
 torch.cuda.synchronize()
 before = torch.cuda.memory_allocated()
@@ -296,18 +299,20 @@ with torch.no_grad():  # eager's answers last: its products make the caller's st
 """
 
 
+@pytest.mark.parametrize("sizes", ["static", "dynamic"])
 @pytest.mark.parametrize("backend", ["torch", "inductor"])
-def test_a_plan_run_as_graphs_makes_no_cublas_workspace_on_the_callers_stream(backend):
+def test_a_plan_run_as_graphs_makes_no_cublas_workspace_on_the_callers_stream(backend, sizes):
     """Loaded and run with CUDA graphs (the first call, the dry run and the timing at load
-    included), ferry runs cuBLAS only on its capture stream: the caller's stream gets no 32 MiB
-    workspace of its own (a fresh process each, as workspaces last for the process). Without
-    graphs ferry runs on the caller's stream as eager does, and makes it (the check's control)."""
+    included; with dynamic sizes, each new shape's first call too), ferry runs cuBLAS only on its
+    capture stream: the caller's stream gets no 32 MiB workspace of its own (a fresh process each,
+    as workspaces last for the process). Without graphs ferry runs on the caller's stream as
+    eager does, and makes it (the check's control)."""
     import os
     import subprocess
     import sys
 
     def workspace_made_after(graphs: str) -> int:
-        done = subprocess.run([sys.executable, "-c", _CALLER_WORKSPACE, backend, graphs], capture_output=True,
+        done = subprocess.run([sys.executable, "-c", _CALLER_WORKSPACE, backend, graphs, sizes], capture_output=True,
                               text=True, env=os.environ.copy(), timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         return int(done.stdout.strip().splitlines()[-1])  # printed before eager's reference runs
