@@ -18,9 +18,10 @@ L2 (a decode step reads them cold):
 - `flat`: one element of the sum per value (a flat sum over k), scales indexed by k // group;
 - `bytes`: the values read a byte at a time, each dequantized and rounded to bf16, summed over
   (groups, values of a group);
-- `triton`: a hand-written Triton kernel over the words (each program: a block of rows, one group
-  of words per step, a share of the groups; partial sums per share added after), its block of
-  rows, warps and shares swept, the fastest reported (`--forms triton` runs it alone);
+- `triton`: a hand-written Triton kernel over the words (each program: a block of rows, one or
+  four groups of words per step, a share of the groups; partial sums per share added after), its
+  block of rows, warps, shares and groups per step swept, the fastest reported (`--forms triton`
+  runs it alone);
 - `bf16 linear`: cuBLAS on the bf16 weight of the same shape, for scale.
 The Inductor forms are compiled with coordinate-descent tuning, as ferry compiles its bf16
 reductions. `--interpret` checks the Triton kernel against the exact product on the CPU (Triton's
@@ -101,35 +102,37 @@ INLINE = {"realize_acc_reads_threshold": 64, "realize_opcount_threshold": 400}  
 
 def triton_kernel():
     """The Triton kernel (Triton ships with CUDA builds of PyTorch): out[share, n] = this share's
-    groups of x . dequantized row n, with s sum_j x_j q_j + (z - 8 s) sum_j x_j per group."""
+    groups of x . dequantized row n, with s sum_j x_j q_j + (z - 8 s) sum_j x_j per group; each
+    step reads STEP_GROUPS groups of words of BLOCK_N rows."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def int4_gemv(x_ptr, w_ptr, sz_ptr, out_ptr, N, K8, G, GROUP8: tl.constexpr, BLOCK_N: tl.constexpr,
-                  GROUPS: tl.constexpr):
+                  STEP_GROUPS: tl.constexpr, STEPS: tl.constexpr):
         pid_n, share = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < N
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         shifts = tl.arange(0, 8) * 4
-        for i in range(GROUPS):
-            g = share * GROUPS + i
-            cols = g * GROUP8 + tl.arange(0, GROUP8)
+        for i in range(STEPS):
+            g = (share * STEPS + i) * STEP_GROUPS + tl.arange(0, STEP_GROUPS)  # the step's groups
+            cols = (share * STEPS + i) * STEP_GROUPS * GROUP8 + tl.arange(0, STEP_GROUPS * GROUP8)
             w = tl.load(w_ptr + rows[:, None] * K8 + cols[None, :], mask=live[:, None], other=0)
             xj = tl.load(x_ptr + cols[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
             q = ((w[:, :, None] >> shifts[None, None, :]) & 15).to(tl.float32)
-            dot = tl.sum(tl.sum(q * xj[None, :, :], axis=2), axis=1)
-            xsum = tl.sum(tl.sum(xj, axis=1), axis=0)
-            scale = tl.load(sz_ptr + rows * (2 * G) + 2 * g, mask=live, other=0).to(tl.float32)
-            zero = tl.load(sz_ptr + rows * (2 * G) + 2 * g + 1, mask=live, other=0).to(tl.float32)
-            acc += scale * dot + (zero - 8 * scale) * xsum
+            dots = tl.sum(tl.reshape(tl.sum(q * xj[None, :, :], axis=2), [BLOCK_N, STEP_GROUPS, GROUP8]), axis=2)
+            sums = tl.sum(tl.reshape(tl.sum(xj, axis=1), [STEP_GROUPS, GROUP8]), axis=1)
+            at = sz_ptr + rows[:, None] * (2 * G) + 2 * g[None, :]
+            scale = tl.load(at, mask=live[:, None], other=0).to(tl.float32)
+            zero = tl.load(at + 1, mask=live[:, None], other=0).to(tl.float32)
+            acc += tl.sum(scale * dots + (zero - 8 * scale) * sums[None, :], axis=1)
         tl.store(out_ptr + share * N + rows, acc, mask=live)
 
     return triton, int4_gemv
 
 
-def triton_form(scales: torch.Tensor, group: int, block_n: int, warps: int, shares: int):
+def triton_form(scales: torch.Tensor, group: int, block_n: int, warps: int, shares: int, step_groups: int):
     """x [1, k] bf16, words [n, k / 8] -> [1, n] bf16 through the Triton kernel."""
     triton, kernel = triton_kernel()
     groups, n = scales.shape[:2]
@@ -138,16 +141,18 @@ def triton_form(scales: torch.Tensor, group: int, block_n: int, warps: int, shar
     def run(x, words):
         partial = torch.empty(shares, n, dtype=torch.float32, device=x.device)
         kernel[(triton.cdiv(n, block_n), shares)](x, words, per_row, partial, n, words.shape[1], groups,
-                                                   GROUP8=group // 8, BLOCK_N=block_n, GROUPS=groups // shares,
-                                                   num_warps=warps)
+                                                   GROUP8=group // 8, BLOCK_N=block_n, STEP_GROUPS=step_groups,
+                                                   STEPS=groups // shares // step_groups, num_warps=warps)
         return partial.sum(0, keepdim=True).to(x.dtype)
 
     return run
 
 
 def triton_configs(groups: int):
-    shares = sorted({s for s in (1, 4, 16) if groups % s == 0} | {groups})
-    return list(itertools.product((8, 16, 32, 64), (4, 8), shares))
+    """(rows per program, warps, shares of the groups, groups per step) that divide the groups."""
+    return [(rows, warps, shares, step) for rows, warps, shares, step
+            in itertools.product((16, 32, 64), (4, 8), sorted({1, 4, 16, groups}), (1, 4))
+            if groups % (shares * step) == 0]
 
 
 def compiled(fn, x, weights, scales, group, options=None):
@@ -160,15 +165,15 @@ def sweep_triton(x, packed, words, scales, group: int, want: torch.Tensor) -> di
     """Every configuration of the Triton kernel timed against tinygemm, weights cold: the fastest."""
     copies = [(packed, words)] + [(packed.clone(), words.clone()) for _ in range(gemv.cold_copies(words) - 1)]
     best: dict = {"triton": float("inf")}
-    for block_n, warps, shares in triton_configs(scales.shape[0]):
-        run = triton_form(scales, group, block_n, warps, shares)
+    for config in triton_configs(scales.shape[0]):
+        run = triton_form(scales, group, *config)
         err = (run(x, words).float() - want).abs().max().item() / want.abs().max().item()
         with timing.on(x.device):
             times = timing.time_both(lambda: [aten._weight_int4pack_mm(x, p, group, scales) for p, _ in copies],
                                      lambda: [run(x, w) for _, w in copies])
         us = times[1] / len(copies)
         if us < best["triton"]:
-            best = {"triton": us, "triton rel err": err, "triton config": [block_n, warps, shares],
+            best = {"triton": us, "triton rel err": err, "triton config": list(config),
                     "tinygemm (triton's timing)": times[0] / len(copies)}
     return best
 
@@ -237,7 +242,7 @@ def main():
                     + ([str(r["triton config"])] if "triton" in shown else []))
     print(table(f"{args.model}, int4 groups of {args.group}: µs per one-row product (TB/s of int4 bytes), weights cold",
                 ["linear", "in x out", "tinygemm", *shown, "max err / max", "bf16 linear µs"]
-                + (["triton rows, warps, shares"] if "triton" in wanted else []), rows))
+                + (["triton rows, warps, shares, groups a step"] if "triton" in wanted else []), rows))
     print(f"wrote {write_json(args.out, {'machine': machine(), 'model': args.model, 'rows': records})}")
 
 
@@ -257,7 +262,7 @@ def interpret(model: str, group: int) -> None:
                   + scales[..., 1].t().float().repeat_interleave(group, 1))
         want = x.float() @ weight.t()
         worst = max((triton_form(scales, group, *c)(x, words).float() - want).abs().max().item()
-                    for c in triton_configs(k // group)[::5]) / want.abs().max().item()
+                    for c in triton_configs(k // group)[::3]) / want.abs().max().item()
         print(f"{name} {k} x {n}: largest error over the configurations {worst:.1e} of the largest output")
         assert worst < 2 ** -7, "the Triton kernel does not compute the product"
 
