@@ -380,6 +380,20 @@ def skip_config(h2d=False, d2h=False, **kw):
     )
 
 
+def launched_streams(api, monkeypatch) -> list[str]:
+    """The name of the stream each piece of device work is queued on, from now on (the simulated
+    device's streams API `api`; clear the list between calls)."""
+    names: list[str] = []
+    enqueue = type(api).enqueue
+
+    def recording(self, stream, fn, touches_host=False):
+        names.append(stream.name)
+        return enqueue(self, stream, fn, touches_host)
+
+    monkeypatch.setattr(type(api), "enqueue", recording)
+    return names
+
+
 def loaded_method(module, name: str = "forward"):
     """The method `module` loaded in its first set of memory: its graphs and its plans per shape."""
     # internal: ferry.Module has no public view of the graphs it captured or the shape plans it keeps

@@ -19,7 +19,7 @@ from ferry import ConfigError, InputError
 from ferry.program.footprint import load_bytes
 from ferry.runtime import clone_to, emulated_device
 from ferry.runtime.stages import method as method_module
-from models import loaded_method
+from models import launched_streams, loaded_method
 from test_device_map import DAG_EXAMPLES, RandomDag, TinyLM
 
 BATCH, SEQ = torch.export.Dim("batch", max=8), torch.export.Dim("seq", max=32)
@@ -142,14 +142,7 @@ def test_with_graphs_a_dynamic_methods_first_call_at_each_shape_runs_on_the_capt
     plans do, so on CUDA the caller's stream makes no cuBLAS workspace of its own (32 MiB). In
     every call the caller's stream gets no more than a replay; results equal eager's in any order
     of shapes."""
-    api = emu_async.streams_api()
-    launched_on, enqueue = [], type(api).enqueue
-
-    def recording(self, stream, fn, touches_host=False):
-        launched_on.append(stream.name)
-        return enqueue(self, stream, fn, touches_host)
-
-    monkeypatch.setattr(type(api), "enqueue", recording)
+    launched_on = launched_streams(emu_async.streams_api(), monkeypatch)
     model = TinyLM(layers=2).eval()
     ep = torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=({0: BATCH, 1: SEQ},))
     module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), KEEP_ON_DEVICE), cuda_graphs=True,

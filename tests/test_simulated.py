@@ -16,7 +16,7 @@ from ferry.runtime import clone_to
 from ferry.runtime.devices.simulated import SimulatedApi
 from ferry.runtime.devices.streams import CopyStreams
 from ferry.runtime.stages.schedule import HostWait, Schedule
-from models import AddChain, PerAdd, fresh_inputs, loaded_method, small
+from models import AddChain, PerAdd, fresh_inputs, launched_streams, loaded_method, small
 
 # ---------------------------------------------------------------- stream semantics
 
@@ -256,14 +256,7 @@ def test_with_graphs_no_call_before_the_capture_runs_device_work_on_the_callers_
     launch their kernels on the capture stream, as the capture does: on CUDA the caller's stream
     then never makes a cuBLAS workspace of its own. What every call puts on the caller's stream
     (the input staged into the graph's fixed memory, a replay) is the same in all four calls."""
-    api = emu_async.streams_api()
-    launched_on, enqueue = [], type(api).enqueue
-
-    def recording(self, stream, fn, touches_host=False):
-        launched_on.append(stream.name)
-        return enqueue(self, stream, fn, touches_host)
-
-    monkeypatch.setattr(type(api), "enqueue", recording)
+    launched_on = launched_streams(emu_async.streams_api(), monkeypatch)
     cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
     model, example, program = _block_program(exclude=(), config=cfg)
     module = ferry.Module(program, cuda_graphs=True, outputs="view")  # no copy of the result, on the caller's stream
