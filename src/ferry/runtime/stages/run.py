@@ -187,8 +187,9 @@ class Plan:
             if self.graphs:
                 self._key = tuple((pad_to, *t.shape[1:]) if pad_to else tuple(t.shape) for t in inputs)
             before_capture = any(g.graph is None for g in self.graphs)  # work on the capture streams
-            on_capture = self.stands_in or (tuple(g.index for g in self.graphs) if not self.checked else ())
-            with self._on_capture_streams(on_capture) if before_capture or self.stands_in else contextlib.nullcontext():
+            first = before_capture and not self.checked
+            on_capture = self.stands_in or (tuple(g.index for g in self.graphs) if first else ())
+            with self._on_capture_streams(on_capture) if on_capture else contextlib.nullcontext():
                 for call in self._work(part, finish):
                     call()
             self._allocate_unwritten()
