@@ -224,6 +224,11 @@ def main():
     p.add_argument("--out", default="int4_gemv_kernels")
     args = p.parse_args()
     if args.interpret:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            print("int4_gemv_kernels: --interpret needs Triton (pip install triton; CUDA builds of PyTorch bring it)")
+            return
         interpret(args.model, args.group)
         return
     if not torch.cuda.is_available():
