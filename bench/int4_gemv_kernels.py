@@ -224,6 +224,7 @@ def main():
     p.add_argument("--out", default="int4_gemv_kernels")
     args = p.parse_args()
     if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is imported
         try:
             import triton  # noqa: F401
         except ImportError:
