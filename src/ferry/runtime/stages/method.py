@@ -94,10 +94,12 @@ class LoadedMethod:
                           self.transport, measure, inside)
         bound = bind_method(self.method, self.memory, ctx, io=io, per_call=per_call, shapes=shapes)
         kind = api.device_type if api is not None else None
-        # a dynamic method with graphs: its plans without them (each shape's first call) run their
-        # device work on the capture streams the captured plans use (on CUDA the caller's stream
-        # then makes no cuBLAS workspace of its own: 32 MiB)
-        stands_in = () if graphs or not (self._graphs and self._dynamic and kind is not None) else tuple(
+        # a dynamic method with graphs: the plan that runs each shape's first call (it records the
+        # sizes) runs its device work on the capture streams of the devices it works on, as the
+        # captured plans do (on CUDA the caller's stream then makes no cuBLAS workspace of its own:
+        # 32 MiB); each call pays the streams' ordering. A shape's plan bound without graphs (a call
+        # the caller does not expect again) runs on the caller's stream, as eager does
+        stands_in = () if graphs or not (record and self._graphs and kind is not None) else tuple(
             dict.fromkeys(w.device.index for w in schedule(bound.steps, kind).segments() if w.device is not None))
         return Plan(self.name, bound, schedule(bound.steps, kind, graphs), schedule(bound.steps, kind), self.streams,
                     list(self.method.outputs), record, schedule(bound.steps, kind, graphs, pending=True),
