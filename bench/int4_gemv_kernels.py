@@ -161,20 +161,29 @@ def compiled(fn, x, weights, scales, group, options=None):
     return lambda x, v, s: run(x, v, s)[0]
 
 
+def against_tinygemm(x, packed, group: int, scales, weight, product) -> tuple[float, float]:
+    """(tinygemm µs, the form's µs) per product, each weight cold: both read copies of their
+    weight past the L2 cache in turn. `product(w)`: the form on one copy `w` of `weight`."""
+    copies = [(packed, weight)] + [(packed.clone(), weight.clone()) for _ in range(gemv.cold_copies(weight) - 1)]
+    with timing.on(x.device):
+        times = timing.time_both(lambda: [aten._weight_int4pack_mm(x, p, group, scales) for p, _ in copies],
+                                 lambda: [product(w) for _, w in copies])
+    return times[0] / len(copies), times[1] / len(copies)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.float() - want).abs().max().item() / want.abs().max().item()
+
+
 def sweep_triton(x, packed, words, scales, group: int, want: torch.Tensor) -> dict:
     """Every configuration of the Triton kernel timed against tinygemm, weights cold: the fastest."""
-    copies = [(packed, words)] + [(packed.clone(), words.clone()) for _ in range(gemv.cold_copies(words) - 1)]
     best: dict = {"triton": float("inf")}
     for config in triton_configs(scales.shape[0]):
         run = triton_form(scales, group, *config)
-        err = (run(x, words).float() - want).abs().max().item() / want.abs().max().item()
-        with timing.on(x.device):
-            times = timing.time_both(lambda: [aten._weight_int4pack_mm(x, p, group, scales) for p, _ in copies],
-                                     lambda: [run(x, w) for _, w in copies])
-        us = times[1] / len(copies)
+        tinygemm_us, us = against_tinygemm(x, packed, group, scales, words, lambda w, run=run: run(x, w))
         if us < best["triton"]:
-            best = {"triton": us, "triton rel err": err, "triton config": list(config),
-                    "tinygemm (triton's timing)": times[0] / len(copies)}
+            best = {"triton": us, "triton rel err": relative_error(run(x, words), want), "triton config": list(config),
+                    "tinygemm (triton's timing)": tinygemm_us}
     return best
 
 
@@ -195,12 +204,9 @@ def one_shape(k: int, n: int, group: int, wanted: tuple[str, ...]) -> dict:
     for name, fn, weight, row, options in (f for f in forms if f[0] in wanted):
         try:
             reduction = compiled(fn, row, weight, scales, group, options)
-            err = (reduction(row, weight, scales).float() - want).abs().max().item() / want.abs().max().item()
-            copies = [(packed, weight)] + [(packed.clone(), weight.clone()) for _ in range(gemv.cold_copies(weight) - 1)]
-            with timing.on(x.device):
-                times = timing.time_both(lambda: [aten._weight_int4pack_mm(x, p, group, scales) for p, _ in copies],
-                                         lambda: [reduction(row, v, scales) for _, v in copies])
-            out["tinygemm"], out[name], out[f"{name} rel err"] = times[0] / len(copies), times[1] / len(copies), err
+            out["tinygemm"], out[name] = against_tinygemm(x, packed, group, scales, weight,
+                                                          lambda w, f=reduction, r=row: f(r, w, scales))
+            out[f"{name} rel err"] = relative_error(reduction(row, weight, scales), want)
         except Exception as e:  # noqa: BLE001 - a form that fails is reported, the others still run
             print(f"{k}x{n} {name}: {type(e).__name__}: {str(e)[:300]}")
             out[name], out[f"{name} rel err"] = float("nan"), float("nan")

@@ -33,7 +33,7 @@ from ferry.choices.gemm import blas_settings
 from ferry.ops.aliasing import is_view, view_source
 
 __all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "TIMED_ON", "TUNING", "apply", "by_reduction", "candidates", "cold_copies",
-           "measure", "product_times", "realized", "rewrite"]
+           "measure", "product_times", "rewrite"]
 
 aten = torch.ops.aten
 FAMILY = "matrix-vector product"
@@ -213,14 +213,14 @@ def _compiled(weight, bias):
 def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
             shapes: dict[torch.fx.Node, torch.Tensor] | None = None) -> None:
     """Replace the `linear` node by `by_reduction`'s ops, which Inductor fuses into one kernel, its
-    row read from memory as the timed kernel read it (`realized`)."""
+    row read from memory as the timed kernel read it (`_realized`)."""
     x, weight = node.args[:2]
     bias = node.args[2] if len(node.args) > 2 else None
     assert isinstance(x, torch.fx.Node)  # (candidates: a row the graph computes or takes)
     g = gm.graph
     with g.inserting_before(node):
         f32 = torch.float32
-        row = realized(g, x, (shapes or {}).get(x))
+        row = _realized(g, x, (shapes or {}).get(x))
         xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (row, -2)),),
                              {"dtype": f32})
         wf = g.call_function(aten._to_copy.default, (weight,), {"dtype": f32})
@@ -234,7 +234,7 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
     g.erase_node(node)
 
 
-def realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) -> torch.fx.Node:
+def _realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) -> torch.fx.Node:
     """The row as a tensor in memory. Left to itself Inductor computes the ops that make the row
     inside the reduction, once per block of outputs: a down projection fused so with its SiLU and
     multiply took 15 µs on an H200 where the timed kernel, reading its row, took 9.3. A view
