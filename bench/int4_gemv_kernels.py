@@ -21,7 +21,9 @@ L2 (a decode step reads them cold):
 - `triton`: a hand-written Triton kernel over the words (each program: a block of rows, one or
   four groups of words per step, a share of the groups; partial sums per share added after), its
   block of rows, warps, shares and groups per step swept, the fastest reported (`--forms triton`
-  runs it alone);
+  runs it alone), timed alone and with its partial sums added up;
+- `triton nibbles`: the same sweep over a second kernel that takes a step's words one nibble at
+  a time (a [rows, words] sum where the first holds [rows, words, 8]);
 - `bf16 linear`: cuBLAS on the bf16 weight of the same shape, for scale.
 The Inductor forms are compiled with coordinate-descent tuning, as ferry compiles its bf16
 reductions. `--interpret` checks the Triton kernel against the exact product on the CPU (Triton's
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import sys
 from pathlib import Path
@@ -100,16 +103,19 @@ FORMS = ("words", "words inlined", "words xt inlined", "flat", "bytes")
 INLINE = {"realize_acc_reads_threshold": 64, "realize_opcount_threshold": 400}  # keep a word's sum in the kernel
 
 
-def triton_kernel():
-    """The Triton kernel (Triton ships with CUDA builds of PyTorch): out[share, n] = this share's
-    groups of x . dequantized row n, with s sum_j x_j q_j + (z - 8 s) sum_j x_j per group; each
-    step reads STEP_GROUPS groups of words of BLOCK_N rows."""
+def triton_kernels():
+    """The Triton kernels (Triton ships with CUDA builds of PyTorch), by name. Each computes
+    out[share, n] = this share's groups of x . dequantized row n, as s sum_j x_j q_j + (z - 8 s)
+    sum_j x_j per group, a step reading STEP_GROUPS groups of words of BLOCK_N rows:
+    - `triton`: each word's eight values unpacked at once into a [rows, words, 8] block;
+    - `triton nibbles`: the eight values of the step's words taken one nibble at a time, each
+      multiplied by its strided slice of x into one [rows, words] sum (fewer live registers)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def int4_gemv(x_ptr, w_ptr, sz_ptr, out_ptr, N, K8, G, GROUP8: tl.constexpr, BLOCK_N: tl.constexpr,
-                  STEP_GROUPS: tl.constexpr, STEPS: tl.constexpr):
+    def words3d(x_ptr, w_ptr, sz_ptr, out_ptr, N, K8, G, GROUP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                STEP_GROUPS: tl.constexpr, STEPS: tl.constexpr):
         pid_n, share = tl.program_id(0), tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         live = rows < N
@@ -129,30 +135,67 @@ def triton_kernel():
             acc += tl.sum(scale * dots + (zero - 8 * scale) * sums[None, :], axis=1)
         tl.store(out_ptr + share * N + rows, acc, mask=live)
 
-    return triton, int4_gemv
+    @triton.jit
+    def nibbles(x_ptr, w_ptr, sz_ptr, out_ptr, N, K8, G, GROUP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                STEP_GROUPS: tl.constexpr, STEPS: tl.constexpr):
+        pid_n, share = tl.program_id(0), tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = rows < N
+        acc = tl.zeros([BLOCK_N, STEP_GROUPS], dtype=tl.float32)
+        for i in range(STEPS):
+            step = share * STEPS + i
+            cols = step * STEP_GROUPS * GROUP8 + tl.arange(0, STEP_GROUPS * GROUP8)
+            w = tl.load(w_ptr + rows[:, None] * K8 + cols[None, :], mask=live[:, None], other=0,
+                        eviction_policy="evict_first")
+            part = tl.zeros([BLOCK_N, STEP_GROUPS * GROUP8], dtype=tl.float32)
+            xsum = tl.zeros([STEP_GROUPS * GROUP8], dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + cols * 8 + j).to(tl.float32)
+                part += ((w >> (4 * j)) & 15).to(tl.float32) * xj[None, :]
+                xsum += xj
+            dots = tl.sum(tl.reshape(part, [BLOCK_N, STEP_GROUPS, GROUP8]), axis=2)
+            sums = tl.sum(tl.reshape(xsum, [STEP_GROUPS, GROUP8]), axis=1)
+            at = sz_ptr + rows[:, None] * (2 * G) + 2 * (step * STEP_GROUPS + tl.arange(0, STEP_GROUPS))[None, :]
+            scale = tl.load(at, mask=live[:, None], other=0).to(tl.float32)
+            zero = tl.load(at + 1, mask=live[:, None], other=0).to(tl.float32)
+            acc += scale * dots + (zero - 8 * scale) * sums[None, :]
+        tl.store(out_ptr + share * N + rows, tl.sum(acc, axis=1), mask=live)
+
+    return triton, {"triton": words3d, "triton nibbles": nibbles}
 
 
-def triton_form(scales: torch.Tensor, group: int, block_n: int, warps: int, shares: int, step_groups: int):
-    """x [1, k] bf16, words [n, k / 8] -> [1, n] bf16 through the Triton kernel."""
-    triton, kernel = triton_kernel()
+TRITON_FORMS = ("triton", "triton nibbles")
+
+
+def triton_form(name: str, scales: torch.Tensor, group: int, block_n: int, warps: int, shares: int,
+                step_groups: int):
+    """(launch, finish): launch(x [1, k] bf16, words [n, k / 8]) runs the kernel alone (one share:
+    straight into a bf16 [1, n]; more: fp32 partial sums [shares, n], which in a program Inductor
+    adds up inside the kernel that reads them); finish(launched) -> [1, n] bf16."""
+    triton, kernels = triton_kernels()
     groups, n = scales.shape[:2]
     per_row = scales.transpose(0, 1).contiguous()  # [n, groups, 2]: a row's scales side by side
 
-    def run(x, words):
-        partial = torch.empty(shares, n, dtype=torch.float32, device=x.device)
-        kernel[(triton.cdiv(n, block_n), shares)](x, words, per_row, partial, n, words.shape[1], groups,
-                                                   GROUP8=group // 8, BLOCK_N=block_n, STEP_GROUPS=step_groups,
-                                                   STEPS=groups // shares // step_groups, num_warps=warps)
-        return partial.sum(0, keepdim=True).to(x.dtype)
+    def launch(x, words):
+        out = torch.empty(shares, n, dtype=torch.float32 if shares > 1 else x.dtype, device=x.device)
+        kernels[name][(triton.cdiv(n, block_n), shares)](
+            x, words, per_row, out, n, words.shape[1], groups, GROUP8=group // 8, BLOCK_N=block_n,
+            STEP_GROUPS=step_groups, STEPS=groups // shares // step_groups, num_warps=warps)
+        return out
 
-    return run
+    def finish(out):
+        return out if shares == 1 else out.sum(0, keepdim=True).to(torch.bfloat16)
+
+    return launch, finish
 
 
-def triton_configs(groups: int):
+def triton_configs(name: str, groups: int):
     """(rows per program, warps, shares of the groups, groups per step) that divide the groups."""
-    return [(rows, warps, shares, step) for rows, warps, shares, step
-            in itertools.product((16, 32, 64), (4, 8), sorted({1, 4, 16, groups}), (1, 4))
-            if groups % (shares * step) == 0]
+    if name == "triton":  # the first kernel: its configurations of the last sweep
+        sweep = itertools.product((16, 32, 64), (4, 8), sorted({1, 4, 16, groups}), (1, 4))
+    else:
+        sweep = itertools.product((4, 8, 16, 32), (2, 4), (1, 2, 4, 8), (1, 2))
+    return [(rows, warps, shares, step) for rows, warps, shares, step in sweep if groups % (shares * step) == 0]
 
 
 def compiled(fn, x, weights, scales, group, options=None):
@@ -163,11 +206,13 @@ def compiled(fn, x, weights, scales, group, options=None):
 
 def against_tinygemm(x, packed, group: int, scales, weight, product) -> tuple[float, float]:
     """(tinygemm µs, the form's µs) per product, each weight cold: both read copies of their
-    weight past the L2 cache in turn. `product(w)`: the form on one copy `w` of `weight`."""
+    weight past the L2 cache in turn, replayed from CUDA graphs (as a plan with graphs runs them:
+    no launch gaps, and a Triton kernel's Python launcher out of the timing). `product(w)`: the
+    form on one copy `w` of `weight`."""
     copies = [(packed, weight)] + [(packed.clone(), weight.clone()) for _ in range(gemv.cold_copies(weight) - 1)]
     with timing.on(x.device):
         times = timing.time_both(lambda: [aten._weight_int4pack_mm(x, p, group, scales) for p, _ in copies],
-                                 lambda: [product(w) for _, w in copies])
+                                 lambda: [product(w) for _, w in copies], stream=torch.cuda.Stream(x.device))
     return times[0] / len(copies), times[1] / len(copies)
 
 
@@ -175,15 +220,19 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.float() - want).abs().max().item() / want.abs().max().item()
 
 
-def sweep_triton(x, packed, words, scales, group: int, want: torch.Tensor) -> dict:
-    """Every configuration of the Triton kernel timed against tinygemm, weights cold: the fastest."""
-    best: dict = {"triton": float("inf")}
-    for config in triton_configs(scales.shape[0]):
-        run = triton_form(scales, group, *config)
-        tinygemm_us, us = against_tinygemm(x, packed, group, scales, words, lambda w, run=run: run(x, w))
-        if us < best["triton"]:
-            best = {"triton": us, "triton rel err": relative_error(run(x, words), want), "triton config": list(config),
-                    "tinygemm (triton's timing)": tinygemm_us}
+def sweep_triton(name: str, x, packed, words, scales, group: int, want: torch.Tensor) -> dict:
+    """Every configuration of a Triton kernel timed alone against tinygemm, weights cold: the
+    fastest, and that one timed again with its partial sums added up (as eager would)."""
+    best: dict = {name: float("inf")}
+    for config in triton_configs(name, scales.shape[0]):
+        launch, finish = triton_form(name, scales, group, *config)
+        tinygemm_us, us = against_tinygemm(x, packed, group, scales, words, lambda w, f=launch: f(x, w))
+        if us < best[name]:
+            best = {name: us, f"{name} rel err": relative_error(finish(launch(x, words)), want),
+                    f"{name} config": list(config), f"tinygemm ({name}'s timing)": tinygemm_us, "launch": launch,
+                    "finish": finish}
+    launch, finish = best.pop("launch"), best.pop("finish")
+    best[f"{name} summed"] = against_tinygemm(x, packed, group, scales, words, lambda w: finish(launch(x, w)))[1]
     return best
 
 
@@ -210,8 +259,9 @@ def one_shape(k: int, n: int, group: int, wanted: tuple[str, ...]) -> dict:
         except Exception as e:  # noqa: BLE001 - a form that fails is reported, the others still run
             print(f"{k}x{n} {name}: {type(e).__name__}: {str(e)[:300]}")
             out[name], out[f"{name} rel err"] = float("nan"), float("nan")
-    if "triton" in wanted:
-        out.update(sweep_triton(x, packed, words, scales, group, want))
+    for name in TRITON_FORMS:
+        if name in wanted:
+            out.update(sweep_triton(name, x, packed, words, scales, group, want))
     w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
     copies = [w] + [w.clone() for _ in range(gemv.cold_copies(w) - 1)]
     with timing.on(w.device):
@@ -225,7 +275,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-1b", choices=sorted(SHAPES))
     p.add_argument("--group", type=int, default=128)
-    p.add_argument("--forms", default=",".join(FORMS + ("triton",)))
+    p.add_argument("--forms", default=",".join(FORMS + TRITON_FORMS))
     p.add_argument("--interpret", action="store_true", help="check the Triton kernel on the CPU (no timing)")
     p.add_argument("--out", default="int4_gemv_kernels")
     args = p.parse_args()
@@ -247,14 +297,15 @@ def main():
         r = one_shape(k, n, args.group, wanted)
         records.append({"linear": name, "in": k, "out": n, "group": args.group, **r})
         cell = lambda us: f"{us:.1f} ({r['int4 bytes'] / us / 1e6:.2f})"
-        shown = [f for f in (*FORMS, "triton") if f in wanted]
-        tinygemm = r.get("tinygemm", r.get("tinygemm (triton's timing)"))
+        shown = [f for f in (*FORMS, *TRITON_FORMS) if f in wanted]
+        tinygemm = r.get("tinygemm", next((r[k] for k in r if k.startswith("tinygemm (")), math.nan))
         rows.append([name, f"{k} x {n}", cell(tinygemm)] + [cell(r[f]) for f in shown]
                     + [f"{max(r[f + ' rel err'] for f in shown):.1e}", f"{r['bf16 linear']:.1f}"]
-                    + ([str(r["triton config"])] if "triton" in shown else []))
+                    + [f"{r[f + ' summed']:.1f} {r[f + ' config']}" for f in TRITON_FORMS if f in shown])
     print(table(f"{args.model}, int4 groups of {args.group}: µs per one-row product (TB/s of int4 bytes), weights cold",
                 ["linear", "in x out", "tinygemm", *shown, "max err / max", "bf16 linear µs"]
-                + (["triton rows, warps, shares, groups a step"] if "triton" in wanted else []), rows))
+                + [f"{f} summed µs, [rows, warps, shares, groups a step]" for f in TRITON_FORMS if f in wanted],
+                rows))
     print(f"wrote {write_json(args.out, {'machine': machine(), 'model': args.model, 'rows': records})}")
 
 
@@ -273,8 +324,9 @@ def interpret(model: str, group: int) -> None:
         weight = ((q.float() - 8) * scales[..., 0].t().float().repeat_interleave(group, 1)
                   + scales[..., 1].t().float().repeat_interleave(group, 1))
         want = x.float() @ weight.t()
-        worst = max((triton_form(scales, group, *c)(x, words).float() - want).abs().max().item()
-                    for c in triton_configs(k // group)[::3]) / want.abs().max().item()
+        worst = max((finish(launch(x, words)).float() - want).abs().max().item()
+                    for name in TRITON_FORMS for c in triton_configs(name, k // group)[::3]
+                    for launch, finish in [triton_form(name, scales, group, *c)]) / want.abs().max().item()
         print(f"{name} {k} x {n}: largest error over the configurations {worst:.1e} of the largest output")
         assert worst < 2 ** -7, "the Triton kernel does not compute the product"
 
