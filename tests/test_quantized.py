@@ -86,6 +86,104 @@ def test_an_int4_embedding_is_gathered_packed_and_generates_as_torchao(emu, tmp_
     assert embed.nbytes < vocab * hidden  # under a byte a weight, scales and zero points included
 
 
+INT4_PRODUCTS = ("aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu")
+
+
+def int4_products(program, method="forward") -> int:
+    """How many int4 products the program's delegates run per call of `method`."""
+    return sum(i.kernel.split(".")[0] in INT4_PRODUCTS for d in program.delegates
+               for i in ferry.load_program(program.segments[d.payload], segments=program.segments).method(method).instructions
+               if hasattr(i, "kernel"))
+
+
+@functools.cache
+def cpu_int4_llama():
+    """bf16, every linear int4 in groups of 64 for tinygemm's CPU kernel (`_weight_int4pack_mm_for_cpu`)."""
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**CONFIG, "hidden_size": 128, "intermediate_size": 256})
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.generation_config.cache_implementation = "static"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=64))
+    recipe = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
+    with torch.no_grad():
+        ep = recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long), cache_position=torch.arange(3),
+                           dynamic_shapes={"input_ids": {1: PREFILL}, "cache_position": {0: PREFILL}})
+    return model, ep
+
+
+def test_int4_projections_of_one_input_run_as_one_product_and_generate_as_torchao(emu, tmp_path):
+    """q/k/v and gate/up each one int4 product over their packed tiles and scales stacked at
+    compile time (4 products a layer where torchao's model makes 7); prefill at every length and
+    decode give torchao eager's greedy tokens; the file holds the stacked tiles in place of the
+    separate ones, not beside them."""
+    model, ep = cpu_int4_llama()
+    prompt = token_ids((1, PROMPT), 7) % CONFIG["vocab_size"]
+    with torch.no_grad():
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False)
+    assert len(set(want[0, PROMPT:].tolist())) >= 6, want
+    partitioner = ferry.OpSupportPartitioner("emu:0")
+    merged = ferry.compile(ep, partitioner)
+    apart = ferry.compile(ep, partitioner, ferry.CompileConfig(fuse_for_inference=False))
+    layers = CONFIG["num_hidden_layers"]
+    assert (int4_products(merged), int4_products(apart)) == (4 * layers + 1, 7 * layers + 1)
+    merged.save(tmp_path / "merged.ferry")
+    apart.save(tmp_path / "apart.ferry")
+    assert (tmp_path / "merged.ferry").stat().st_size <= (tmp_path / "apart.ferry").stat().st_size
+    assert ferry.generate(ferry.Module(tmp_path / "merged.ferry"), prompt, NEW).tokens.tolist() == want.tolist()
+
+
+class PaddedInt4Projections(torch.nn.Module):
+    """Three int4 products off one input as torchao's CUDA path traces them: each its own 2-D
+    view, cast and zero padding of the input (K 96 padded to 128), then a slice of its columns."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        for name, n in (("q", 128), ("k", 64), ("v", 64)):
+            values = torch.randint(0, 16, (n, 128), generator=g, dtype=torch.int32)
+            self.register_buffer(f"{name}_packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 2))
+            scales = torch.stack([torch.rand(2, n, generator=g) * 0.1 + 0.01, torch.randn(2, n, generator=g) * 0.1], -1)
+            self.register_buffer(f"{name}_scales", scales.to(torch.bfloat16))
+
+    def project(self, x, name):
+        rows = torch.nn.functional.pad(x.reshape(-1, 96).to(torch.bfloat16), (0, 32))
+        packed, scales = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scales")
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, 64, scales)
+        return y[:, : scales.shape[1]].reshape(*x.shape[:-1], scales.shape[1])
+
+    def forward(self, x):
+        return self.project(x, "q") * 2 + torch.cat([self.project(x, "k"), self.project(x, "v")], -1)
+
+
+def test_int4_products_of_one_input_through_their_own_views_and_padding_are_merged(emu):
+    model = PaddedInt4Projections().eval()
+    ep = torch.export.export(model, (torch.randn(2, 3, 96, dtype=torch.bfloat16),))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
+    assert int4_products(program) == 1
+    module = ferry.Module(program)
+    for _ in range(2):
+        x = torch.randn(2, 3, 96, dtype=torch.bfloat16)
+        torch.testing.assert_close(module(x), model(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("widths,stacks", [((128, 64, 64), True), ((32, 16, 16), False), ((64, 32, 32), False)])
+def test_int4_products_are_merged_only_where_the_stacked_product_is_the_separate_ones(widths, stacks):
+    """tinygemm's CPU tiles hold rows in blocks of 64: stacked at other widths, the product's rows
+    land in the wrong columns. The check a merge passes first tells the two apart on the kernel."""
+    from ferry.choices.projections import _same_products
+
+    g = torch.Generator().manual_seed(3)
+    packs = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (n, 128), generator=g, dtype=torch.int32), 2) for n in widths]
+    scales = [torch.randn(2, n, 2, generator=g).to(torch.bfloat16) for n in widths]
+    assert _same_products(torch.ops.aten._weight_int4pack_mm_for_cpu.default, torch.bfloat16, packs, scales, 64,
+                          torch.cat(packs), torch.cat(scales, 1)) is stacks
+
+
 def test_the_file_holds_int8_weights_and_inspect_names_them(tmp_path):
     q = ferry.compile(exported(True))
     full = ferry.compile(exported(False))
@@ -156,7 +254,8 @@ def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
     records = {r.name: r for r in program.method("forward").quantized_weights}
     if scheme == "int4":
         assert records["model.model.embed_tokens.weight"].parts["qdata"].endswith("(int4, two per byte)")
-    if scheme == "int4":
+        # q/k/v and gate/up merged: the stacked tiles passed the check on tinygemm's own kernel
+        assert int4_products(program) == 4 * CONFIG["num_hidden_layers"] + 1
         got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 32)
         assert got.tokens.tolist() == want.tolist()
     else:

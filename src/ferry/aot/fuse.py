@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ferry.choices import attention, conv, gemm
+from ferry.choices import attention, conv, gemm, projections
 from ferry.choices.graph_edits import Rewrite
 
 __all__ = ["Rewrite", "fuse_for_inference", "fusion_notes", "merge_for_compiler"]
@@ -43,11 +43,11 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done.
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
     order they are tested in: copies dropped, convolutions, attention, projections of one input
-    merged, linears as GEMMs. `merged`: the program's stacked weights (gemm.merge_projections)."""
+    merged, linears as GEMMs. `merged`: the program's stacked weights (projections.merge_projections)."""
     done = _drop_copies(gm)
     for pattern in (*conv.PATTERNS, *attention.PATTERNS):
         done += pattern(gm)
-    done += gemm.merge_projections(gm, merged)
+    done += projections.merge_projections(gm, merged)
     for pattern in gemm.PATTERNS:
         done += pattern(gm)
     if done:
@@ -60,8 +60,8 @@ def merge_for_compiler(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     attention as they are (no repeated copy of the cache), a boolean mask that several attention
     calls share made additive once (each call would convert it again), and projections of one input merged
     into one GEMM over stacked weights (Inductor keeps each linear its own cuBLAS call).
-    `merged`: the program's stacked weights, shared by its methods (gemm.merge_projections)."""
-    done = attention.grouped_heads(gm) + attention.additive_masks(gm) + gemm.merge_projections(gm, merged)
+    `merged`: the program's stacked weights, shared by its methods (projections.merge_projections)."""
+    done = attention.grouped_heads(gm) + attention.additive_masks(gm) + projections.merge_projections(gm, merged)
     if done:
         tidy(gm)
     return done

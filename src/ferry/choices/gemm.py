@@ -12,21 +12,18 @@ rounded before the bias is added. Under deterministic algorithms eager's kernel 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
 from ferry import node_meta as M
 from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision, Site
-from ferry.choices.graph_edits import Rewrite, attr, call, constant
+from ferry.choices.graph_edits import Rewrite, call
 
-__all__ = ["OPS", "PATTERNS", "biased_gemm", "blas_settings", "form", "functional_linear", "merge_projections",
-           "mm_then_add"]
+__all__ = ["OPS", "PATTERNS", "biased_gemm", "blas_settings", "form", "functional_linear", "mm_then_add"]
 
 aten = torch.ops.aten
 OPS = frozenset({aten.addmm.out})
@@ -145,88 +142,6 @@ def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
         gm.graph.erase_node(node)
         done.append(Rewrite("gemm", node.name))
     return done
-
-
-# ---------------------------------------------------------------- compile time: projections of one input merged
-
-
-def merge_projections(gm: torch.fx.GraphModule, merged: dict | None = None) -> list[Rewrite]:
-    """Linears that read one input with constant weights (attention's q, k and v; an MLP's gate and
-    up) -> one linear over their weights stacked at compile time, each result a slice of its
-    columns. A decode step is a row of GEMVs, each bound by reading its weight: one GEMV over the
-    stacked weights reads as many bytes in one launch, and small ones were far from the
-    bandwidth (an H200, Llama-3.2-1B's shape: k and v, 2 MB each, 5.4 µs apiece, 0.4 TB/s).
-    `merged`: stacked weights by their sources, shared by the methods of one program (prefill and
-    decode store and upload them once)."""
-    merged = {} if merged is None else merged
-    done = []
-    for x in list(gm.graph.nodes):
-        groups: dict = {}
-        for user in x.users:
-            key = _projection_key(gm, user, x)
-            if key is not None:
-                groups.setdefault(key, []).append(user)
-        for users in groups.values():
-            if len(users) > 1:
-                _merge(gm, x, sorted(users, key=_order(gm)), merged)
-                done += [Rewrite("projections merged", u.name) for u in users]
-    return done
-
-
-def _order(gm):
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return index.__getitem__
-
-
-def _projection_key(gm, node, x):
-    """What linears must share to be merged with `node` (None: not a mergeable projection of x):
-    input x itself, 2-D constant weights of one dtype, device and width, biases all or none."""
-    if node.op != "call_function" or node.target is not aten.linear.default or node.args[0] is not x:
-        return None
-    if any(u.op == "output" for u in node.users):
-        return None  # a view as the delegate's result would be copied out
-    w = attr(gm, node.args[1])
-    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    bias = attr(gm, b) if b is not None else None
-    if w is None or w.dim() != 2 or (b is not None and (bias is None or bias.shape != w.shape[:1])):
-        return None
-    if not isinstance(node.meta.get("val"), torch.Tensor) or M.get_device(node.args[1]) != M.get_device(node):
-        return None
-    return w.dtype, w.device, w.shape[1], b is None
-
-
-def _stacked(gm, nodes: list, merged: dict) -> torch.Tensor:
-    """The constants `nodes` name, stacked along rows: once per set of sources."""
-    sources = tuple(attr(gm, n) for n in nodes)
-    key = tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for t in sources)
-    if key not in merged:  # the sources are kept with it: a tensor made later at a freed address is another
-        merged[key] = (sources, torch.cat([t.detach() for t in sources]))
-    return merged[key][1]
-
-
-def _merge(gm, x, users: list, merged: dict) -> None:
-    first = users[0]
-    weights = [u.args[1] for u in users]
-    biases = [u.args[2] if len(u.args) > 2 else u.kwargs.get("bias") for u in users]
-    with gm.graph.inserting_before(first):
-        w = constant(gm, f"{weights[0].target}_merged", _stacked(gm, weights, merged), weights[0])
-        args = [x, w]
-        if biases[0] is not None:
-            args.append(constant(gm, f"{biases[0].target}_merged", _stacked(gm, biases, merged), biases[0]))
-        xv, wv = x.meta["val"], w.meta["val"]
-        # the result's value made directly: sizes may be symbolic (a dynamic prompt), which linear's
-        # composite kernel cannot take in some torch releases
-        with detect_fake_mode([xv, wv]) or contextlib.nullcontext():
-            y = call(gm, first, aten.linear.default, tuple(args), xv.new_empty((*xv.shape[:-1], wv.shape[0])))
-            start = 0
-            for u in users:
-                width = attr(gm, u.args[1]).shape[0]
-                part = call(gm, u, aten.slice.Tensor, (y, -1, start, start + width),
-                            aten.slice.Tensor(y.meta["val"], -1, start, start + width))
-                start += width
-                u.replace_all_uses_with(part)
-    for u in users:
-        gm.graph.erase_node(u)
 
 
 PATTERNS = (linear_as_gemm,)

@@ -1,0 +1,169 @@
+"""Projections of one input merged at compile time: attention's q, k and v, an MLP's gate and up.
+
+A decode step is a row of matrix-vector products, each bound by reading its weight, and small
+ones were far from the bandwidth (an H200, Llama-3.2-1B's shape: k and v, 2 MB each, 5.4 µs
+apiece, 0.4 TB/s). One product over the weights stacked along their rows reads as many bytes in
+one launch; each projection's result is a slice of its columns. Two kinds are merged:
+
+- `linear` with constant 2-D weights (and biases all or none);
+- torchao's int4 products (`_weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu`): each
+  reads its own 2-D view of the input (cast, and padded to a multiple of 1024 on CUDA); the
+  packed tiles stack along their first dimension (rows, or blocks of eight rows) and the scales
+  along their second. tinygemm's tile layout is its own,
+  so a merge is kept only where the stacked product, run once on the constants' device, equals
+  the separate ones.
+
+`merged`: stacked constants by their sources, shared by the methods of one program (prefill and
+decode store and upload them once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from ferry import node_meta as M
+from ferry.choices.graph_edits import Rewrite, attr, call, constant
+
+__all__ = ["INT4_PRODUCTS", "merge_projections"]
+
+aten = torch.ops.aten
+INT4_PRODUCTS = (aten._weight_int4pack_mm.default, aten._weight_int4pack_mm_for_cpu.default)
+# ops each int4 product's input passes through on its own (torchao: a 2-D view, a cast, K padded
+# to a multiple of 1024): two such chains of the same ops from one node compute the same value
+_PER_PRODUCT = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.constant_pad_nd.default,
+                aten.pad.default, aten._to_copy.default, aten.clone.default)
+
+
+def merge_projections(gm: torch.fx.GraphModule, merged: dict | None = None) -> list[Rewrite]:
+    """Merge every group of projections of one input in `gm`, in place; what was done."""
+    merged = {} if merged is None else merged
+    groups: dict = {}
+    for node in gm.graph.nodes:
+        key = _linear_key(gm, node) or _int4_key(gm, node)
+        if key is not None:
+            groups.setdefault(key, []).append(node)  # in graph order: the first is the earliest
+    done = []
+    for key, nodes in groups.items():
+        if len(nodes) > 1 and (_merge_linears if key[0] == "linear" else _merge_int4)(gm, nodes, merged):
+            done += [Rewrite("projections merged", n.name) for n in nodes]
+    return done
+
+
+def _returned(node) -> bool:
+    return any(u.op == "output" for u in node.users)  # a view as the delegate's result would be copied out
+
+
+def _linear_key(gm, node):
+    """What linears must share to be merged (None: not a mergeable projection): input itself,
+    2-D constant weights of one dtype, device and width, biases all or none."""
+    if node.op != "call_function" or node.target is not aten.linear.default or _returned(node):
+        return None
+    w = attr(gm, node.args[1])
+    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    bias = attr(gm, b) if b is not None else None
+    if w is None or w.dim() != 2 or (b is not None and (bias is None or bias.shape != w.shape[:1])):
+        return None
+    if not isinstance(node.meta.get("val"), torch.Tensor) or M.get_device(node.args[1]) != M.get_device(node):
+        return None
+    return "linear", node.args[0], w.dtype, w.device, w.shape[1], b is None
+
+
+def _int4_key(gm, node):
+    """What int4 products must share: one input (the same node, or views of one node to one
+    shape), the op, group size, device, and packed tiles and scales alike past the stacked dim."""
+    if node.op != "call_function" or node.target not in INT4_PRODUCTS or _returned(node) or node.kwargs:
+        return None
+    x, packed, group, scales = node.args
+    p, s, val = attr(gm, packed), attr(gm, scales), node.meta.get("val")
+    if p is None or s is None or not isinstance(val, torch.Tensor) or s.dim() != 3 or s.shape[1] != val.shape[-1]:
+        return None
+    if M.get_device(packed) != M.get_device(node) or M.get_device(scales) != M.get_device(node):
+        return None
+    return "int4", node.target, _source(x), group, p.dtype, p.device, tuple(p.shape[1:]), s.dtype, s.shape[0], s.shape[2]
+
+
+def _source(x):
+    """What `x` computes, as a key: the chain of per-product ops (with their arguments) from the
+    node they start at."""
+    if not (isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target in _PER_PRODUCT):
+        return x
+    args = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in x.args[1:])
+    return x.target, _source(x.args[0]), args, tuple(sorted((k, str(v)) for k, v in x.kwargs.items()))
+
+
+def _stacked(gm, nodes: list, merged: dict, dim: int = 0) -> torch.Tensor:
+    """The constants `nodes` name, stacked along `dim`: once per set of sources."""
+    sources = tuple(attr(gm, n) for n in nodes)
+    key = (dim, *((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for t in sources))
+    if key not in merged:  # the sources are kept with it: a tensor made later at a freed address is another
+        merged[key] = (sources, torch.cat([t.detach() for t in sources], dim))
+    return merged[key][1]
+
+
+def _merge_linears(gm, users: list, merged: dict) -> bool:
+    first, x = users[0], users[0].args[0]
+    weights = [u.args[1] for u in users]
+    biases = [u.args[2] if len(u.args) > 2 else u.kwargs.get("bias") for u in users]
+    with gm.graph.inserting_before(first):
+        w = constant(gm, f"{weights[0].target}_merged", _stacked(gm, weights, merged), weights[0])
+        args = [x, w]
+        if biases[0] is not None:
+            args.append(constant(gm, f"{biases[0].target}_merged", _stacked(gm, biases, merged), biases[0]))
+        xv, wv = x.meta["val"], w.meta["val"]
+        # the result's value made directly: sizes may be symbolic (a dynamic prompt), which linear's
+        # composite kernel cannot take in some torch releases
+        with detect_fake_mode([xv, wv]) or contextlib.nullcontext():
+            y = call(gm, first, aten.linear.default, tuple(args), xv.new_empty((*xv.shape[:-1], wv.shape[0])))
+            _slice_out(gm, users, y, [attr(gm, u.args[1]).shape[0] for u in users])
+    return True
+
+
+def _merge_int4(gm, nodes: list, merged: dict) -> bool:
+    first = nodes[0]
+    x, packed, group, scales = first.args
+    packs, scale_nodes = [n.args[1] for n in nodes], [n.args[3] for n in nodes]
+    stacked_packs, stacked_scales = _stacked(gm, packs, merged), _stacked(gm, scale_nodes, merged, dim=1)
+    widths = [n.meta["val"].shape[-1] for n in nodes]
+    if not _same_products(first.target, x.meta["val"].dtype, [attr(gm, p) for p in packs],
+                          [attr(gm, s) for s in scale_nodes], group, stacked_packs, stacked_scales):
+        return False
+    with gm.graph.inserting_before(first):
+        p = constant(gm, f"{packed.target}_merged", stacked_packs, packed)
+        s = constant(gm, f"{scales.target}_merged", stacked_scales, scales)
+        xv = x.meta["val"]
+        with detect_fake_mode([xv]) or contextlib.nullcontext():
+            y = call(gm, first, first.target, (x, p, group, s),
+                     xv.new_empty((xv.shape[0], sum(widths)), dtype=first.meta["val"].dtype))
+            _slice_out(gm, nodes, y, widths)
+    return True
+
+
+def _same_products(op, dtype, packs: list, scales: list, group: int, stacked_packs, stacked_scales) -> bool:
+    """The stacked product of a random row equals each separate one (to bf16 rounding); False
+    where the op cannot run on the constants' device here (the merge is then not made)."""
+    device = stacked_packs.device
+    row = torch.randn(1, scales[0].shape[0] * group, generator=torch.Generator().manual_seed(0))
+    row = row.to(device=device, dtype=dtype)
+    try:
+        with torch.no_grad():
+            want = torch.cat([op(row, p, group, s) for p, s in zip(packs, scales)], -1).float()
+            got = op(row, stacked_packs, group, stacked_scales).float()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return got.shape == want.shape and bool((got - want).abs().max() <= 2 ** -7 * want.abs().max().clamp_min(1e-6))
+
+
+def _slice_out(gm, nodes: list, y, widths: list[int]) -> None:
+    """Each of `nodes` replaced by its columns of `y`, in order."""
+    start = 0
+    for node, width in zip(nodes, widths):
+        part = call(gm, node, aten.slice.Tensor, (y, -1, start, start + width),
+                    aten.slice.Tensor(y.meta["val"], -1, start, start + width))
+        start += width
+        node.replace_all_uses_with(part)
+    for node in nodes:
+        gm.graph.erase_node(node)
