@@ -19,11 +19,9 @@ L2 (a decode step reads them cold):
 - `bytes`: the values read a byte at a time, each dequantized and rounded to bf16, summed over
   (groups, values of a group);
 - `triton`: a hand-written Triton kernel over the words (each program: a block of rows, one or
-  four groups of words per step, a share of the groups; partial sums per share added after), its
-  block of rows, warps, shares and groups per step swept, the fastest reported (`--forms triton`
-  runs it alone), timed alone and with its partial sums added up;
-- `triton nibbles`: the same sweep over a second kernel that takes a step's words one nibble at
-  a time (a [rows, words] sum where the first holds [rows, words, 8]);
+  two groups of words per step taken a nibble at a time, a share of the groups; partial sums per
+  share added after), its block of rows, warps, shares and groups per step swept, the fastest
+  reported (`--forms triton` runs it alone), timed alone and with its partial sums added up;
 - `bf16 linear`: cuBLAS on the bf16 weight of the same shape, for scale.
 The Inductor forms are compiled with coordinate-descent tuning, as ferry compiles its bf16
 reductions. `--interpret` checks the Triton kernel against the exact product on the CPU (Triton's
@@ -104,36 +102,14 @@ INLINE = {"realize_acc_reads_threshold": 64, "realize_opcount_threshold": 400}  
 
 
 def triton_kernels():
-    """The Triton kernels (Triton ships with CUDA builds of PyTorch), by name. Each computes
-    out[share, n] = this share's groups of x . dequantized row n, as s sum_j x_j q_j + (z - 8 s)
-    sum_j x_j per group, a step reading STEP_GROUPS groups of words of BLOCK_N rows:
-    - `triton`: each word's eight values unpacked at once into a [rows, words, 8] block;
-    - `triton nibbles`: the eight values of the step's words taken one nibble at a time, each
-      multiplied by its strided slice of x into one [rows, words] sum (fewer live registers)."""
+    """The Triton kernel (Triton ships with CUDA builds of PyTorch), by name: out[share, n] = this
+    share's groups of x . dequantized row n, as s sum_j x_j q_j + (z - 8 s) sum_j x_j per group, a
+    step reading STEP_GROUPS groups of words of BLOCK_N rows, their eight values taken one nibble
+    at a time, each multiplied by its strided slice of x into one [rows, words] sum. (A first
+    kernel that unpacked each word into a [rows, words, 8] block ran 1.05-3.2x slower on the
+    H200: `int4_gemv_triton.json`, its `triton` column; history has it.)"""
     import triton
     import triton.language as tl
-
-    @triton.jit
-    def words3d(x_ptr, w_ptr, sz_ptr, out_ptr, N, K8, G, GROUP8: tl.constexpr, BLOCK_N: tl.constexpr,
-                STEP_GROUPS: tl.constexpr, STEPS: tl.constexpr):
-        pid_n, share = tl.program_id(0), tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = rows < N
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        shifts = tl.arange(0, 8) * 4
-        for i in range(STEPS):
-            g = (share * STEPS + i) * STEP_GROUPS + tl.arange(0, STEP_GROUPS)  # the step's groups
-            cols = (share * STEPS + i) * STEP_GROUPS * GROUP8 + tl.arange(0, STEP_GROUPS * GROUP8)
-            w = tl.load(w_ptr + rows[:, None] * K8 + cols[None, :], mask=live[:, None], other=0)
-            xj = tl.load(x_ptr + cols[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
-            q = ((w[:, :, None] >> shifts[None, None, :]) & 15).to(tl.float32)
-            dots = tl.sum(tl.reshape(tl.sum(q * xj[None, :, :], axis=2), [BLOCK_N, STEP_GROUPS, GROUP8]), axis=2)
-            sums = tl.sum(tl.reshape(tl.sum(xj, axis=1), [STEP_GROUPS, GROUP8]), axis=1)
-            at = sz_ptr + rows[:, None] * (2 * G) + 2 * g[None, :]
-            scale = tl.load(at, mask=live[:, None], other=0).to(tl.float32)
-            zero = tl.load(at + 1, mask=live[:, None], other=0).to(tl.float32)
-            acc += tl.sum(scale * dots + (zero - 8 * scale) * sums[None, :], axis=1)
-        tl.store(out_ptr + share * N + rows, acc, mask=live)
 
     @triton.jit
     def nibbles(x_ptr, w_ptr, sz_ptr, out_ptr, N, K8, G, GROUP8: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -161,10 +137,10 @@ def triton_kernels():
             acc += scale * dots + (zero - 8 * scale) * sums[None, :]
         tl.store(out_ptr + share * N + rows, tl.sum(acc, axis=1), mask=live)
 
-    return triton, {"triton": words3d, "triton nibbles": nibbles}
+    return triton, {"triton": nibbles}
 
 
-TRITON_FORMS = ("triton", "triton nibbles")
+TRITON_FORMS = ("triton",)
 
 
 def triton_form(name: str, scales: torch.Tensor, group: int, block_n: int, warps: int, shares: int,
@@ -191,10 +167,7 @@ def triton_form(name: str, scales: torch.Tensor, group: int, block_n: int, warps
 
 def triton_configs(name: str, groups: int):
     """(rows per program, warps, shares of the groups, groups per step) that divide the groups."""
-    if name == "triton":  # the first kernel: its configurations of the last sweep
-        sweep = itertools.product((16, 32, 64), (4, 8), sorted({1, 4, 16, groups}), (1, 4))
-    else:
-        sweep = itertools.product((4, 8, 16, 32), (2, 4), (1, 2, 4, 8), (1, 2))
+    sweep = itertools.product((4, 8, 16, 32), (2, 4), (1, 2, 4, 8), (1, 2))
     return [(rows, warps, shares, step) for rows, warps, shares, step in sweep if groups % (shares * step) == 0]
 
 
