@@ -89,11 +89,15 @@ def test_an_int4_embedding_is_gathered_packed_and_generates_as_torchao(emu, tmp_
 INT4_PRODUCTS = ("aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu")
 
 
+def delegate_kernels(program, method="forward") -> list[str]:
+    return [i.kernel for d in program.delegates
+            for i in ferry.load_program(program.segments[d.payload], segments=program.segments).method(method).instructions
+            if hasattr(i, "kernel")]
+
+
 def int4_products(program, method="forward") -> int:
     """How many int4 products the program's delegates run per call of `method`."""
-    return sum(i.kernel.split(".")[0] in INT4_PRODUCTS for d in program.delegates
-               for i in ferry.load_program(program.segments[d.payload], segments=program.segments).method(method).instructions
-               if hasattr(i, "kernel"))
+    return sum(k.split(".")[0] in INT4_PRODUCTS for k in delegate_kernels(program, method))
 
 
 @functools.cache
@@ -182,6 +186,27 @@ def test_int4_products_are_merged_only_where_the_stacked_product_is_the_separate
     scales = [torch.randn(2, n, 2, generator=g).to(torch.bfloat16) for n in widths]
     assert _same_products(torch.ops.aten._weight_int4pack_mm_for_cpu.default, torch.bfloat16, packs, scales, 64,
                           torch.cat(packs), torch.cat(scales, 1)) is stacks
+
+
+def test_int8_projections_of_one_input_run_as_one_product(emu, tmp_path):
+    """torchao's int8 linear exports as `mm(x, int8 weight cast) * per-row scales`: q/k/v and
+    gate/up each become one such product over their int8 weights and scales stacked at compile
+    time (4 products a layer where there were 7), stored in place of the separate ones; the
+    generation test above runs the merged program against torchao eager."""
+    partitioner = ferry.OpSupportPartitioner("emu:0")
+    merged = ferry.compile(exported(True), partitioner)
+    apart = ferry.compile(exported(True), partitioner, ferry.CompileConfig(fuse_for_inference=False))
+    layers = CONFIG["num_hidden_layers"]
+    mms = lambda p: sum(k.split(".")[0] == "aten::mm" for k in delegate_kernels(p))  # noqa: E731
+    assert (mms(merged), mms(apart)) == (4 * layers + 1, 7 * layers + 1)
+    merged.save(tmp_path / "merged.ferry")
+    apart.save(tmp_path / "apart.ferry")
+    assert (tmp_path / "merged.ferry").stat().st_size <= (tmp_path / "apart.ferry").stat().st_size
+    module, prompt = ferry.Module(tmp_path / "merged.ferry"), token_ids((1, PROMPT), 9) % CONFIG["vocab_size"]
+    with torch.no_grad():
+        want = llama(True)(prompt).logits
+    got = module.forward(prompt, torch.arange(PROMPT))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_file_holds_int8_weights_and_inspect_names_them(tmp_path):

@@ -3,7 +3,7 @@
 A decode step is a row of matrix-vector products, each bound by reading its weight, and small
 ones were far from the bandwidth (an H200, Llama-3.2-1B's shape: k and v, 2 MB each, 5.4 µs
 apiece, 0.4 TB/s). One product over the weights stacked along their rows reads as many bytes in
-one launch; each projection's result is a slice of its columns. Two kinds are merged:
+one launch; each projection's result is a slice of its columns. Three kinds are merged:
 
 - `linear` with constant 2-D weights (and biases all or none);
 - torchao's int4 products (`_weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu`): each
@@ -11,7 +11,9 @@ one launch; each projection's result is a slice of its columns. Two kinds are me
   packed tiles stack along their first dimension (rows, or blocks of eight rows) and the scales
   along their second. tinygemm's tile layout is its own,
   so a merge is kept only where the stacked product, run once on the constants' device, equals
-  the separate ones.
+  the separate ones;
+- torchao's int8 products as they export (`mm(x, _to_copy(t(q))) * view(scale, [n])`): the int8
+  weights and per-row scales stacked along their rows, one cast, one product and one scaling.
 
 `merged`: stacked constants by their sources, shared by the methods of one program (prefill and
 decode store and upload them once).
@@ -43,12 +45,12 @@ def merge_projections(gm: torch.fx.GraphModule, merged: dict | None = None) -> l
     merged = {} if merged is None else merged
     groups: dict = {}
     for node in gm.graph.nodes:
-        key = _linear_key(gm, node) or _int4_key(gm, node)
+        key = _linear_key(gm, node) or _int4_key(gm, node) or _int8_key(gm, node)
         if key is not None:
             groups.setdefault(key, []).append(node)  # in graph order: the first is the earliest
     done = []
     for key, nodes in groups.items():
-        if len(nodes) > 1 and (_merge_linears if key[0] == "linear" else _merge_int4)(gm, nodes, merged):
+        if len(nodes) > 1 and _MERGES[key[0]](gm, nodes, merged):
             done += [Rewrite("projections merged", n.name) for n in nodes]
     return done
 
@@ -84,6 +86,43 @@ def _int4_key(gm, node):
     if M.get_device(packed) != M.get_device(node) or M.get_device(scales) != M.get_device(node):
         return None
     return "int4", node.target, _source(x), group, p.dtype, p.device, tuple(p.shape[1:]), s.dtype, s.shape[0], s.shape[2]
+
+
+def _int8_parts(gm, node):
+    """torchao's int8 product as it exports, `mm(x, _to_copy(t(q))) * view(scale, [n])`:
+    (x, cast, q, scale get_attr, the mul), or None."""
+    if node.op != "call_function" or node.target is not aten.mm.default or len(node.users) != 1:
+        return None
+    x, cast = node.args
+    (mul,) = node.users
+    if not (isinstance(cast, torch.fx.Node) and cast.target is aten._to_copy.default and len(cast.args) == 1):
+        return None
+    t = cast.args[0]
+    if not (isinstance(t, torch.fx.Node) and t.target is aten.t.default):
+        return None
+    q = t.args[0]
+    if mul.target is not aten.mul.Tensor or mul.args[0] is not node or _returned(mul):
+        return None
+    scale = mul.args[1]
+    if isinstance(scale, torch.fx.Node) and scale.target is aten.view.default:
+        scale = scale.args[0]
+    return x, cast, q, scale, mul
+
+
+def _int8_key(gm, node):
+    """What int8 products must share: one input (as for int4), int8 2-D constant weights of one
+    width and device, one cast, and per-row scales (a constant of n values) applied after."""
+    parts = _int8_parts(gm, node)
+    if parts is None:
+        return None
+    x, cast, q, scale, mul = parts
+    w, sv = attr(gm, q), attr(gm, scale)
+    if w is None or sv is None or w.dtype != torch.int8 or w.dim() != 2 or sv.numel() != w.shape[0]:
+        return None
+    if not (isinstance(mul.meta.get("val"), torch.Tensor) and M.get_device(q) == M.get_device(scale) == M.get_device(node)):
+        return None
+    return ("int8", _source(x), w.device, w.shape[1], tuple(sorted((k, str(v)) for k, v in cast.kwargs.items())),
+            sv.dtype, sv.dim())
 
 
 def _source(x):
@@ -140,6 +179,32 @@ def _merge_int4(gm, nodes: list, merged: dict) -> bool:
                      xv.new_empty((xv.shape[0], sum(widths)), dtype=first.meta["val"].dtype))
             _slice_out(gm, nodes, y, widths)
     return True
+
+
+def _merge_int8(gm, nodes: list, merged: dict) -> bool:
+    first = nodes[0]
+    x, cast, q, scale, mul = _int8_parts(gm, first)
+    parts = [_int8_parts(gm, n) for n in nodes]
+    widths = [attr(gm, p[2]).shape[0] for p in parts]
+    weights = _stacked(gm, [p[2] for p in parts], merged)
+    scales = _stacked(gm, [p[3] for p in parts], merged)
+    xv = x.meta["val"]
+    with gm.graph.inserting_before(first), detect_fake_mode([xv]) or contextlib.nullcontext():
+        w = constant(gm, f"{q.target}_merged", weights, q)
+        s = constant(gm, f"{scale.target}_merged", scales, scale)
+        wt = call(gm, cast, aten.t.default, (w,), aten.t.default(w.meta["val"]))
+        wf = call(gm, cast, aten._to_copy.default, (wt,), aten._to_copy.default(wt.meta["val"], **cast.kwargs))
+        wf.kwargs = dict(cast.kwargs)
+        product = call(gm, first, aten.mm.default, (x, wf), aten.mm.default(xv, wf.meta["val"]))
+        row = call(gm, scale, aten.view.default, (s, [sum(widths)]), s.meta["val"].view(sum(widths)))
+        y = call(gm, mul, aten.mul.Tensor, (product, row), aten.mul.Tensor(product.meta["val"], row.meta["val"]))
+        _slice_out(gm, [p[4] for p in parts], y, widths)
+    for node in nodes:
+        gm.graph.erase_node(node)
+    return True
+
+
+_MERGES = {"linear": _merge_linears, "int4": _merge_int4, "int8": _merge_int8}
 
 
 def _same_products(op, dtype, packs: list, scales: list, group: int, stacked_packs, stacked_scales) -> bool:
