@@ -142,10 +142,12 @@ def test_int4_projections_of_one_input_run_as_one_product_and_generate_as_torcha
 
 class PaddedInt4Projections(torch.nn.Module):
     """Three int4 products off one input as torchao's CUDA path traces them: each its own 2-D
-    view, cast and zero padding of the input (K 96 padded to 128), then a slice of its columns."""
+    view, cast and zero padding of the input (K 96 padded to 128), then a slice of its columns.
+    `k_pad`: the value k's padding holds (not 0: k reads another input, and must stay apart)."""
 
-    def __init__(self):
+    def __init__(self, k_pad=0.0):
         super().__init__()
+        self.k_pad = k_pad
         g = torch.Generator().manual_seed(5)
         for name, n in (("q", 128), ("k", 64), ("v", 64)):
             values = torch.randint(0, 16, (n, 128), generator=g, dtype=torch.int32)
@@ -154,7 +156,8 @@ class PaddedInt4Projections(torch.nn.Module):
             self.register_buffer(f"{name}_scales", scales.to(torch.bfloat16))
 
     def project(self, x, name):
-        rows = torch.nn.functional.pad(x.reshape(-1, 96).to(torch.bfloat16), (0, 32))
+        pad = self.k_pad if name == "k" else 0.0
+        rows = torch.nn.functional.pad(x.reshape(-1, 96).to(torch.bfloat16), (0, 32), value=pad)
         packed, scales = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scales")
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, 64, scales)
         return y[:, : scales.shape[1]].reshape(*x.shape[:-1], scales.shape[1])
@@ -163,27 +166,32 @@ class PaddedInt4Projections(torch.nn.Module):
         return self.project(x, "q") * 2 + torch.cat([self.project(x, "k"), self.project(x, "v")], -1)
 
 
-def test_int4_products_of_one_input_through_their_own_views_and_padding_are_merged(emu):
-    model = PaddedInt4Projections().eval()
+@pytest.mark.parametrize("k_pad,products", [(0.0, 1), (1.0, 2)])
+def test_int4_products_of_one_input_through_their_own_views_and_padding_are_merged(emu, k_pad, products):
+    model = PaddedInt4Projections(k_pad).eval()
     ep = torch.export.export(model, (torch.randn(2, 3, 96, dtype=torch.bfloat16),))
     program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
-    assert int4_products(program) == 1
+    assert int4_products(program) == products
     module = ferry.Module(program)
     for _ in range(2):
         x = torch.randn(2, 3, 96, dtype=torch.bfloat16)
         torch.testing.assert_close(module(x), model(x), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("widths,stacks", [((128, 64, 64), True), ((32, 16, 16), False), ((64, 32, 32), False)])
-def test_int4_products_are_merged_only_where_the_stacked_product_is_the_separate_ones(widths, stacks):
+@pytest.mark.parametrize("widths,scaled,stacks", [((128, 64, 64), 1, True), ((32, 16, 16), 1, False),
+                                                  ((64, 32, 32), 1, False), ((64, 32, 32), 0.005, False)])
+def test_int4_products_are_merged_only_where_the_stacked_product_is_the_separate_ones(widths, scaled, stacks):
     """tinygemm's CPU tiles hold rows in blocks of 64: stacked at other widths, the product's rows
-    land in the wrong columns. The check a merge passes first tells the two apart on the kernel."""
+    land in the wrong columns. The check a merge passes first tells the two apart on the kernel,
+    also where the wrong columns are small beside the first projection's (`scaled`: the scales of
+    all but the first)."""
     from ferry.choices.projections import _same_products
 
     g = torch.Generator().manual_seed(3)
     packs = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         torch.randint(0, 16, (n, 128), generator=g, dtype=torch.int32), 2) for n in widths]
-    scales = [torch.randn(2, n, 2, generator=g).to(torch.bfloat16) for n in widths]
+    scales = [(torch.randn(2, n, 2, generator=g) * (1 if i == 0 else scaled)).to(torch.bfloat16)
+              for i, n in enumerate(widths)]
     assert _same_products(torch.ops.aten._weight_int4pack_mm_for_cpu.default, torch.bfloat16, packs, scales, 64,
                           torch.cat(packs), torch.cat(scales, 1)) is stacks
 

@@ -134,13 +134,26 @@ def _source(x):
     return x.target, _source(x.args[0]), args, tuple(sorted((k, str(v)) for k, v in x.kwargs.items()))
 
 
-def _stacked(gm, nodes: list, merged: dict, dim: int = 0) -> torch.Tensor:
-    """The constants `nodes` name, stacked along `dim`: once per set of sources."""
-    sources = tuple(attr(gm, n) for n in nodes)
-    key = (dim, *((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset()) for t in sources))
-    if key not in merged:  # the sources are kept with it: a tensor made later at a freed address is another
-        merged[key] = (sources, torch.cat([t.detach() for t in sources], dim))
-    return merged[key][1]
+def _stacked(gm, nodes: list, merged: dict, dim: int = 0, keep: bool = True) -> torch.Tensor:
+    """The constants `nodes` name, stacked along `dim`: once per set of sources. `keep=False`: not
+    remembered (a stack still to be checked); `_remember` keeps it once it passed."""
+    key = _stack_key(gm, nodes, dim)
+    if key in merged:
+        return merged[key][1]
+    stacked = torch.cat([attr(gm, n).detach() for n in nodes], dim)
+    if keep:
+        _remember(gm, nodes, merged, dim, stacked)
+    return stacked
+
+
+def _remember(gm, nodes: list, merged: dict, dim: int, stacked: torch.Tensor) -> None:
+    # the sources are kept with it: a tensor made later at a freed address is another
+    merged[_stack_key(gm, nodes, dim)] = (tuple(attr(gm, n) for n in nodes), stacked)
+
+
+def _stack_key(gm, nodes: list, dim: int) -> tuple:
+    return (dim, *((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+                   for t in (attr(gm, n) for n in nodes)))
 
 
 def _merge_linears(gm, users: list, merged: dict) -> bool:
@@ -165,11 +178,14 @@ def _merge_int4(gm, nodes: list, merged: dict) -> bool:
     first = nodes[0]
     x, packed, group, scales = first.args
     packs, scale_nodes = [n.args[1] for n in nodes], [n.args[3] for n in nodes]
-    stacked_packs, stacked_scales = _stacked(gm, packs, merged), _stacked(gm, scale_nodes, merged, dim=1)
+    stacked_packs = _stacked(gm, packs, merged, keep=False)
+    stacked_scales = _stacked(gm, scale_nodes, merged, dim=1, keep=False)
     widths = [n.meta["val"].shape[-1] for n in nodes]
     if not _same_products(first.target, x.meta["val"].dtype, [attr(gm, p) for p in packs],
                           [attr(gm, s) for s in scale_nodes], group, stacked_packs, stacked_scales):
-        return False
+        return False  # nothing kept: a refused stack holds no memory past this call
+    _remember(gm, packs, merged, 0, stacked_packs)
+    _remember(gm, scale_nodes, merged, 1, stacked_scales)
     with gm.graph.inserting_before(first):
         p = constant(gm, f"{packed.target}_merged", stacked_packs, packed)
         s = constant(gm, f"{scales.target}_merged", stacked_scales, scales)
@@ -208,18 +224,22 @@ _MERGES = {"linear": _merge_linears, "int4": _merge_int4, "int8": _merge_int8}
 
 
 def _same_products(op, dtype, packs: list, scales: list, group: int, stacked_packs, stacked_scales) -> bool:
-    """The stacked product of a random row equals each separate one (to bf16 rounding); False
-    where the op cannot run on the constants' device here (the merge is then not made)."""
-    device = stacked_packs.device
-    row = torch.randn(1, scales[0].shape[0] * group, generator=torch.Generator().manual_seed(0))
-    row = row.to(device=device, dtype=dtype)
+    """The stacked product of a few random rows equals each separate one, each projection's
+    columns to within bf16 rounding of their own largest value (a small projection's columns
+    wrong beside a large one's would pass a bound on the whole); False where the op cannot run on
+    the constants' device here (the merge is then not made)."""
     try:
+        rows = torch.randn(3, scales[0].shape[0] * group, generator=torch.Generator().manual_seed(0))
+        rows = rows.to(device=stacked_packs.device, dtype=dtype)
         with torch.no_grad():
-            want = torch.cat([op(row, p, group, s) for p, s in zip(packs, scales)], -1).float()
-            got = op(row, stacked_packs, group, stacked_scales).float()
+            wants = [op(rows, p, group, s).float() for p, s in zip(packs, scales)]
+            got = op(rows, stacked_packs, group, stacked_scales).float()
     except (RuntimeError, NotImplementedError):
         return False
-    return got.shape == want.shape and bool((got - want).abs().max() <= 2 ** -7 * want.abs().max().clamp_min(1e-6))
+    if got.shape != (rows.shape[0], sum(w.shape[-1] for w in wants)):
+        return False
+    parts = got.split([w.shape[-1] for w in wants], -1)
+    return all(bool((g - w).abs().max() <= 2 ** -7 * w.abs().max().clamp_min(1e-6)) for g, w in zip(parts, wants))
 
 
 def _slice_out(gm, nodes: list, y, widths: list[int]) -> None:
