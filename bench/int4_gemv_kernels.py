@@ -165,7 +165,7 @@ def triton_form(name: str, scales: torch.Tensor, group: int, block_n: int, warps
     return launch, finish
 
 
-def triton_configs(name: str, groups: int):
+def triton_configs(groups: int):
     """(rows per program, warps, shares of the groups, groups per step) that divide the groups."""
     sweep = itertools.product((4, 8, 16, 32), (2, 4), (1, 2, 4, 8), (1, 2))
     return [(rows, warps, shares, step) for rows, warps, shares, step in sweep if groups % (shares * step) == 0]
@@ -197,7 +197,7 @@ def sweep_triton(name: str, x, packed, words, scales, group: int, want: torch.Te
     """Every configuration of a Triton kernel timed alone against tinygemm, weights cold: the
     fastest, and that one timed again with its partial sums added up (as eager would)."""
     best: dict = {name: float("inf")}
-    for config in triton_configs(name, scales.shape[0]):
+    for config in triton_configs(scales.shape[0]):
         launch, finish = triton_form(name, scales, group, *config)
         tinygemm_us, us = against_tinygemm(x, packed, group, scales, words, lambda w, f=launch: f(x, w))
         if us < best[name]:
@@ -298,7 +298,7 @@ def interpret(model: str, group: int) -> None:
                   + scales[..., 1].t().float().repeat_interleave(group, 1))
         want = x.float() @ weight.t()
         worst = max((finish(launch(x, words)).float() - want).abs().max().item()
-                    for name in TRITON_FORMS for c in triton_configs(name, k // group)[::3]
+                    for name in TRITON_FORMS for c in triton_configs(k // group)[::3]
                     for launch, finish in [triton_form(name, scales, group, *c)]) / want.abs().max().item()
         print(f"{name} {k} x {n}: largest error over the configurations {worst:.1e} of the largest output")
         assert worst < 2 ** -7, "the Triton kernel does not compute the product"

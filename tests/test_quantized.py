@@ -103,7 +103,8 @@ def int4_products(program, method="forward") -> int:
 @functools.cache
 def cpu_int4_llama():
     """bf16, every linear int4 in groups of 64 for tinygemm's CPU kernel (`_weight_int4pack_mm_for_cpu`)."""
-    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    prototype = pytest.importorskip("torchao.prototype.quantization.int4", reason="torchao's CPU int4 tiles")
+    PrototypeInt4WeightOnlyConfig = prototype.PrototypeInt4WeightOnlyConfig
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**{**CONFIG, "hidden_size": 128, "intermediate_size": 256})

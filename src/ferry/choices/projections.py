@@ -121,8 +121,7 @@ def _int8_key(gm, node):
         return None
     if not (isinstance(mul.meta.get("val"), torch.Tensor) and M.get_device(q) == M.get_device(scale) == M.get_device(node)):
         return None
-    return ("int8", _source(x), w.device, w.shape[1], tuple(sorted((k, str(v)) for k, v in cast.kwargs.items())),
-            sv.dtype, sv.dim())
+    return "int8", _source(x), w.device, w.shape[1], _kwargs_key(cast), sv.dtype, sv.dim()
 
 
 def _source(x):
@@ -131,7 +130,11 @@ def _source(x):
     if not (isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target in _PER_PRODUCT):
         return x
     args = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in x.args[1:])
-    return x.target, _source(x.args[0]), args, tuple(sorted((k, str(v)) for k, v in x.kwargs.items()))
+    return x.target, _source(x.args[0]), args, _kwargs_key(x)
+
+
+def _kwargs_key(node) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in node.kwargs.items()))
 
 
 def _stacked(gm, nodes: list, merged: dict, dim: int = 0, keep: bool = True) -> torch.Tensor:
