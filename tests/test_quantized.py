@@ -20,7 +20,12 @@ from test_model_families import Compiled, token_ids
 torchao = pytest.importorskip("torchao")
 transformers = pytest.importorskip("transformers")
 executorch = pytest.importorskip("transformers.integrations.executorch")
-from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, quantize_  # noqa: E402
+from torchao.quantization import (  # noqa: E402
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    IntxWeightOnlyConfig,
+    quantize_,
+)
 from torchao.quantization.granularity import PerGroup  # noqa: E402
 
 CACHE, PROMPT, NEW = 48, 8, 24
@@ -32,15 +37,17 @@ CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 @functools.cache
-def llama(quantized: bool, embedding: bool = False):
-    """`embedding`: the token embedding too, int4 in groups of 32 (ExecuTorch's `--qembedding 4w`)."""
+def llama(quantized: bool, embedding: bool = False, activations: bool = False):
+    """`embedding`: the token embedding too, int4 in groups of 32 (ExecuTorch's `--qembedding 4w`).
+    `activations`: torchao's int8 dynamic-activation variant (each row of activations quantized
+    per call, an int8 x int8 product) in place of weight-only int8."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
     model.generation_config.cache_implementation = "static"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if quantized:
-            quantize_(model, Int8WeightOnlyConfig())
+            quantize_(model, Int8DynamicActivationInt8WeightConfig() if activations else Int8WeightOnlyConfig())
         if embedding:
             quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
                       filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
@@ -48,8 +55,8 @@ def llama(quantized: bool, embedding: bool = False):
 
 
 @functools.cache
-def exported(quantized: bool, embedding: bool = False):
-    recipe = executorch.TorchExportableModuleForDecoderOnlyLM(llama(quantized, embedding), batch_size=1,
+def exported(quantized: bool, embedding: bool = False, activations: bool = False):
+    recipe = executorch.TorchExportableModuleForDecoderOnlyLM(llama(quantized, embedding, activations), batch_size=1,
                                                               max_cache_len=CACHE)
     with torch.no_grad():
         return recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long), cache_position=torch.arange(3),
@@ -66,6 +73,37 @@ def test_int8_llama_generates_what_torchao_eager_generates(emu, tmp_path, placem
     run = Compiled(exported(True), placement, tmp_path / "int8.ferry")
     got = ferry.generate(run.module, prompt, NEW)
     assert got.tokens.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("placement", ["cpu", "emu-io"])
+def test_int8_dynamic_activations_generate_what_the_exported_program_generates(emu, tmp_path, placement):
+    """torchao's int8 dynamic-activation variant exports as its own ops (`choose_qparams_affine`,
+    `quantize_affine`) around an `_int_mm`: they are placed and run like ATen's. Quantizing each
+    activation row turns eager's float rounding into steps of a quantum, so torchao eager's own
+    generation parts from its exported graph's on near ties; the tokens are checked against the
+    exported program run by PyTorch, the prompt's logits against torchao eager."""
+    prompt = token_ids((1, PROMPT), 4) % CONFIG["vocab_size"]
+    ep = exported(True, activations=True)
+    with torch.no_grad():
+        want_logits = llama(True, activations=True)(prompt).logits
+        want = greedy_by_pytorch(ep.module(), prompt, NEW)
+    assert len(set(want[0, PROMPT:].tolist())) >= 6, want
+    run = Compiled(ep, placement, tmp_path / "int8da.ferry")
+    torch.testing.assert_close(run(prompt, torch.arange(PROMPT))[0], want_logits, rtol=1e-4, atol=1e-4)
+    assert ferry.generate(run.module, prompt, NEW).tokens.tolist() == want.tolist()
+    records = run.module.program.method("forward").quantized_weights
+    assert len(records) == 7 * CONFIG["num_hidden_layers"] + 1
+    assert {r.scheme for r in records} == {"torchao Int8Tensor"}
+
+
+def greedy_by_pytorch(step, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    """Greedy tokens of an exported program's module run by PyTorch: the prompt, then one token a call."""
+    ids = prompt
+    logits = step(input_ids=prompt, cache_position=torch.arange(prompt.shape[1], device=prompt.device))
+    for _ in range(new):
+        ids = torch.cat([ids, logits[:, -1:].argmax(-1)], 1)
+        logits = step(input_ids=ids[:, -1:], cache_position=torch.tensor([ids.shape[1] - 1], device=prompt.device))
+    return ids
 
 
 @pytest.mark.parametrize("placement", ["cpu", "emu-io"])
@@ -254,13 +292,14 @@ def test_a_corrupted_scale_is_refused(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "int8-dynamic"])
 def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
     """bf16 on the GPU. int4 weights packed for `_weight_int4pack_mm` (K a multiple of 128): ferry's
     torch backend runs the kernel torchao's eager model runs, and 32 greedy tokens match. int8:
     torchao's eager CUDA path rounds otherwise than the dequantize-then-`mm` graph it exports, so a
     tiny random model's near-tied tokens part after a few steps; the prompt's logits are compared,
-    within bf16 tolerance (2% of the largest logit)."""
+    within bf16 tolerance (2% of the largest logit). int8-dynamic: the logits too, and the tokens
+    are the exported program's run by PyTorch (see the CPU test)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from torchao.quantization import Int4WeightOnlyConfig
@@ -269,8 +308,8 @@ def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
     config = transformers.LlamaConfig(**{**CONFIG, "hidden_size": 128, "intermediate_size": 256})
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
     model.generation_config.cache_implementation = "static"
-    quantize_(model, Int8WeightOnlyConfig() if scheme == "int8"
-              else Int4WeightOnlyConfig(group_size=64, int4_packing_format="tile_packed_to_4d"))
+    quantize_(model, {"int8": Int8WeightOnlyConfig(), "int8-dynamic": Int8DynamicActivationInt8WeightConfig()}.get(
+        scheme, Int4WeightOnlyConfig(group_size=64, int4_packing_format="tile_packed_to_4d")))
     if scheme == "int4":  # the embedding too, its rows gathered before they are dequantized
         quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
                   filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
@@ -293,6 +332,14 @@ def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
         got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 32)
         assert got.tokens.tolist() == want.tolist()
     else:
+        if scheme == "int8":  # q/k/v and gate/up merged, as on the CPU
+            mms = sum(k.split(".")[0] == "aten::mm" for k in delegate_kernels(program))
+            assert mms == 4 * CONFIG["num_hidden_layers"] + 1
+        else:
+            with torch.no_grad():
+                want = greedy_by_pytorch(ep.module(), prompt, 32)
+            got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 32)
+            assert got.tokens.tolist() == want.tolist()
         logits = ferry.Module(program.to_bytes()).forward(prompt, torch.arange(PROMPT, device="cuda"))
         scale = want_logits.abs().max().item()
         torch.testing.assert_close(logits.float(), want_logits.float(), rtol=0, atol=2e-2 * scale)
