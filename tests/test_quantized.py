@@ -37,12 +37,12 @@ CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 @functools.cache
-def llama(quantized: bool, embedding: bool = False, activations: bool = False):
+def llama(quantized: bool, embedding: bool = False, activations: bool = False, dtype=torch.float32):
     """`embedding`: the token embedding too, int4 in groups of 32 (ExecuTorch's `--qembedding 4w`).
     `activations`: torchao's int8 dynamic-activation variant (each row of activations quantized
     per call, an int8 x int8 product) in place of weight-only int8."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(dtype).eval()
     model.generation_config.cache_implementation = "static"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -55,8 +55,8 @@ def llama(quantized: bool, embedding: bool = False, activations: bool = False):
 
 
 @functools.cache
-def exported(quantized: bool, embedding: bool = False, activations: bool = False):
-    recipe = executorch.TorchExportableModuleForDecoderOnlyLM(llama(quantized, embedding, activations), batch_size=1,
+def exported(quantized: bool, embedding: bool = False, activations: bool = False, dtype=torch.float32):
+    recipe = executorch.TorchExportableModuleForDecoderOnlyLM(llama(quantized, embedding, activations, dtype), batch_size=1,
                                                               max_cache_len=CACHE)
     with torch.no_grad():
         return recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long), cache_position=torch.arange(3),
@@ -235,14 +235,16 @@ def test_int4_products_are_merged_only_where_the_stacked_product_is_the_separate
                           torch.cat(packs), torch.cat(scales, 1)) is stacks
 
 
-def test_int8_projections_of_one_input_run_as_one_product(emu, tmp_path):
-    """torchao's int8 linear exports as `mm(x, int8 weight cast) * per-row scales`: q/k/v and
-    gate/up each become one such product over their int8 weights and scales stacked at compile
-    time (4 products a layer where there were 7), stored in place of the separate ones; the
-    generation test above runs the merged program against torchao eager."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_projections_of_one_input_run_as_one_product(emu, tmp_path, dtype):
+    """torchao's int8 linear exports as `mm(x, int8 weight cast) * per-row scales` (in bf16 the
+    fp32 scales cast first): q/k/v and gate/up each become one such product over their int8
+    weights and scales stacked at compile time (4 products a layer where there were 7), stored in
+    place of the separate ones; the generation test above runs the merged program against
+    torchao eager."""
     partitioner = ferry.OpSupportPartitioner("emu:0")
-    merged = ferry.compile(exported(True), partitioner)
-    apart = ferry.compile(exported(True), partitioner, ferry.CompileConfig(fuse_for_inference=False))
+    merged = ferry.compile(exported(True, dtype=dtype), partitioner)
+    apart = ferry.compile(exported(True, dtype=dtype), partitioner, ferry.CompileConfig(fuse_for_inference=False))
     layers = CONFIG["num_hidden_layers"]
     mms = lambda p: sum(k.split(".")[0] == "aten::mm" for k in delegate_kernels(p))  # noqa: E731
     assert (mms(merged), mms(apart)) == (4 * layers + 1, 7 * layers + 1)
@@ -251,9 +253,14 @@ def test_int8_projections_of_one_input_run_as_one_product(emu, tmp_path):
     assert (tmp_path / "merged.ferry").stat().st_size <= (tmp_path / "apart.ferry").stat().st_size
     module, prompt = ferry.Module(tmp_path / "merged.ferry"), token_ids((1, PROMPT), 9) % CONFIG["vocab_size"]
     with torch.no_grad():
-        want = llama(True)(prompt).logits
+        want = llama(True, dtype=dtype)(prompt).logits
+        unmerged = ferry.Module(tmp_path / "apart.ferry").forward(prompt, torch.arange(PROMPT))
     got = module.forward(prompt, torch.arange(PROMPT))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    else:  # the same products, sliced: the separate program's values exactly, eager's within bf16
+        assert torch.equal(got, unmerged)
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * want.abs().max().item())
 
 
 def test_the_file_holds_int8_weights_and_inspect_names_them(tmp_path):

@@ -36,6 +36,9 @@ aten = torch.ops.aten
 INT4_PRODUCTS = (aten._weight_int4pack_mm.default, aten._weight_int4pack_mm_for_cpu.default)
 # ops each int4 product's input passes through on its own (torchao: a 2-D view, a cast, K padded
 # to a multiple of 1024): two such chains of the same ops from one node compute the same value
+# ops between a per-row scale constant and its product: views, and a cast to the product's dtype
+_SCALE_CHAIN = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                aten._to_copy.default)
 _PER_PRODUCT = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.constant_pad_nd.default,
                 aten.pad.default, aten._to_copy.default, aten.clone.default)
 
@@ -90,7 +93,7 @@ def _int4_key(gm, node):
 
 def _int8_parts(gm, node):
     """torchao's int8 product as it exports, `mm(x, _to_copy(t(q))) * view(scale, [n])`:
-    (x, cast, q, scale get_attr, the mul), or None."""
+    (x, cast, q, the scale's get_attr, the mul, the scale's casts), or None."""
     if node.op != "call_function" or node.target is not aten.mm.default or len(node.users) != 1:
         return None
     x, cast = node.args
@@ -103,10 +106,19 @@ def _int8_parts(gm, node):
     q = t.args[0]
     if mul.target is not aten.mul.Tensor or mul.args[0] is not node or _returned(mul):
         return None
-    scale = mul.args[1]
-    if isinstance(scale, torch.fx.Node) and scale.target is aten.view.default:
+    scale, casts = _scale_source(mul.args[1])
+    return x, cast, q, scale, mul, casts
+
+
+def _scale_source(scale):
+    """The constant under a per-row scale's chain of views and casts (`scale.to(m.dtype).flatten()`:
+    a bf16 model's fp32 scales are cast), and the casts, from the constant out."""
+    casts: list[torch.fx.Node] = []
+    while isinstance(scale, torch.fx.Node) and scale.op == "call_function" and scale.target in _SCALE_CHAIN:
+        if scale.target is aten._to_copy.default:
+            casts.insert(0, scale)
         scale = scale.args[0]
-    return x, cast, q, scale, mul
+    return scale, casts
 
 
 def _int8_key(gm, node):
@@ -115,13 +127,14 @@ def _int8_key(gm, node):
     parts = _int8_parts(gm, node)
     if parts is None:
         return None
-    x, cast, q, scale, mul = parts
+    x, cast, q, scale, mul, casts = parts
     w, sv = attr(gm, q), attr(gm, scale)
     if w is None or sv is None or w.dtype != torch.int8 or w.dim() != 2 or sv.numel() != w.shape[0]:
         return None
     if not (isinstance(mul.meta.get("val"), torch.Tensor) and M.get_device(q) == M.get_device(scale) == M.get_device(node)):
         return None
-    return "int8", _source(x), w.device, w.shape[1], _kwargs_key(cast), sv.dtype, sv.dim()
+    return ("int8", _source(x), w.device, w.shape[1], _kwargs_key(cast), sv.dtype, sv.dim(),
+            tuple(_kwargs_key(c) for c in casts))
 
 
 def _source(x):
@@ -202,7 +215,7 @@ def _merge_int4(gm, nodes: list, merged: dict) -> bool:
 
 def _merge_int8(gm, nodes: list, merged: dict) -> bool:
     first = nodes[0]
-    x, cast, q, scale, mul = _int8_parts(gm, first)
+    x, cast, q, scale, mul, casts = _int8_parts(gm, first)
     parts = [_int8_parts(gm, n) for n in nodes]
     widths = [attr(gm, p[2]).shape[0] for p in parts]
     weights = _stacked(gm, [p[2] for p in parts], merged)
@@ -215,6 +228,9 @@ def _merge_int8(gm, nodes: list, merged: dict) -> bool:
         wf = call(gm, cast, aten._to_copy.default, (wt,), aten._to_copy.default(wt.meta["val"], **cast.kwargs))
         wf.kwargs = dict(cast.kwargs)
         product = call(gm, first, aten.mm.default, (x, wf), aten.mm.default(xv, wf.meta["val"]))
+        for c in casts:  # as each product cast its own scales
+            s = call(gm, c, aten._to_copy.default, (s,), aten._to_copy.default(s.meta["val"], **c.kwargs))
+            s.kwargs = dict(c.kwargs)
         row = call(gm, scale, aten.view.default, (s, [sum(widths)]), s.meta["val"].view(sum(widths)))
         y = call(gm, mul, aten.mul.Tensor, (product, row), aten.mul.Tensor(product.meta["val"], row.meta["val"]))
         _slice_out(gm, [p[4] for p in parts], y, widths)
