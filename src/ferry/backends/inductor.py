@@ -37,6 +37,7 @@ import torch.fx
 
 from ferry.aot.emit import emit_method
 from ferry.aot.fuse import merge_for_compiler
+from ferry.aot.kernel_limits import fit_kernel_limits
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
@@ -73,6 +74,7 @@ class InductorBackend(Backend):
 
     def preprocess(self, lowered, options, range_constraints=None, data: ProgramData | None = None) -> bytes:
         device = delegate_target_device(lowered) or CPU
+        fit_kernel_limits(lowered.original_module, device)  # what the device's kernels take (Inductor calls ATen's)
         if options.fuse_for_inference:
             merge_for_compiler(lowered.original_module, data.store.merged if data is not None else None)
         passed = sizes_from_shapes(lowered.original_module)

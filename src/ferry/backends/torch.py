@@ -16,6 +16,7 @@ import torch
 
 from ferry.aot.emit import emit_method
 from ferry.aot.fuse import fuse_for_inference, fusion_notes
+from ferry.aot.kernel_limits import fit_kernel_limits
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
@@ -38,7 +39,8 @@ class TorchBackend(Backend):
         opts = dataclasses.replace(options, device_placement=True, alloc_graph_input=False, alloc_graph_output=False)
         builder = ProgramBuilder(outer=data.store if data is not None else None)
         merged = data.store.merged if data is not None else None
-        fused = fuse_for_inference(lowered.original_module, merged) if options.fuse_for_inference else []
+        fused = fit_kernel_limits(lowered.original_module, device)  # what the device's kernels take: always
+        fused += fuse_for_inference(lowered.original_module, merged) if options.fuse_for_inference else []
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
         method.kernel_choices.update(fusion_notes(fused))
         if data is None:

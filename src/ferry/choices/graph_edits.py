@@ -15,7 +15,7 @@ __all__ = ["Rewrite", "attr", "call", "constant", "single_use"]
 
 class Rewrite(NamedTuple):
     kind: str  # "copy dropped", "fold", "conv relu", "patches", "attention", "mask dropped", "mask causal", "gemm",
-    # "projections merged", "grouped heads", "additive mask"
+    # "projections merged", "grouped heads", "additive mask", "rows padded"
     where: str  # the node or module call it applied to
 
 

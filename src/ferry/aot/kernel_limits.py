@@ -1,0 +1,63 @@
+"""Shapes an op accepts that its device's kernel refuses, turned into shapes it takes, exactly.
+
+CUDA's `_int_mm` (int8 x int8 -> int32, on cuBLASLt) needs more than 16 rows in its first
+argument. torchao's int8 dynamic-activation linear calls it with one row per token, so a decode
+step at batch 1 fails in eager and under torch.compile alike ("self.size(0) needs to be greater
+than 16"). Zero rows appended to the int8 activations leave the rows asked for unchanged (an
+integer product is exact), so such a product runs on a padded copy and keeps its first rows:
+padded up to 17 rows where the count is static, by 16 where it changes per call. The copy is of
+int8 activations, a few KiB at decode. This runs on every delegate placed on CUDA, whatever
+`fuse_for_inference` says: without it the op cannot run there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from ferry.choices.graph_edits import Rewrite, call
+from ferry.device import Device
+
+__all__ = ["INT_MM_MIN_ROWS", "fit_kernel_limits"]
+
+aten = torch.ops.aten
+INT_MM_MIN_ROWS = 17  # CUDA `_int_mm`: self.size(0) > 16
+
+
+def fit_kernel_limits(gm: torch.fx.GraphModule, device: Device) -> list[Rewrite]:
+    """Rewrite, in place, each op of `gm` (a delegate's subgraph on `device`) that its kernel
+    there could refuse for its shape; what was done."""
+    if device.type != "cuda":
+        return []  # the CPU's kernels (and the emulated device's, which are the CPU's) take any rows
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten._int_mm.default and _pad_rows(gm, node):
+            done.append(Rewrite("rows padded", node.name))
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _pad_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    a, b = node.args
+    av, bv = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(av, torch.Tensor) and isinstance(bv, torch.Tensor)):
+        return False
+    rows = av.shape[0]
+    if isinstance(rows, int) and rows >= INT_MM_MIN_ROWS:
+        return False
+    pad = INT_MM_MIN_ROWS - rows if isinstance(rows, int) else INT_MM_MIN_ROWS - 1
+    with gm.graph.inserting_before(node), detect_fake_mode([av, bv]) or contextlib.nullcontext():
+        padded = call(gm, node, aten.constant_pad_nd.default, (a, [0, 0, 0, pad], 0),
+                      aten.constant_pad_nd.default(av, [0, 0, 0, pad], 0))
+        product = call(gm, node, aten._int_mm.default, (padded, b), aten._int_mm.default(padded.meta["val"], bv))
+        # the first rows, counted from the end: one slice for a static and a dynamic count alike
+        kept = call(gm, node, aten.slice.Tensor, (product, 0, 0, -pad),
+                    aten.slice.Tensor(product.meta["val"], 0, 0, -pad))
+    node.replace_all_uses_with(kept)
+    gm.graph.erase_node(node)
+    return True
