@@ -44,6 +44,8 @@ def fit_kernel_limits(gm: torch.fx.GraphModule, device: Device) -> list[Rewrite]
 
 def _pad_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     a, b = node.args
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return False
     av, bv = a.meta.get("val"), b.meta.get("val")
     if not (isinstance(av, torch.Tensor) and isinstance(bv, torch.Tensor)):
         return False
