@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from ferry import node_meta as M
 from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_device
 from ferry.aot.gathered_rows import gather_rows_first
+from ferry.aot.higher_order import out_dtype_as_aten
 from ferry.aot.lifted_state import written_constants_as_state
 from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
 from ferry.device import Device
@@ -138,6 +139,7 @@ def functional_aten(ep: torch.export.ExportedProgram, shared_state=frozenset()) 
         raise CompileError(f"torch.export could not turn the program into functional ATen ops: "
                            f"{type(e).__name__}: {e}") from e
     _refuse_specialized(dynamic, _dynamic_dims(ep))
+    out_dtype_as_aten(ep.graph_module)  # torchao's int8 products on CUDA
     _refuse_hidden_mutations(ep, exported_state)
     _drop_export_time_checks(ep.graph_module)
     _contiguous_gemm_inputs(ep.graph_module)
