@@ -45,6 +45,9 @@ def test_a_dynamic_row_count_is_padded_by_sixteen_and_sliced_back():
     batch = torch.export.Dim("batch", min=1, max=64)
     ep = torch.export.export(IntProduct(), (int8_rows(4, 1),), dynamic_shapes=({0: batch},))
     assert fit_kernel_limits(ep.graph_module, CUDA)
+    x = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "x")
+    rows = x.meta["val"].shape[0].node
+    assert not rows.shape_env.replace(rows.expr).is_number  # still dynamic: the padding fixed no size
     module = ep.module()
     for rows in (1, 3, 16, 17, 40):
         x = int8_rows(rows, rows)

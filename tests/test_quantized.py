@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ferry
+from ferry.aot import kernel_limits
 from ferry.errors import ProgramError
 from ferry.views.text import program_json, program_summary
 from test_model_families import Compiled, token_ids
@@ -94,6 +95,22 @@ def test_int8_dynamic_activations_generate_what_the_exported_program_generates(e
     records = run.module.program.method("forward").quantized_weights
     assert len(records) == 7 * CONFIG["num_hidden_layers"] + 1
     assert {r.scheme for r in records} == {"torchao Int8Tensor"}
+
+
+def test_int8_dynamic_activations_with_rows_padded_as_for_cuda(emu, tmp_path, monkeypatch):
+    """The rows CUDA's `_int_mm` needs (aot/kernel_limits.py), padded on the emulated device as on
+    CUDA: a decode step's one row and a prefill of any length, the prefill's length still dynamic;
+    the exported program's tokens."""
+    monkeypatch.setattr(kernel_limits, "FITTED_ON", frozenset({"cuda", "emu"}))
+    prompt = token_ids((1, PROMPT), 4) % CONFIG["vocab_size"]
+    ep = exported(True, activations=True)
+    with torch.no_grad():
+        want = greedy_by_pytorch(ep.module(), prompt, NEW)
+    run = Compiled(ep, "emu-io", tmp_path / "int8da.ferry")
+    kernels = [k.split(".")[0] for k in delegate_kernels(run.module.program)]
+    products = 7 * CONFIG["num_hidden_layers"] + 1
+    assert kernels.count("aten::_int_mm") == kernels.count("aten::full") == products  # each on zero rows appended
+    assert ferry.generate(run.module, prompt, NEW).tokens.tolist() == want.tolist()
 
 
 def greedy_by_pytorch(step, prompt: torch.Tensor, new: int) -> torch.Tensor:

@@ -21,16 +21,17 @@ from torch._guards import detect_fake_mode
 from ferry.choices.graph_edits import Rewrite, call
 from ferry.device import Device
 
-__all__ = ["INT_MM_MIN_ROWS", "fit_kernel_limits"]
+__all__ = ["FITTED_ON", "INT_MM_MIN_ROWS", "fit_kernel_limits"]
 
 aten = torch.ops.aten
 INT_MM_MIN_ROWS = 17  # CUDA `_int_mm`: self.size(0) > 16
+FITTED_ON = frozenset({"cuda"})  # device types whose kernels have these limits (tests add the emulated device)
 
 
 def fit_kernel_limits(gm: torch.fx.GraphModule, device: Device) -> list[Rewrite]:
     """Rewrite, in place, each op of `gm` (a delegate's subgraph on `device`) that its kernel
     there could refuse for its shape; what was done."""
-    if device.type != "cuda":
+    if device.type not in FITTED_ON:
         return []  # the CPU's kernels (and the emulated device's, which are the CPU's) take any rows
     done = []
     for node in list(gm.graph.nodes):
@@ -50,12 +51,17 @@ def _pad_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if not (isinstance(av, torch.Tensor) and isinstance(bv, torch.Tensor)):
         return False
     rows = av.shape[0]
+    if not isinstance(av.shape[1], int):
+        return False  # (a weight's inner size: static in every model)
     if isinstance(rows, int) and rows >= INT_MM_MIN_ROWS:
         return False
     pad = INT_MM_MIN_ROWS - rows if isinstance(rows, int) else INT_MM_MIN_ROWS - 1
     with gm.graph.inserting_before(node), detect_fake_mode([av, bv]) or contextlib.nullcontext():
-        padded = call(gm, node, aten.constant_pad_nd.default, (a, [0, 0, 0, pad], 0),
-                      aten.constant_pad_nd.default(av, [0, 0, 0, pad], 0))
+        # zero rows concatenated (constant_pad_nd's trace fixes a dynamic row count to its example)
+        kwargs = {"dtype": av.dtype, "device": av.device}
+        zeros = call(gm, node, aten.full.default, ([pad, av.shape[1]], 0), aten.full.default([pad, av.shape[1]], 0, **kwargs))
+        zeros.kwargs = kwargs
+        padded = call(gm, node, aten.cat.default, ([a, zeros],), aten.cat.default([av, zeros.meta["val"]]))
         product = call(gm, node, aten._int_mm.default, (padded, b), aten._int_mm.default(padded.meta["val"], bv))
         # the first rows, counted from the end: one slice for a static and a dynamic count alike
         kept = call(gm, node, aten.slice.Tensor, (product, 0, 0, -pad),
