@@ -4,8 +4,8 @@ CUDA's `_int_mm` (int8 x int8 -> int32, on cuBLASLt) needs more than 16 rows in 
 argument. torchao's int8 dynamic-activation linear calls it with one row per token, so a decode
 step at batch 1 fails in eager and under torch.compile alike ("self.size(0) needs to be greater
 than 16"). Zero rows appended to the int8 activations leave the rows asked for unchanged (an
-integer product is exact), so such a product runs on a padded copy and keeps its first rows:
-padded up to 17 rows where the count is static, by 16 where it changes per call. The copy is of
+integer product is exact), so such a product runs on zero rows concatenated to its own and keeps
+its first rows: up to 17 rows where the count is static, 16 more where it changes per call. The copy is of
 int8 activations, a few KiB at decode. This runs on every delegate placed on CUDA, whatever
 `fuse_for_inference` says: without it the op cannot run there.
 """
@@ -58,9 +58,9 @@ def _pad_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     pad = INT_MM_MIN_ROWS - rows if isinstance(rows, int) else INT_MM_MIN_ROWS - 1
     with gm.graph.inserting_before(node), detect_fake_mode([av, bv]) or contextlib.nullcontext():
         # zero rows concatenated (constant_pad_nd's trace fixes a dynamic row count to its example)
-        kwargs = {"dtype": av.dtype, "device": av.device}
-        zeros = call(gm, node, aten.full.default, ([pad, av.shape[1]], 0), aten.full.default([pad, av.shape[1]], 0, **kwargs))
-        zeros.kwargs = kwargs
+        size = [pad, av.shape[1]]
+        zeros = call(gm, node, aten.full.default, (size, 0), aten.full.default(size, 0, dtype=av.dtype, device=av.device))
+        zeros.kwargs = {"dtype": av.dtype, "device": av.device}
         padded = call(gm, node, aten.cat.default, ([a, zeros],), aten.cat.default([av, zeros.meta["val"]]))
         product = call(gm, node, aten._int_mm.default, (padded, b), aten._int_mm.default(padded.meta["val"], bv))
         # the first rows, counted from the end: one slice for a static and a dynamic count alike
