@@ -132,7 +132,8 @@ class InductorBackend(Backend):
             examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
             with _load_stream(method, caller):
                 shapes = _dry_run(gm, examples)
-                tuning = _gemv_tuning(gm, shapes, method)
+                # one-row products Inductor streams faster as reductions (timed); tuned as they were timed
+                tuning = gemv.TUNING if any(d.taken for d in gemv.apply(gm, shapes)) else {}
         except BaseException:
             mem.close()
             raise
@@ -146,17 +147,6 @@ class InductorBackend(Backend):
             # as the program states it: products rewritten as reductions would make fp32 copies op by op
             compiled = _rebuilt(method, mem, overwrites) if tuning else gm
         return _Compiled(compiled, mem, method)
-
-
-def _gemv_tuning(gm: torch.fx.GraphModule, shapes: dict, method: Method) -> dict:
-    """One-row products Inductor streams faster as reductions (timed, choices/gemv.py): the graph
-    is then compiled with the tuning they were timed with. Not in a method of dynamic sizes (a
-    prefill): the tuning searches every kernel of the graph, and at dynamic sizes that took 115 s
-    at load for two int4 layers of Llama-1B's shape on an H200 (its kernels are not one-row
-    products)."""
-    if any(any(method.tensor(v).dynamic) for v in tensor_inputs(method)):
-        return {}
-    return gemv.TUNING if any(d.taken for d in gemv.apply(gm, shapes)) else {}
 
 
 @contextlib.contextmanager
