@@ -141,16 +141,22 @@ def build_model(name: str, env: Env):
 
 
 def quantize(model, quant: str) -> None:
-    """torchao's weight-only quantization of every linear layer (lm_head too), as its docs apply it,
-    and of the token embedding (int8 per row, or int4 in groups of 32: ExecuTorch's `--qembedding`);
+    """torchao's weight-only quantization of every linear layer (lm_head too), as its docs apply it
+    (int8-dynamic: int8 activations too, quantized per row each call), and of the token embedding
+    (int8 per row, or int4 in groups of 32: ExecuTorch's `--qembedding`);
     a tied lm_head gets a quantized weight of its own first."""
-    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig, quantize_
+    from torchao.quantization import (
+        Int4WeightOnlyConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+        quantize_,
+    )
     from torchao.quantization.granularity import PerAxis, PerGroup
 
-    config = (Int8WeightOnlyConfig() if quant == "int8"
-              else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
-    quantize_(model, config)
-    embedding = (IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)) if quant == "int8"
+    config = {"int8": Int8WeightOnlyConfig, "int8-dynamic": Int8DynamicActivationInt8WeightConfig}.get(quant)
+    quantize_(model, config() if config else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+    embedding = (IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)) if quant.startswith("int8")
                  else IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
     quantize_(model, embedding, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
 
@@ -590,7 +596,7 @@ def parse_args():
     p.add_argument("--prompt", default="128,512", help="prefill prompt lengths, those <= L run (grid: 128,512,2048)")
     p.add_argument("--runners", default=",".join(RUNNERS))
     p.add_argument("--repeat", type=int, default=50, help="timed decode steps per runner")
-    p.add_argument("--quant", default="none", choices=("none", "int8", "int4"),
+    p.add_argument("--quant", default="none", choices=("none", "int8", "int8-dynamic", "int4"),
                    help="torchao weight-only quantization of every linear and the token embedding (eager and compile "
                         "run torchao's own path)")
     p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",

@@ -97,6 +97,19 @@ def test_int8_dynamic_activations_generate_what_the_exported_program_generates(e
     assert {r.scheme for r in records} == {"torchao Int8Tensor"}
 
 
+def test_int8_dynamic_activations_under_the_inductor_backend_run_with_ferrys_own(emu):
+    """Inductor (torch 2.13, CPU) compiled torchao's int8 product at a decode step to wrong values
+    (errors of 1e5): a partition holding `_int_mm` runs with ferry's own backend, said in a
+    warning, and the tokens are the exported program's."""
+    prompt = token_ids((1, PROMPT), 4) % CONFIG["vocab_size"]
+    ep = exported(True, activations=True)
+    with torch.no_grad():
+        want = greedy_by_pytorch(ep.module(), prompt, NEW)
+    with pytest.warns(UserWarning, match="_int_mm"):
+        program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", backend_id="inductor"))
+    assert ferry.generate(ferry.Module(program.to_bytes()), prompt, NEW).tokens.tolist() == want.tolist()
+
+
 def test_int8_dynamic_activations_with_rows_padded_as_for_cuda(emu, tmp_path, monkeypatch):
     """The rows CUDA's `_int_mm` needs (aot/kernel_limits.py), padded on the emulated device as on
     CUDA: a decode step's one row and a prefill of any length, the prefill's length still dynamic;
@@ -368,7 +381,8 @@ def test_int8_dynamic_activations_run_on_the_gpu_at_one_row(backend):
     """CUDA's `_int_mm` refuses 16 rows or fewer, so torchao's dynamic-activation model fails in
     eager at a decode step (and at a short prompt); ferry pads the int8 rows (exact) and
     generates. Checked by teacher forcing: eager, over the whole generated sequence at once (31
-    rows, which it can run), ranks each token ferry picked as its top one, within bf16 tolerance."""
+    rows, which it can run), ranks each token ferry picked as its top one, within bf16 tolerance.
+    With the inductor backend the partitions holding `_int_mm` run with ferry's own (see the CPU test)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ step at batch 1 fails in eager and under torch.compile alike ("self.size(0) need
 than 16"). Zero rows appended to the int8 activations leave the rows asked for unchanged (an
 integer product is exact), so such a product runs on zero rows concatenated to its own and keeps
 its first rows: up to 17 rows where the count is static, 16 more where it changes per call. The copy is of
-int8 activations, a few KiB at decode. This runs on every delegate placed on CUDA, whatever
-`fuse_for_inference` says: without it the op cannot run there.
+int8 activations, a few KiB at decode. This runs on every delegate of ferry's own backend placed
+on CUDA, whatever `fuse_for_inference` says (the inductor backend leaves `_int_mm` to it).
 """
 
 from __future__ import annotations

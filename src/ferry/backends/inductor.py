@@ -37,7 +37,6 @@ import torch.fx
 
 from ferry.aot.emit import emit_method
 from ferry.aot.fuse import merge_for_compiler
-from ferry.aot.kernel_limits import fit_kernel_limits
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
@@ -74,7 +73,11 @@ class InductorBackend(Backend):
 
     def preprocess(self, lowered, options, range_constraints=None, data: ProgramData | None = None) -> bytes:
         device = delegate_target_device(lowered) or CPU
-        fit_kernel_limits(lowered.original_module, device)  # what the device's kernels take (Inductor calls ATen's)
+        if any(n.target is torch.ops.aten._int_mm.default for n in lowered.original_module.graph.nodes):
+            # torch 2.13, CPU: `_int_mm(x.to(int8).reshape(-1, k), w.t())` of a [1, 1, k] x (torchao's
+            # int8 dynamic-activation linear at a decode step) compiled to wrong values (errors of 1e5)
+            raise UnsupportedByBackend("Inductor's code for an int8 product (_int_mm) of an input it computes was "
+                                       "seen to give wrong values; ferry's own backend runs this partition")
         if options.fuse_for_inference:
             merge_for_compiler(lowered.original_module, data.store.merged if data is not None else None)
         passed = sizes_from_shapes(lowered.original_module)

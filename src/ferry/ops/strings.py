@@ -36,6 +36,7 @@ CHOICES: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "p": ("fro", "nuc"),
     "pad_mode": ("constant", "reflect", "replicate", "circular"),
     "padding_side": ("left", "right"),
+    "mapping_type": ("SYMMETRIC", "SYMMETRIC_NO_CLIPPING_ERR", "ASYMMETRIC"),  # torchao's quantization ops
 }.items()}
 
 # einsum's grammar: subscripts, commas, an ellipsis, an arrow, spaces
