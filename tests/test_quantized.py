@@ -328,6 +328,29 @@ def test_a_corrupted_scale_is_refused(tmp_path):
         ferry.load_program(path, verify=True)
 
 
+def gpu_llama(config):
+    """The test's Llama in bf16 on the GPU, quantized with torchao's `config`."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**CONFIG, "hidden_size": 128, "intermediate_size": 256})).to(torch.bfloat16).cuda().eval()
+    model.generation_config.cache_implementation = "static"
+    quantize_(model, config)
+    return model
+
+
+def gpu_program(model, backend: str = "torch"):
+    """transformers' export of `model` (a prompt of up to 16 tokens, or one), compiled for cuda:0
+    with inputs and outputs kept there."""
+    with torch.no_grad():
+        recipe = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
+        ep = recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long, device="cuda"),
+                           cache_position=torch.arange(3, device="cuda"),
+                           dynamic_shapes={"input_ids": {1: PREFILL}, "cache_position": {0: PREFILL}})
+    keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+        skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
+    return ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id=backend), keep)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
@@ -340,12 +363,8 @@ def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
         pytest.skip("needs a CUDA GPU")
     from torchao.quantization import Int4WeightOnlyConfig
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**CONFIG, "hidden_size": 128, "intermediate_size": 256})
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
-    model.generation_config.cache_implementation = "static"
-    quantize_(model, Int8WeightOnlyConfig() if scheme == "int8"
-              else Int4WeightOnlyConfig(group_size=64, int4_packing_format="tile_packed_to_4d"))
+    model = gpu_llama(Int8WeightOnlyConfig() if scheme == "int8"
+                      else Int4WeightOnlyConfig(group_size=64, int4_packing_format="tile_packed_to_4d"))
     if scheme == "int4":  # the embedding too, its rows gathered before they are dequantized
         quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
                   filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
@@ -353,13 +372,7 @@ def test_quantized_llama_on_the_gpu_as_torchao_eager(scheme):
     with torch.no_grad():
         want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False)
         want_logits = model(prompt).logits
-        recipe = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
-        ep = recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long, device="cuda"),
-                           cache_position=torch.arange(3, device="cuda"),
-                           dynamic_shapes={"input_ids": {1: PREFILL}, "cache_position": {0: PREFILL}})
-    keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
-        skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
-    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0"), keep)
+    program = gpu_program(model)
     records = {r.name: r for r in program.method("forward").quantized_weights}
     if scheme == "int4":
         assert records["model.model.embed_tokens.weight"].parts["qdata"].endswith("(int4, two per byte)")
@@ -385,20 +398,9 @@ def test_int8_dynamic_activations_run_on_the_gpu_at_one_row(backend):
     With the inductor backend the partitions holding `_int_mm` run with ferry's own (see the CPU test)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**CONFIG, "hidden_size": 128, "intermediate_size": 256})
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
-    model.generation_config.cache_implementation = "static"
-    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    model = gpu_llama(Int8DynamicActivationInt8WeightConfig())
     prompt = (token_ids((1, PROMPT), 3) % CONFIG["vocab_size"]).cuda()
-    with torch.no_grad():
-        recipe = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
-        ep = recipe.export(input_ids=torch.zeros(1, 3, dtype=torch.long, device="cuda"),
-                           cache_position=torch.arange(3, device="cuda"),
-                           dynamic_shapes={"input_ids": {1: PREFILL}, "cache_position": {0: PREFILL}})
-    keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
-        skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
-    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id=backend), keep)
+    program = gpu_program(model, backend)
     got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 24).tokens
     assert len(set(got[0, PROMPT:].tolist())) >= 6, got
     with torch.no_grad():
