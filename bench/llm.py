@@ -597,8 +597,8 @@ def parse_args():
     p.add_argument("--runners", default=",".join(RUNNERS))
     p.add_argument("--repeat", type=int, default=50, help="timed decode steps per runner")
     p.add_argument("--quant", default="none", choices=("none", "int8", "int8-dynamic", "int4"),
-                   help="torchao weight-only quantization of every linear and the token embedding (eager and compile "
-                        "run torchao's own path)")
+                   help="torchao quantization of every linear (weight-only; int8-dynamic: int8 activations too) and of "
+                        "the token embedding (eager and compile run torchao's own path)")
     p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                    help="an experiment: set torch._inductor.config.KEY (a Python literal) for every compile of the run")
     p.add_argument("--memory-owners", action="store_true",

@@ -8,6 +8,7 @@ import torch
 from torch._higher_order_ops.out_dtype import out_dtype
 
 import ferry
+from test_quantized import delegate_kernels
 
 aten = torch.ops.aten
 
@@ -40,9 +41,10 @@ def test_out_dtype_runs_as_aten_and_equals_eager(emu, floats, device):
     ep = torch.export.export(model, (int8_rows(5, 1),))
     assert any("out_dtype" in str(n.target) for n in ep.graph.nodes)  # what torchao's export holds
     program = ferry.compile(ep, None if device == "cpu" else ferry.OpSupportPartitioner(device))
-    kernels = {i.kernel.split(".")[0] for m in [program.method("forward")] for i in m.instructions
-               if hasattr(i, "kernel")}
-    assert not any("out_dtype" in k for k in kernels)
+    kernels = [k.split(".")[0] for k in delegate_kernels(program)] if device != "cpu" else \
+        [i.kernel.split(".")[0] for i in program.method("forward").instructions if hasattr(i, "kernel")]
+    # int8 operands: the kernel out_dtype itself calls; floats: its cast, op and cast
+    assert ("aten::mm" in kernels, "aten::_int_mm" in kernels) == (floats, not floats), kernels
     module = ferry.Module(program.to_bytes())
     x = int8_rows(5, 2)
     got = module.forward(x)

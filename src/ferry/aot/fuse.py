@@ -106,8 +106,9 @@ _NOTES = {
                            "fewer GEMMs over their weights stacked at compile time, each result a slice"),
     "additive mask": ("boolean attention masks made additive once", "{n} attention(s) read one additive mask made "
                       "once from the boolean mask they share (ATen converts it inside every call)"),
-    "rows padded": ("aten::_int_mm.default", "{n} int8 product(s) of 16 rows or fewer run on zero rows appended "
-                    "(CUDA's kernel takes 17 or more; an integer product, exact), their first rows kept"),
+    "rows padded": ("aten::_int_mm.default", "{n} int8 product(s) of 16 rows or fewer (or of a count that may be) "
+                    "run on zero rows appended (CUDA's kernel takes 17 or more; an integer product, exact), their "
+                    "first rows kept"),
     "copy dropped": ("clones dropped", "{n} copies that keep the layout (dropout at inference) dropped: the value "
                      "itself is read"),
     "conv relu": ("aten::relu.default", "{n} fused with the convolution (and residual add) before it "

@@ -75,7 +75,8 @@ class InductorBackend(Backend):
         device = delegate_target_device(lowered) or CPU
         if any(n.target is torch.ops.aten._int_mm.default for n in lowered.original_module.graph.nodes):
             # torch 2.13, CPU: `_int_mm(x.to(int8).reshape(-1, k), w.t())` of a [1, 1, k] x (torchao's
-            # int8 dynamic-activation linear at a decode step) compiled to wrong values (errors of 1e5)
+            # int8 dynamic-activation linear at a decode step) compiled to wrong values (errors of 1e5);
+            # and CUDA's kernel needs the rows ferry's own backend pads (aot/kernel_limits.py)
             raise UnsupportedByBackend("Inductor's code for an int8 product (_int_mm) of an input it computes was "
                                        "seen to give wrong values; ferry's own backend runs this partition")
         if options.fuse_for_inference:

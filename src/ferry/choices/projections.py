@@ -131,8 +131,10 @@ def _int8_key(gm, node):
     w, sv = attr(gm, q), attr(gm, scale)
     if w is None or sv is None or w.dtype != torch.int8 or w.dim() != 2 or sv.numel() != w.shape[0]:
         return None
-    if not (isinstance(mul.meta.get("val"), torch.Tensor) and M.get_device(q) == M.get_device(scale) == M.get_device(node)):
-        return None
+    mv, pv = mul.meta.get("val"), node.meta.get("val")
+    if not (isinstance(mv, torch.Tensor) and isinstance(pv, torch.Tensor) and mv.shape == pv.shape
+            and M.get_device(q) == M.get_device(scale) == M.get_device(node)):
+        return None  # (a scale that broadcasts the product to another shape is not a per-column one)
     return ("int8", _source(x), w.device, w.shape[1], _kwargs_key(cast), sv.dtype, sv.dim(),
             tuple(_kwargs_key(c) for c in casts))
 
