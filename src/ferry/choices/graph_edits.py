@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 import torch.fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ferry import node_meta as M
 
@@ -47,8 +48,10 @@ def constant(gm, name: str, value: torch.Tensor, like: torch.fx.Node) -> torch.f
 def call(gm, like: torch.fx.Node, op, args, val) -> torch.fx.Node:
     """A new node calling `op`, with `like`'s metadata (device, module stack) and value `val`."""
     node = gm.graph.call_function(op, args)
-    node.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+    node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
     node.meta["val"] = val
+    if isinstance(val, torch.Tensor):  # its own, not `like`'s
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
     return node
 
 
