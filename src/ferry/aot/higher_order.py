@@ -28,7 +28,9 @@ aten = torch.ops.aten
 def out_dtype_as_aten(gm: torch.fx.GraphModule) -> int:
     """Rewrite every `out_dtype` node of `gm` in place; how many there were."""
     hop = getattr(torch.ops.higher_order, "out_dtype", None)
-    nodes = [n for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]
+    if hop is None:
+        return 0  # (a torch without it exports none)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
     for node in nodes:
         op, dtype, *args = node.args
         vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
@@ -59,14 +61,11 @@ def _promoted(gm, node, op, dtype, args, vals):
     for a, v in zip(args, vals):
         if isinstance(v, torch.Tensor) and v.dtype != promoted:
             v = aten._to_copy.default(v, dtype=promoted)
-            a = call(gm, node, aten._to_copy.default, (a,), v)
-            a.kwargs = {"dtype": promoted}
+            a = call(gm, node, aten._to_copy.default, (a,), v, {"dtype": promoted})
         cast_args.append(a)
         cast_vals.append(v)
     result = op(*cast_vals)
     out = call(gm, node, op, tuple(cast_args), result)
     if result.dtype == dtype:
         return out
-    final = call(gm, node, aten._to_copy.default, (out,), aten._to_copy.default(result, dtype=dtype))
-    final.kwargs = {"dtype": dtype}
-    return final
+    return call(gm, node, aten._to_copy.default, (out,), aten._to_copy.default(result, dtype=dtype), {"dtype": dtype})

@@ -63,8 +63,8 @@ def _pad_rows(gm: torch.fx.GraphModule, node: torch.fx.Node, device: Device) -> 
     with gm.graph.inserting_before(node), detect_fake_mode([av, bv]) or contextlib.nullcontext():
         # zero rows concatenated (constant_pad_nd's trace fixes a dynamic row count to its example)
         size = [pad, av.shape[1]]
-        zeros = call(gm, node, aten.full.default, (size, 0), aten.full.default(size, 0, dtype=av.dtype, device=av.device))
-        zeros.kwargs = {"dtype": av.dtype, "device": av.device}
+        kind = {"dtype": av.dtype, "device": av.device}
+        zeros = call(gm, node, aten.full.default, (size, 0), aten.full.default(size, 0, **kind), kind)
         padded = call(gm, node, aten.cat.default, ([a, zeros],), aten.cat.default([av, zeros.meta["val"]]))
         product = call(gm, node, aten._int_mm.default, (padded, b), aten._int_mm.default(padded.meta["val"], bv))
         # the first rows, counted from the end: one slice for a static and a dynamic count alike

@@ -431,8 +431,8 @@ def additive_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
             bias = call(gm, mask, aten.where.Scalar, (mask, 0.0, -math.inf), val.new_empty(val.shape, dtype=torch.float32))
         if dtype != torch.float32:
             with gm.graph.inserting_after(bias):
-                bias = call(gm, mask, aten._to_copy.default, (bias,), val.new_empty(val.shape, dtype=dtype))
-                bias.kwargs = {"dtype": dtype}
+                bias = call(gm, mask, aten._to_copy.default, (bias,), val.new_empty(val.shape, dtype=dtype),
+                            {"dtype": dtype})
         for node in calls:
             node.args, node.kwargs = tuple(node.args[:3]), {**_sdpa_options(node), "attn_mask": bias}
             done.append(Rewrite("additive mask", node.name))

@@ -306,8 +306,8 @@ def patches_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
             tiles = call(gm, conv, aten.view.default, (x, list(split.shape)), split)
             dims = [0, 2, 4, *order]
             moved = call(gm, conv, aten.permute.default, (tiles, dims), split.permute(dims))
-            packed = call(gm, conv, aten.clone.default, (moved,), split.permute(dims).contiguous())
-            packed.kwargs = {"memory_format": torch.contiguous_format}
+            packed = call(gm, conv, aten.clone.default, (moved,), split.permute(dims).contiguous(),
+                          {"memory_format": torch.contiguous_format})
             flat = call(gm, conv, aten.view.default, (packed, [rows, k]), xv.new_empty(rows, k))
             wt = call(gm, conv, aten.t.default, (wnode,), wnode.meta["val"].t())
             res = out.new_empty(rows, o)
@@ -317,8 +317,8 @@ def patches_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
             y = call(gm, conv, aten.view.default, (gemm, list(grid.shape)), grid)
             y = call(gm, conv, aten.permute.default, (y, [0, 3, 1, 2]), grid.permute(0, 3, 1, 2))
             if grid.permute(0, 3, 1, 2).stride() != out.stride():  # eager's result is contiguous
-                y = call(gm, conv, aten.clone.default, (y,), out.new_empty(out.shape))
-                y.kwargs = {"memory_format": torch.contiguous_format}
+                y = call(gm, conv, aten.clone.default, (y,), out.new_empty(out.shape),
+                         {"memory_format": torch.contiguous_format})
         conv.replace_all_uses_with(y)
         gm.graph.erase_node(conv)
         done.append(Rewrite("patches", conv.name))

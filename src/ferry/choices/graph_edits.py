@@ -45,9 +45,9 @@ def constant(gm, name: str, value: torch.Tensor, like: torch.fx.Node) -> torch.f
     return node
 
 
-def call(gm, like: torch.fx.Node, op, args, val) -> torch.fx.Node:
+def call(gm, like: torch.fx.Node, op, args, val, kwargs: dict | None = None) -> torch.fx.Node:
     """A new node calling `op`, with `like`'s metadata (device, module stack) and value `val`."""
-    node = gm.graph.call_function(op, args)
+    node = gm.graph.call_function(op, args, kwargs)
     node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
     node.meta["val"] = val
     if isinstance(val, torch.Tensor):  # its own, not `like`'s

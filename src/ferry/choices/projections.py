@@ -36,11 +36,11 @@ aten = torch.ops.aten
 INT4_PRODUCTS = (aten._weight_int4pack_mm.default, aten._weight_int4pack_mm_for_cpu.default)
 # ops each int4 product's input passes through on its own (torchao: a 2-D view, a cast, K padded
 # to a multiple of 1024): two such chains of the same ops from one node compute the same value
+_PER_PRODUCT = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.constant_pad_nd.default,
+                aten.pad.default, aten._to_copy.default, aten.clone.default)
 # ops between a per-row scale constant and its product: views, and a cast to the product's dtype
 _SCALE_CHAIN = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
                 aten._to_copy.default)
-_PER_PRODUCT = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.constant_pad_nd.default,
-                aten.pad.default, aten._to_copy.default, aten.clone.default)
 
 
 def merge_projections(gm: torch.fx.GraphModule, merged: dict | None = None) -> list[Rewrite]:
@@ -227,12 +227,12 @@ def _merge_int8(gm, nodes: list, merged: dict) -> bool:
         w = constant(gm, f"{q.target}_merged", weights, q)
         s = constant(gm, f"{scale.target}_merged", scales, scale)
         wt = call(gm, cast, aten.t.default, (w,), aten.t.default(w.meta["val"]))
-        wf = call(gm, cast, aten._to_copy.default, (wt,), aten._to_copy.default(wt.meta["val"], **cast.kwargs))
-        wf.kwargs = dict(cast.kwargs)
+        wf = call(gm, cast, aten._to_copy.default, (wt,), aten._to_copy.default(wt.meta["val"], **cast.kwargs),
+                  dict(cast.kwargs))
         product = call(gm, first, aten.mm.default, (x, wf), aten.mm.default(xv, wf.meta["val"]))
         for c in casts:  # as each product cast its own scales
-            s = call(gm, c, aten._to_copy.default, (s,), aten._to_copy.default(s.meta["val"], **c.kwargs))
-            s.kwargs = dict(c.kwargs)
+            s = call(gm, c, aten._to_copy.default, (s,), aten._to_copy.default(s.meta["val"], **c.kwargs),
+                     dict(c.kwargs))
         row = call(gm, scale, aten.view.default, (s, [sum(widths)]), s.meta["val"].view(sum(widths)))
         y = call(gm, mul, aten.mul.Tensor, (product, row), aten.mul.Tensor(product.meta["val"], row.meta["val"]))
         _slice_out(gm, [p[4] for p in parts], y, widths)
