@@ -153,7 +153,7 @@ def test_mutated_inductor_payloads_are_refused_or_run_and_never_reach_code_gener
     monkeypatch.chdir(tmp_path)
     given = []
 
-    def compile_spy(gm, examples):
+    def compile_spy(gm, examples, options=None):
         given.append(gm)
         assert CANARY not in gm.code, "text from the file reached code generation"
         return gm  # run the checked graph op by op: C++ compiles of hundreds of mutants cost minutes

@@ -146,7 +146,9 @@ def test_the_reduction_is_kept_where_it_saves_three_percent_and_the_decision_is_
     timed_on_cpu[(48, 32)] = times
     (decision,) = gemv.apply(gm, shapes)
     assert decision.times_us == times and decision.taken is rewritten and decision.family == gemv.FAMILY
-    assert (torch.ops.aten.linear.default not in {n.target for n in gm.graph.nodes}) is rewritten
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten.linear.default not in targets  # a reduction, or cuBLAS's kernel opaque to the tuning
+    assert (gemv.LIBRARY_LINEAR not in targets) is rewritten
     assert DECISIONS.values(timed=True) == [decision]
 
 
@@ -184,8 +186,8 @@ def test_an_inductor_program_with_its_products_as_reductions_equals_eager(timed_
     assert (gate_up.shape, down.shape) == ("64->192 bfloat16", "96->64 +bias bfloat16")
     assert gate_up.taken is prefer_reduction and not down.taken  # 2% saved: cuBLAS's stays
     assert gate_up.times_us == (10.0, faster) and down.times_us == (10.0, 9.8)
-    # a graph with a product rewritten is compiled with the tuning the reduction was timed with
-    assert compiled_with == [gemv.TUNING if prefer_reduction else {}]
+    # a decode step is compiled with the tuning the reduction was timed with, whatever was chosen
+    assert compiled_with == [gemv.TUNING]
 
 
 @pytest.mark.cuda
@@ -272,7 +274,7 @@ def test_a_product_that_cannot_be_timed_keeps_its_linear_and_the_load_goes_on(mo
     gm, xs, shapes = _graph(1, torch.bfloat16)
     want = gm(*xs)[0]
     assert gemv.apply(gm, shapes) == []
-    assert torch.ops.aten.linear.default in {n.target for n in gm.graph.nodes}
+    assert gemv.LIBRARY_LINEAR in {n.target for n in gm.graph.nodes}  # cuBLAS's kernel, opaque to the tuning
     assert torch.equal(gm(*xs)[0], want)
 
 
@@ -326,9 +328,9 @@ _GPU = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reas
 def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, device, reductions):
     """A reduction kept: that product does not reach the BLAS library, and the down projection's
     row (SiLU times up) is stored in bf16 before its reduction reads it, as the timed kernel read
-    its row, not recomputed inside it. Neither kept: every product is the library's (compiled
-    without the tuning). Down only: gate/up stays cuBLAS's through `ferry::library_linear` in a graph
-    compiled with the tuning, which on a GPU would otherwise turn its `mm` into a reduction too."""
+    its row, not recomputed inside it. A product not kept stays cuBLAS's through
+    `ferry::library_linear`: a decode step is compiled with the tuning whatever is kept, and on a
+    GPU the tuning would otherwise turn its `mm` into an untimed reduction."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -348,10 +350,8 @@ def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, d
     with torch._inductor.config.patch(force_disable_caches=True):
         _, codes = run_and_get_code(module.load_method)
     code = "\n".join(codes)
-    library = "ferry.library_linear" in code
-    assert (("extern_kernels.mm(" in code) or library) is ("gate_up" not in reduced)  # gate/up, merged
-    assert library is (reduced == {"down"})  # cuBLAS's product in a tuned graph
-    assert ("extern_kernels.addmm(" in code) is ("down" not in reduced)  # down, biased
+    assert code.count("= torch.ops.ferry.library_linear.default(") == 2 - len(reduced)  # gate/up (merged), down
+    assert "extern_kernels.mm(" not in code and "extern_kernels.addmm(" not in code
     if "down" in reduced:
         assert re.search(r"empty_strided_\w+\(\(1, 1, 512\), \([\d, ]+\), torch\.bfloat16\)", code)
     x = torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device)
@@ -372,17 +372,17 @@ class LastToken(torch.nn.Module):
         return self.out(torch.relu(self.head(torch.tanh(self.mix(x))[:, -1:])))
 
 
-@pytest.mark.parametrize("out_reduced", [True, False])
-def test_a_dynamic_graph_with_a_one_row_product_rewritten_equals_eager_at_sizes_large_small_large(timed_on_cpu,
-                                                                                                 out_reduced):
-    """The head a reduction; the last product one too, or cuBLAS's through `ferry::library_linear`
-    in the graph Dynamo traces with the prompt length dynamic."""
+def test_a_dynamic_graphs_one_row_products_are_left_to_cublas_and_equal_eager_at_sizes_large_small_large(
+        timed_on_cpu):
+    """A prefill's head takes one row in a graph of dynamic sizes: no choice is made there (a
+    reduction needs the tuning, and tuning such a graph compiles every candidate configuration of
+    every kernel and tunes at the first size only), even where the clock says a reduction is faster."""
     torch.manual_seed(7)
     model = LastToken().to(torch.bfloat16).eval()
     seq = torch.export.Dim("seq", min=2, max=16)
     ep = torch.export.export(model, (torch.randn(1, 16, 32, dtype=torch.bfloat16),), dynamic_shapes=({1: seq},))
     program = ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
-    timed_on_cpu.update({(80, 32): (10.0, 5.0), (24, 80): (10.0, 5.0 if out_reduced else 10.0)})
+    timed_on_cpu.update({(80, 32): (10.0, 5.0), (24, 80): (10.0, 5.0)})
     module = ferry.Module(program)
     for n in (16, 3, 16, 9):
         x = torch.randn(1, n, 32, dtype=torch.bfloat16)
@@ -392,5 +392,88 @@ def test_a_dynamic_graph_with_a_one_row_product_rewritten_equals_eager_at_sizes_
         want = model(x)
         assert got.shape == want.shape == (1, 1, 24)
         assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
-    made = DECISIONS.values(timed=True)  # the head and the last product only: mix reads every position
-    assert [(d.shape, d.taken) for d in made] == [("32->80 bfloat16", True), ("80->24 bfloat16", out_reduced)]
+    assert DECISIONS.values(timed=True) == []
+
+
+def _product_graph(op, rows: int):
+    """A graph of one product of `rows` rows by a quantized weight (not a candidate), and its shapes."""
+    aten = torch.ops.aten
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.zeros(48, 32, dtype=torch.int8))
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.get_attr("w")
+    scales = g.get_attr("s")
+    module.register_buffer("s", torch.ones(48, dtype=torch.bfloat16))
+    if op is aten.mm.default:
+        out = g.call_function(op, (x, g.call_function(aten.t.default, (g.call_function(
+            aten._to_copy.default, (w,), {"dtype": torch.bfloat16}),))))
+    else:
+        out = g.call_function(op, (x, w, scales))
+    g.output((out,))
+    shapes = {n: torch.empty(0, device="meta") for n in g.nodes}
+    shapes[x] = torch.empty(rows, 32, dtype=torch.bfloat16, device="meta")
+    return torch.fx.GraphModule(module, g), shapes
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten.mm.default, torch.ops.aten._weight_int8pack_mm.default])
+@pytest.mark.parametrize("rows, static, device, tuned", [
+    (1, True, "cuda", True),  # a decode step: its kernels tuned
+    (4, True, "cuda", False),
+    (1, False, "cuda", False),  # dynamic sizes: tuned at one size, kept for all, every candidate compiled
+    (1, True, "cpu", False),  # a device whose kernels are not tuned
+])
+def test_a_decode_steps_graph_is_tuned_and_nothing_else_whatever_the_process_config_says(op, rows, static, device,
+                                                                                        tuned):
+    """A one-row product of a quantized weight is no candidate for the timed choice, but the graph
+    holding it is a decode step all the same; every key of the settings is set, so a process-wide
+    setting (torchao's `quantize_` turns the search on for every later compile) does not reach it."""
+    gm, shapes = _product_graph(op, rows)
+    before = [n.target for n in gm.graph.nodes]
+    got = gemv.settings(gm, shapes, torch.device(device), static=static)
+    assert got == (gemv.TUNING if tuned else gemv.UNTUNED)
+    assert set(got) == set(gemv.TUNING) == set(gemv.UNTUNED) and got["coordinate_descent_check_all_directions"] is False
+    assert [n.target for n in gm.graph.nodes] == before  # nothing to choose: the graph is unchanged
+
+
+class _Seen:
+    """Inductor's tuning settings as each compile of a delegate saw them (a post-grad pass runs inside it)."""
+
+    def __init__(self):
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        seen = self.settings = []
+
+        class Spy(CustomGraphPass):
+            def __call__(self, graph):
+                cfg = torch._inductor.config
+                seen.append((cfg.coordinate_descent_tuning, cfg.coordinate_descent_check_all_directions))
+
+            def uuid(self):
+                return None  # never cached: every compile lowers
+
+        self.spy = Spy()
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_torchaos_process_wide_tuning_does_not_reach_a_delegates_compile(timed_on_cpu, dynamic):
+    """torchao's `quantize_` sets coordinate-descent tuning, every direction checked, for the whole
+    process (`recommended_inductor_config_setter`); ferry's compile of a dynamic prefill then took
+    116 s instead of 15. A delegate is compiled with ferry's settings: a dynamic graph untuned,
+    a decode step tuned without the all-directions search; and still equals eager."""
+    seen = _Seen()
+    timed_on_cpu.update({(192, 64): (10.0, 5.0), (64, 96): (10.0, 9.8)})
+    torch.manual_seed(5)
+    model = Step().to(torch.bfloat16).eval()
+    rows = torch.export.Dim("rows", min=2, max=8)
+    example = torch.randn(1, 4 if dynamic else 1, 64, dtype=torch.bfloat16)
+    ep = torch.export.export(model, (example,), dynamic_shapes=({1: rows},) if dynamic else None)
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor")))
+    torchao_leaves = dict(coordinate_descent_tuning=True, coordinate_descent_check_all_directions=True)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=seen.spy, force_disable_caches=True,
+                                      **torchao_leaves):
+        for n in ([3, 8, 2] if dynamic else [1, 1]):
+            x = torch.randn(1, n, 64, dtype=torch.bfloat16)
+            want = model(x)
+            got = module(x)
+            assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
+    assert seen.settings and set(seen.settings) == {(not dynamic, False)}, seen.settings

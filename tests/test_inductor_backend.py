@@ -342,7 +342,7 @@ def test_the_cli_compiles_with_the_inductor_backend(tmp_path):
 
 
 def test_a_delegate_inductor_cannot_compile_runs_op_by_op_with_a_warning(inductor_program, block, monkeypatch):
-    def fail(gm, example_inputs):
+    def fail(gm, example_inputs, options=None):
         raise RuntimeError("no lowering for this op")
 
     monkeypatch.setattr(torch._inductor, "compile", fail)
@@ -556,7 +556,7 @@ def test_an_assert_message_from_a_file_never_reaches_inductor(monkeypatch, tmp_p
     from ferry.ops.strings import ASSERT_MESSAGE
 
     seen = []
-    monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples: seen.append(gm) or gm)
+    monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples, options=None: seen.append(gm) or gm)
     program = ferry.compile(torch.export.export(Double(), (torch.randn(16),)),
                             ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
     module = ferry.Module(_assert_payload(program, HOSTILE))
@@ -571,7 +571,8 @@ def test_an_assert_message_from_a_file_never_reaches_inductor(monkeypatch, tmp_p
 def test_a_string_no_allowlist_admits_is_refused_before_inductor_sees_it(monkeypatch, argument, text):
     from ferry.program.schema import ConstValue, KernelCall, TensorValue
 
-    monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples: pytest.fail("Inductor was reached"))
+    monkeypatch.setattr(torch._inductor, "compile",
+                        lambda gm, examples, options=None: pytest.fail("Inductor was reached"))
     program = ferry.compile(torch.export.export(Double(), (torch.randn(16),)),
                             ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
 

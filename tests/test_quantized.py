@@ -406,6 +406,7 @@ def test_int8_dynamic_activations_run_on_the_gpu_at_one_row(backend):
     program = gpu_program(model, backend)
     got = ferry.generate(ferry.Module(program.to_bytes(), cuda_graphs=True), prompt, 24).tokens
     assert len(set(got[0, PROMPT:].tolist())) >= 6, got
+    got = got.cuda()  # (generate returns its tokens on the host)
     with torch.no_grad():
         logits = model(got[:, :-1]).logits[0, PROMPT - 1:].float()  # the logits each new token was picked from
     picked = logits.gather(1, got[0, PROMPT:, None]).squeeze(1)

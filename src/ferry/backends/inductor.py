@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import operator
 import warnings
+from typing import Any
 
 import torch
 import torch.fx
@@ -136,8 +137,8 @@ class InductorBackend(Backend):
             examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
             with _load_stream(method, caller):
                 shapes = _dry_run(gm, examples)
-                # one-row products Inductor streams faster as reductions (timed); tuned as they were timed
-                tuning = gemv.TUNING if any(d.taken for d in gemv.apply(gm, shapes)) else {}
+                # a decode step: its one-row products chosen (timed), its kernels tuned; else untuned
+                tuning = gemv.settings(gm, shapes, _device(examples), static=not _dynamic(method))
         except BaseException:
             mem.close()
             raise
@@ -149,7 +150,7 @@ class InductorBackend(Backend):
                           "op by op instead (give its partition backend_id='torch' to say so at compile time)",
                           RuntimeWarning, stacklevel=2)
             # as the program states it: products rewritten as reductions would make fp32 copies op by op
-            compiled = _rebuilt(method, mem, overwrites) if tuning else gm
+            compiled = _rebuilt(method, mem, overwrites) if tuning is gemv.TUNING else gm
         return _Compiled(compiled, mem, method)
 
 
@@ -233,17 +234,26 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
     for this compile (choices/gemv.py)."""
     dynamic = {i: [d for d, dyn in enumerate(method.tensor(vid).dynamic) if dyn and examples[i].shape[d] >= 2]
                for i, vid in enumerate(tensor_inputs(method))}
+    options: dict[str, Any] = dict(tuning or gemv.UNTUNED)  # every key set: nothing from the process's config
     with torch.no_grad():
         if not any(dynamic.values()):
-            options = {"options": tuning} if tuning else {}  # none: Inductor's own call, as before
-            return torch._inductor.compile(gm, examples, **options)
+            return torch._inductor.compile(gm, examples, options=options)
         for i, dims in dynamic.items():
             for d in dims:
                 torch._dynamo.mark_dynamic(examples[i], d, min=2, max=examples[i].shape[d])
         # options: every compile of it, a later one at call time too (a dimension of 1), is tuned alike
-        compiled = torch.compile(gm, backend="inductor", fullgraph=True, options=tuning or None)
+        compiled = torch.compile(gm, backend="inductor", fullgraph=True, options=options)
         compiled(*examples)  # compiled here, at load
     return compiled
+
+
+def _dynamic(method: Method) -> bool:
+    return any(any(method.tensor(vid).dynamic) for vid in tensor_inputs(method))
+
+
+def _device(examples: list) -> torch.device:
+    """Where the graph runs: its inputs' device (a graph without inputs: the CPU's, untuned)."""
+    return next((t.device for t in examples), torch.device("cpu"))
 
 
 def check_sizes(method: Method, memory: Memory) -> None:
@@ -260,7 +270,7 @@ def check_sizes(method: Method, memory: Memory) -> None:
         try:
             check_kernel(method, op, pos, kw, ins.outputs, f"method {method.name!r} instruction {index} ({ins.kernel})")
         except NoMeta:  # a size known per call: the dry run at the bounds, and each call's results, are checked
-            if not any(any(method.tensor(vid).dynamic) for vid in tensor_inputs(method)):
+            if not _dynamic(method):
                 raise ProgramError(f"method {method.name!r} instruction {index}: a size computed per call in an "
                                    "inductor delegate whose inputs are static") from None
 

@@ -32,17 +32,24 @@ from ferry.choices.decisions import DECISIONS, Decision
 from ferry.choices.gemm import blas_settings
 from ferry.ops.aliasing import is_view, view_source
 
-__all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "TIMED_ON", "TUNING", "apply", "by_reduction", "candidates", "cold_copies",
-           "measure", "product_times", "rewrite"]
+__all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "TIMED_ON", "TUNING", "UNTUNED", "apply", "by_reduction", "candidates",
+           "cold_copies", "measure", "product_times", "rewrite", "settings"]
 
 aten = torch.ops.aten
 FAMILY = "matrix-vector product"
 FORMS = ("linear (cuBLAS)", "Inductor reduction")
 _DTYPES = (torch.bfloat16, torch.float16)  # where both forms accumulate in fp32 and round once
 # Inductor's search of each reduction's block sizes: with it the reduction beat cuBLAS at all five
-# Llama-1B shapes (three by 10% or more), without it at two (bench/gemv_kernels.py); a graph with
-# a product rewritten is compiled with it too, so its kernels are the ones that were timed
-TUNING = {"coordinate_descent_tuning": True}
+# Llama-1B shapes (three by 10% or more), without it at two (bench/gemv_kernels.py); a decode
+# step's graph is compiled with it too, so its kernels are the ones that were timed. Every key is
+# set for every compile (UNTUNED otherwise): torchao's `quantize_` turns the search on, all
+# directions checked, for every later compile in the process, and a dynamic prefill of two int4
+# layers then took 116 s to load (251 kernel variants compiled and timed) where it takes 15.
+TUNING = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": False}
+UNTUNED = {"coordinate_descent_tuning": False, "coordinate_descent_check_all_directions": False}
+# products Inductor makes a reduction of, under TUNING, where they take one row (`bmm`: one row a batch)
+_PRODUCTS = frozenset({aten.mm.default, aten.addmm.default, aten.linear.default, aten.bmm.default,
+                       aten._weight_int4pack_mm.default, aten._weight_int8pack_mm.default})
 KEEP_IF_ABOVE = 0.97  # the reduction's time over cuBLAS's: above this, cuBLAS's kernel stays
 TIMED_ON = frozenset({"cuda"})  # device types whose products are timed (tests add the CPU, with a fake clock)
 _TIMES: dict[tuple, tuple[float, float] | None] = {}  # per product shape, dtype, device and BLAS settings
@@ -72,33 +79,54 @@ _lib = globals().get("_lib") or _register()  # kept: the registrations live as l
 LIBRARY_LINEAR = torch.ops.ferry.library_linear.default
 
 
+def settings(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], device: torch.device,
+             static: bool) -> dict:
+    """Inductor's settings for this graph's compile, ferry's own whatever the process's config says:
+    TUNING for a decode step (a graph of static sizes with a product of one row, on a device of
+    TIMED_ON), whose small kernels wait on memory and launch (its one-row products are chosen
+    first: `apply`); else UNTUNED. Never for dynamic sizes: Inductor tunes such a kernel at the
+    first size it meets, keeps that for every size, and compiles every candidate on the way."""
+    if not static or device.type not in TIMED_ON or not any(_one_row(n, shapes) for n in gm.graph.nodes):
+        return UNTUNED
+    apply(gm, shapes)
+    return TUNING
+
+
+def _one_row(node: torch.fx.Node, shapes: dict[torch.fx.Node, torch.Tensor]) -> bool:
+    if node.op != "call_function" or node.target not in _PRODUCTS:
+        return False
+    arg = node.args[1] if node.target is aten.addmm.default else node.args[0]
+    x = shapes.get(arg) if isinstance(arg, torch.fx.Node) else None
+    if x is None or x.dim() < 2:
+        return False
+    return x.shape[1] == 1 if node.target is aten.bmm.default else math.prod(x.shape[:-1]) == 1
+
+
 def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -> list[Decision]:
     """One decision per product shape of the graph's one-row products (on a device of TIMED_ON):
     a tuned reduction where it streams the weight faster, else cuBLAS's kernel. Each shape is timed
-    both ways once per process. Where any product becomes a reduction the graph is compiled with
-    TUNING, under which Inductor itself would turn every one-row `mm` into an untimed reduction:
-    the products left to cuBLAS are then called through `library_linear`, which it leaves alone.
-    Other one-row products of such a graph (fp32, a weight passed in, a `bmm` of one query row)
-    are not candidates and are left to Inductor's rewrite. Outside CUDA graphs `library_linear`
-    costs a Python call per product and call. Returns the decisions (none: nothing to choose, or
-    a product that could not be timed)."""
-    nodes = [n for n in candidates(gm, shapes) if _weights(gm, n)[0].device.type in TIMED_ON]
-    times = [product_times(gm, n) for n in nodes]
-    if not nodes or any(t is None for t in times):
-        return []  # nothing to choose, or a product that could not be timed: cuBLAS's kernels stay
+    both ways once per process. The graph is compiled with TUNING (`settings`), under which
+    Inductor itself would turn every one-row `mm` into an untimed reduction: the products left to
+    cuBLAS (slower, or not timed) are called through `library_linear`, which it leaves alone.
+    Other one-row products (fp32, a weight passed in, a quantized weight, a `bmm` of one query
+    row) are not candidates and are left to Inductor's rewrite. Outside CUDA graphs
+    `library_linear` costs a Python call per product and call. Returns the decisions made."""
     by_shape: dict[str, list[torch.fx.Node]] = {}
-    for node in nodes:
-        by_shape.setdefault(_shape(*_weights(gm, node)), []).append(node)
-    decided = [(_decided(gm, group), group) for _, group in sorted(by_shape.items())]
-    if any(d.taken for d, _ in decided):
-        for d, group in decided:
-            for node in group:
-                if d.taken:
-                    rewrite(gm, node, shapes)
-                else:
-                    node.target = LIBRARY_LINEAR
+    for node in candidates(gm, shapes):
+        if _weights(gm, node)[0].device.type in TIMED_ON:
+            by_shape.setdefault(_shape(*_weights(gm, node)), []).append(node)
+    decided = []
+    for _, group in sorted(by_shape.items()):
+        made = _decided(gm, group) if product_times(gm, group[0]) is not None else None
+        for node in group:
+            if made is not None and made.taken:
+                rewrite(gm, node, shapes)
+            else:
+                node.target = LIBRARY_LINEAR
+        decided += [made] if made is not None else []
+    if by_shape:
         gm.recompile()
-    return [d for d, _ in decided]
+    return decided
 
 
 def _decided(gm: torch.fx.GraphModule, group: list[torch.fx.Node]) -> Decision:
