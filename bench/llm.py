@@ -600,7 +600,8 @@ def parse_args():
                    help="torchao quantization of every linear (weight-only; int8-dynamic: int8 activations too) and of "
                         "the token embedding (eager and compile run torchao's own path)")
     p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
-                   help="an experiment: set torch._inductor.config.KEY (a Python literal) for every compile of the run")
+                   help="an experiment: set torch._inductor.config.KEY (a Python literal) for every compile of the "
+                        "run (not coordinate_descent_*: ferry sets those per delegate, choices/gemv.py)")
     p.add_argument("--memory-owners", action="store_true",
                    help="list what holds the GPU memory allocated after each runner's run, by the code that allocated it")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")

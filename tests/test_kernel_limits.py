@@ -53,6 +53,8 @@ def test_an_int8_product_of_few_rows_runs_on_padded_rows_for_cuda(rows):
     done = fit_kernel_limits(ep.graph_module, CUDA)
     assert [r.kind for r in done] == ["rows padded"]
     assert fit_kernel_limits(ep.graph_module, CUDA) == []  # fitted once: nothing padded twice
+    ops = {n.target for n in ep.graph.nodes}
+    assert torch.ops.aten.constant_pad_nd.default in ops and torch.ops.aten.full.default not in ops  # one kernel
     with CudaIntMmLimits() as limits:
         got = ep.module()(x)
     assert limits.calls == 1 and torch.equal(got, want)

@@ -61,11 +61,7 @@ def _pad_rows(gm: torch.fx.GraphModule, node: torch.fx.Node, device: Device) -> 
         return False  # (a graph fitted once has enough rows: nothing is padded twice)
     pad = INT_MM_MIN_ROWS - rows if isinstance(rows, int) else INT_MM_MIN_ROWS  # a dynamic count may be 0
     with gm.graph.inserting_before(node), detect_fake_mode([av, bv]) or contextlib.nullcontext():
-        # zero rows concatenated (constant_pad_nd's trace fixes a dynamic row count to its example)
-        size = [pad, av.shape[1]]
-        kind = {"dtype": av.dtype, "device": av.device}
-        zeros = call(gm, node, aten.full.default, (size, 0), aten.full.default(size, 0, **kind), kind)
-        padded = call(gm, node, aten.cat.default, ([a, zeros],), aten.cat.default([av, zeros.meta["val"]]))
+        padded = _with_zero_rows(gm, node, a, av, pad)
         product = call(gm, node, aten._int_mm.default, (padded, b), aten._int_mm.default(padded.meta["val"], bv))
         # the first rows, counted from the end: one slice for a static and a dynamic count alike
         kept = call(gm, node, aten.slice.Tensor, (product, 0, 0, -pad),
@@ -73,6 +69,20 @@ def _pad_rows(gm: torch.fx.GraphModule, node: torch.fx.Node, device: Device) -> 
     node.replace_all_uses_with(kept)
     gm.graph.erase_node(node)
     return True
+
+
+def _with_zero_rows(gm: torch.fx.GraphModule, node: torch.fx.Node, a: torch.fx.Node, av: torch.Tensor,
+                    pad: int) -> torch.fx.Node:
+    """`a` with `pad` zero rows after its own: one pad kernel where the row count is static; zeros
+    made and concatenated where it is dynamic (constant_pad_nd's trace fixes a dynamic count to
+    its example)."""
+    if isinstance(av.shape[0], int):
+        return call(gm, node, aten.constant_pad_nd.default, (a, [0, 0, 0, pad]),
+                    aten.constant_pad_nd.default(av, [0, 0, 0, pad]))
+    size = [pad, av.shape[1]]
+    kind = {"dtype": av.dtype, "device": av.device}
+    zeros = call(gm, node, aten.full.default, (size, 0), aten.full.default(size, 0, **kind), kind)
+    return call(gm, node, aten.cat.default, ([a, zeros],), aten.cat.default([av, zeros.meta["val"]]))
 
 
 def _check_fits(node: torch.fx.Node, av: torch.Tensor, bv: torch.Tensor, device: Device) -> None:
