@@ -146,9 +146,7 @@ def test_the_reduction_is_kept_where_it_saves_three_percent_and_the_decision_is_
     timed_on_cpu[(48, 32)] = times
     (decision,) = gemv.apply(gm, shapes)
     assert decision.times_us == times and decision.taken is rewritten and decision.family == gemv.FAMILY
-    targets = {n.target for n in gm.graph.nodes}
-    assert torch.ops.aten.linear.default not in targets  # a reduction, or cuBLAS's kernel opaque to the tuning
-    assert (gemv.LIBRARY_LINEAR not in targets) is rewritten
+    assert (torch.ops.aten.linear.default not in {n.target for n in gm.graph.nodes}) is rewritten
     assert DECISIONS.values(timed=True) == [decision]
 
 
@@ -186,8 +184,9 @@ def test_an_inductor_program_with_its_products_as_reductions_equals_eager(timed_
     assert (gate_up.shape, down.shape) == ("64->192 bfloat16", "96->64 +bias bfloat16")
     assert gate_up.taken is prefer_reduction and not down.taken  # 2% saved: cuBLAS's stays
     assert gate_up.times_us == (10.0, faster) and down.times_us == (10.0, 9.8)
-    # a decode step is compiled with the tuning the reduction was timed with, whatever was chosen
-    assert compiled_with == [gemv.TUNING]
+    # a graph with a product rewritten is compiled with the tuning the reduction was timed with;
+    # otherwise untuned, whatever the process's Inductor config says
+    assert compiled_with == [gemv.TUNING if prefer_reduction else gemv.UNTUNED]
 
 
 @pytest.mark.cuda
@@ -274,7 +273,7 @@ def test_a_product_that_cannot_be_timed_keeps_its_linear_and_the_load_goes_on(mo
     gm, xs, shapes = _graph(1, torch.bfloat16)
     want = gm(*xs)[0]
     assert gemv.apply(gm, shapes) == []
-    assert gemv.LIBRARY_LINEAR in {n.target for n in gm.graph.nodes}  # cuBLAS's kernel, opaque to the tuning
+    assert torch.ops.aten.linear.default in {n.target for n in gm.graph.nodes}
     assert torch.equal(gm(*xs)[0], want)
 
 
@@ -328,9 +327,9 @@ _GPU = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reas
 def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, device, reductions):
     """A reduction kept: that product does not reach the BLAS library, and the down projection's
     row (SiLU times up) is stored in bf16 before its reduction reads it, as the timed kernel read
-    its row, not recomputed inside it. A product not kept stays cuBLAS's through
-    `ferry::library_linear`: a decode step is compiled with the tuning whatever is kept, and on a
-    GPU the tuning would otherwise turn its `mm` into an untimed reduction."""
+    its row, not recomputed inside it. Neither kept: every product is the library's (compiled
+    without the tuning). Down only: gate/up stays cuBLAS's through `ferry::library_linear` in a graph
+    compiled with the tuning, which on a GPU would otherwise turn its `mm` into a reduction too."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -350,8 +349,10 @@ def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, d
     with torch._inductor.config.patch(force_disable_caches=True):
         _, codes = run_and_get_code(module.load_method)
     code = "\n".join(codes)
-    assert code.count("= torch.ops.ferry.library_linear.default(") == 2 - len(reduced)  # gate/up (merged), down
-    assert "extern_kernels.mm(" not in code and "extern_kernels.addmm(" not in code
+    library = "ferry.library_linear" in code
+    assert (("extern_kernels.mm(" in code) or library) is ("gate_up" not in reduced)  # gate/up, merged
+    assert library is (reduced == {"down"})  # cuBLAS's product in a tuned graph
+    assert ("extern_kernels.addmm(" in code) is ("down" not in reduced)  # down, biased
     if "down" in reduced:
         assert re.search(r"empty_strided_\w+\(\(1, 1, 512\), \([\d, ]+\), torch\.bfloat16\)", code)
     x = torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device)
@@ -395,42 +396,52 @@ def test_a_dynamic_graphs_one_row_products_are_left_to_cublas_and_equal_eager_at
     assert DECISIONS.values(timed=True) == []
 
 
-def _product_graph(op, rows: int):
-    """A graph of one product of `rows` rows by a quantized weight (not a candidate), and its shapes."""
+def _product_graph(form: str, rows: int, device: str = "cpu"):
+    """A graph of one product of `rows` rows, as `form` computes it, and its shapes (never run)."""
     aten = torch.ops.aten
     module = torch.nn.Module()
-    module.register_buffer("w", torch.zeros(48, 32, dtype=torch.int8))
+    module.register_buffer("w", torch.zeros(48, 32, dtype=torch.float32 if form == "fp32 linear" else torch.int8,
+                                            device=device))
+    module.register_buffer("b", torch.zeros(48, dtype=torch.bfloat16, device=device))
     g = torch.fx.Graph()
-    x, w = g.placeholder("x"), g.get_attr("w")
-    scales = g.get_attr("s")
-    module.register_buffer("s", torch.ones(48, dtype=torch.bfloat16))
-    if op is aten.mm.default:
-        out = g.call_function(op, (x, g.call_function(aten.t.default, (g.call_function(
-            aten._to_copy.default, (w,), {"dtype": torch.bfloat16}),))))
+    x, w, b = g.placeholder("x"), g.get_attr("w"), g.get_attr("b")
+    cast = g.call_function(aten._to_copy.default, (w,), {"dtype": torch.bfloat16})
+    row = [rows, 32]
+    if form == "int8 mm":
+        out = g.call_function(aten.mm.default, (x, g.call_function(aten.t.default, (cast,))))
+    elif form == "int8 addmm":
+        out = g.call_function(aten.addmm.default, (b, x, g.call_function(aten.t.default, (cast,))))
+    elif form == "int8 linear":
+        out, row = g.call_function(aten.linear.default, (x, cast)), [1, rows, 32]
+    elif form == "fp32 linear":  # a classifier's head at batch 1: no candidate, nothing quantized
+        out = g.call_function(aten.linear.default, (x, w))
     else:
-        out = g.call_function(op, (x, w, scales))
+        out = g.call_function(getattr(aten, form).default, (x, w, b))
     g.output((out,))
     shapes = {n: torch.empty(0, device="meta") for n in g.nodes}
-    shapes[x] = torch.empty(rows, 32, dtype=torch.bfloat16, device="meta")
+    shapes[x] = torch.empty(row, dtype=torch.float32 if form == "fp32 linear" else torch.bfloat16, device="meta")
     return torch.fx.GraphModule(module, g), shapes
 
 
-@pytest.mark.parametrize("op", [torch.ops.aten.mm.default, torch.ops.aten._weight_int8pack_mm.default])
-@pytest.mark.parametrize("rows, static, device, tuned", [
-    (1, True, "cuda", True),  # a decode step: its kernels tuned
-    (4, True, "cuda", False),
-    (1, False, "cuda", False),  # dynamic sizes: tuned at one size, kept for all, every candidate compiled
-    (1, True, "cpu", False),  # a device whose kernels are not tuned
+@pytest.mark.parametrize("form", ["int8 mm", "int8 addmm", "int8 linear", "_weight_int8pack_mm", "fp32 linear"])
+@pytest.mark.parametrize("rows, static, timed, tuned", [
+    (1, True, True, True),  # a decode step: its kernels tuned
+    (4, True, True, False),
+    (1, False, True, False),  # dynamic sizes: tuned at one size, kept for all, every candidate compiled
+    (1, True, False, False),  # a device whose kernels are not tuned
 ])
-def test_a_decode_steps_graph_is_tuned_and_nothing_else_whatever_the_process_config_says(op, rows, static, device,
-                                                                                        tuned):
+def test_a_quantized_decode_step_is_tuned_and_nothing_else_whatever_the_process_config_says(
+        monkeypatch, form, rows, static, timed, tuned):
     """A one-row product of a quantized weight is no candidate for the timed choice, but the graph
-    holding it is a decode step all the same; every key of the settings is set, so a process-wide
-    setting (torchao's `quantize_` turns the search on for every later compile) does not reach it."""
-    gm, shapes = _product_graph(op, rows)
+    holding it is a decode step all the same (int8's cast and `mm` are one reduction over the int8
+    weight only under the tuning); an fp32 head of one row is not. Every key of the settings is
+    set, so a process-wide setting (torchao's `quantize_` turns the search on) does not reach it."""
+    if timed:
+        monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
+    gm, shapes = _product_graph(form, rows)
     before = [n.target for n in gm.graph.nodes]
-    got = gemv.settings(gm, shapes, torch.device(device), static=static)
-    assert got == (gemv.TUNING if tuned else gemv.UNTUNED)
+    got = gemv.settings(gm, shapes, static=static)
+    assert got == (gemv.TUNING if tuned and form != "fp32 linear" else gemv.UNTUNED)
     assert set(got) == set(gemv.TUNING) == set(gemv.UNTUNED) and got["coordinate_descent_check_all_directions"] is False
     assert [n.target for n in gm.graph.nodes] == before  # nothing to choose: the graph is unchanged
 
@@ -457,21 +468,22 @@ class _Seen:
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_torchaos_process_wide_tuning_does_not_reach_a_delegates_compile(timed_on_cpu, dynamic):
     """torchao's `quantize_` sets coordinate-descent tuning, every direction checked, for the whole
-    process (`recommended_inductor_config_setter`); ferry's compile of a dynamic prefill then took
-    116 s instead of 15. A delegate is compiled with ferry's settings: a dynamic graph untuned,
-    a decode step tuned without the all-directions search; and still equals eager."""
+    process (`recommended_inductor_config_setter`); ferry's load of an int4 model's dynamic prefill
+    then took 116 s for one layer. A delegate is compiled with ferry's settings: a dynamic graph
+    untuned (its recompile at one row too), a decode step tuned without the all-directions search;
+    and still equals eager."""
     seen = _Seen()
     timed_on_cpu.update({(192, 64): (10.0, 5.0), (64, 96): (10.0, 9.8)})
     torch.manual_seed(5)
     model = Step().to(torch.bfloat16).eval()
-    rows = torch.export.Dim("rows", min=2, max=8)
+    rows = torch.export.Dim("rows", min=1, max=8)
     example = torch.randn(1, 4 if dynamic else 1, 64, dtype=torch.bfloat16)
     ep = torch.export.export(model, (example,), dynamic_shapes=({1: rows},) if dynamic else None)
     module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor")))
     torchao_leaves = dict(coordinate_descent_tuning=True, coordinate_descent_check_all_directions=True)
     with torch._inductor.config.patch(post_grad_custom_post_pass=seen.spy, force_disable_caches=True,
                                       **torchao_leaves):
-        for n in ([3, 8, 2] if dynamic else [1, 1]):
+        for n in ([3, 8, 1, 2] if dynamic else [1, 1]):
             x = torch.randn(1, n, 64, dtype=torch.bfloat16)
             want = model(x)
             got = module(x)

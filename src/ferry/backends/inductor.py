@@ -7,9 +7,9 @@ resolve only to operators registered with PyTorch (none that reaches outside the
 every call is checked against its schema before anything runs. At load the method is rebuilt as
 a torch.fx graph, with its constants uploaded to the delegate's device, run once op by op on
 inputs of its declared shapes (ATen checks the bounds of every view; compiled code would not),
-on CUDA given its one-row products as tuned reductions where those were timed faster
-(choices/gemv.py), and compiled by Inductor for that device (Triton kernels on CUDA, C++ on the
-CPU). Inductor's
+on CUDA, where its sizes are static, given its one-row products as tuned reductions where those
+were timed faster, and compiled by Inductor for that device (Triton kernels on CUDA, C++ on the
+CPU) with tuning settings ferry chooses, not the process's (choices/gemv.py). Inductor's
 on-disk cache makes a later load of the same graph fast. Inductor allocates its results, and
 they become the delegate's outputs (storage `runtime`: the method plans no memory for them;
 each is checked against its declared shape, dtype and device every call, and copied only when it
@@ -138,7 +138,7 @@ class InductorBackend(Backend):
             with _load_stream(method, caller):
                 shapes = _dry_run(gm, examples)
                 # a decode step: its one-row products chosen (timed), its kernels tuned; else untuned
-                tuning = gemv.settings(gm, shapes, _device(examples), static=not _dynamic(method))
+                tuning = gemv.settings(gm, shapes, static=not _dynamic(method))
         except BaseException:
             mem.close()
             raise
@@ -241,7 +241,7 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
         for i, dims in dynamic.items():
             for d in dims:
                 torch._dynamo.mark_dynamic(examples[i], d, min=2, max=examples[i].shape[d])
-        # options: every compile of it, a later one at call time too (a dimension of 1), is tuned alike
+        # options: every compile of it, a later one at call time too (a dimension of 1), has the same settings
         compiled = torch.compile(gm, backend="inductor", fullgraph=True, options=options)
         compiled(*examples)  # compiled here, at load
     return compiled
@@ -249,11 +249,6 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
 
 def _dynamic(method: Method) -> bool:
     return any(any(method.tensor(vid).dynamic) for vid in tensor_inputs(method))
-
-
-def _device(examples: list) -> torch.device:
-    """Where the graph runs: its inputs' device (a graph without inputs: the CPU's, untuned)."""
-    return next((t.device for t in examples), torch.device("cpu"))
 
 
 def check_sizes(method: Method, memory: Memory) -> None:

@@ -7,8 +7,8 @@ streams Llama-1B's 2048 x 2048 weight at 1.4 TB/s, its 2048 x 3072 at 2.0 and it
 2.5, where Inductor's reduction, its block sizes tuned (TUNING), reaches 2.1, 2.5 and 3.6; at
 2048 x 16384 and the 128k-token head the two are within 10% (3.7 and 4.2 TB/s against 3.9 and
 4.5), and at 8 rows the reduction would read the weight once per row. No shape rule holds across
-GPUs, so each distinct one-row product of a half-precision weight is timed both ways when its
-method loads, weights rotated through more copies than the GPU's L2 holds (a decode step reads
+GPUs, so each distinct one-row product of a half-precision weight in a graph of static sizes is
+timed both ways when its method loads, weights rotated through more copies than the GPU's L2 holds (a decode step reads
 them cold). The choice is made per shape (`apply`): the reduction where it saves 3% (one kernel
 either way: no launch to pay for). One graph may mix the two: Llama-1B's q/k/v, o and down
 products as reductions and its 128k-token head as cuBLAS's, whose tuned reduction took 117 µs at
@@ -41,15 +41,16 @@ FORMS = ("linear (cuBLAS)", "Inductor reduction")
 _DTYPES = (torch.bfloat16, torch.float16)  # where both forms accumulate in fp32 and round once
 # Inductor's search of each reduction's block sizes: with it the reduction beat cuBLAS at all five
 # Llama-1B shapes (three by 10% or more), without it at two (bench/gemv_kernels.py); a decode
-# step's graph is compiled with it too, so its kernels are the ones that were timed. Every key is
+# step's graph is compiled with it too, so its kernels are the ones that were timed. Both keys are
 # set for every compile (UNTUNED otherwise): torchao's `quantize_` turns the search on, all
-# directions checked, for every later compile in the process, and a dynamic prefill of two int4
-# layers then took 116 s to load (251 kernel variants compiled and timed) where it takes 15.
+# directions checked, for every later compile in the process, and the dynamic prefill of one int4
+# layer then took 116 s to load (251 kernel variants compiled and timed; bf16's, two layers,
+# untuned: 14.5 s; bench/results/prefill_census_{int4,bf16}.log).
 TUNING = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": False}
 UNTUNED = {"coordinate_descent_tuning": False, "coordinate_descent_check_all_directions": False}
-# products Inductor makes a reduction of, under TUNING, where they take one row (`bmm`: one row a batch)
-_PRODUCTS = frozenset({aten.mm.default, aten.addmm.default, aten.linear.default, aten.bmm.default,
-                       aten._weight_int4pack_mm.default, aten._weight_int8pack_mm.default})
+_PACKED = frozenset({aten._weight_int4pack_mm.default, aten._weight_int8pack_mm.default})  # (x, packed weight, ...)
+_WEIGHT_AT = {aten.mm.default: 1, aten.linear.default: 1, aten.addmm.default: 2}  # where a cast weight is read
+_CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})
 KEEP_IF_ABOVE = 0.97  # the reduction's time over cuBLAS's: above this, cuBLAS's kernel stays
 TIMED_ON = frozenset({"cuda"})  # device types whose products are timed (tests add the CPU, with a fake clock)
 _TIMES: dict[tuple, tuple[float, float] | None] = {}  # per product shape, dtype, device and BLAS settings
@@ -79,54 +80,78 @@ _lib = globals().get("_lib") or _register()  # kept: the registrations live as l
 LIBRARY_LINEAR = torch.ops.ferry.library_linear.default
 
 
-def settings(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], device: torch.device,
-             static: bool) -> dict:
-    """Inductor's settings for this graph's compile, ferry's own whatever the process's config says:
-    TUNING for a decode step (a graph of static sizes with a product of one row, on a device of
-    TIMED_ON), whose small kernels wait on memory and launch (its one-row products are chosen
-    first: `apply`); else UNTUNED. Never for dynamic sizes: Inductor tunes such a kernel at the
-    first size it meets, keeps that for every size, and compiles every candidate on the way."""
-    if not static or device.type not in TIMED_ON or not any(_one_row(n, shapes) for n in gm.graph.nodes):
+def settings(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], static: bool) -> dict:
+    """Inductor's settings for this graph's compile, ferry's own whatever the process's config says.
+    TUNING for a decode step of static sizes on a device of TIMED_ON: where a one-row product of a
+    half-precision weight is made a reduction (`apply`), or where a product of one row reads a
+    quantized weight (int8's cast and `mm` become one reduction over the int8 weight only under
+    the tuning). Else UNTUNED: in particular any graph of dynamic sizes, whose kernels Inductor
+    would tune at the first size it meets, keep for every size, and compile every candidate of."""
+    if not static:
         return UNTUNED
-    apply(gm, shapes)
-    return TUNING
+    quantized = any(_quantized_one_row(gm, n, shapes) for n in gm.graph.nodes)
+    made = apply(gm, shapes, tuned=quantized)
+    return TUNING if quantized or any(d.taken for d in made) else UNTUNED
 
 
-def _one_row(node: torch.fx.Node, shapes: dict[torch.fx.Node, torch.Tensor]) -> bool:
-    if node.op != "call_function" or node.target not in _PRODUCTS:
+def _quantized_one_row(gm: torch.fx.GraphModule, node: torch.fx.Node, shapes: dict[torch.fx.Node, torch.Tensor]) -> bool:
+    """A product of one row by a quantized constant on a device of TIMED_ON: int4/int8 packed
+    kernels, or an `mm`/`linear`/`addmm` of an int8 constant cast to the row's type (torchao's
+    int8 weight-only linear)."""
+    if node.op != "call_function" or (node.target not in _PACKED and node.target not in _WEIGHT_AT):
         return False
-    arg = node.args[1] if node.target is aten.addmm.default else node.args[0]
-    x = shapes.get(arg) if isinstance(arg, torch.fx.Node) else None
-    if x is None or x.dim() < 2:
+    row = node.args[1] if node.target is aten.addmm.default else node.args[0]
+    x = shapes.get(row) if isinstance(row, torch.fx.Node) else None
+    if x is None or x.dim() == 0 or math.prod(x.shape[:-1]) != 1:
         return False
-    return x.shape[1] == 1 if node.target is aten.bmm.default else math.prod(x.shape[:-1]) == 1
+    weight = node.args[1] if node.target in _PACKED else node.args[_WEIGHT_AT[node.target]]
+    w, cast = _constant_read(gm, weight)
+    if w is None or w.device.type not in TIMED_ON:
+        return False
+    return node.target in _PACKED or (cast and w.dtype in (torch.int8, torch.uint8))
 
 
-def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor]) -> list[Decision]:
-    """One decision per product shape of the graph's one-row products (on a device of TIMED_ON):
-    a tuned reduction where it streams the weight faster, else cuBLAS's kernel. Each shape is timed
-    both ways once per process. The graph is compiled with TUNING (`settings`), under which
-    Inductor itself would turn every one-row `mm` into an untimed reduction: the products left to
-    cuBLAS (slower, or not timed) are called through `library_linear`, which it leaves alone.
-    Other one-row products (fp32, a weight passed in, a quantized weight, a `bmm` of one query
-    row) are not candidates and are left to Inductor's rewrite. Outside CUDA graphs
-    `library_linear` costs a Python call per product and call. Returns the decisions made."""
+def _constant_read(gm: torch.fx.GraphModule, node) -> tuple[torch.Tensor | None, bool]:
+    """The constant `node` reads through views and casts (None: something else), and whether it is cast."""
+    cast = False
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        op = node.target
+        if op in _CASTS:
+            node, cast = node.args[0], True
+        elif isinstance(op, torch._ops.OpOverload) and is_view(op):
+            node = node.args[view_source(op)]
+        else:
+            return None, cast
+    if not (isinstance(node, torch.fx.Node) and node.op == "get_attr"):
+        return None, cast
+    value = getattr(gm, str(node.target), None)
+    return (value if isinstance(value, torch.Tensor) else None), cast
+
+
+def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], tuned: bool = False) -> list[Decision]:
+    """One decision per product shape of the graph's one-row products of a half-precision weight
+    (on a device of TIMED_ON): a tuned reduction where it streams the weight faster, else cuBLAS's
+    kernel. Each shape is timed both ways once per process. Where any product becomes a reduction,
+    or the graph is `tuned` anyway, it is compiled with TUNING, under which Inductor itself would
+    turn every one-row `mm` into an untimed reduction: the products left to cuBLAS (slower, or not
+    timed) are then called through `library_linear`, which it leaves alone (outside CUDA graphs:
+    a Python call per product and call). Other one-row products (fp32, a weight passed in, a
+    `bmm` of one query row) are not candidates and are left to Inductor. Returns the decisions."""
     by_shape: dict[str, list[torch.fx.Node]] = {}
     for node in candidates(gm, shapes):
         if _weights(gm, node)[0].device.type in TIMED_ON:
             by_shape.setdefault(_shape(*_weights(gm, node)), []).append(node)
-    decided = []
-    for _, group in sorted(by_shape.items()):
-        made = _decided(gm, group) if product_times(gm, group[0]) is not None else None
-        for node in group:
-            if made is not None and made.taken:
-                rewrite(gm, node, shapes)
-            else:
-                node.target = LIBRARY_LINEAR
-        decided += [made] if made is not None else []
-    if by_shape:
+    decided = [(_decided(gm, group) if product_times(gm, group[0]) is not None else None, group)
+               for _, group in sorted(by_shape.items())]
+    if tuned or any(d is not None and d.taken for d, _ in decided):
+        for d, group in decided:
+            for node in group:
+                if d is not None and d.taken:
+                    rewrite(gm, node, shapes)
+                else:
+                    node.target = LIBRARY_LINEAR
         gm.recompile()
-    return decided
+    return [d for d, _ in decided if d is not None]
 
 
 def _decided(gm: torch.fx.GraphModule, group: list[torch.fx.Node]) -> Decision:
