@@ -628,6 +628,9 @@ def main():
               repeat=min(args.repeat, 10) if args.tiny else args.repeat, prefill_repeat=3 if args.tiny else 10,
               quant=args.quant)
     settings = {"device": env.ferry_device, "inductor_config": args.inductor_config,
+                "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
+                                         "directions for a static decode step with a one-row reduction or quantized "
+                                         "product, otherwise none; the process's coordinate_descent_* keys ignored",
                 "dtype": str(env.dtype).removeprefix("torch."), "tiny": env.tiny,
                 "quant": env.quant,
                 "decode_position": "cache_position = L // 2 for every timed step (a static cache: attention reads "
