@@ -47,6 +47,8 @@ import argparse
 import ast
 import contextlib
 import copy
+import dataclasses
+import functools
 import gc
 import sys
 import time
@@ -94,6 +96,7 @@ class Env:
     repeat: int
     prefill_repeat: int
     quant: str = "none"  # torchao weight-only quantization of every linear and the embedding: none, int8, int4
+    last_position: bool = False  # a prefill computes the last position's logits only (every runner)
 
     @property
     def cuda(self) -> bool:
@@ -203,8 +206,10 @@ def eager_runner(model, batch: int, cache: int, env: Env, compiled: bool) -> Run
     """transformers' static-cache wrapper on its own copy of the weights; torch.compile'd or not."""
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
-    wrapper = TorchExportableModuleWithStaticCache(copy.deepcopy(model).to(env.device), batch_size=batch,
-                                                   max_cache_len=cache)
+    own = copy.deepcopy(model).to(env.device)
+    if env.last_position:  # as transformers' generate asks: the last position's logits only
+        own.forward = functools.partial(own.forward, logits_to_keep=1)
+    wrapper = TorchExportableModuleWithStaticCache(own, batch_size=batch, max_cache_len=cache)
     call = wrapper
     if compiled:
         counters.clear()
@@ -254,7 +259,9 @@ def compile_program(built: dict, model, batch, cache, prompts, backend: str, env
     why = _no_prefill(prompts, backend)
     t0 = time.perf_counter()
     methods = eps if why is None else {"forward": eps["forward"]}
-    program = ferry.compile(methods, ferry.OpSupportPartitioner(env.ferry_device, backend_id=backend), KEEP_ON_DEVICE)
+    config = dataclasses.replace(KEEP_ON_DEVICE, last_position_only=["prefill"] if env.last_position and
+                                 "prefill" in methods else ())
+    program = ferry.compile(methods, ferry.OpSupportPartitioner(env.ferry_device, backend_id=backend), config)
     seconds = export_s + time.perf_counter() - t0
     built.setdefault("file_bytes", {})[backend] = len(program.to_bytes())
     return program, seconds, why
@@ -602,6 +609,9 @@ def parse_args():
     p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                    help="an experiment: set torch._inductor.config.KEY (a Python literal) for every compile of the "
                         "run (not coordinate_descent_*: ferry sets those per delegate, choices/gemv.py)")
+    p.add_argument("--last-position", action="store_true",
+                   help="a prefill computes the last position's logits only, as generation needs: ferry compiles with "
+                        "CompileConfig(last_position_only=['prefill']); eager and torch.compile get logits_to_keep=1")
     p.add_argument("--memory-owners", action="store_true",
                    help="list what holds the GPU memory allocated after each runner's run, by the code that allocated it")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
@@ -626,8 +636,8 @@ def main():
               device=torch.device("cpu" if args.tiny else "cuda:0"),
               dtype=torch.float32 if args.tiny else torch.bfloat16,
               repeat=min(args.repeat, 10) if args.tiny else args.repeat, prefill_repeat=3 if args.tiny else 10,
-              quant=args.quant)
-    settings = {"device": env.ferry_device, "inductor_config": args.inductor_config,
+              quant=args.quant, last_position=args.last_position)
+    settings = {"last_position_only": env.last_position, "device": env.ferry_device, "inductor_config": args.inductor_config,
                 "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
                                          "directions for a static decode step with a one-row reduction or quantized "
                                          "product, otherwise none; the process's coordinate_descent_* keys ignored",

@@ -56,7 +56,8 @@ def place(exported_program, partitioner=None, config: CompileConfig | None = Non
 
 def _place(exported_program, partitioner, options: MethodOptions, state_homes=None) -> LoweredProgram:
     """`state_homes`: {buffer: device} of state another method updates, where it keeps it."""
-    lowered = to_backend(exported_program, partitioner, frozenset(state_homes or ()))
+    lowered = to_backend(exported_program, partitioner, frozenset(state_homes or ()),
+                         last_position_of=options.name if options.last_position_only else None)
     PropagateDevicePass.for_options(options, state_homes)(lowered.graph_module)
     return lowered
 

@@ -7,7 +7,7 @@ setting is a `ConfigError`, found before any work.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -60,6 +60,8 @@ class CompileConfig:
     fuse_for_inference: give delegates eager's inference shortcuts (nn.MultiheadAttention as one
     fused op, batch norms folded into the convolutions before them; aot/fuse.py). False keeps
     the traced ops exactly (bit-for-bit with eager's unfused ops).
+    last_position_only: names of methods whose results keep only their last position along
+    dimension 1 (a prefill's logits, of which generation reads the last row; aot/last_position.py).
     """
 
     enable_non_cpu_memory_planning: bool = True
@@ -71,6 +73,7 @@ class CompileConfig:
     memory_planning: str = "greedy"
     alignment: AlignmentSpec = None
     fuse_for_inference: bool = True
+    last_position_only: Union[str, Collection[str]] = ()
 
     def __post_init__(self):
         if self.memory_planning not in ("greedy", "naive"):
@@ -82,6 +85,14 @@ class CompileConfig:
         for name in ("enable_non_cpu_memory_planning", "alloc_graph_input", "alloc_graph_output", "fuse_for_inference"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        names = self.last_position_only
+        if not (isinstance(names, str) or (isinstance(names, Collection) and all(isinstance(n, str) for n in names))):
+            raise ConfigError(f"last_position_only must name methods (a str or a list of them), got {names!r}")
+
+    @property
+    def _last_position_methods(self) -> frozenset[str]:
+        names = self.last_position_only
+        return frozenset([names] if isinstance(names, str) else names)
 
     def propagate_for(self, method: str) -> PropagateDeviceConfig:
         pd = self.propagate_device
@@ -103,8 +114,8 @@ class CompileConfig:
             ("skip_h2d_for_method_inputs", getattr(pd, "skip_h2d_for_method_inputs", None)),
             ("skip_d2h_for_method_outputs", getattr(pd, "skip_d2h_for_method_outputs", None)),
         ]
-        for what, d in dicts:
-            if isinstance(d, Mapping):
+        for what, d in [*dicts, ("last_position_only", self._last_position_methods)]:
+            if isinstance(d, (Mapping, frozenset)):
                 unknown = sorted(set(d) - names)
                 if unknown:
                     raise ConfigError(f"{what} names method(s) {unknown} that are not compiled; methods: {sorted(names)}")
@@ -122,7 +133,7 @@ class CompileConfig:
             name=name, device_placement=self.enable_non_cpu_memory_planning, skip_h2d=skip_h2d, skip_d2h=skip_d2h,
             alloc_graph_input=self.alloc_graph_input, alloc_graph_output=self.alloc_graph_output,
             memory_planning=self.memory_planning, alignment=resolve_alignment(self.alignment),
-            fuse_for_inference=self.fuse_for_inference,
+            fuse_for_inference=self.fuse_for_inference, last_position_only=name in self._last_position_methods,
         )
 
 
@@ -144,6 +155,7 @@ class MethodOptions:
     alignment: Mapping[str, int] = field(default_factory=lambda: resolve_alignment(None))
     fuse_for_inference: bool = True
     functional_kernels: bool = False  # every op its functional overload, nothing planned (a graph compiler's input)
+    last_position_only: bool = False  # results cut to their last position along dimension 1
 
     def alignment_of(self, device_type: str) -> int:
         return alignment_for(self.alignment, device_type)

@@ -17,6 +17,7 @@ from ferry import node_meta as M
 from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_device
 from ferry.aot.gathered_rows import gather_rows_first
 from ferry.aot.higher_order import out_dtype_as_aten
+from ferry.aot.last_position import keep_last_position
 from ferry.aot.lifted_state import written_constants_as_state
 from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
 from ferry.device import Device
@@ -336,10 +337,13 @@ def _check_partitions(partitions, nodes_by_name) -> list[list[torch.fx.Node]]:
 
 
 def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Partitioner | None,
-               shared_state=frozenset()) -> LoweredProgram:
+               shared_state=frozenset(), last_position_of: str | None = None) -> LoweredProgram:
     """Replace each partition the partitioner proposes by one call_delegate node. `shared_state`:
-    buffers another method compiled with this one updates: read here, they are state too."""
+    buffers another method compiled with this one updates: read here, they are state too.
+    `last_position_of`: this method's name, where its results keep their last position only."""
     ep = functional_aten(exported_program, shared_state)
+    if last_position_of is not None:
+        keep_last_position(ep, last_position_of)
     check_symbolic_shapes(ep.graph_module)
     constants = _annotate(ep, shared_state)
     partitions = list(partitioner.partition(ep)) if partitioner is not None else []
