@@ -50,8 +50,11 @@ def _methods(ep_or_dict) -> dict[str, torch.export.ExportedProgram]:
 
 def place(exported_program, partitioner=None, config: CompileConfig | None = None, method: str = "forward") -> LoweredProgram:
     """Lower and place one method: every value gets a Device, every transfer an et_copy op."""
-    options = (config or CompileConfig()).options_for(method)
-    return _place(exported_program, partitioner, options)
+    config = config or CompileConfig()
+    others = sorted(set(config.last_position_only) - {method})
+    if others:
+        raise ConfigError(f"last_position_only names method(s) {others} that are not placed here; method: {method!r}")
+    return _place(exported_program, partitioner, config.options_for(method))
 
 
 def _place(exported_program, partitioner, options: MethodOptions, state_homes=None) -> LoweredProgram:

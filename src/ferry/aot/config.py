@@ -86,13 +86,15 @@ class CompileConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         names = self.last_position_only
-        if not (isinstance(names, str) or (isinstance(names, Collection) and all(isinstance(n, str) for n in names))):
+        if isinstance(names, str):
+            names = [names]
+        if isinstance(names, Mapping) or not isinstance(names, Collection) or not all(isinstance(n, str) for n in names):
             raise ConfigError(f"last_position_only must name methods (a str or a list of them), got {names!r}")
+        object.__setattr__(self, "last_position_only", frozenset(names))
 
     @property
     def _last_position_methods(self) -> frozenset[str]:
-        names = self.last_position_only
-        return frozenset([names] if isinstance(names, str) else names)
+        return frozenset(self.last_position_only)
 
     def propagate_for(self, method: str) -> PropagateDeviceConfig:
         pd = self.propagate_device

@@ -6,10 +6,11 @@ logits for one row of use (Hugging Face's `generate` asks the model for the last
 ExecuTorch's Llama export returns only it). `CompileConfig(last_position_only=["prefill"])` cuts
 each result of the methods it names to its last position along dimension 1 (batch first: a
 [B, S, V] result becomes [B, 1, V], as eager's `result[:, -1:]`), before anything is placed. A
-result that is a `linear` of [B, S, H] rows, used by nothing else, has its rows cut before the
-product, which then runs on one row per batch element; any other result is cut as it is, which
-saves what the result holds but not what computing it costs. `ferry.generate` reads the last
-position either way.
+result that is a `linear` of [B, S, H] rows, used by nothing else (no buffer is written from it),
+has its rows cut before the product, which then runs on one row per batch element; any other
+result is cut as it is, which saves what the result holds but not what computing it costs. A
+result whose dimension 1 is not the length of an input's dimension 1 has no positions there and
+is refused. `ferry.generate` reads the last position either way.
 """
 
 from __future__ import annotations
@@ -33,31 +34,59 @@ aten = torch.ops.aten
 
 def keep_last_position(ep: torch.export.ExportedProgram, method: str) -> None:
     """Cut, in place, every result of `ep` (a functional program, ferry's own copy) to its last
-    position along dimension 1. CompileError for a result with no such dimension."""
+    position along dimension 1. CompileError for a result whose dimension 1 is not positions (the
+    length of some input's dimension 1: the prompt's)."""
     graph = ep.graph
     out = graph.output_node()
     results = list(out.args[0])
+    specs = ep.graph_signature.output_specs
+    positions = _positions(ep)
+    user = [i for i, spec in enumerate(specs) if spec.kind == OutputKind.USER_OUTPUT]
     vals = [n.meta.get("val") for n in results if isinstance(n, torch.fx.Node)]
+    cut: dict[torch.fx.Node, torch.fx.Node] = {}
     with detect_fake_mode(vals) or contextlib.nullcontext():
-        for i, spec in enumerate(ep.graph_signature.output_specs):
-            if spec.kind == OutputKind.USER_OUTPUT:
-                results[i] = _cut(ep.graph_module, results[i], method, i)
+        for k, i in enumerate(user):
+            node = results[i]
+            _check(node, positions, method, k)
+            if node not in cut:  # a result returned twice is cut once
+                alone = results.count(node) == 1 and len(node.users) == 1  # no buffer written from it, no other use
+                cut[node] = _cut(ep.graph_module, node, alone)
+            results[i] = cut[node]
     out.args = (tuple(results),)
     graph.lint()
     ep.graph_module.recompile()
 
 
-def _cut(gm: torch.fx.GraphModule, node, method: str, index: int) -> torch.fx.Node:
+def _positions(ep: torch.export.ExportedProgram) -> list:
+    """Dimension 1 of each user input (the token ids' and the positions' lengths)."""
+    names = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
+    vals = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder" and n.name in names]
+    return [v.shape[1] for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2]
+
+
+def _check(node, positions: list, method: str, index: int) -> None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor) or val.dim() < 2:
-        what = f"a tensor of {val.dim()} dimension(s)" if isinstance(val, torch.Tensor) else "not a tensor"
-        raise CompileError(f"last_position_only: result {index} of method {method!r} is {what}, with no positions "
-                           "(dimension 1) to keep the last of; leave this method out of last_position_only")
-    assert isinstance(node, torch.fx.Node)  # (val came from its meta)
+    if isinstance(val, torch.Tensor) and val.dim() >= 2 and any(_same(val.shape[1], p) for p in positions):
+        return
+    what = (f"of shape {list(val.shape)}" if isinstance(val, torch.Tensor) else "not a tensor")
+    raise CompileError(f"last_position_only: result {index} of method {method!r} is {what}, whose dimension 1 is no "
+                       "input's dimension 1 (the positions of a [batch, positions, ...] input); leave this method "
+                       "out of last_position_only")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+
+
+def _cut(gm: torch.fx.GraphModule, node: torch.fx.Node, alone: bool) -> torch.fx.Node:
+    """`node`'s last position: a linear of [B, S, H] rows used for nothing else gets its rows cut
+    (the graph computes one row); anything else is cut after it."""
+    val = node.meta["val"]
     rows = node.args[0] if node.target is aten.linear.default else None
     rows_val = rows.meta.get("val") if isinstance(rows, torch.fx.Node) else None
-    if (isinstance(rows_val, torch.Tensor) and rows_val.dim() >= 3 and len(node.users) == 1
-            and not node.kwargs):
+    if alone and isinstance(rows_val, torch.Tensor) and rows_val.dim() >= 3 and not node.kwargs:
         with gm.graph.inserting_before(node):  # the product over the last rows only
             last = call(gm, node, aten.slice.Tensor, (rows, 1, -1, sys.maxsize),
                         aten.slice.Tensor(rows_val, 1, -1, sys.maxsize))

@@ -344,6 +344,7 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
     ep = functional_aten(exported_program, shared_state)
     if last_position_of is not None:
         keep_last_position(ep, last_position_of)
+        _contiguous_gemm_inputs(ep.graph_module)  # a cut of several sequences' rows is strided
     check_symbolic_shapes(ep.graph_module)
     constants = _annotate(ep, shared_state)
     partitions = list(partitioner.partition(ep)) if partitioner is not None else []
