@@ -427,3 +427,29 @@ def test_ferry_inspect_on_the_command_line_lists_the_quantized_weights(tmp_path)
     assert rc in (0, None)
     assert "quantized weights: 15" in out.getvalue()
     assert "model.lm_head.weight: torchao Int8Tensor, float32[96, 64]" in out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_head_keeping_the_last_position_runs_on_one_row_per_sequence(kind):
+    """`last_position_only` with a quantized lm_head (torchao's int8 `mm` and scale, tinygemm's
+    CPU int4 product, each between two views): the positions are cut before the product, which
+    then takes one row; the prefill equals the exported program's last row at every length."""
+    from ferry.aot.last_position import keep_last_position
+    from ferry.aot.lower import functional_aten
+
+    ep = exported(True) if kind == "int8" else cpu_int4_llama()[1]
+    lowered = functional_aten(ep)
+    keep_last_position(lowered, "forward")
+    node = lowered.graph.output_node().args[0][-1]
+    while node.target not in (torch.ops.aten.mm.default, torch.ops.aten._weight_int4pack_mm_for_cpu.default):
+        node = node.args[0]
+    assert node.args[0].meta["val"].shape[0] == 1  # the head's rows: one, not the prompt's
+    module = ferry.Module(ferry.compile(ep, None, ferry.CompileConfig(last_position_only="forward")))
+    eager = ep.module()
+    for n in (9, 3, 16):
+        ids = token_ids((1, n), n) % CONFIG["vocab_size"]
+        with torch.no_grad():
+            want = eager(input_ids=ids, cache_position=torch.arange(n))[:, -1:]
+        got = module(ids, torch.arange(n))
+        assert got.shape == want.shape == (1, 1, CONFIG["vocab_size"])
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())

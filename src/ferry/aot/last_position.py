@@ -7,7 +7,9 @@ ExecuTorch's Llama export returns only it). `CompileConfig(last_position_only=["
 each result of the methods it names to its last position along dimension 1 (batch first: a
 [B, S, V] result becomes [B, 1, V], as eager's `result[:, -1:]`), before anything is placed. A
 result that is a `linear` of [B, S, H] rows, used by nothing else (no buffer is written from it),
-has its rows cut before the product, which then runs on one row per batch element; any other
+or a quantized head (a product of the rows flattened to 2-D, per-column scales after it, viewed
+back to 3-D), has its rows cut before the product, which then runs on one row per batch element;
+any other
 result is cut as it is, which saves what the result holds but not what computing it costs. A
 result whose dimension 1 is not the length of an input's dimension 1 has no positions there and
 is refused. `ferry.generate` reads the last position either way.
@@ -95,5 +97,58 @@ def _cut(gm: torch.fx.GraphModule, node: torch.fx.Node, alone: bool) -> torch.fx
         node.meta["val"] = aten.linear.default(last.meta["val"], *weights)
         node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
         return node
+    if alone and _cut_product_rows(gm, node):
+        return node
     with gm.graph.inserting_after(node):
         return call(gm, node, aten.slice.Tensor, (node, 1, -1, sys.maxsize), aten.slice.Tensor(val, 1, -1, sys.maxsize))
+
+
+# products of the rows of a 2-D first operand (addmm: its second), and ops that keep rows apart
+_PRODUCTS = {aten.mm.default: 0, aten.addmm.default: 1, aten.linear.default: 0, aten._weight_int8pack_mm.default: 0,
+             aten._weight_int4pack_mm.default: 0, aten._weight_int4pack_mm_for_cpu.default: 0}
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_ROW_WISE = frozenset({aten.alias.default, aten._to_copy.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
+                       aten.div.Tensor})
+
+
+def _cut_product_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """A quantized head: `view(f(product(view(x, [-1, H]), w...)), [B, S, V])`, `f` ops that keep
+    rows apart (a per-column scale, casts). Cut x's positions before the flattening view, so the
+    product runs on B rows; the result is viewed as [B, 1, V]. False where the result is not so
+    made (nothing is changed then)."""
+    if node.target not in _VIEWS or len(node.meta["val"].shape) != 3:
+        return False
+    chain, p = [], node.args[0]
+    while isinstance(p, torch.fx.Node) and p.op == "call_function" and p.target in _ROW_WISE and len(p.users) == 1:
+        if any(isinstance(a, torch.fx.Node) and _has_rows(a) for a in p.args[1:]):
+            return False  # an operand with rows of its own
+        chain.append(p)
+        p = p.args[0]
+    if not (isinstance(p, torch.fx.Node) and p.target in _PRODUCTS and len(p.users) == 1 and not p.kwargs):
+        return False
+    flat = p.args[_PRODUCTS[p.target]]
+    if not (isinstance(flat, torch.fx.Node) and flat.target in _VIEWS and len(flat.users) == 1):
+        return False
+    shape = flat.args[1]
+    if not (isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape)):
+        return False  # ([-1, H] is cut as it stands; a size of the positions in it would not be)
+    x = flat.args[0]
+    xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not (isinstance(xv, torch.Tensor) and xv.dim() == 3):
+        return False
+    with gm.graph.inserting_before(flat):
+        last = call(gm, flat, aten.slice.Tensor, (x, 1, -1, sys.maxsize), aten.slice.Tensor(xv, 1, -1, sys.maxsize))
+    flat.args = (last, *flat.args[1:])
+    node.args = (node.args[0], [-1, 1, node.meta["val"].shape[-1]])
+    for n in [flat, p, *reversed(chain), node]:  # their values again, on the cut rows
+        op = n.target
+        assert callable(op)  # (call_function nodes)
+        n.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args], **n.kwargs)
+        n.meta["tensor_meta"] = _extract_tensor_metadata(n.meta["val"])
+    return True
+
+
+def _has_rows(a: torch.fx.Node) -> bool:
+    """`a` is a tensor with more than one row (dimension 0 of a 2-D chain), so not a per-column operand."""
+    v = a.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and not (isinstance(v.shape[0], int) and v.shape[0] == 1)
