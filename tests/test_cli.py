@@ -446,3 +446,17 @@ def test_run_draws_loading_progress_and_leaves_stdout_as_it_is(compiled):
     assert re.search(r"load forward: +\d+%\|.*\| \d/3 ", err), err  # its two delegates, then the method
     assert re.search(r"upload weights: [\d.]+[kMG]?B ", err), err  # the emulated device's weights, in bytes
     assert "%|" not in err_plain
+
+
+def test_compile_keeps_the_last_position_when_asked(tmp_path):
+    """`--last-position`: the block's [2, 16, 64] result becomes its last position, [2, 1, 64],
+    equal to eager's `[:, -1:]` (the CPU here: no device to register)."""
+    from ferry.examples import transformer_block
+
+    path = tmp_path / "last.ferry"
+    rc, _, err = call(["compile", "ferry.examples:transformer_block", "-o", path, "--device", "cpu", "--last-position"])
+    assert rc == 0, err
+    model, (x,) = transformer_block()
+    got = ferry.Module(path)(x)
+    assert got.shape == (2, 1, 64)
+    torch.testing.assert_close(got, model(x)[:, -1:], rtol=1e-4, atol=1e-5)

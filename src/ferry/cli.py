@@ -158,7 +158,8 @@ def cmd_compile(args) -> int:
         except Exception as e:  # torch.export refused the model: its first line says why
             raise UserError(f"torch.export of {args.spec} failed: {type(e).__name__}: {_one_line(e)}") from None
     config = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(args.skip_h2d, args.skip_d2h),
-                                 fuse_for_inference=not args.traced_ops)
+                                 fuse_for_inference=not args.traced_ops,
+                                 last_position_only=["forward"] if args.last_position else ())
     with _stage(f"partition, place, plan and emit for {where}"), progress_bars(args) as bars:
         program = ferry.compile(ep, partitioner, config, progress=bars)
     with _stage(f"save {args.output}"):
@@ -442,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Inductor when the program loads; static shapes)")
     c.add_argument("--traced-ops", action="store_true", help="run the ops export traced, without the inference "
                    "rewrites (fused attention, batch norms folded into convolutions): eager's results bit for bit")
+    c.add_argument("--last-position", action="store_true", help="the results keep only their last position "
+                   "along dimension 1 (a language model's logits, of which generation reads the last)")
     _no_progress(c)
     c.set_defaults(func=cmd_compile)
 
