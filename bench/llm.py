@@ -97,6 +97,7 @@ class Env:
     prefill_repeat: int
     quant: str = "none"  # torchao weight-only quantization of every linear and the embedding: none, int8, int4
     last_position: bool = False  # a prefill computes the last position's logits only (every runner)
+    torchao_tuning: bool = True  # torchao's quantize_ sets Inductor's tuning process-wide (its default)
 
     @property
     def cuda(self) -> bool:
@@ -135,7 +136,7 @@ def build_model(name: str, env: Env):
     with torch.device(env.device):
         model = getattr(transformers, model_cls)._from_config(config, dtype=env.dtype).eval()
     if env.quant != "none":
-        quantize(model, env.quant)  # where the model is: int4's packing needs the GPU, and stays there
+        quantize(model, env.quant, env.torchao_tuning)  # where the model is: int4's packing needs the GPU
     else:
         model = model.cpu()
     model.generation_config.cache_implementation = "static"
@@ -143,11 +144,13 @@ def build_model(name: str, env: Env):
     return model
 
 
-def quantize(model, quant: str) -> None:
+def quantize(model, quant: str, tuning: bool = True) -> None:
     """torchao's weight-only quantization of every linear layer (lm_head too), as its docs apply it
     (int8-dynamic: int8 activations too, quantized per row each call), and of the token embedding
     (int8 per row, or int4 in groups of 32: ExecuTorch's `--qembedding`);
-    a tied lm_head gets a quantized weight of its own first."""
+    a tied lm_head gets a quantized weight of its own first. `tuning`: torchao's `set_inductor_config`
+    (its default, True, turns Inductor's coordinate-descent tuning on for the whole process: what
+    torch.compile of its model then does; ferry sets its own)."""
     from torchao.quantization import (
         Int4WeightOnlyConfig,
         Int8DynamicActivationInt8WeightConfig,
@@ -158,7 +161,8 @@ def quantize(model, quant: str) -> None:
     from torchao.quantization.granularity import PerAxis, PerGroup
 
     config = {"int8": Int8WeightOnlyConfig, "int8-dynamic": Int8DynamicActivationInt8WeightConfig}.get(quant)
-    quantize_(model, config() if config else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+    quantize_(model, config(set_inductor_config=tuning) if config else Int4WeightOnlyConfig(
+        group_size=128, int4_packing_format="tile_packed_to_4d", set_inductor_config=tuning))
     embedding = (IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)) if quant.startswith("int8")
                  else IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
     quantize_(model, embedding, filter_fn=lambda m, fqn: isinstance(m, torch.nn.Embedding))
@@ -609,6 +613,9 @@ def parse_args():
     p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                    help="an experiment: set torch._inductor.config.KEY (a Python literal) for every compile of the "
                         "run (not coordinate_descent_*: ferry sets those per delegate, choices/gemv.py)")
+    p.add_argument("--torchao-inductor-config", choices=("on", "off"), default="on",
+                   help="torchao's set_inductor_config for --quant (on, its default: coordinate-descent tuning, every "
+                        "direction, for every later compile in the process, torch.compile's included; off: none)")
     p.add_argument("--last-position", action="store_true",
                    help="a prefill computes the last position's logits only, as generation needs: ferry compiles with "
                         "CompileConfig(last_position_only=['prefill']); eager and torch.compile get logits_to_keep=1")
@@ -636,8 +643,9 @@ def main():
               device=torch.device("cpu" if args.tiny else "cuda:0"),
               dtype=torch.float32 if args.tiny else torch.bfloat16,
               repeat=min(args.repeat, 10) if args.tiny else args.repeat, prefill_repeat=3 if args.tiny else 10,
-              quant=args.quant, last_position=args.last_position)
-    settings = {"last_position_only": env.last_position, "device": env.ferry_device, "inductor_config": args.inductor_config,
+              quant=args.quant, last_position=args.last_position, torchao_tuning=args.torchao_inductor_config == "on")
+    settings = {"last_position_only": env.last_position, "torchao_inductor_config": args.torchao_inductor_config,
+                "device": env.ferry_device, "inductor_config": args.inductor_config,
                 "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
                                          "directions for a static decode step with a one-row reduction or quantized "
                                          "product, otherwise none; the process's coordinate_descent_* keys ignored",
