@@ -453,3 +453,32 @@ def test_a_quantized_head_keeping_the_last_position_runs_on_one_row_per_sequence
         got = module(ids, torch.arange(n))
         assert got.shape == want.shape == (1, 1, CONFIG["vocab_size"])
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.cuda
+def test_an_int8_decode_step_on_the_gpu_is_tuned_and_its_products_read_the_int8_weights():
+    """A decode step of int8 weights (a one-row `mm` of each weight cast to bf16) is compiled with
+    ferry's tuning whatever the process's config says (here torchao's set_inductor_config is off),
+    under which Inductor makes each product one reduction over the int8 weight: no cuBLAS `mm`, no
+    dequantized copy. Its logits equal eager's within bf16 tolerance."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch._inductor.utils import run_and_get_code
+
+    with torch._inductor.config.patch(coordinate_descent_tuning=False, force_disable_caches=True):
+        model = gpu_llama(Int8WeightOnlyConfig(set_inductor_config=False))
+        with torch.no_grad():
+            recipe = executorch.TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
+            ep = recipe.export(input_ids=torch.zeros(1, 1, dtype=torch.long, device="cuda"),
+                               cache_position=torch.tensor([0], device="cuda"))
+        keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+            skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
+        module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id="inductor"), keep))
+        _, codes = run_and_get_code(module.load_method)
+    code = "\n".join(codes)
+    assert "extern_kernels.mm(" not in code and "triton_red" in code, code[:2000]
+    ids = (token_ids((1, 1), 5) % CONFIG["vocab_size"]).cuda()
+    with torch.no_grad():
+        want = ep.module()(input_ids=ids, cache_position=torch.tensor([0], device="cuda")).float()
+    got = module(ids, torch.tensor([0], device="cuda")).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
