@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
-from torch.export.graph_signature import OutputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ferry.choices.graph_edits import call
@@ -61,7 +61,7 @@ def keep_last_position(ep: torch.export.ExportedProgram, method: str) -> None:
 
 def _positions(ep: torch.export.ExportedProgram) -> list:
     """Dimension 1 of each user input (the token ids' and the positions' lengths)."""
-    names = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
+    names = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
     vals = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder" and n.name in names]
     return [v.shape[1] for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2]
 
