@@ -90,11 +90,7 @@ class CompileConfig:
             names = [names]
         if isinstance(names, Mapping) or not isinstance(names, Collection) or not all(isinstance(n, str) for n in names):
             raise ConfigError(f"last_position_only must name methods (a str or a list of them), got {names!r}")
-        object.__setattr__(self, "last_position_only", frozenset(names))
-
-    @property
-    def _last_position_methods(self) -> frozenset[str]:
-        return frozenset(self.last_position_only)
+        object.__setattr__(self, "last_position_only", frozenset(names))  # (read as a set from here on)
 
     def propagate_for(self, method: str) -> PropagateDeviceConfig:
         pd = self.propagate_device
@@ -116,7 +112,7 @@ class CompileConfig:
             ("skip_h2d_for_method_inputs", getattr(pd, "skip_h2d_for_method_inputs", None)),
             ("skip_d2h_for_method_outputs", getattr(pd, "skip_d2h_for_method_outputs", None)),
         ]
-        for what, d in [*dicts, ("last_position_only", self._last_position_methods)]:
+        for what, d in [*dicts, ("last_position_only", self.last_position_only)]:
             if isinstance(d, (Mapping, frozenset)):
                 unknown = sorted(set(d) - names)
                 if unknown:
@@ -135,7 +131,7 @@ class CompileConfig:
             name=name, device_placement=self.enable_non_cpu_memory_planning, skip_h2d=skip_h2d, skip_d2h=skip_d2h,
             alloc_graph_input=self.alloc_graph_input, alloc_graph_output=self.alloc_graph_output,
             memory_planning=self.memory_planning, alignment=resolve_alignment(self.alignment),
-            fuse_for_inference=self.fuse_for_inference, last_position_only=name in self._last_position_methods,
+            fuse_for_inference=self.fuse_for_inference, last_position_only=name in self.last_position_only,
         )
 
 

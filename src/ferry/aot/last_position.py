@@ -9,10 +9,9 @@ each result of the methods it names to its last position along dimension 1 (batc
 result that is a `linear` of [B, S, H] rows, used by nothing else (no buffer is written from it),
 or a quantized head (a product of the rows flattened to 2-D, per-column scales after it, viewed
 back to 3-D), has its rows cut before the product, which then runs on one row per batch element;
-any other
-result is cut as it is, which saves what the result holds but not what computing it costs. A
-result whose dimension 1 is not the length of an input's dimension 1 has no positions there and
-is refused. `ferry.generate` reads the last position either way.
+any other result is cut as it is, which saves what the result holds but not what computing it
+costs. A result whose dimension 1 is not the length of an input's dimension 1 has no positions
+there and is refused. `ferry.generate` reads the last position either way.
 """
 
 from __future__ import annotations
@@ -93,9 +92,7 @@ def _cut(gm: torch.fx.GraphModule, node: torch.fx.Node, alone: bool) -> torch.fx
             last = call(gm, node, aten.slice.Tensor, (rows, 1, -1, sys.maxsize),
                         aten.slice.Tensor(rows_val, 1, -1, sys.maxsize))
         node.args = (last, *node.args[1:])
-        weights = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args[1:]]
-        node.meta["val"] = aten.linear.default(last.meta["val"], *weights)
-        node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+        _revalue([node])
         return node
     if alone and _cut_product_rows(gm, node):
         return node
@@ -140,12 +137,17 @@ def _cut_product_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         last = call(gm, flat, aten.slice.Tensor, (x, 1, -1, sys.maxsize), aten.slice.Tensor(xv, 1, -1, sys.maxsize))
     flat.args = (last, *flat.args[1:])
     node.args = (node.args[0], [-1, 1, node.meta["val"].shape[-1]])
-    for n in [flat, p, *reversed(chain), node]:  # their values again, on the cut rows
+    _revalue([flat, p, *reversed(chain), node])
+    return True
+
+
+def _revalue(nodes: list[torch.fx.Node]) -> None:
+    """Each node's value (and tensor_meta) again, in order, from its arguments' (the rows cut)."""
+    for n in nodes:
         op = n.target
         assert callable(op)  # (call_function nodes)
         n.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args], **n.kwargs)
         n.meta["tensor_meta"] = _extract_tensor_metadata(n.meta["val"])
-    return True
 
 
 def _has_rows(a: torch.fx.Node) -> bool:

@@ -8,8 +8,8 @@ streams Llama-1B's 2048 x 2048 weight at 1.4 TB/s, its 2048 x 3072 at 2.0 and it
 2048 x 16384 and the 128k-token head the two are within 10% (3.7 and 4.2 TB/s against 3.9 and
 4.5), and at 8 rows the reduction would read the weight once per row. No shape rule holds across
 GPUs, so each distinct one-row product of a half-precision weight in a graph of static sizes is
-timed both ways when its method loads, weights rotated through more copies than the GPU's L2 holds (a decode step reads
-them cold). The choice is made per shape (`apply`): the reduction where it saves 3% (one kernel
+timed both ways when its method loads, weights rotated through more copies than the GPU's L2
+holds (a decode step reads them cold). The choice is made per shape (`apply`): the reduction where it saves 3% (one kernel
 either way: no launch to pay for). One graph may mix the two: Llama-1B's q/k/v, o and down
 products as reductions and its 128k-token head as cuBLAS's, whose tuned reduction took 117 µs at
 one load and 175 at another against cuBLAS's 121-126. Inside the graph Inductor also fuses what
