@@ -8,7 +8,9 @@ model in float32, ferry on the emulated device 'emu:0').
 Runners, one after another in one process:
 - eager: transformers' greedy `generate` (the generic encoder–decoder loop, dynamic cache);
 - compile: the same with a static cache and `model.forward` under
-  torch.compile(mode="reduce-overhead"), the path transformers documents for Whisper;
+  torch.compile(mode="reduce-overhead"), the path transformers documents for Whisper (on torch
+  2.11 and an H200 it crashed the process, 2026-12-04: run it alone);
+- compile-default: the same in torch.compile's default mode (no CUDA graphs);
 - ferry, ferry-graphs, ferry-inductor-graphs: ferry.seq2seq.EncoderDecoderExport compiled into
   one program (`encode` fills the cross-attention cache, `decode` reads it), inputs and outputs
   kept on the device, run by ferry.generate(encoder_inputs=features); CUDA graphs off / on; the
@@ -46,7 +48,7 @@ SMALL = dict(vocab_size=51865, num_mel_bins=80, encoder_layers=12, decoder_layer
 TINY = dict(vocab_size=96, num_mel_bins=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
             decoder_attention_heads=4, d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=20,
             max_target_positions=64, init_std=0.5)
-RUNNERS = ("eager", "compile", "ferry", "ferry-graphs", "ferry-inductor-graphs")
+RUNNERS = ("eager", "compile", "compile-default", "ferry", "ferry-graphs", "ferry-inductor-graphs")
 START, NEW = 1, 64  # the decoder's start token; new tokens
 KEEP_ON_DEVICE = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
     skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
@@ -64,14 +66,15 @@ def build(tiny: bool, device: torch.device, dtype: torch.dtype):
     return model
 
 
-def eager_generate(model, feats, compiled: bool):
-    """transformers' greedy loop; `compiled`: static cache and forward under torch.compile."""
+def eager_generate(model, feats, compiled: bool, mode: str = "reduce-overhead"):
+    """transformers' greedy loop; `compiled`: static cache and forward under torch.compile in `mode`
+    (reduce-overhead on a GPU, default on the CPU)."""
     import transformers
 
     if compiled:
         model = copy.deepcopy(model)
         model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead" if feats.is_cuda else "default",
+        model.forward = torch.compile(model.forward, mode=mode if feats.is_cuda else "default",
                                       fullgraph=True)
     start = torch.tensor([[START]], device=feats.device)
 
@@ -104,8 +107,9 @@ def ferry_generate(model, feats, device: str, graphs: bool, backend: str):
 
 def measure(runner: str, model, feats, args, env: dict) -> dict:
     compile_s = load_s = None
-    if runner in ("eager", "compile"):
-        run, encode = eager_generate(model, feats, runner == "compile")
+    if runner in ("eager", "compile", "compile-default"):
+        run, encode = eager_generate(model, feats, runner != "eager",
+                                     "default" if runner == "compile-default" else "reduce-overhead")
     else:
         backend = "inductor" if "inductor" in runner else "torch"
         run, encode, compile_s, load_s = ferry_generate(model, feats, env["ferry_device"], runner.endswith("graphs"),
@@ -125,6 +129,7 @@ def main():
     p.add_argument("--runners", default=",".join(RUNNERS))
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="a tiny model in float32 on the CPU, ferry on 'emu:0'")
+    p.add_argument("--out", default=None, help="name of the JSON file under bench/results (default speech)")
     args = p.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         print("speech: skipped: no CUDA device; --tiny runs the ferry code paths on the emulated device")
@@ -160,7 +165,7 @@ def main():
                 f"{frames} log-mel frames ({env['ferry_device']}, {env['dtype']})",
                 ["runner", "encode ms", "end to end ms", "decode ms/token", "speed-up vs eager", "compile s",
                  "tokens = eager"], lines))
-    print(f"wrote {write_json(result_name('speech', args.tiny), {'settings': env, 'rows': rows})}")
+    print(f"wrote {write_json(args.out or result_name('speech', args.tiny), {'settings': env, 'rows': rows})}")
 
 
 if __name__ == "__main__":
