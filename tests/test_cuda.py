@@ -163,6 +163,20 @@ def test_add_and_chain_on_gpu():
             torch.testing.assert_close(module(a, b), model(a, b))
 
 
+def test_a_load_leaves_no_cached_memory_reserved():
+    """Memory the caching allocator holds unused when a method loads (here a freed 256 MiB block)
+    is handed back by the load: the process reserves what its tensors and the module hold."""
+    model, (x,) = small_cnn()
+    module = ferry.Module(_compile(model, (x,)))
+    torch.cuda.synchronize()
+    block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del block
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= 256 << 20
+    module.load_method("forward")
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 64 << 20
+    torch.testing.assert_close(module(x), model(x), atol=1e-4, rtol=1e-4)
+
+
 def test_skip_flags_take_and_return_device_tensors():
     a, b = torch.randn(128, 64), torch.randn(128, 64)
     cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))

@@ -112,6 +112,28 @@ def test_a_failed_allocation_frees_everything_loaded_so_far(emu):
     assert emu.live_allocations == 0
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_load_hands_back_what_the_caching_allocator_kept(emu, monkeypatch, fails):
+    """Once a method is loaded (or its load failed), the CUDA caching allocator's unused blocks go
+    back to the driver: faked here, as the load's transients (dry runs, timed kernels) are the
+    GPU's (tests/test_cuda.py checks the memory on one)."""
+    model, example = transformer_block()
+    module = ferry.Module(ferry.compile(torch.export.export(model, example), ferry.OpSupportPartitioner("emu:0")))
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(emu.live_allocations))
+    if fails:
+        emu.fail_allocation(1)
+        with pytest.raises(AllocationError):
+            module.load_method("forward")
+        assert emptied == [0]  # after the failed load freed what it had
+    module.load_method("forward")
+    assert emptied[-1] > 0 and len(emptied) == 1 + fails  # the method's buffers kept, emptied once per load
+    module.load_method("forward")  # loaded already: nothing allocated, nothing to hand back
+    assert len(emptied) == 1 + fails
+    torch.testing.assert_close(module(*example), model(*example))
+
+
 def test_delegates_work_in_one_arena_per_device(emu):
     """Each delegate's working memory is a value of the method, planned in its device's arena
     and alive only while the delegate runs: delegates on one device share it with each other
