@@ -641,7 +641,7 @@ def main():
         key, _, value = item.partition("=")
         setattr(torch._inductor.config, key, ast.literal_eval(value))
     if args.residual_adds == "fused":  # Inductor's own choice of where each residual add goes
-        epilogues.residuals_apart, epilogues.cache_options = contextlib.nullcontext, dict
+        epilogues.residuals_apart = contextlib.nullcontext
     if not args.tiny and not torch.cuda.is_available():
         print("llm: skipped: no CUDA device; --tiny runs the ferry code paths on the emulated device")
         return

@@ -3,6 +3,7 @@ rule on Inductor's scheduler nodes, and a delegate compiled with it, equal to ea
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -15,29 +16,56 @@ import ferry
 from ferry.choices import epilogues, gemv
 
 
-def _node(reduction: bool, outputs, elements, names=(), reads=()):
-    return SimpleNamespace(is_reduction=lambda: reduction, group=("cpu", (outputs, elements)),
+def _node(reduction: bool, outputs, elements, names=(), reads=(), group=None):
+    return SimpleNamespace(is_reduction=lambda: reduction, group=("cpu", group or (outputs, elements)),
                            get_buffer_names=lambda: set(names), read_writes=SimpleNamespace(
                                reads=[SimpleNamespace(name=n) for n in reads]))
 
 
+@pytest.mark.parametrize("form", ["C++", "Triton"])
 @pytest.mark.parametrize(("consumer", "apart"), [
-    (_node(False, (64,), (), ["buf1"], ["buf0", "buf5"]), True),  # the residual, another kernel's buffer
-    (_node(False, sympy.Integer(64), sympy.Integer(1), ["buf1"], ["buf0", "buf5"]), True),  # Triton's grouping
-    (_node(False, (64,), (), ["buf1"], ["buf0"]), False),  # a cast of the outputs
-    (_node(False, (64,), (), ["buf1"], ["buf0", "bias"]), False),  # a bias: a constant
-    (_node(False, (64,), (), ["buf1"], ["buf0", "arg0_1"]), False),  # a graph input
-    (_node(False, (8, 64), (), ["buf1"], ["buf0", "buf5"]), False),  # more elements than outputs: not an epilogue
-    (_node(True, (64,), (32,), ["buf1"], ["buf0", "buf5"]), False),  # a reduction of its own
+    ((["buf0", "buf5"], (64,)), True),  # the residual, another kernel's buffer
+    ((["buf0"], (64,)), False),  # a cast of the outputs
+    ((["buf0", "bias"], (64,)), False),  # a bias: a constant
+    ((["buf0", "arg0_1"], (64,)), False),  # a graph input
+    ((["buf0", "buf5"], (8, 64)), False),  # more elements than outputs: not an epilogue
 ])
-def test_only_a_pointwise_consumer_reading_a_computed_buffer_is_kept_apart(consumer, apart):
-    product = _node(True, (64,), (128,), ["buf0"])
+def test_only_a_pointwise_consumer_reading_a_computed_buffer_is_kept_apart(form, consumer, apart):
+    """Scheduler nodes as Inductor groups them: a tuple of sizes each (C++), or their products (Triton)."""
+    reads, sizes = consumer
+
+    def part(*dims):
+        return tuple(dims) if form == "C++" else sympy.Integer(int(torch.tensor(dims).prod()) if dims else 1)
+
+    product = _node(True, part(64), part(128), ["buf0"])
     with V.set_graph_handler(SimpleNamespace(graph_inputs={"arg0_1": None}, constants={"bias": None})):
-        assert epilogues.residual_epilogue(product, consumer) is apart
-        norm = _node(True, (1,), (64,), ["buf0"])  # one output (a norm's): its consumers are not epilogues
-        assert not epilogues.residual_epilogue(norm, consumer)
-        symbolic = _node(True, (sympy.Symbol("s0"),), (128,), ["buf0"])
-        assert not epilogues.residual_epilogue(symbolic, consumer)
+        assert epilogues.residual_epilogue(product, _node(False, part(*sizes), part(), ["buf1"], reads)) is apart
+        # a reduction of its own is no epilogue; nor are a norm's consumers (one output), nor a
+        # symbolic count, nor a combo kernel's one-part group
+        assert not epilogues.residual_epilogue(product, _node(True, part(64), part(32), ["buf1"], reads))
+        for producer in (_node(True, part(1), part(64), ["buf0"]),
+                         _node(True, (sympy.Symbol("s0"),), part(128), ["buf0"]),
+                         _node(True, None, None, ["buf0"], group=((sympy.Symbol("combo_kernel"),),))):
+            assert not epilogues.residual_epilogue(producer, _node(False, part(*sizes), part(), ["buf1"], reads))
+
+
+def test_the_process_keeps_its_own_choices_and_this_threads_are_left_as_found(monkeypatch):
+    from torch._inductor import virtualized
+
+    slot = virtualized._choices._key
+    monkeypatch.delattr(virtualized.threadlocal, slot, raising=False)
+    with epilogues.residuals_apart() as apart:
+        assert apart and isinstance(V.choices, epilogues.ResidualsApart)
+    assert not hasattr(virtualized.threadlocal, slot)  # unset again: a later choices class still takes effect
+
+    class Mine(InductorChoices):
+        pass
+
+    with torch._inductor.config.patch(inductor_choices_class=Mine), epilogues.residuals_apart() as apart:
+        assert not apart
+    with V.set_choices_handler(Mine()), epilogues.residuals_apart() as apart:
+        assert not apart and isinstance(V.choices, Mine)
+    monkeypatch.delattr(virtualized.threadlocal, slot, raising=False)
 
 
 class Block(torch.nn.Module):
@@ -99,14 +127,13 @@ def test_a_decode_step_keeps_its_residual_add_out_of_the_products_reduction(monk
     assert V.choices.__class__ is not epilogues.ResidualsApart  # the process's choices are back
 
 
-def test_the_choices_are_in_inductors_cache_key_where_torch_has_the_key():
-    options = epilogues.cache_options()
-    if hasattr(torch._inductor.config, "inductor_choices_class"):
-        with torch._inductor.config.patch(options):
-            portable = torch._inductor.config.save_config_portable()
-        assert portable["inductor_choices_class"] == epilogues.ResidualsApart().uuid()
-    else:
-        assert options == {}
+def test_the_choices_are_in_inductors_cache_key_by_their_codes_version():
+    if not epilogues._hookable():
+        pytest.skip("this torch keys no cache on a choices class")
+    with torch._inductor.config.patch(epilogues.cache_options()):
+        portable = torch._inductor.config.save_config_portable()
+    assert portable["inductor_choices_class"] == epilogues.ResidualsApart().uuid()
+    assert epilogues.ResidualsApart().uuid().endswith(epilogues._VERSION) and len(epilogues._VERSION) == 16
 
 
 
@@ -118,8 +145,6 @@ def test_a_llama_decode_step_on_the_gpu_adds_its_residuals_outside_the_products(
     the logits are eager's within bf16 tolerance."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    import re
-
     import transformers
     from torch._inductor.utils import run_and_get_code
     from transformers.integrations import executorch
@@ -139,10 +164,25 @@ def test_a_llama_decode_step_on_the_gpu_adds_its_residuals_outside_the_products(
     module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id="inductor"), keep))
     with torch._inductor.config.patch(force_disable_caches=True):
         _, codes = run_and_get_code(module.load_method)
-    kernels = {k for code in codes for k in re.findall(r"def (triton_red_fused_\w+)\(", code)}
-    products = [k for k in kernels if "_mul_sum_" in k]
-    assert products, sorted(kernels)
-    fused = [k for k in products if "_add_" in k and "embedding" not in k]
-    assert not fused, fused
     got = module(ids, position).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert _products(codes) and not _fused(codes), _products(codes)
+    # the control: Inductor's own choices fuse some add into a product at these sizes
+    monkeypatch.setattr(epilogues, "residuals_apart", contextlib.nullcontext)
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id="inductor"), keep))
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(module.load_method)
+    assert _fused(codes), _products(codes)
+
+
+def _products(codes: list[str]) -> list[str]:
+    """The reduction kernels (looped or persistent) of one-row products in Inductor's code."""
+    import re
+
+    kernels = {k for code in codes for k in re.findall(r"def (triton_(?:red|per)_fused_\w+)\(", code)}
+    return sorted(k for k in kernels if "_mul_sum_" in k)
+
+
+def _fused(codes: list[str]) -> list[str]:
+    """Those that add something besides (the embedding's lookup aside: a residual read from its table)."""
+    return [k for k in _products(codes) if "_add_" in k and "embedding" not in k]

@@ -236,9 +236,9 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
                for i, vid in enumerate(tensor_inputs(method))}
     options: dict[str, Any] = dict(tuning or gemv.UNTUNED)  # every key set: nothing from the process's config
     decode = tuning is gemv.TUNING  # a decode step's: residual adds stay out of its products' reductions
-    if decode:
-        options.update(epilogues.cache_options())
-    with torch.no_grad(), epilogues.residuals_apart() if decode else contextlib.nullcontext():
+    with torch.no_grad(), epilogues.residuals_apart() if decode else contextlib.nullcontext(False) as apart:
+        if apart:
+            options.update(epilogues.cache_options())
         if not any(dynamic.values()):
             return torch._inductor.compile(gm, examples, options=options)
         for i, dims in dynamic.items():

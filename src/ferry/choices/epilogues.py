@@ -8,22 +8,29 @@ and chose differently from layer to layer. Profiles of Llama-1B's decode step on
 (`bench/llm_profile.py`; docs/benchmarks.md) measured the o projection at 3.6–3.9 µs wherever
 the add stayed out of it (three loads), and at 4.4, 10.0 and 15.7 µs where it was fused (one load
 each): the fused kernel tunes to other block sizes, at times poor ones, and it ran in 7 of 16
-layers. So in a graph ferry compiles with `gemv.TUNING`, a pointwise consumer of a reduction's
-outputs (the same count of elements) that also reads a buffer another kernel of the graph
-computed (the residual) stays out of the reduction. A cast of the outputs, or a bias add (a
-constant or an input), still fuses; so does everything in other graphs.
+layers. The rule is structural: in a graph ferry compiles with `gemv.TUNING`, a pointwise
+consumer of a reduction's outputs (the same count of elements) that also reads a buffer another
+kernel of the graph computed stays out of the reduction. That is the residual add; it would also
+be a product of two reductions' outputs (SwiGLU's, where gate and up were not one product), not
+measured apart. A cast of the outputs, or a bias add (a constant or an input), still fuses; so does
+everything in other graphs, and in a process that installed Inductor choices of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
+from torch._inductor import virtualized
 from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
 
 __all__ = ["ResidualsApart", "cache_options", "residual_epilogue", "residuals_apart"]
+
+_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # this rule's code, for the cache key
 
 
 def _count(sizes) -> int | None:
@@ -40,9 +47,11 @@ def residual_epilogue(node1, node2) -> bool:
     that also reads a buffer another kernel of the graph computes."""
     if not node1.is_reduction() or node2.is_reduction():
         return False
-    (outputs, _), (elements, rest) = node1.group[1], node2.group[1]
-    n = _count(outputs)
-    if n is None or n < 2 or _count(elements) != n or _count(rest) != 1:
+    parts1, parts2 = node1.group[1], node2.group[1]
+    if len(parts1) != 2 or len(parts2) != 2:  # a combo kernel's group, say
+        return False
+    n = _count(parts1[0])
+    if n is None or n < 2 or _count(parts2[0]) != n or _count(parts2[1]) != 1:
         return False
     own = node1.get_buffer_names()
     given = set(V.graph.graph_inputs) | set(V.graph.constants)
@@ -53,7 +62,7 @@ class ResidualsApart(InductorChoices):
     """Inductor's own choices, but for a residual add after a reduction (`residual_epilogue`)."""
 
     def uuid(self) -> str:  # Inductor's cache key: code compiled with these choices is not another's
-        return "ferry.choices.epilogues.ResidualsApart/1"
+        return f"ferry.choices.epilogues.ResidualsApart/{_VERSION}"
 
     @staticmethod
     def can_fuse_vertical(scheduler, node1, node2, shared_data_score) -> bool:
@@ -62,19 +71,40 @@ class ResidualsApart(InductorChoices):
         return InductorChoices.can_fuse_vertical(scheduler, node1, node2, shared_data_score)
 
 
-def cache_options() -> dict:
-    """Options that put these choices in Inductor's cache key, where this torch has the key (2.13
-    does): a graph compiled without them (an earlier ferry, torch.compile) is not served instead."""
+def _hookable() -> bool:
+    """This torch asks its choices about vertical fusions and keys its cache on a choices class."""
     import torch._inductor.config as config
 
-    return {"inductor_choices_class": ResidualsApart} if hasattr(config, "inductor_choices_class") else {}
+    return (hasattr(InductorChoices, "can_fuse_vertical")
+            and "inductor_choices_class" in getattr(config, "_cache_config_factory_keys", ()))
+
+
+def cache_options() -> dict:
+    """Options that put these choices in Inductor's cache key, so a graph compiled without them (an
+    earlier ferry, torch.compile) is not served instead."""
+    return {"inductor_choices_class": ResidualsApart}
 
 
 @contextlib.contextmanager
-def residuals_apart() -> Iterator[None]:
-    """Inductor's compiles in this block keep residual adds out of reductions (this thread's)."""
-    if not hasattr(InductorChoices, "can_fuse_vertical"):  # a torch without the hook: Inductor's choices
-        yield
+def residuals_apart() -> Iterator[bool]:
+    """Inductor's compiles in this block, on this thread, keep residual adds out of reductions;
+    yields whether they do: not where this torch lacks the hooks, nor where the process chose
+    Inductor's choices itself. On leaving, this thread's choices are as they were, unset included
+    (a choices class the process sets later still takes effect)."""
+    import torch._inductor.config as config
+
+    slot = getattr(getattr(virtualized, "_choices", None), "_key", None)
+    local = getattr(virtualized, "threadlocal", None)
+    prior = getattr(local, slot, None) if slot and local is not None else None
+    own = config.inductor_choices_class is not None or (prior is not None and type(prior) is not InductorChoices)
+    if own or not slot or local is None or not _hookable():
+        yield False
         return
-    with V.set_choices_handler(ResidualsApart()):
-        yield
+    setattr(local, slot, ResidualsApart())
+    try:
+        yield True
+    finally:
+        if prior is None:
+            delattr(local, slot)
+        else:
+            setattr(local, slot, prior)

@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from ferry.backend_registry import NOT_CAPTURED, CallerPlan, DelegateHandle, ProgramData, data_kwargs, get_backend
+from ferry.capture import LOCK
 from ferry.device import CPU
 from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, ProgramError
 from ferry.ops import OUT_COPY_KERNELS
@@ -32,10 +33,13 @@ from ferry.runtime.stages.shared import DeviceUploads, ProgramState
 def _hand_back_cached_memory() -> None:
     """What a load allocated for a while (dry runs at a dynamic method's longest shape, kernels
     timed and tuned, a failed load's buffers) is returned to the driver rather than held by the
-    caching allocator: the process then holds what the module holds, as after eager's own load
-    (an int4 decode program of 931 MiB at its peak left 3.7 GiB reserved)."""
+    caching allocator: the process then holds what its tensors and modules hold, as after eager's
+    own load (an int4 decode program of 931 MiB at its peak left 3.7 GiB reserved). Process-wide,
+    as `torch.cuda.empty_cache` is: other modules' next calls may allocate afresh. Under the capture
+    lock, as the load's other GPU work: no other thread's graph capture is under way meanwhile."""
     if torch.cuda.is_initialized():  # (a process that never used CUDA has nothing cached)
-        torch.cuda.empty_cache()
+        with LOCK:
+            torch.cuda.empty_cache()
 
 
 def _check_delegate_calls(program: Program, method) -> None:
