@@ -49,23 +49,45 @@ def test_only_a_pointwise_consumer_reading_a_computed_buffer_is_kept_apart(form,
             assert not epilogues.residual_epilogue(producer, _node(False, part(*sizes), part(), ["buf1"], reads))
 
 
-def test_the_process_keeps_its_own_choices_and_this_threads_are_left_as_found(monkeypatch):
+hookable = pytest.mark.skipif(not epilogues._hookable(), reason="this torch asks no choices about vertical fusions")
+
+
+@pytest.fixture
+def slot(monkeypatch):
+    """This thread's Inductor choices slot, unset for the test and after it."""
     from torch._inductor import virtualized
 
-    slot = virtualized._choices._key
-    monkeypatch.delattr(virtualized.threadlocal, slot, raising=False)
-    with epilogues.residuals_apart() as apart:
-        assert apart and isinstance(V.choices, epilogues.ResidualsApart)
-    assert not hasattr(virtualized.threadlocal, slot)  # unset again: a later choices class still takes effect
+    key = virtualized._choices._key
+    monkeypatch.delattr(virtualized.threadlocal, key, raising=False)
+    yield lambda: getattr(virtualized.threadlocal, key, None)
+    monkeypatch.delattr(virtualized.threadlocal, key, raising=False)
 
+
+@hookable
+def test_this_threads_choices_are_left_as_found(slot):
+    with epilogues.residuals_apart() as apart:
+        assert apart and isinstance(slot(), epilogues.ResidualsApart)
+        with epilogues.residuals_apart() as nested:  # (an Inductor compile inside another)
+            assert nested and isinstance(slot(), epilogues.ResidualsApart)
+        assert isinstance(slot(), epilogues.ResidualsApart)
+    assert slot() is None  # unset again: a choices class set later still takes effect
+    default = InductorChoices()
+    with V.set_choices_handler(default):
+        with pytest.raises(RuntimeError), epilogues.residuals_apart():
+            raise RuntimeError("a failed compile")
+        assert slot() is default
+
+
+@hookable
+def test_the_process_keeps_choices_of_its_own(slot):
     class Mine(InductorChoices):
         pass
 
     with torch._inductor.config.patch(inductor_choices_class=Mine), epilogues.residuals_apart() as apart:
-        assert not apart
-    with V.set_choices_handler(Mine()), epilogues.residuals_apart() as apart:
-        assert not apart and isinstance(V.choices, Mine)
-    monkeypatch.delattr(virtualized.threadlocal, slot, raising=False)
+        assert not apart and slot() is None
+    mine = Mine()
+    with V.set_choices_handler(mine), epilogues.residuals_apart() as apart:
+        assert not apart and slot() is mine
 
 
 class Block(torch.nn.Module):
@@ -85,8 +107,9 @@ class Block(torch.nn.Module):
         return self.norms[2](h), h
 
 
+@hookable
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_a_decode_step_keeps_its_residual_add_out_of_the_products_reduction(monkeypatch, dynamic):
+def test_a_decode_step_keeps_its_residual_add_out_of_the_products_reduction(monkeypatch, slot, dynamic):
     """On the CPU, products 'timed' by a fake clock to be reductions (as a GPU's would be): the
     step is compiled with ResidualsApart, which keeps the add after the o product out of its
     reduction; a graph of dynamic sizes keeps Inductor's own choices. Both equal eager."""
@@ -124,12 +147,12 @@ def test_a_decode_step_keeps_its_residual_add_out_of_the_products_reduction(monk
                 assert torch.allclose(g.float(), w.float(), rtol=2 ** -6, atol=2 ** -6 * w.abs().max().item())
     assert seen == [InductorChoices if dynamic else epilogues.ResidualsApart]
     assert (True in kept) is not dynamic  # the add after o, kept apart; nothing asked in a dynamic graph
-    assert V.choices.__class__ is not epilogues.ResidualsApart  # the process's choices are back
+    assert not isinstance(slot(), epilogues.ResidualsApart)  # the process's choices are back
 
 
 def test_the_choices_are_in_inductors_cache_key_by_their_codes_version():
-    if not epilogues._hookable():
-        pytest.skip("this torch keys no cache on a choices class")
+    if not epilogues.cache_options():
+        pytest.skip("this torch keys no cache on a choices class's uuid")
     with torch._inductor.config.patch(epilogues.cache_options()):
         portable = torch._inductor.config.save_config_portable()
     assert portable["inductor_choices_class"] == epilogues.ResidualsApart().uuid()
@@ -138,6 +161,7 @@ def test_the_choices_are_in_inductors_cache_key_by_their_codes_version():
 
 
 @pytest.mark.cuda
+@hookable
 def test_a_llama_decode_step_on_the_gpu_adds_its_residuals_outside_the_products(monkeypatch):
     """A tiny Llama's decode step with its products as tuned reductions (forced, as timing would
     choose at a real model's sizes): no reduction kernel of a product also adds the residual
@@ -186,3 +210,13 @@ def _products(codes: list[str]) -> list[str]:
 def _fused(codes: list[str]) -> list[str]:
     """Those that add something besides (the embedding's lookup aside: a residual read from its table)."""
     return [k for k in _products(codes) if "_add_" in k and "embedding" not in k]
+
+
+@hookable
+def test_where_torch_keys_no_cache_by_uuid_the_rule_still_applies_without_the_option(monkeypatch, slot):
+    """torch 2.11 has the hook but pickles a choices class into its cache key, and patches its
+    config for every thread: there the option is left out, and the rule still applies."""
+    monkeypatch.setattr(torch._inductor.config, "_cache_config_factory_keys", [])
+    assert epilogues.cache_options() == {}
+    with epilogues.residuals_apart() as apart:
+        assert apart and isinstance(slot(), epilogues.ResidualsApart)

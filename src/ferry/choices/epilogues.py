@@ -11,9 +11,11 @@ each): the fused kernel tunes to other block sizes, at times poor ones, and it r
 layers. The rule is structural: in a graph ferry compiles with `gemv.TUNING`, a pointwise
 consumer of a reduction's outputs (the same count of elements) that also reads a buffer another
 kernel of the graph computed stays out of the reduction. That is the residual add; it would also
-be a product of two reductions' outputs (SwiGLU's, where gate and up were not one product), not
-measured apart. A cast of the outputs, or a bias add (a constant or an input), still fuses; so does
-everything in other graphs, and in a process that installed Inductor choices of its own.
+be a product of two reductions' outputs (SwiGLU's, where gate and up were not one product), or a
+rotary embedding after a q or k product of its own (ferry's q/k/v are one product, whose outputs
+outnumber the rotary's), neither measured apart. A cast of the outputs, or a bias add (a constant
+or an input), still fuses; so does everything in other graphs, and in a process that installed
+Inductor choices of its own.
 """
 
 from __future__ import annotations
@@ -30,7 +32,17 @@ from torch._inductor.virtualized import V
 
 __all__ = ["ResidualsApart", "cache_options", "residual_epilogue", "residuals_apart"]
 
-_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]  # this rule's code, for the cache key
+
+
+def _version() -> str:
+    """This rule's code, for Inductor's cache key (where the cache keys a choices class by its uuid)."""
+    try:
+        return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    except OSError:  # installed without its source
+        return "1"
+
+
+_VERSION = _version()
 
 
 def _count(sizes) -> int | None:
@@ -72,17 +84,22 @@ class ResidualsApart(InductorChoices):
 
 
 def _hookable() -> bool:
-    """This torch asks its choices about vertical fusions and keys its cache on a choices class."""
+    """This torch asks its choices about vertical fusions (2.11 does)."""
     import torch._inductor.config as config
 
-    return (hasattr(InductorChoices, "can_fuse_vertical")
-            and "inductor_choices_class" in getattr(config, "_cache_config_factory_keys", ()))
+    return hasattr(InductorChoices, "can_fuse_vertical") and hasattr(config, "inductor_choices_class")
 
 
 def cache_options() -> dict:
-    """Options that put these choices in Inductor's cache key, so a graph compiled without them (an
-    earlier ferry, torch.compile) is not served instead."""
-    return {"inductor_choices_class": ResidualsApart}
+    """Options that put these choices in Inductor's cache key by their uuid, where torch keys a
+    choices class so (2.13): a graph compiled without them (an earlier ferry, torch.compile) is not
+    served instead. None elsewhere (2.11 would pickle the class into the key, and patches its config
+    for every thread): there a graph the cache kept from such a compile may be served, the same
+    values fused otherwise."""
+    import torch._inductor.config as config
+
+    keyed = "inductor_choices_class" in getattr(config, "_cache_config_factory_keys", ())
+    return {"inductor_choices_class": ResidualsApart} if keyed else {}
 
 
 @contextlib.contextmanager
@@ -96,7 +113,9 @@ def residuals_apart() -> Iterator[bool]:
     slot = getattr(getattr(virtualized, "_choices", None), "_key", None)
     local = getattr(virtualized, "threadlocal", None)
     prior = getattr(local, slot, None) if slot and local is not None else None
-    own = config.inductor_choices_class is not None or (prior is not None and type(prior) is not InductorChoices)
+    ours = (InductorChoices, ResidualsApart)  # (nested: an enclosing block's)
+    own = (config.inductor_choices_class not in (None, ResidualsApart)
+           or (prior is not None and type(prior) not in ours))
     if own or not slot or local is None or not _hookable():
         yield False
         return
@@ -105,6 +124,6 @@ def residuals_apart() -> Iterator[bool]:
         yield True
     finally:
         if prior is None:
-            delattr(local, slot)
+            local.__dict__.pop(slot, None)
         else:
             setattr(local, slot, prior)
