@@ -640,8 +640,9 @@ def main():
     for item in args.inductor_config:
         key, _, value = item.partition("=")
         setattr(torch._inductor.config, key, ast.literal_eval(value))
-    if args.residual_adds == "fused":  # Inductor's own choice of where each residual add goes
-        epilogues.residuals_apart = contextlib.nullcontext
+    if args.residual_adds == "fused":  # Inductor's own choice of where each residual add goes; its graph
+        epilogues.residuals_apart = contextlib.nullcontext  # cache, not keyed by the rule on torch 2.11, not read
+        torch._inductor.config.fx_graph_cache = False
     if not args.tiny and not torch.cuda.is_available():
         print("llm: skipped: no CUDA device; --tiny runs the ferry code paths on the emulated device")
         return
