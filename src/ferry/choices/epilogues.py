@@ -26,12 +26,12 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch._inductor.config as inductor_config
 from torch._inductor import virtualized
 from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
 
 __all__ = ["ResidualsApart", "cache_options", "residual_epilogue", "residuals_apart"]
-
 
 
 def _version() -> str:
@@ -85,9 +85,7 @@ class ResidualsApart(InductorChoices):
 
 def _hookable() -> bool:
     """This torch asks its choices about vertical fusions (2.11 does)."""
-    import torch._inductor.config as config
-
-    return hasattr(InductorChoices, "can_fuse_vertical") and hasattr(config, "inductor_choices_class")
+    return hasattr(InductorChoices, "can_fuse_vertical") and hasattr(inductor_config, "inductor_choices_class")
 
 
 def cache_options() -> dict:
@@ -96,9 +94,7 @@ def cache_options() -> dict:
     served instead. None elsewhere (2.11 would pickle the class into the key, and patches its config
     for every thread): there a graph the cache kept from such a compile may be served, the same
     values fused otherwise."""
-    import torch._inductor.config as config
-
-    keyed = "inductor_choices_class" in getattr(config, "_cache_config_factory_keys", ())
+    keyed = "inductor_choices_class" in getattr(inductor_config, "_cache_config_factory_keys", ())
     return {"inductor_choices_class": ResidualsApart} if keyed else {}
 
 
@@ -108,13 +104,11 @@ def residuals_apart() -> Iterator[bool]:
     yields whether they do: not where this torch lacks the hooks, nor where the process chose
     Inductor's choices itself. On leaving, this thread's choices are as they were, unset included
     (a choices class the process sets later still takes effect)."""
-    import torch._inductor.config as config
-
     slot = getattr(getattr(virtualized, "_choices", None), "_key", None)
     local = getattr(virtualized, "threadlocal", None)
     prior = getattr(local, slot, None) if slot and local is not None else None
     ours = (InductorChoices, ResidualsApart)  # (nested: an enclosing block's)
-    own = (config.inductor_choices_class not in (None, ResidualsApart)
+    own = (inductor_config.inductor_choices_class not in (None, ResidualsApart)
            or (prior is not None and type(prior) not in ours))
     if own or not slot or local is None or not _hookable():
         yield False
