@@ -64,7 +64,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import result_name, table, time_host, write_json  # noqa: E402
 
 import ferry  # noqa: E402
-from ferry.choices import epilogues  # noqa: E402
 from ferry.choices.summary import details  # noqa: E402
 from ferry.runtime import clone_to, device_of, emulated_device, sampling  # noqa: E402
 
@@ -620,9 +619,6 @@ def parse_args():
     p.add_argument("--last-position", action="store_true",
                    help="a prefill computes the last position's logits only, as generation needs: ferry compiles with "
                         "CompileConfig(last_position_only=['prefill']); eager and torch.compile get logits_to_keep=1")
-    p.add_argument("--residual-adds", choices=("apart", "fused"), default="apart",
-                   help="an experiment: a decode step's residual adds kept out of its products' reductions (ferry's "
-                        "rule, choices/epilogues.py) or fused where Inductor would")
     p.add_argument("--memory-owners", action="store_true",
                    help="list what holds the GPU memory allocated after each runner's run, by the code that allocated it")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
@@ -640,9 +636,6 @@ def main():
     for item in args.inductor_config:
         key, _, value = item.partition("=")
         setattr(torch._inductor.config, key, ast.literal_eval(value))
-    if args.residual_adds == "fused":  # Inductor's own choice of where each residual add goes; its graph
-        epilogues.residuals_apart = contextlib.nullcontext  # cache, not keyed by the rule on torch 2.11, not read
-        torch._inductor.config.fx_graph_cache = False
     if not args.tiny and not torch.cuda.is_available():
         print("llm: skipped: no CUDA device; --tiny runs the ferry code paths on the emulated device")
         return
@@ -653,7 +646,6 @@ def main():
               quant=args.quant, last_position=args.last_position, torchao_tuning=args.torchao_inductor_config == "on")
     settings = {"last_position_only": env.last_position, "torchao_inductor_config": args.torchao_inductor_config,
                 "device": env.ferry_device, "inductor_config": args.inductor_config,
-                "residual_adds": args.residual_adds,
                 "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
                                          "directions for a static decode step with a one-row reduction or quantized "
                                          "product, otherwise none; the process's coordinate_descent_* keys ignored",

@@ -43,7 +43,7 @@ from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
 from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_program
 from ferry.capture import keep_workspace, on_side_stream
-from ferry.choices import epilogues, gemv
+from ferry.choices import gemv
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
@@ -235,10 +235,7 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
     dynamic = {i: [d for d, dyn in enumerate(method.tensor(vid).dynamic) if dyn and examples[i].shape[d] >= 2]
                for i, vid in enumerate(tensor_inputs(method))}
     options: dict[str, Any] = dict(tuning or gemv.UNTUNED)  # every key set: nothing from the process's config
-    decode = tuning is gemv.TUNING  # a decode step's: residual adds stay out of its products' reductions
-    with torch.no_grad(), epilogues.residuals_apart() if decode else contextlib.nullcontext(False) as apart:
-        if apart:
-            options.update(epilogues.cache_options())
+    with torch.no_grad():
         if not any(dynamic.values()):
             return torch._inductor.compile(gm, examples, options=options)
         for i, dims in dynamic.items():
