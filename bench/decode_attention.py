@@ -12,7 +12,11 @@ heads of 64, one query token):
 - sdpa enable_gqa under each of SDPA's kernels (cuDNN, memory-efficient, math), for a choice
   of kernel at load;
 - grouped matmuls and sdpa enable_gqa compiled by Inductor with its block sizes tuned (what the
-  inductor backend would make of either form).
+  inductor backend would make of either form);
+- ferry's split-KV kernels (ferry/ops/split_kv.py), which spread each KV head's cache over the GPU.
+
+By default the three that matter (SDPA, SDPA under Inductor, split-KV) at Llama-1B's, Qwen3-0.6B's
+and Whisper-small's heads; `--all-candidates` runs every formulation at Llama-1B's.
 
 `python bench/decode_attention.py` prints a table and writes bench/results/decode_attention.json.
 """
@@ -28,6 +32,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, table, write_json  # noqa: E402
 from gemm_kernels import graph_us  # noqa: E402
+
+from ferry.ops.split_kv import SPLIT_KV_ATTENTION  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
 
@@ -79,30 +85,61 @@ CANDIDATES = {"repeat + sdpa": repeat_sdpa, "sdpa enable_gqa": gqa_sdpa, "groupe
               "sdpa enable_gqa, Inductor tuned": _compiled(gqa_sdpa)}
 
 
+def split_kv(q, k, v, mask):
+    """ferry's split-KV kernels (ferry/ops/split_kv.py), the mask read as it is."""
+    return SPLIT_KV_ATTENTION(q, k, v, mask, q.shape[-1] ** -0.5)[0]
+
+
+CANDIDATES["ferry split-KV"] = split_kv
+QUICK = ("sdpa enable_gqa", "sdpa enable_gqa, Inductor tuned", "ferry split-KV")
+# (model, query heads, KV heads, head dim)
+SHAPES = (("llama-1b", HEADS, KV_HEADS, HEAD_DIM), ("qwen3-0.6b", 16, 8, 128), ("whisper-small", 12, 12, 64))
+
+
+def cases(full: bool):
+    """(model, heads, kv heads, dim, batch, cache, mask kind): the grid the LLM benchmark decodes at."""
+    if full:
+        yield from (("llama-1b", HEADS, KV_HEADS, HEAD_DIM, 1, c, "bool") for c in (1024, 4096))
+        return
+    for model, h, hkv, d in SHAPES:
+        for batch in ((1, 8) if model == "llama-1b" else (1,)):
+            for cache in (128, 1024, 4096) if model != "whisper-small" else (448, 1500):
+                yield model, h, hkv, d, batch, cache, "additive"
+
+
 def main():
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--all-candidates", action="store_true", help="every formulation (Llama-1B's heads only)")
+    args = p.parse_args()
     if not torch.cuda.is_available():
         print("decode_attention: skipped: needs a CUDA device")
         return
     rows, out = [], []
-    for cache in (1024, 4096):
+    for model, h, hkv, d, batch, cache, kind in cases(args.all_candidates):
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(1, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-        k, v = (torch.randn(1, KV_HEADS, cache, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        q = torch.randn(batch, h, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(batch, hkv, cache, d, device="cuda", dtype=torch.bfloat16, generator=g)
                 for _ in range(2))
-        mask = torch.zeros(1, 1, 1, cache, dtype=torch.bool, device="cuda")
+        mask = torch.zeros(batch, 1, 1, cache, dtype=torch.bool, device="cuda")
         mask[..., : cache // 2] = True  # the positions written so far
-        want = repeat_sdpa(q.float(), k.float(), v.float(), mask)
-        for name, fn in CANDIDATES.items():
+        if kind == "additive":  # as a decode graph has it (choices/attention.py additive_masks)
+            mask = torch.where(mask, 0.0, float("-inf")).to(torch.bfloat16)
+        want = repeat_sdpa(q.float(), k.float(), v.float(), mask if kind == "bool" else mask.float())
+        names = CANDIDATES if args.all_candidates else QUICK
+        for name in names:
+            fn = CANDIDATES[name]
             try:
                 err = float((fn(q, k, v, mask).float() - want).abs().max())
                 us = graph_us(lambda fn=fn: fn(q, k, v, mask))
             except Exception as e:  # noqa: BLE001 - a candidate this build cannot run is a row
-                rows.append([cache, name, f"FAILED {type(e).__name__}", ""])
+                rows.append([model, batch, cache, name, f"FAILED {type(e).__name__}: {str(e)[:80]}", ""])
                 continue
-            rows.append([cache, name, round(us, 1), f"{err:.2e}"])
-            out.append({"cache": cache, "candidate": name, "us": us, "max_err_vs_fp32": err})
-    print(table("Decode attention, one layer (bf16, 32 query / 8 KV heads of 64, batch 1)",
-                ["cache", "candidate", "us per call", "max err vs fp32"], rows))
+            rows.append([model, batch, cache, name, round(us, 1), f"{err:.2e}"])
+            out.append({"model": model, "heads": h, "kv_heads": hkv, "head_dim": d, "batch": batch, "cache": cache,
+                        "mask": kind, "candidate": name, "us": us, "max_err_vs_fp32": err})
+    print(table("Decode attention, one layer, one query token (bf16; a CUDA graph of 20 calls)",
+                ["model", "batch", "cache", "candidate", "us per call", "max err vs fp32"], rows))
     print(f"wrote {write_json('decode_attention', {'settings': machine(), 'rows': out})}")
 
 

@@ -1,0 +1,244 @@
+"""Attention of a few query rows against a long KV cache, the cache split across the GPU
+(`ferry::split_kv_attention`): what a decode step runs, chosen at load where it is faster.
+
+A decode step's attention reads each KV head's cache once for a handful of query rows (one token
+times the query heads that share the KV head). SDPA's kernels give each head one program, so at
+batch 1 a GPU of 132 SMs runs 8 programs for Llama-1B's 8 KV heads, each streaming its whole
+cache. Here the first kernel gives each KV head as many programs as fill the GPU, each over one
+stretch of the cache (flash-decoding): the rows' unnormalised result, running maximum and sum for
+its stretch. The second kernel combines the stretches of each row. Masks are read as they are
+(additive or boolean, any broadcast), with no copy per call.
+
+Schema (namespace `ferry`):
+
+    split_kv_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> (Tensor, Tensor)
+
+q [B, H, T, D], k and v [B, HKV, S, D] with H a multiple of HKV (grouped heads as SDPA's
+`enable_gqa`), mask broadcastable to [B, H, T, S]. Results: the attention [B, H, T, D] (laid out
+as SDPA's fused kernels lay it out, [B, T, H, D] in memory), and the first kernel's partial
+results (fp32), returned so that the memory they take is an op result a plan counts, not a
+hidden allocation. A row no key may attend is zero, as SDPA's math is.
+
+On CUDA with Triton the two kernels run; elsewhere the same arithmetic in torch ops (the CPU
+kernel, and the reference the GPU kernels are tested against).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = ["BLOCK_N", "MAX_ROWS", "SPLIT_KV_ATTENTION", "available", "fits", "split_kv_attention", "splits"]
+
+BLOCK_N = 64  # keys per step of the first kernel's loop
+MAX_ROWS = 64  # query rows per KV head (query heads of a group x tokens) the kernels hold at once
+_PROGRAMS = 256  # first-kernel programs to aim for: about two per SM of an H100/H200
+_DTYPES = (torch.bfloat16, torch.float16)
+_SCHEMA = "split_kv_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> (Tensor, Tensor)"
+
+
+def splits(batch: int, kv_heads: int, keys: int) -> tuple[int, int]:
+    """(stretches, keys per stretch) of each KV head's cache: enough stretches for about
+    `_PROGRAMS` programs in all, each a whole number of BLOCK_N keys."""
+    blocks = -(-keys // BLOCK_N)
+    count = max(1, min(blocks, -(-_PROGRAMS // (batch * kv_heads))))
+    length = -(-blocks // count) * BLOCK_N
+    return -(-keys // length), length
+
+
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """The op computes this SDPA call: 4-D half-precision q, k, v of one dtype and device, k and v
+    of one shape, grouped heads, at most MAX_ROWS query rows per KV head, a float or bool mask
+    broadcastable to the scores."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return False
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape:
+        return False
+    (b, h, t, d), (bk, hkv, s, dk) = q.shape, k.shape
+    if bk != b or dk != d or hkv == 0 or h % hkv or (h // hkv) * t > MAX_ROWS or s == 0 or d > 256:
+        return False
+    if mask is None:
+        return True
+    if mask.dtype not in (torch.bool, q.dtype, torch.float32) or mask.dim() > 4:
+        return False
+    try:
+        torch.broadcast_shapes(mask.shape, (b, h, t, s))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result, [B, T, H, D] in memory, and the partials [B * HKV, stretches, rows, D + 2]
+    (each row's unnormalised result, then its maximum and sum)."""
+    (b, h, t, d), (hkv, s) = q.shape, k.shape[1:3]
+    count, _ = splits(b, hkv, s)
+    out = q.new_empty((b, t, h, d)).transpose(1, 2)
+    return out, q.new_empty((b * hkv, count, (h // hkv) * t, d + 2), dtype=torch.float32)
+
+
+def _reference(q, k, v, mask, scale):
+    """The kernels' arithmetic in torch ops: scores in fp32 from the half-precision operands, each
+    stretch's exponentials rounded to q's dtype before they multiply v (as the kernel's second
+    product takes them), stretches combined by their maxima."""
+    (b, h, t, d), (hkv, s) = q.shape, k.shape[1:3]
+    rows, (count, length) = (h // hkv) * t, splits(b, hkv, s)
+    out, partials = _outputs(q, k)
+    scores = (q.reshape(b, hkv, rows, d).float() @ k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        m = mask.expand(b, h, t, s).reshape(b, hkv, rows, s)
+        scores = scores.masked_fill(~m, -math.inf) if m.dtype == torch.bool else scores + m.float()
+    part = partials.view(b, hkv, count, rows, d + 2)
+    for i in range(count):
+        piece = scores[..., i * length:(i + 1) * length]
+        top = piece.amax(-1)
+        shift = torch.where(top == -math.inf, 0.0, top)
+        p = torch.exp(piece - shift[..., None])
+        part[:, :, i, :, :d] = p.to(q.dtype).float() @ v[:, :, i * length:(i + 1) * length].float()
+        part[:, :, i, :, d], part[:, :, i, :, d + 1] = top, p.sum(-1)
+    result = _combined(part[..., :d], part[..., d], part[..., d + 1])
+    out.copy_(result.reshape(b, h, t, d))
+    return out, partials
+
+
+def _combined(acc: torch.Tensor, top: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """Rows from their stretches (dim 2): each stretch weighed by exp(its maximum - the row's)."""
+    best = top.amax(2, keepdim=True)
+    w = torch.exp(top - torch.where(best == -math.inf, 0.0, best))
+    norm = (w * total).sum(2)
+    summed = (w[..., None] * acc).sum(2)
+    return torch.where(norm[..., None] > 0, summed / norm.clamp_min(torch.finfo(torch.float32).tiny)[..., None], 0.0)
+
+
+@functools.cache
+def available() -> bool:
+    """Triton imports (the CUDA kernels are built from it)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stretches(Q, K, V, M, P, sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, smb, smh, smt, smn,
+                  scale, S, COUNT, HKV, T: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr, LENGTH: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr):
+        bh, sp = tl.program_id(0), tl.program_id(1)
+        b, hk = bh // HKV, bh % HKV
+        r = tl.arange(0, ROWS)
+        r_ok = r < G * T
+        h, t = hk * G + r // T, r % T
+        d = tl.arange(0, DP)
+        d_ok = d < D
+        q = tl.load(Q + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :],
+                    mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        top = tl.full([ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, DP], tl.float32)
+        for i in range(0, LENGTH, BLOCK):
+            n = sp * LENGTH + i + tl.arange(0, BLOCK)
+            n_ok = n < S
+            kv_ok = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + b * skb + hk * skh + n[:, None] * skn + d[None, :], mask=kv_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            if MASK != 0:
+                m = tl.load(M + b * smb + h[:, None] * smh + t[:, None] * smt + n[None, :] * smn,
+                            mask=r_ok[:, None] & n_ok[None, :], other=0)
+                if MASK == 1:
+                    s = s + m.to(tl.float32)
+                else:
+                    s = tl.where(m != 0, s, float("-inf"))
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            new = tl.maximum(top, tl.max(s, 1))
+            shift = tl.where(new == float("-inf"), 0.0, new)
+            p = tl.exp(s - shift[:, None])
+            alpha = tl.exp(top - shift)
+            total = total * alpha + tl.sum(p, 1)
+            v = tl.load(V + b * svb + hk * svh + n[:, None] * svn + d[None, :], mask=kv_ok, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            top = new
+        row = P + ((bh * COUNT + sp) * (G * T) + r) * (D + 2)
+        tl.store(row[:, None] + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(row + D, top, mask=r_ok)
+        tl.store(row + D + 1, total, mask=r_ok)
+
+    @triton.jit
+    def combine(P, O, sob, soh, sot, COUNT, HKV, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                DP: tl.constexpr, CP: tl.constexpr):
+        bh, r = tl.program_id(0), tl.program_id(1)
+        b, hk = bh // HKV, bh % HKV
+        h, t = hk * G + r // T, r % T
+        c = tl.arange(0, CP)
+        c_ok = c < COUNT
+        d = tl.arange(0, DP)
+        row = P + ((bh * COUNT + c) * (G * T) + r) * (D + 2)
+        top = tl.load(row + D, mask=c_ok, other=float("-inf"))
+        total = tl.load(row + D + 1, mask=c_ok, other=0.0)
+        best = tl.max(top, 0)
+        w = tl.exp(top - tl.where(best == float("-inf"), 0.0, best))
+        norm = tl.sum(w * total, 0)
+        acc = tl.load(row[:, None] + d[None, :], mask=c_ok[:, None] & (d[None, :] < D), other=0.0)
+        summed = tl.sum(acc * w[:, None], 0)
+        result = tl.where(norm > 0, summed / tl.maximum(norm, 1e-38), 0.0)
+        tl.store(O + b * sob + h * soh + t * sot + d, result.to(O.dtype.element_ty), mask=d < D)
+
+    return stretches, combine
+
+
+def _on_gpu(q, k, v, mask, scale):
+    import triton
+
+    (b, h, t, d), (hkv, s) = q.shape, k.shape[1:3]
+    g, (count, length) = h // hkv, splits(b, hkv, s)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    out, partials = _outputs(q, k)
+    kind = 0 if mask is None else (2 if mask.dtype == torch.bool else 1)
+    m = mask.expand(b, h, t, s) if mask is not None else q
+    mstrides = m.stride() if mask is not None else (0, 0, 0, 0)
+    stretches, combine = _kernels()
+    with torch.cuda.device(q.device):
+        stretches[(b * hkv, count)](
+            q, k, v, m, partials, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstrides,
+            float(scale), s, count, hkv, T=t, G=g, ROWS=max(16, triton.next_power_of_2(g * t)), D=d,
+            DP=max(16, triton.next_power_of_2(d)), LENGTH=length, BLOCK=BLOCK_N, MASK=kind)
+        combine[(b * hkv, g * t)](partials, out, *out.stride()[:3], count, hkv, T=t, G=g, D=d,
+                                  DP=max(16, triton.next_power_of_2(d)), CP=max(2, triton.next_power_of_2(count)))
+    return out, partials
+
+
+def split_kv_attention(q, k, v, mask, scale):
+    """The op's kernel for any device: the two Triton kernels on CUDA where Triton imports, the
+    same arithmetic in torch ops elsewhere."""
+    if not fits(q, k, v, mask):
+        raise ValueError(f"split_kv_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"mask {None if mask is None else (tuple(mask.shape), mask.dtype)}: not a grouped-heads "
+                         f"half-precision attention of at most {MAX_ROWS} query rows per KV head")
+    if q.device.type == "cuda" and available():
+        return _on_gpu(q, k, v, mask, scale)
+    return _reference(q, k, v, mask, scale)
+
+
+def _register() -> torch.library.Library | None:
+    try:
+        torch._C._get_schema("ferry::split_kv_attention", "")
+        return None  # defined already (a second import, or a reload)
+    except RuntimeError:
+        pass
+    lib = torch.library.Library("ferry", "FRAGMENT")
+    lib.define(_SCHEMA)
+    lib.impl("split_kv_attention", split_kv_attention, "CompositeExplicitAutograd")
+    torch.library.register_fake("ferry::split_kv_attention", lambda q, k, v, mask, scale: _outputs(q, k), lib=lib)
+    return lib
+
+
+_lib = globals().get("_lib") or _register()  # kept: the registrations live as long as it does
+SPLIT_KV_ATTENTION = torch.ops.ferry.split_kv_attention.default
