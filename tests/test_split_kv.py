@@ -3,12 +3,17 @@ Triton kernels on CUDA, fresh random inputs, every mask form, grouped and plain 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import ferry
+from ferry.choices import attention as attention_choice
+from ferry.choices import hook
+from ferry.choices.decisions import DECISIONS, Site
 from ferry.ops import split_kv
 from ferry.ops.split_kv import SPLIT_KV_ATTENTION
 
@@ -124,3 +129,144 @@ def test_the_gpu_kernels_equal_eager_sdpa(shape, kind):
         mask = _mask(kind, *shape[:2], *shape[3:5], dtype, "cuda", seed)
         cpu = SPLIT_KV_ATTENTION(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(), shape[-1] ** -0.5)
         torch.testing.assert_close(out.cpu().float(), cpu[0].float(), rtol=1e-2, atol=1e-2)  # same arithmetic
+
+
+# ---------------------------------------------------------------- the choice at load (choices/attention.py)
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+CAPTURED = Site(measure=True, captured=True)
+
+
+@pytest.fixture
+def triton_here(monkeypatch):
+    """As if Triton imported: the op's CPU kernel (the same arithmetic) stands in for the GPU's."""
+    monkeypatch.setattr(split_kv, "available", lambda: True)
+
+
+def _decode_args(dtype=torch.bfloat16, heads=8, kv=2):
+    q, k, v = _inputs(1, heads, kv, 1, 96, 32, dtype, "cpu", 7)
+    return [q, k, v, _mask("prefix", 1, heads, 1, 96, dtype, "cpu", 7)], {"enable_gqa": heads != kv}
+
+
+def test_split_kv_is_chosen_where_it_saves_ten_percent(timed, triton_here):
+    args, kwargs = _decode_args()
+    decision = attention_choice.split_kv_decision(args, kwargs, CAPTURED)
+    assert decision is not None and decision.taken and decision.forms == attention_choice.SPLIT_KV_FORMS
+    assert hook.choose(SDPA, args, kwargs, CAPTURED) is not None
+    timed.times = (100.0, 95.0)
+    args, kwargs = _decode_args(torch.float16)  # another key: timed again
+    assert not attention_choice.split_kv_decision(args, kwargs, CAPTURED).taken
+    assert hook.choose(SDPA, args, kwargs, CAPTURED) is None
+
+
+@pytest.mark.parametrize("case", ["uncaptured", "no triton", "dropout", "causal", "fp32", "gqa undeclared",
+                                  "deterministic"])
+def test_what_is_never_split(case, timed, triton_here, monkeypatch):
+    args, kwargs = _decode_args(torch.float32 if case == "fp32" else torch.bfloat16)
+    site = CAPTURED
+    if case == "uncaptured":
+        site = Site(measure=True, captured=False)
+    elif case == "no triton":
+        monkeypatch.setattr(split_kv, "available", lambda: False)
+    elif case == "dropout":
+        kwargs["dropout_p"] = 0.1
+    elif case == "causal":
+        args[3], kwargs["is_causal"] = None, True
+    elif case == "gqa undeclared":
+        kwargs = {}
+    elif case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert hook.choose(SDPA, args, kwargs, site) is None
+    assert timed.calls == 0
+
+
+class DecodeAttention(torch.nn.Module):
+    """One token's query heads against a cache of grouped KV heads, masked to the positions
+    written, as a decode step has it (bf16)."""
+
+    def __init__(self, heads=8, kv=2, dim=32, cache=96):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.q = torch.nn.Linear(heads * dim, heads * dim, bias=False)
+        self.register_buffer("k_cache", torch.randn(1, kv, cache, dim))
+        self.register_buffer("v_cache", torch.randn(1, kv, cache, dim))
+
+    def forward(self, x, mask):
+        q = self.q(x).view(1, 1, self.heads, self.dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
+        return y.transpose(1, 2).reshape(1, 1, self.heads * self.dim)
+
+
+@pytest.mark.parametrize("backend", ["torch", "inductor"])
+def test_a_captured_plan_runs_split_kv_where_timed_faster_and_equals_eager(backend, timed, triton_here, emu,
+                                                                            monkeypatch):
+    ran = []
+    real = split_kv._reference
+    monkeypatch.setattr(split_kv, "_reference", lambda *a: ran.append(a[0].shape) or real(*a))
+    torch.manual_seed(0)
+    model = DecodeAttention().to(torch.bfloat16).eval()
+    x, mask = torch.randn(1, 1, 256, dtype=torch.bfloat16), torch.arange(96) < 40
+    program = ferry.compile(torch.export.export(model, (x, mask.view(1, 1, 1, 96))),
+                            ferry.OpSupportPartitioner("emu:0", backend_id=backend))
+    module = ferry.Module(program, cuda_graphs=True)
+    module.load_method()
+    made = [d for d in DECISIONS.values(timed=True) if d.family == "attention"]
+    assert [d.shape for d in made] == ["1x8/2x1x96x32 bfloat16"] and made[0].taken
+    ran.clear()
+    for written in (1, 50, 96):
+        x, mask = torch.randn(1, 1, 256, dtype=torch.bfloat16), (torch.arange(96) < written).view(1, 1, 1, 96)
+        with torch.no_grad():
+            want = model(x, mask)
+        got = module(x, mask)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert len(ran) == 3  # every call ran the split
+
+
+@pytest.mark.parametrize("device", ["emu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])])
+@pytest.mark.parametrize("backend", ["torch", "inductor"])
+def test_a_bf16_decoder_with_split_kv_attention_follows_eager_step_by_step(device, backend, fresh, monkeypatch):
+    """Teacher forcing: ferry's decode step (graphs, every attention split-KV: on the CPU by a fake
+    clock, on the GPU by a margin that keeps any form timed) and transformers' static-cache step
+    are fed the same tokens; each step's logits agree within bf16 rounding."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from transformers.integrations.executorch import (
+        TorchExportableModuleForDecoderOnlyLM,
+        TorchExportableModuleWithStaticCache,
+    )
+
+    from ferry.choices import timing
+    from ferry.runtime import emulated_device
+    from test_generate import CACHE, KEEP_ON_DEVICE, decoder, token_ids
+
+    if device == "emu":
+        monkeypatch.setattr(split_kv, "available", lambda: True)
+        monkeypatch.setattr(timing, "gpu_of", lambda operands, device=None: device or timing.real_device(operands))
+        monkeypatch.setattr(timing, "on", lambda device: contextlib.nullcontext())
+        monkeypatch.setattr(timing, "time_both", lambda eager, other, stream=None: (eager(), other()) and (10.0, 1.0))
+    else:
+        monkeypatch.setattr(timing, "KEEP_IF_ABOVE", math.inf)
+    model_device = "cpu" if device == "emu" else device
+    bf16 = lambda: copy.deepcopy(decoder("qwen2")).to(device=model_device, dtype=torch.bfloat16)  # noqa: E731
+    recipe = TorchExportableModuleForDecoderOnlyLM(bf16(), batch_size=1, max_cache_len=CACHE)
+    with torch.no_grad():
+        ep = recipe.export(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model_device),
+                           cache_position=torch.tensor([0], device=model_device))
+    with emulated_device(num_devices=1) if device == "emu" else contextlib.nullcontext():
+        program = ferry.compile(ep, ferry.OpSupportPartitioner(f"{device}:0", backend_id=backend),
+                                KEEP_ON_DEVICE if device == "cuda" else None)
+        module = ferry.Module(program, cuda_graphs=True)
+        module.load_method()
+        made = [d for d in DECISIONS.values() if d.family == "attention"]
+        assert made and all(d.taken and d.pick == "split-KV" for d in made)
+        eager = TorchExportableModuleWithStaticCache(bf16(), batch_size=1, max_cache_len=CACHE)
+        tokens = token_ids((1, 12), 5).to(model_device)
+        with torch.no_grad():
+            for i in range(tokens.shape[1]):
+                ids, pos = tokens[:, i:i + 1].contiguous(), torch.tensor([i], device=model_device)
+                got = module(ids, pos)
+                want = eager(input_ids=ids, cache_position=pos)
+                scale = want.float().abs().max().item()
+                assert torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale), i

@@ -43,7 +43,8 @@ from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
 from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_program
 from ferry.capture import keep_workspace, on_side_stream
-from ferry.choices import gemv
+from ferry.choices import attention, gemv
+from ferry.choices.decisions import Site
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
@@ -137,8 +138,11 @@ class InductorBackend(Backend):
             examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
             with _load_stream(method, caller):
                 shapes = _dry_run(gm, examples)
+                static = not _dynamic(method)
+                if static:  # a decode step's attention as split-KV where it is faster (timed)
+                    attention.split_kv_rewrites(gm, shapes, _site(method, caller))
                 # a decode step: its one-row products chosen (timed), its kernels tuned; else untuned
-                tuning = gemv.settings(gm, shapes, static=not _dynamic(method))
+                tuning = gemv.settings(gm, shapes, static=static)
         except BaseException:
             mem.close()
             raise
@@ -160,9 +164,7 @@ def _load_stream(method: Method, caller: CallerPlan):
     in a plan captured as CUDA graphs, on the plan's capture stream of the delegate's GPU, whose
     cuBLAS workspace the graphs use (made first, in its kept pool). On the caller's stream they
     would make that stream's workspace too: 32 MiB more than eager holds, used by nothing later."""
-    devices = {method.tensor(v).device.to_torch() for v in tensor_inputs(method)}
-    streams = caller.streams
-    device = next(iter(devices)) if len(devices) == 1 else None
+    streams, device = caller.streams, _device(method)
     if (not caller.captured or streams is None or streams.api.device_type != "cuda" or device is None
             or device.type != "cuda"):
         yield
@@ -171,6 +173,17 @@ def _load_stream(method: Method, caller: CallerPlan):
     keep_workspace(stream)
     with torch.cuda.device(device), on_side_stream(stream):
         yield
+
+
+def _site(method: Method, caller: CallerPlan) -> Site:
+    """Where the load's kernel choices are asked: this load may time them, in the caller's plan."""
+    return Site(_device(method), measure=True, captured=caller.captured, streams=caller.streams)
+
+
+def _device(method: Method) -> torch.device | None:
+    """The one device of the delegate's tensor inputs, or None."""
+    devices = {method.tensor(v).device.to_torch() for v in tensor_inputs(method)}
+    return next(iter(devices)) if len(devices) == 1 else None
 
 
 def _rebuilt(method: Method, memory: Memory, overwrites: dict[int, int]) -> torch.fx.GraphModule:

@@ -31,6 +31,7 @@ from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision
 from ferry.choices.gemm import blas_settings
 from ferry.ops.aliasing import is_view, view_source
+from ferry.ops.split_kv import SPLIT_KV_ATTENTION
 
 __all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "TIMED_ON", "TUNING", "UNTUNED", "apply", "by_reduction", "candidates",
            "cold_copies", "measure", "product_times", "rewrite", "settings"]
@@ -319,4 +320,4 @@ _LIBRARY = frozenset(getattr(aten, name) for name in (
     "mm", "bmm", "addmm", "baddbmm", "linear", "convolution", "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, name)
-) | {torch.ops.ferry.library_linear}
+) | {torch.ops.ferry.library_linear, SPLIT_KV_ATTENTION._overloadpacket}

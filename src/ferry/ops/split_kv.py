@@ -172,7 +172,7 @@ def _kernels():
         tl.store(row + D + 1, total, mask=r_ok)
 
     @triton.jit
-    def combine(P, O, sob, soh, sot, COUNT, HKV, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    def combine(P, Out, sob, soh, sot, COUNT, HKV, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                 DP: tl.constexpr, CP: tl.constexpr):
         bh, r = tl.program_id(0), tl.program_id(1)
         b, hk = bh // HKV, bh % HKV
@@ -189,7 +189,7 @@ def _kernels():
         acc = tl.load(row[:, None] + d[None, :], mask=c_ok[:, None] & (d[None, :] < D), other=0.0)
         summed = tl.sum(acc * w[:, None], 0)
         result = tl.where(norm > 0, summed / tl.maximum(norm, 1e-38), 0.0)
-        tl.store(O + b * sob + h * soh + t * sot + d, result.to(O.dtype.element_ty), mask=d < D)
+        tl.store(Out + b * sob + h * soh + t * sot + d, result.to(Out.dtype.element_ty), mask=d < D)
 
     return stretches, combine
 
