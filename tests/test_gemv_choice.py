@@ -222,23 +222,12 @@ def test_a_bf16_decoder_with_every_product_a_reduction_follows_eager_step_by_ste
     """Teacher forcing: ferry's decode (inductor backend, every one-row product made a reduction by a
     fake clock, biased q/k/v included) and transformers' static-cache step are fed the same tokens;
     each step's logits agree within bf16 rounding."""
-    import copy
-
     pytest.importorskip("transformers")
-    from transformers.integrations.executorch import (
-        TorchExportableModuleForDecoderOnlyLM,
-        TorchExportableModuleWithStaticCache,
-    )
-
-    from test_generate import CACHE, KEEP_ON_DEVICE, decoder, token_ids
+    from test_generate import KEEP_ON_DEVICE, bf16_decode_step, follows_eager_step_by_step
 
     monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
     monkeypatch.setattr(gemv, "measure", lambda w, b, reduction: (10.0, 1.0))
-    bf16 = lambda: copy.deepcopy(decoder("qwen2")).to(device=device, dtype=torch.bfloat16)  # noqa: E731
-    recipe = TorchExportableModuleForDecoderOnlyLM(bf16(), batch_size=1, max_cache_len=CACHE)
-    with torch.no_grad():
-        ep = recipe.export(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                           cache_position=torch.tensor([0], device=device))
+    ep, eager = bf16_decode_step(device)
     program = ferry.compile(ep, ferry.OpSupportPartitioner(f"{device}:0" if device == "cuda" else device,
                                                            backend_id="inductor"),
                             KEEP_ON_DEVICE if device == "cuda" else None)
@@ -246,16 +235,7 @@ def test_a_bf16_decoder_with_every_product_a_reduction_follows_eager_step_by_ste
     module.load_method()
     made = [d for d in DECISIONS.values(timed=True) if d.family == gemv.FAMILY]
     assert len(made) >= 3 and all(d.taken for d in made)  # a decision per shape of q/k/v, o, gate/up, down, head
-    eager = TorchExportableModuleWithStaticCache(bf16(), batch_size=1, max_cache_len=CACHE)
-    tokens = token_ids((1, 12), 5).to(device)
-    with torch.no_grad():
-        for i in range(tokens.shape[1]):
-            ids, pos = tokens[:, i:i + 1].contiguous(), torch.tensor([i], device=device)
-            got = module(ids, pos)
-            want = eager(input_ids=ids, cache_position=pos)
-            assert got.shape == want.shape
-            scale = want.float().abs().max().item()
-            assert torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale), i
+    follows_eager_step_by_step(module, eager, device)
 
 
 def test_the_kernel_timed_is_inductors_reduction_and_equals_the_linear():

@@ -71,6 +71,38 @@ def token_ids(shape, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def bf16_decode_step(device: str):
+    """A tiny Qwen2 in bf16 on `device`: (its decode step exported by transformers' ExecuTorch
+    recipe, transformers' own static-cache step of the same weights)."""
+    import copy
+
+    from transformers.integrations.executorch import (
+        TorchExportableModuleForDecoderOnlyLM,
+        TorchExportableModuleWithStaticCache,
+    )
+
+    bf16 = lambda: copy.deepcopy(decoder("qwen2")).to(device=device, dtype=torch.bfloat16)  # noqa: E731
+    recipe = TorchExportableModuleForDecoderOnlyLM(bf16(), batch_size=1, max_cache_len=CACHE)
+    with torch.no_grad():
+        ep = recipe.export(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                           cache_position=torch.tensor([0], device=device))
+    return ep, TorchExportableModuleWithStaticCache(bf16(), batch_size=1, max_cache_len=CACHE)
+
+
+def follows_eager_step_by_step(module, eager, device: str, steps: int = 12) -> None:
+    """Teacher forcing: ferry's step and eager's are fed the same tokens; each step's logits agree
+    within bf16 rounding."""
+    tokens = token_ids((1, steps), 5).to(device)
+    with torch.no_grad():
+        for i in range(steps):
+            ids, pos = tokens[:, i:i + 1].contiguous(), torch.tensor([i], device=device)
+            got = module(ids, pos)
+            want = eager(input_ids=ids, cache_position=pos)
+            assert got.shape == want.shape
+            scale = want.float().abs().max().item()
+            assert torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale), i
+
+
 def reference(name: str, prompt, new: int, **options) -> torch.Tensor:
     """transformers' own generate (greedy unless told), with a static cache."""
     options.setdefault("do_sample", False)

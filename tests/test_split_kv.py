@@ -229,17 +229,10 @@ def test_a_bf16_decoder_with_split_kv_attention_follows_eager_step_by_step(devic
     """Teacher forcing: ferry's decode step (graphs, every attention split-KV: both forms run, then
     a fake clock favours split-KV) and transformers' static-cache step
     are fed the same tokens; each step's logits agree within bf16 rounding."""
-    import copy
-
     pytest.importorskip("transformers")
-    from transformers.integrations.executorch import (
-        TorchExportableModuleForDecoderOnlyLM,
-        TorchExportableModuleWithStaticCache,
-    )
-
     from ferry.choices import timing
     from ferry.runtime import emulated_device
-    from test_generate import CACHE, KEEP_ON_DEVICE, decoder, token_ids
+    from test_generate import KEEP_ON_DEVICE, bf16_decode_step, follows_eager_step_by_step
 
     if device == "emu":
         monkeypatch.setattr(split_kv, "available", lambda: True)
@@ -249,11 +242,7 @@ def test_a_bf16_decoder_with_split_kv_attention_follows_eager_step_by_step(devic
     monkeypatch.setattr(timing, "time_both", lambda eager, other, stream=None: (
         real_timing(eager, other, stream) if device == "cuda" else (eager(), other())) and (10.0, 1.0))
     model_device = "cpu" if device == "emu" else device
-    bf16 = lambda: copy.deepcopy(decoder("qwen2")).to(device=model_device, dtype=torch.bfloat16)  # noqa: E731
-    recipe = TorchExportableModuleForDecoderOnlyLM(bf16(), batch_size=1, max_cache_len=CACHE)
-    with torch.no_grad():
-        ep = recipe.export(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model_device),
-                           cache_position=torch.tensor([0], device=model_device))
+    ep, eager = bf16_decode_step(model_device)
     with emulated_device(num_devices=1) if device == "emu" else contextlib.nullcontext():
         program = ferry.compile(ep, ferry.OpSupportPartitioner(f"{device}:0", backend_id=backend),
                                 KEEP_ON_DEVICE if device == "cuda" else None)
@@ -261,12 +250,4 @@ def test_a_bf16_decoder_with_split_kv_attention_follows_eager_step_by_step(devic
         module.load_method()
         made = [d for d in DECISIONS.values() if d.family == "attention"]
         assert made and all(d.taken and d.pick == "split-KV" for d in made)
-        eager = TorchExportableModuleWithStaticCache(bf16(), batch_size=1, max_cache_len=CACHE)
-        tokens = token_ids((1, 12), 5).to(model_device)
-        with torch.no_grad():
-            for i in range(tokens.shape[1]):
-                ids, pos = tokens[:, i:i + 1].contiguous(), torch.tensor([i], device=model_device)
-                got = module(ids, pos)
-                want = eager(input_ids=ids, cache_position=pos)
-                scale = want.float().abs().max().item()
-                assert torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale), i
+        follows_eager_step_by_step(module, eager, model_device)

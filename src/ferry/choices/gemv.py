@@ -31,6 +31,7 @@ from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision
 from ferry.choices.gemm import blas_settings
 from ferry.ops.aliasing import is_view, view_source
+from ferry.ops.library import new_fragment
 from ferry.ops.split_kv import SPLIT_KV_ATTENTION
 
 __all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "TIMED_ON", "TUNING", "UNTUNED", "apply", "by_reduction", "candidates",
@@ -64,12 +65,9 @@ def _library_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _register() -> torch.library.Library | None:
     """`ferry::library_linear`: `linear`, opaque to Inductor, so a product cuBLAS runs faster stays
     cuBLAS's in a graph compiled with TUNING (which rewrites every one-row `mm` it sees)."""
-    try:
-        torch._C._get_schema("ferry::library_linear", "")
-        return None  # defined already (a second import, or a reload)
-    except RuntimeError:
-        pass
-    lib = torch.library.Library("ferry", "FRAGMENT")
+    lib = new_fragment("library_linear")
+    if lib is None:
+        return None
     lib.define("library_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
     lib.impl("library_linear", _library_linear, "CompositeExplicitAutograd")
     torch.library.register_fake("ferry::library_linear",

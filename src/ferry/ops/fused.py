@@ -25,9 +25,10 @@ from types import MappingProxyType
 
 import torch
 
+from ferry.ops.library import NAMESPACE, new_fragment
+
 __all__ = ["CONV_ADD_RELU", "CONV_RELU"]
 
-_NAMESPACE = "ferry"
 _ARGS = "SymInt[] stride, SymInt[] padding, SymInt[] dilation, SymInt groups"
 _SCHEMAS = MappingProxyType({
     "conv_relu": f"conv_relu(Tensor input, Tensor weight, Tensor? bias, {_ARGS}) -> Tensor",
@@ -115,20 +116,17 @@ def _fake_conv_add_relu(x, weight, z, bias, stride, padding, dilation, groups):
 
 def _register() -> torch.library.Library | None:
     """Define the two ops once per process (a second import, or reload, finds them defined)."""
-    try:
-        torch._C._get_schema(f"{_NAMESPACE}::conv_relu", "")
+    lib = new_fragment("conv_relu")
+    if lib is None:
         return None
-    except RuntimeError:
-        pass
-    lib = torch.library.Library(_NAMESPACE, "FRAGMENT")
     for schema in _SCHEMAS.values():
         lib.define(schema)
     lib.impl("conv_relu", _conv_relu, "CompositeExplicitAutograd")
     lib.impl("conv_add_relu", _conv_add_relu, "CompositeExplicitAutograd")
     lib.impl("conv_relu", _conv_relu_cuda, "CUDA")
     lib.impl("conv_add_relu", _conv_add_relu_cuda, "CUDA")
-    torch.library.register_fake(f"{_NAMESPACE}::conv_relu", _conv, lib=lib)  # the shapes of the convolution
-    torch.library.register_fake(f"{_NAMESPACE}::conv_add_relu", _fake_conv_add_relu, lib=lib)
+    torch.library.register_fake(f"{NAMESPACE}::conv_relu", _conv, lib=lib)  # the shapes of the convolution
+    torch.library.register_fake(f"{NAMESPACE}::conv_add_relu", _fake_conv_add_relu, lib=lib)
     return lib
 
 

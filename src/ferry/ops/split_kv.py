@@ -30,12 +30,15 @@ import math
 
 import torch
 
+from ferry.ops.library import new_fragment
+
 __all__ = ["BLOCK_N", "MAX_ROWS", "SPLIT_KV_ATTENTION", "available", "fits", "split_kv_attention", "splits"]
 
 BLOCK_N = 64  # keys per step of the first kernel's loop
 MAX_ROWS = 64  # query rows per KV head (query heads of a group x tokens) the kernels hold at once
 _PROGRAMS = 256  # first-kernel programs to aim for: about two per SM of an H100/H200
 _DTYPES = (torch.bfloat16, torch.float16)
+_INT32 = 1 << 31
 _SCHEMA = "split_kv_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> (Tensor, Tensor)"
 
 
@@ -51,7 +54,7 @@ def splits(batch: int, kv_heads: int, keys: int) -> tuple[int, int]:
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """The op computes this SDPA call: 4-D half-precision q, k, v of one dtype and device, k and v
     of one shape, grouped heads, at most MAX_ROWS query rows per KV head, a float or bool mask
-    broadcastable to the scores."""
+    broadcastable to the scores, each tensor under 2**31 elements."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return False
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape:
@@ -59,6 +62,8 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     (b, h, t, d), (bk, hkv, s, dk) = q.shape, k.shape
     if bk != b or dk != d or hkv == 0 or h % hkv or (h // hkv) * t > MAX_ROWS or s == 0 or d > 256:
         return False
+    if max(x.numel() for x in (q, k, v) + (() if mask is None else (mask,))) >= _INT32:
+        return False  # (the kernels' offsets are 32-bit)
     if mask is None:
         return True
     if mask.dtype not in (torch.bool, q.dtype, torch.float32) or mask.dim() > 4:
@@ -228,12 +233,9 @@ def split_kv_attention(q, k, v, mask, scale):
 
 
 def _register() -> torch.library.Library | None:
-    try:
-        torch._C._get_schema("ferry::split_kv_attention", "")
-        return None  # defined already (a second import, or a reload)
-    except RuntimeError:
-        pass
-    lib = torch.library.Library("ferry", "FRAGMENT")
+    lib = new_fragment("split_kv_attention")
+    if lib is None:
+        return None
     lib.define(_SCHEMA)
     lib.impl("split_kv_attention", split_kv_attention, "CompositeExplicitAutograd")
     torch.library.register_fake("ferry::split_kv_attention", lambda q, k, v, mask, scale: _outputs(q, k), lib=lib)
