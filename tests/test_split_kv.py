@@ -251,3 +251,41 @@ def test_a_bf16_decoder_with_split_kv_attention_follows_eager_step_by_step(devic
         made = [d for d in DECISIONS.values() if d.family == "attention"]
         assert made and all(d.taken and d.pick == "split-KV" for d in made)
         follows_eager_step_by_step(module, eager, model_device)
+
+
+_INTERPRETED = """
+import contextlib, math, sys
+import torch, torch.nn.functional as F
+torch.cuda.device = lambda device: contextlib.nullcontext()  # the kernels' launch on the host
+from ferry.ops import split_kv
+for seed, (b, h, hkv, t, s, d) in enumerate(SHAPES):
+    for kind in (None, "additive", "bool"):
+        g = torch.Generator().manual_seed(seed)
+        merged = torch.randn(b, t, (h + 1) * d, generator=g).half()  # q a view of a merged projection
+        q = merged[..., :h * d].view(b, t, h, d).transpose(1, 2)
+        k, v = (torch.randn(b, hkv, s + 5, d, generator=g).half()[:, :, 5:] for _ in range(2))  # cache views
+        allowed = torch.rand(b, h, t, s, generator=g) < 0.7
+        allowed[..., 0] = True
+        mask = None if kind is None else allowed if kind == "bool" else torch.where(allowed, 0.0, -math.inf).half()
+        got, _ = split_kv._on_gpu(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), mask, d ** -0.5)
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=h != hkv,
+            attn_mask=None if mask is None else mask if kind == "bool" else mask.float())
+        err = (got.float() - want).abs().max().item()
+        assert err < 4e-3 and got.transpose(1, 2).is_contiguous(), (b, h, hkv, t, s, d, kind, err)
+print("ok")
+"""
+
+
+def test_the_triton_kernels_equal_eager_sdpa_under_tritons_interpreter():
+    """The GPU kernels themselves, run on the host by Triton's interpreter where Triton imports
+    (fp16: the interpreter has no bf16): q a view of a merged projection, k a slice of a longer
+    cache, v laid out head-dim-major (copied first)."""
+    import os
+    import subprocess
+    import sys
+    if not split_kv.available():
+        pytest.skip("Triton does not import here")
+    script = f"SHAPES = {SHAPES[:4] + SHAPES[5:]!r}\n" + _INTERPRETED
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
