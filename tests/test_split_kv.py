@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,11 +72,17 @@ def test_equals_eager_sdpa_on_the_cpu(shape, kind):
         _check("cpu", shape, kind, dtype, seed)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_strided_layouts_equal_eager_sdpa_on_the_cpu(dtype):
+    check_strided_layouts("cpu", dtype, SPLIT_KV_ATTENTION)
+
+
 def test_the_cache_is_split_into_stretches_that_fill_the_gpu():
     assert split_kv.splits(1, 8, 1024) == (16, 64)  # 128 programs of one block each
     assert split_kv.splits(1, 8, 4096) == (32, 128)
     assert split_kv.splits(8, 8, 1024) == (4, 256)
     assert split_kv.splits(1, 8, 1) == (1, 64)
+    assert split_kv.splits(1, 1, 1 << 16) == (64, 1024)  # one KV head: at most MAX_STRETCHES
     for b, hkv, s in [(1, 8, 1000), (3, 5, 77), (64, 32, 4096)]:
         count, length = split_kv.splits(b, hkv, s)
         assert length % split_kv.BLOCK_N == 0 and (count - 1) * length < s <= count * length
@@ -97,6 +104,8 @@ def test_a_row_no_key_may_attend_is_zero_as_eager_makes_it():
     ((torch.bfloat16, (1, 32, 5, 64), (1, 2, 16, 64), None), "too many rows per KV head"),
     ((torch.bfloat16, (1, 8, 1, 64), (1, 8, 16, 32), None), "head dims differ"),
     ((torch.bfloat16, (1, 8, 1, 64), (1, 8, 16, 64), (1, 1, 1, 15)), "a mask of another length"),
+    ((torch.bfloat16, (1, 8, 1, 256), (1, 8, 16, 256), None), "a head wider than measured"),
+    ((torch.bfloat16, (0, 8, 1, 64), (0, 2, 16, 64), None), "no sequence"),
 ])
 def test_what_it_does_not_compute_is_refused(args, why):
     dtype, qs, ks, ms = args
@@ -131,6 +140,13 @@ def test_the_gpu_kernels_equal_eager_sdpa(shape, kind):
         torch.testing.assert_close(out.cpu().float(), cpu[0].float(), rtol=1e-2, atol=1e-2)  # same arithmetic
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_gpu_kernels_read_strided_layouts_as_eager_does(dtype):
+    check_strided_layouts("cuda", dtype, SPLIT_KV_ATTENTION)
+
+
 # ---------------------------------------------------------------- the choice at load (choices/attention.py)
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -148,15 +164,45 @@ def _decode_args(dtype=torch.bfloat16, heads=8, kv=2):
     return [q, k, v, _mask("prefix", 1, heads, 1, 96, dtype, "cpu", 7)], {"enable_gqa": heads != kv}
 
 
-def test_split_kv_is_chosen_where_it_saves_ten_percent(timed, triton_here):
+@pytest.mark.parametrize("times, taken", [((100.0, 40.0), True), ((100.0, 90.0), True), ((100.0, 91.0), False),
+                                          ((5.0, 4.5), True), ((100.0, 120.0), False)])
+def test_split_kv_is_chosen_where_it_saves_ten_percent(times, taken, timed, triton_here):
+    timed.times = times
     args, kwargs = _decode_args()
     decision = attention_choice.split_kv_decision(args, kwargs, CAPTURED)
-    assert decision is not None and decision.taken and decision.forms == attention_choice.SPLIT_KV_FORMS
-    assert hook.choose(SDPA, args, kwargs, CAPTURED) is not None
-    timed.times = (100.0, 95.0)
-    args, kwargs = _decode_args(torch.float16)  # another key: timed again
-    assert not attention_choice.split_kv_decision(args, kwargs, CAPTURED).taken
-    assert hook.choose(SDPA, args, kwargs, CAPTURED) is None
+    assert decision is not None and decision.taken is taken and decision.forms == attention_choice.SPLIT_KV_FORMS
+    assert decision.times_us == times and timed.calls == 1
+    assert (hook.choose(SDPA, args, kwargs, CAPTURED) is not None) is taken
+    assert timed.calls == 1  # decided once per key
+
+
+class TwoAttentions(torch.nn.Module):
+    """Two decode attentions of one step: one with a positional mask and its own scale, one
+    unmasked at SDPA's default scale."""
+
+    def forward(self, q, k, v, mask):
+        a = F.scaled_dot_product_attention(q, k, v, mask, scale=0.3, enable_gqa=True)
+        return a + F.scaled_dot_product_attention(q * 2, k, v, enable_gqa=True)
+
+
+def test_the_inductor_rewrite_keeps_each_calls_mask_and_scale(timed, triton_here):
+    q, k, v = _inputs(1, 8, 2, 1, 96, 32, torch.bfloat16, "cpu", 9)
+    mask = _mask("prefix", 1, 8, 1, 96, torch.bfloat16, "cpu", 9)
+    gm = torch.export.export(TwoAttentions(), (q, k, v, mask)).module()
+    shapes = {n: torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype,
+                                     device="meta")
+              for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}  # as the dry run makes them
+    made = attention_choice.split_kv_rewrites(gm, shapes, Site(torch.device("cpu"), measure=True, captured=True))
+    assert len(made) == 2 and all(d.taken for d in made)
+    calls = [n for n in gm.graph.nodes if n.target is SPLIT_KV_ATTENTION]
+    assert len(calls) == 2 and not any(n.target is SDPA for n in gm.graph.nodes)
+    assert [round(n.args[4], 6) for n in calls] == [0.3, round(32 ** -0.5, 6)]  # in the order of the calls
+    assert calls[0].args[3] is not None and calls[1].args[3] is None  # the first call's mask, the second none
+    for seed in range(3):
+        q, k, v = _inputs(1, 8, 2, 1, 96, 32, torch.bfloat16, "cpu", seed)
+        mask = _mask("prefix", 1, 8, 1, 96, torch.bfloat16, "cpu", seed)
+        torch.testing.assert_close(gm(q, k, v, mask).float(), TwoAttentions()(q, k, v, mask).float(),
+                                   rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("case", ["uncaptured", "no triton", "dropout", "causal", "fp32", "gqa undeclared",
@@ -253,39 +299,52 @@ def test_a_bf16_decoder_with_split_kv_attention_follows_eager_step_by_step(devic
         follows_eager_step_by_step(module, eager, model_device)
 
 
+def check_strided_layouts(device: str, dtype: torch.dtype, run) -> None:
+    """`run(q, k, v, mask, scale)` (the op, or its GPU path) against eager SDPA on layouts a decode
+    graph hands over: q a view of a merged projection, k a slice of a longer cache, v laid out
+    head-dim-major, masks boolean, additive and broadcast (expanded) over heads."""
+    for seed, (b, h, hkv, t, s, d) in enumerate(SHAPES[:4] + SHAPES[5:]):
+        for kind in (None, "additive", "bool", "expanded"):
+            g = torch.Generator().manual_seed(seed)
+            merged = torch.randn(b, t, (h + 1) * d, generator=g).to(device, dtype)
+            q = merged[..., :h * d].view(b, t, h, d).transpose(1, 2)
+            k, v = (torch.randn(b, hkv, s + 5, d, generator=g).to(device, dtype)[:, :, 5:] for _ in range(2))
+            v = v.transpose(2, 3).contiguous().transpose(2, 3)
+            allowed = (torch.rand(b, h, t, s, generator=g) < 0.7).to(device)
+            allowed[..., 0] = True
+            mask = None if kind is None else allowed if kind == "bool" else torch.where(allowed, 0.0, -math.inf).to(dtype)
+            if kind == "expanded":
+                mask = mask[:, :1].expand(b, h, t, s)
+            got = run(q, k, v, mask, d ** -0.5)[0]
+            want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=h != hkv,
+                                                  attn_mask=None if mask is None else
+                                                  mask if mask.dtype == torch.bool else mask.float())
+            err = (got.float() - want).abs().max().item()
+            assert err < (2e-2 if dtype == torch.bfloat16 else 4e-3), (b, h, hkv, t, s, d, kind, err)
+            assert got.transpose(1, 2).is_contiguous()
+
+
 _INTERPRETED = """
-import contextlib, math, sys
-import torch, torch.nn.functional as F
+import contextlib, sys
+import torch
 torch.cuda.device = lambda device: contextlib.nullcontext()  # the kernels' launch on the host
+sys.path.insert(0, TESTS)
+from test_split_kv import check_strided_layouts
 from ferry.ops import split_kv
-for seed, (b, h, hkv, t, s, d) in enumerate(SHAPES):
-    for kind in (None, "additive", "bool"):
-        g = torch.Generator().manual_seed(seed)
-        merged = torch.randn(b, t, (h + 1) * d, generator=g).half()  # q a view of a merged projection
-        q = merged[..., :h * d].view(b, t, h, d).transpose(1, 2)
-        k, v = (torch.randn(b, hkv, s + 5, d, generator=g).half()[:, :, 5:] for _ in range(2))  # cache views
-        allowed = torch.rand(b, h, t, s, generator=g) < 0.7
-        allowed[..., 0] = True
-        mask = None if kind is None else allowed if kind == "bool" else torch.where(allowed, 0.0, -math.inf).half()
-        got, _ = split_kv._on_gpu(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), mask, d ** -0.5)
-        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=h != hkv,
-            attn_mask=None if mask is None else mask if kind == "bool" else mask.float())
-        err = (got.float() - want).abs().max().item()
-        assert err < 4e-3 and got.transpose(1, 2).is_contiguous(), (b, h, hkv, t, s, d, kind, err)
+check_strided_layouts("cpu", torch.float16, split_kv._on_gpu)
 print("ok")
 """
 
 
 def test_the_triton_kernels_equal_eager_sdpa_under_tritons_interpreter():
     """The GPU kernels themselves, run on the host by Triton's interpreter where Triton imports
-    (fp16: the interpreter has no bf16): q a view of a merged projection, k a slice of a longer
-    cache, v laid out head-dim-major (copied first)."""
+    (fp16: the interpreter has no bf16), on the layouts a decode graph hands over."""
     import os
     import subprocess
     import sys
     if not split_kv.available():
         pytest.skip("Triton does not import here")
-    script = f"SHAPES = {SHAPES[:4] + SHAPES[5:]!r}\n" + _INTERPRETED
+    script = f"TESTS = {str(Path(__file__).parent)!r}\n" + _INTERPRETED
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

@@ -166,7 +166,9 @@ def split_kv_decision(args, kwargs, site: Site) -> Decision | None:
     params = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:])) | kwargs
     q, k, v = (list(args) + [None] * 3)[:3]
     mask = params.get("attn_mask")
-    if not site.captured or params.get("dropout_p", 0.0) or params.get("is_causal", False):
+    if not site.captured or torch.are_deterministic_algorithms_enabled():
+        return None  # (the inductor backend asks here directly, not through the hook, which checks too)
+    if params.get("dropout_p", 0.0) or params.get("is_causal", False):
         return None  # (uncaptured, its Python call and two launches would cost the host more than it saves)
     if not split_kv.available():
         return None
@@ -190,7 +192,7 @@ def _decide_split_kv(device, tensors, scale, site: Site) -> Decision | None:
             gqa = q.shape[1] != k.shape[1]
             times = timing.time_both(lambda: SDPA(q, k, v, m, scale=scale, enable_gqa=gqa),
                                      lambda: SPLIT_KV_ATTENTION(q, k, v, m, scale), site.replay_stream())
-        except torch.cuda.OutOfMemoryError:  # SDPA's kernel stays; any other error is the caller's to see
+        except Exception:  # noqa: BLE001 - out of memory, or Triton could not build its kernels here: SDPA stays
             return None
     (b, h, t, d), (hkv, s) = q.shape, k.shape[1:3]
     return timing.decision("attention", str(SDPA.name()), f"{b}x{h}/{hkv}x{t}x{s}x{d}", device, q.dtype,

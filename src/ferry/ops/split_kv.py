@@ -16,8 +16,9 @@ Schema (namespace `ferry`):
 q [B, H, T, D], k and v [B, HKV, S, D] with H a multiple of HKV (grouped heads as SDPA's
 `enable_gqa`), mask broadcastable to [B, H, T, S]. Results: the attention [B, H, T, D] (laid out
 as SDPA's fused kernels lay it out, [B, T, H, D] in memory), and the first kernel's partial
-results (fp32), returned so that the memory they take is an op result a plan counts, not a
-hidden allocation. A row no key may attend is zero, as SDPA's math is.
+results (fp32; 135 KB for a step of Llama-1B at a 1024-token cache), a result of their own so
+that whatever calls the op allocates and frees them as it does any result (Inductor's code, a
+graph's pool), not an allocation inside the op. A row no key may attend is zero, as SDPA's math is.
 
 On CUDA with Triton the two kernels run; elsewhere the same arithmetic in torch ops (the CPU
 kernel, and the reference the GPU kernels are tested against).
@@ -36,6 +37,8 @@ __all__ = ["BLOCK_N", "MAX_ROWS", "SPLIT_KV_ATTENTION", "available", "fits", "sp
 
 BLOCK_N = 64  # keys per step of the first kernel's loop
 MAX_ROWS = 64  # query rows per KV head (query heads of a group x tokens) the kernels hold at once
+MAX_HEAD_DIM = 128  # the widest head measured (a wider one's K and V tiles may not fit a smaller GPU's shared memory)
+MAX_STRETCHES = 64  # per KV head: the second kernel holds one row's stretches at once
 _PROGRAMS = 256  # first-kernel programs to aim for: about two per SM of an H100/H200
 _DTYPES = (torch.bfloat16, torch.float16)
 _INT32 = 1 << 31
@@ -44,9 +47,9 @@ _SCHEMA = "split_kv_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float 
 
 def splits(batch: int, kv_heads: int, keys: int) -> tuple[int, int]:
     """(stretches, keys per stretch) of each KV head's cache: enough stretches for about
-    `_PROGRAMS` programs in all, each a whole number of BLOCK_N keys."""
+    `_PROGRAMS` programs in all (at most MAX_STRETCHES), each a whole number of BLOCK_N keys."""
     blocks = -(-keys // BLOCK_N)
-    count = max(1, min(blocks, -(-_PROGRAMS // (batch * kv_heads))))
+    count = max(1, min(blocks, -(-_PROGRAMS // (batch * kv_heads)), MAX_STRETCHES))
     length = -(-blocks // count) * BLOCK_N
     return -(-keys // length), length
 
@@ -60,8 +63,10 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape:
         return False
     (b, h, t, d), (bk, hkv, s, dk) = q.shape, k.shape
-    if bk != b or dk != d or hkv == 0 or h % hkv or (h // hkv) * t > MAX_ROWS or s == 0 or d > 256:
+    if bk != b or dk != d or hkv == 0 or h % hkv or (h // hkv) * t > MAX_ROWS or d > MAX_HEAD_DIM:
         return False
+    if q.numel() == 0 or k.numel() == 0:
+        return False  # (SDPA's own empty result)
     if max(x.numel() for x in (q, k, v) + (() if mask is None else (mask,))) >= _INT32:
         return False  # (the kernels' offsets are 32-bit)
     if mask is None:
