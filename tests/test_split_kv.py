@@ -348,3 +348,42 @@ def test_the_triton_kernels_equal_eager_sdpa_under_tritons_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma4", "phi3",
+                                    "mistral"])
+def test_every_familys_bf16_decode_step_with_split_kv_follows_eager(family, fresh, emu, monkeypatch):
+    """Each family's decode step (transformers' export recipe: static or hybrid cache, sliding
+    masks, Gemma 4's layers sharing a cache) in bf16, graphs on the emulated device, every
+    attention split-KV wherever it computes it (a fake clock): each step's logits follow
+    transformers' own step within bf16 rounding, fed the same tokens, past the sliding window."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    from ferry.choices import timing
+    from test_generate_families import CACHE, make_model
+
+    monkeypatch.setattr(split_kv, "available", lambda: True)
+    monkeypatch.setattr(timing, "gpu_of", lambda operands, device=None: device or timing.real_device(operands))
+    monkeypatch.setattr(timing, "on", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(timing, "time_both", lambda eager, other, stream=None: (eager(), other()) and (10.0, 1.0))
+    model = make_model(family)
+    recipe, eager = (TorchExportableModuleForDecoderOnlyLM(copy.deepcopy(model).to(torch.bfloat16), batch_size=1,
+                                                           max_cache_len=CACHE) for _ in range(2))
+    with torch.no_grad():
+        ep = recipe.export(input_ids=torch.zeros(1, 1, dtype=torch.long), cache_position=torch.tensor([0]))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0")), cuda_graphs=True)
+    module.load_method()
+    made = [d for d in DECISIONS.values() if d.family == "attention"]
+    assert all(d.pick == "split-KV" for d in made)
+    sdpa_calls = sum(n.target is SDPA for n in ep.graph.nodes)
+    assert bool(made) == bool(sdpa_calls), (family, sdpa_calls)
+    tokens = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for i in range(tokens.shape[1]):
+            ids, pos = tokens[:, i:i + 1], torch.tensor([i])
+            got, want = module(ids, pos), eager.model(input_ids=ids, cache_position=pos)
+            scale = want.float().abs().max().item()
+            assert torch.allclose(got.float(), want.float(), rtol=2 ** -5, atol=2 ** -5 * scale), (family, i)
