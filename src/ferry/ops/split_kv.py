@@ -80,11 +80,11 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return True
 
 
-def _outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(q: torch.Tensor, k: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The result, [B, T, H, D] in memory, and the partials [B * HKV, stretches, rows, D + 2]
     (each row's unnormalised result, then its maximum and sum)."""
     (b, h, t, d), (hkv, s) = q.shape, k.shape[1:3]
-    count, _ = splits(b, hkv, s)
+    count = count or splits(b, hkv, s)[0]
     out = q.new_empty((b, t, h, d)).transpose(1, 2)
     return out, q.new_empty((b * hkv, count, (h // hkv) * t, d + 2), dtype=torch.float32)
 
@@ -133,95 +133,36 @@ def available() -> bool:
     return True
 
 
-@functools.cache
 def _kernels():
-    import triton
-    import triton.language as tl
+    from ferry.ops import split_kv_triton  # (imports Triton)
 
-    @triton.jit
-    def stretches(Q, K, V, M, P, sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, smb, smh, smt, smn,
-                  scale, S, COUNT, HKV, T: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                  DP: tl.constexpr, LENGTH: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr):
-        bh, sp = tl.program_id(0), tl.program_id(1)
-        b, hk = bh // HKV, bh % HKV
-        r = tl.arange(0, ROWS)
-        r_ok = r < G * T
-        h, t = hk * G + r // T, r % T
-        d = tl.arange(0, DP)
-        d_ok = d < D
-        q = tl.load(Q + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :],
-                    mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-        top = tl.full([ROWS], float("-inf"), tl.float32)
-        total = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, DP], tl.float32)
-        for i in range(0, LENGTH, BLOCK):
-            n = sp * LENGTH + i + tl.arange(0, BLOCK)
-            n_ok = n < S
-            kv_ok = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + b * skb + hk * skh + n[:, None] * skn + d[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            if MASK != 0:
-                m = tl.load(M + b * smb + h[:, None] * smh + t[:, None] * smt + n[None, :] * smn,
-                            mask=r_ok[:, None] & n_ok[None, :], other=0)
-                if MASK == 1:
-                    s = s + m.to(tl.float32)
-                else:
-                    s = tl.where(m != 0, s, float("-inf"))
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            new = tl.maximum(top, tl.max(s, 1))
-            shift = tl.where(new == float("-inf"), 0.0, new)
-            p = tl.exp(s - shift[:, None])
-            alpha = tl.exp(top - shift)
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * svb + hk * svh + n[:, None] * svn + d[None, :], mask=kv_ok, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            top = new
-        row = P + ((bh * COUNT + sp) * (G * T) + r) * (D + 2)
-        tl.store(row[:, None] + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
-        tl.store(row + D, top, mask=r_ok)
-        tl.store(row + D + 1, total, mask=r_ok)
-
-    @triton.jit
-    def combine(P, Out, sob, soh, sot, COUNT, HKV, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                DP: tl.constexpr, CP: tl.constexpr):
-        bh, r = tl.program_id(0), tl.program_id(1)
-        b, hk = bh // HKV, bh % HKV
-        h, t = hk * G + r // T, r % T
-        c = tl.arange(0, CP)
-        c_ok = c < COUNT
-        d = tl.arange(0, DP)
-        row = P + ((bh * COUNT + c) * (G * T) + r) * (D + 2)
-        top = tl.load(row + D, mask=c_ok, other=float("-inf"))
-        total = tl.load(row + D + 1, mask=c_ok, other=0.0)
-        best = tl.max(top, 0)
-        w = tl.exp(top - tl.where(best == float("-inf"), 0.0, best))
-        norm = tl.sum(w * total, 0)
-        acc = tl.load(row[:, None] + d[None, :], mask=c_ok[:, None] & (d[None, :] < D), other=0.0)
-        summed = tl.sum(acc * w[:, None], 0)
-        result = tl.where(norm > 0, summed / tl.maximum(norm, 1e-38), 0.0)
-        tl.store(Out + b * sob + h * soh + t * sot + d, result.to(Out.dtype.element_ty), mask=d < D)
-
-    return stretches, combine
+    return split_kv_triton.stretches, split_kv_triton.combine
 
 
-def _on_gpu(q, k, v, mask, scale):
+def _on_gpu(q, k, v, mask, scale, length: int | None = None, counts: torch.Tensor | None = None, **launch):
+    """The kernels. `length` (keys per stretch, a multiple of BLOCK_N) and `launch` (Triton's
+    num_warps, num_stages) override the defaults; with `counts` (int32, one zero per batch row
+    and KV head, left zero again) the last program of each KV head combines its rows, in one
+    launch: experiments of bench/split_kv_variants.py, not what the op runs."""
     import triton
 
     (b, h, t, d), (hkv, s) = q.shape, k.shape[1:3]
-    g, (count, length) = h // hkv, splits(b, hkv, s)
+    g, (count, length) = h // hkv, (((s + length - 1) // length, length) if length else splits(b, hkv, s))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out, partials = _outputs(q, k)
+    out, partials = _outputs(q, k, count)
     kind = 0 if mask is None else (2 if mask.dtype == torch.bool else 1)
     m = mask.expand(b, h, t, s) if mask is not None else q
     mstrides = m.stride() if mask is not None else (0, 0, 0, 0)
+    dp, cp = max(16, triton.next_power_of_2(d)), max(2, triton.next_power_of_2(count))
     stretches, combine = _kernels()
     with torch.cuda.device(q.device):
         stretches[(b * hkv, count)](
-            q, k, v, m, partials, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *mstrides,
-            float(scale), s, count, hkv, T=t, G=g, ROWS=max(16, triton.next_power_of_2(g * t)), D=d,
-            DP=max(16, triton.next_power_of_2(d)), LENGTH=length, BLOCK=BLOCK_N, MASK=kind)
-        combine[(b * hkv, g * t)](partials, out, *out.stride()[:3], count, hkv, T=t, G=g, D=d,
-                                  DP=max(16, triton.next_power_of_2(d)), CP=max(2, triton.next_power_of_2(count)))
+            q, k, v, m, partials, out, partials if counts is None else counts, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], *mstrides, *out.stride()[:3], float(scale), s, count, hkv, T=t, G=g,
+            ROWS=max(16, triton.next_power_of_2(g * t)), D=d, DP=dp, LENGTH=length, BLOCK=BLOCK_N, MASK=kind, CP=cp,
+            COMBINE=counts is not None, **launch)
+        if counts is None:
+            combine[(b * hkv, g * t)](partials, out, *out.stride()[:3], count, hkv, T=t, G=g, D=d, DP=dp, CP=cp)
     return out, partials
 
 
