@@ -117,6 +117,16 @@ def test_what_it_does_not_compute_is_refused(args, why):
         split_kv.split_kv_attention(q, k, k, mask, 0.125)
 
 
+def test_the_launch_experiments_refuse_what_would_count_keys_twice_or_overrun_the_counts():
+    q, k, v = _inputs(2, 8, 2, 1, 200, 64, torch.float16, "cpu", 6)
+    for length in (0, 96):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            split_kv._on_gpu(q, k, v, None, 0.125, length=length)
+    for counts in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="4 int32 zeros"):
+            split_kv._on_gpu(q, k, v, None, 0.125, counts=counts)
+
+
 def test_its_fake_results_are_the_real_ones_shapes_and_layouts():
     from torch._subclasses.fake_tensor import FakeTensorMode
     q, k, v = _inputs(2, 8, 2, 3, 200, 64, torch.bfloat16, "cpu", 5)

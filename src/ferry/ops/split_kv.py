@@ -144,13 +144,13 @@ def _on_gpu(q, k, v, mask, scale, length: int | None = None, counts: torch.Tenso
     num_warps, num_stages) override the defaults; with `counts` (int32, one zero per batch row
     and KV head, left zero again) the last program of each KV head combines its rows, in one
     launch: experiments of bench/split_kv_variants.py, not what the op runs."""
-    import triton
-
     (b, h, t, d), (hkv, s) = q.shape, k.shape[1:3]
     if length is not None and (length <= 0 or length % BLOCK_N):
         raise ValueError(f"split_kv: keys per stretch must be a positive multiple of {BLOCK_N}, not {length}")
     if counts is not None and (counts.dtype != torch.int32 or counts.numel() < b * hkv or counts.device != q.device):
         raise ValueError(f"split_kv: counts must be {b * hkv} int32 zeros on {q.device}")
+    import triton
+
     g, (count, length) = h // hkv, (((s + length - 1) // length, length) if length else splits(b, hkv, s))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out, partials = _outputs(q, k, count)
