@@ -101,7 +101,7 @@ def form(op, args: list, kwargs: dict, site: Site) -> Callable | None:
 
 
 def _attention(args, kwargs, site: Site) -> Callable | None:
-    params = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:])) | kwargs
+    params = _sdpa_params(args, kwargs)
     q, k, v = (args + [None] * 3)[:3]
     tensors = (q, k, v)
     if params.get("attn_mask") is not None or params.get("dropout_p", 0.0) or params.get("is_causal", False):
@@ -163,13 +163,15 @@ def split_kv_decision(args, kwargs, site: Site) -> Decision | None:
     not compute it: dropout, a causal flag, grouped heads not declared (SDPA's own error stays),
     not on a GPU with Triton.
     Both forms launch two kernels, so split-KV is kept where it saves 10% (timing.py)."""
-    params = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:])) | kwargs
+    params = _sdpa_params(args, kwargs)
     q, k, v = (list(args) + [None] * 3)[:3]
     mask = params.get("attn_mask")
+    # uncaptured, its Python call and two launches would cost the host more than they save; the
+    # inductor backend asks here directly, not through the hook, which checks determinism too
     if not site.captured or torch.are_deterministic_algorithms_enabled():
-        return None  # (the inductor backend asks here directly, not through the hook, which checks too)
+        return None
     if params.get("dropout_p", 0.0) or params.get("is_causal", False):
-        return None  # (uncaptured, its Python call and two launches would cost the host more than it saves)
+        return None
     if not split_kv.available():
         return None
     if not split_kv.fits(q, k, v, mask) or (q.shape[1] != k.shape[1] and not params.get("enable_gqa", False)):
@@ -216,7 +218,7 @@ def split_kv_rewrites(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torc
         made.append(decision)
         if not decision.taken:
             continue
-        options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), node.args[3:])) | node.kwargs
+        options = _sdpa_options(node)
         with gm.graph.inserting_before(node):
             both = gm.graph.call_function(SPLIT_KV_ATTENTION, (*node.args[:3], options.get("attn_mask"),
                                                                _scale(args[0], options.get("scale"))))
@@ -426,7 +428,11 @@ _SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 def _sdpa_options(node: torch.fx.Node) -> dict:
     """An attention call's arguments after q, k and v, by name (given by position or keyword)."""
-    return {**dict(zip(_SDPA_PARAMS, node.args[3:])), **node.kwargs}
+    return _sdpa_params(node.args, node.kwargs)
+
+
+def _sdpa_params(args, kwargs: dict) -> dict:
+    return {**dict(zip(_SDPA_PARAMS, args[3:])), **kwargs}
 
 
 def simplify_attention_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
