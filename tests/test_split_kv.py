@@ -137,6 +137,34 @@ def test_its_fake_results_are_the_real_ones_shapes_and_layouts():
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
 
 
+
+
+def test_inductor_computes_a_mask_several_calls_share_once():
+    """A decode step's layers read one additive mask: Inductor makes it one buffer every call
+    reads (under the default layout constraint for library ops it recomputed the mask once per
+    call: a kernel per layer on the GPU). The results still equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    length, gen = 64, torch.Generator().manual_seed(7)
+    q = torch.randn(1, 8, 1, 32, generator=gen, dtype=torch.bfloat16)
+    caches = [torch.randn(1, 2, length, 32, generator=gen, dtype=torch.bfloat16) for _ in range(6)]
+
+    def layers(q, pos, *caches):
+        allowed = torch.arange(length)[None, None, None] <= (pos + torch.arange(1))[None, None, :, None]
+        mask = torch.where(allowed.expand(1, -1, 1, length), 0.0, -math.inf).to(q.dtype)  # as transformers
+        out = q
+        for k, v in zip(caches[::2], caches[1::2]):
+            out = SPLIT_KV_ATTENTION(out, k, v, mask, 32 ** -0.5)[0] * 2
+        return out
+
+    pos = torch.tensor([40])
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):  # its key does not hold the op's tags
+        got, codes = run_and_get_code(torch.compile(layers, backend="inductor", fullgraph=True), q, pos, *caches)
+    masks = {line.split("(")[1].split(",")[3].strip() for code in codes for line in code.splitlines()
+             if "ferry.split_kv_attention.default(" in line}
+    assert len(masks) == 1, masks
+    assert torch.equal(got, layers(q, pos, *caches))
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

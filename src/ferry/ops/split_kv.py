@@ -186,7 +186,10 @@ def _register() -> torch.library.Library | None:
     lib = new_fragment("split_kv_attention")
     if lib is None:
         return None
-    lib.define(_SCHEMA)
+    # any layout: the kernels read every operand through its strides, and Inductor then computes a
+    # mask several calls share once, where the default constraint had it copy the mask per call
+    flexible = getattr(torch.Tag, "flexible_layout", None)
+    lib.define(_SCHEMA, tags=(flexible,) if flexible is not None else ())
     lib.impl("split_kv_attention", split_kv_attention, "CompositeExplicitAutograd")
     torch.library.register_fake("ferry::split_kv_attention", lambda q, k, v, mask, scale: _outputs(q, k), lib=lib)
     return lib
