@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import result_name, table, time_host, write_json  # noqa: E402
 
 import ferry  # noqa: E402
+from ferry.backends import inductor as inductor_backend  # noqa: E402
 from ferry.choices.summary import details  # noqa: E402
 from ferry.ops import split_kv  # noqa: E402
 from ferry.runtime import clone_to, device_of, emulated_device, sampling  # noqa: E402
@@ -623,6 +624,9 @@ def parse_args():
     p.add_argument("--split-kv", choices=("timed", "off"), default="timed",
                    help="a decode step's attention: ferry's split-KV kernels where timed faster at load (ferry's "
                         "default, ferry/ops/split_kv.py), or SDPA's kernels always (off: for an A/B)")
+    p.add_argument("--combo-kernels", choices=("on", "off"), default="on",
+                   help="a decode graph's independent small kernels launched together by Inductor (ferry's default, "
+                        "backends/inductor.py COMBO_KERNELS), or each alone (off: for an A/B)")
     p.add_argument("--memory-owners", action="store_true",
                    help="list what holds the GPU memory allocated after each runner's run, by the code that allocated it")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
@@ -640,6 +644,7 @@ def main():
     for item in args.inductor_config:
         key, _, value = item.partition("=")
         setattr(torch._inductor.config, key, ast.literal_eval(value))
+    inductor_backend.COMBO_KERNELS = args.combo_kernels == "on"
     if args.split_kv == "off":
         split_kv.available = lambda: False  # the choice is then never offered: SDPA's kernels run
     if not args.tiny and not torch.cuda.is_available():
@@ -652,6 +657,7 @@ def main():
               quant=args.quant, last_position=args.last_position, torchao_tuning=args.torchao_inductor_config == "on")
     settings = {"last_position_only": env.last_position, "torchao_inductor_config": args.torchao_inductor_config,
                 "device": env.ferry_device, "inductor_config": args.inductor_config, "split_kv": args.split_kv,
+                "combo_kernels": args.combo_kernels,
                 "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
                                          "directions for a static decode step with a one-row reduction or quantized "
                                          "product, otherwise none; the process's coordinate_descent_* keys ignored",

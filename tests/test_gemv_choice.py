@@ -164,8 +164,8 @@ def test_an_inductor_program_with_its_products_as_reductions_equals_eager(timed_
     compiled_with = []
     real_compile = inductor._inductor_compile
     monkeypatch.setattr(inductor, "_inductor_compile",
-                        lambda gm, ex, method, tuning=None: compiled_with.append(tuning) or real_compile(
-                            gm, ex, method, tuning))
+                        lambda gm, ex, method, tuning=None, **kw: compiled_with.append(tuning) or real_compile(
+                            gm, ex, method, tuning, **kw))
     torch.manual_seed(2)
     model = Step().to(torch.bfloat16).eval()
     x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
@@ -278,7 +278,7 @@ def test_a_graph_inductor_cannot_compile_runs_op_by_op_as_the_program_states_it(
     """Not with its products rewritten: op by op, a reduction would make the fp32 product."""
     from ferry.backends import inductor
 
-    def fails(gm, examples, method, tuning=None):
+    def fails(gm, examples, method, tuning=None, combo=False):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(inductor, "_inductor_compile", fails)

@@ -641,3 +641,22 @@ def test_an_inductor_program_runs_on_the_emulated_device(emu, tmp_path):
     assert {d.backend_id for d in program.delegates} == {"inductor"}
     program.save(tmp_path / "emu.ferry")
     matches_eager(ferry.Module(tmp_path / "emu.ferry"), model)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernels_launched_together(
+        emu, graphs, monkeypatch):
+    """Inductor's combo kernels (a decode layer's small independent kernels in one launch) for a
+    delegate of static sizes in a plan captured as CUDA graphs, not for one run kernel by kernel;
+    the results equal eager's either way."""
+    seen = []
+    real = torch._inductor.compile
+    monkeypatch.setattr(torch._inductor, "compile",
+                        lambda gm, examples, options=None: seen.append(options) or real(gm, examples, options=options))
+    model = Block().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(SHAPE),)),
+                            ferry.OpSupportPartitioner("emu:0", backend_id="inductor"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the emulated device captures no graph)
+        matches_eager(ferry.Module(program, cuda_graphs=graphs), model)
+    assert [options["combo_kernels"] for options in seen] == [graphs]

@@ -58,7 +58,15 @@ from ferry.runtime.stages.load import Memory, load_memory
 from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, NoMeta, PerCall, Ref, ref
 from ferry.runtime.stages.sizes import check_kernel
 
-__all__ = ["InductorBackend", "graph_of"]
+__all__ = ["COMBO_KERNELS", "InductorBackend", "graph_of"]
+
+# Inductor's horizontal fusion for graphs replayed as CUDA graphs: a decoder layer's independent
+# small kernels (q's rotary, k's with its cache write, v's cache write) become one launch, and so do
+# the per-layer position counters a step updates (bench/llm.py --combo-kernels off: the A/B).
+# Pointwise kernels only where this Inductor can say so: a combined persistent reduction (Qwen3's
+# q and k norms with their rotary) ran 12.9 µs where its parts took 4.8.
+COMBO_KERNELS = True
+_COMBO_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": True}
 
 
 class InductorBackend(Backend):
@@ -148,7 +156,7 @@ class InductorBackend(Backend):
             raise
         try:
             with _load_stream(method, caller):
-                compiled = _inductor_compile(gm, examples, method, tuning)
+                compiled = _inductor_compile(gm, examples, method, tuning, combo=static and caller.captured)
         except Exception as e:  # noqa: BLE001 - the same graph still runs, op by op: never a failed load
             warnings.warn(f"Inductor could not compile this delegate ({type(e).__name__}: {str(e)[:200]}); it runs "
                           "op by op instead (give its partition backend_id='torch' to say so at compile time)",
@@ -239,15 +247,21 @@ def sizes_from_shapes(gm: torch.fx.GraphModule) -> list[str]:
     return unmatched
 
 
-def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, tuning: dict | None = None):
+def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, tuning: dict | None = None,
+                      combo: bool = False):
     """Inductor's code for the graph: for its one shape, or, where inputs have dynamic sizes, for
     every size up to their bounds at once (Dynamo traces the graph with those dimensions marked
     dynamic, so a new size within the bounds runs the same kernels, never a new compile; a
     dimension of 1 is a shape of its own, compiled when first met). `tuning`: Inductor settings
-    for this compile (choices/gemv.py)."""
+    for this compile (choices/gemv.py). `combo`: a graph of static sizes replayed as CUDA graphs
+    (a decode step), whose independent small kernels are launched together where COMBO_KERNELS."""
     dynamic = {i: [d for d, dyn in enumerate(method.tensor(vid).dynamic) if dyn and examples[i].shape[d] >= 2]
                for i, vid in enumerate(tensor_inputs(method))}
     options: dict[str, Any] = dict(tuning or gemv.UNTUNED)  # every key set: nothing from the process's config
+    if combo and COMBO_KERNELS:  # (a key this Inductor lacks would fail the compile)
+        options.update((k, v) for k, v in _COMBO_OPTIONS.items() if hasattr(torch._inductor.config, k))
+    else:
+        options["combo_kernels"] = False
     with torch.no_grad():
         if not any(dynamic.values()):
             return torch._inductor.compile(gm, examples, options=options)
