@@ -69,6 +69,17 @@ from ferry.choices.summary import details  # noqa: E402
 from ferry.ops import split_kv  # noqa: E402
 from ferry.runtime import clone_to, device_of, emulated_device, sampling  # noqa: E402
 
+COMBO_CHOICES = ("on", "off", "benchmarked")
+
+
+def set_combo_kernels(choice: str) -> None:
+    """--combo-kernels: what a decode graph's compile asks of Inductor's horizontal fusion."""
+    inductor_backend.COMBO_KERNELS = choice != "off"
+    if choice == "benchmarked":
+        inductor_backend._COMBO_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": False,
+                                           "benchmark_combo_kernel": True}
+
+
 MODELS = {
     "llama-1b": ("LlamaConfig", "LlamaForCausalLM", dict(
         hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
@@ -624,9 +635,10 @@ def parse_args():
     p.add_argument("--split-kv", choices=("timed", "off"), default="timed",
                    help="a decode step's attention: ferry's split-KV kernels where timed faster at load (ferry's "
                         "default, ferry/ops/split_kv.py), or SDPA's kernels always (off: for an A/B)")
-    p.add_argument("--combo-kernels", choices=("on", "off"), default="on",
-                   help="a decode graph's independent small kernels launched together by Inductor (ferry's default, "
-                        "backends/inductor.py COMBO_KERNELS), or each alone (off: for an A/B)")
+    p.add_argument("--combo-kernels", choices=COMBO_CHOICES, default="on",
+                   help="a decode graph's independent pointwise kernels launched together by Inductor (on: ferry's "
+                        "default, backends/inductor.py COMBO_KERNELS), each alone (off: for an A/B), or reductions "
+                        "combined too where Inductor times a combination faster at compile (benchmarked: an experiment)")
     p.add_argument("--memory-owners", action="store_true",
                    help="list what holds the GPU memory allocated after each runner's run, by the code that allocated it")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
@@ -644,7 +656,7 @@ def main():
     for item in args.inductor_config:
         key, _, value = item.partition("=")
         setattr(torch._inductor.config, key, ast.literal_eval(value))
-    inductor_backend.COMBO_KERNELS = args.combo_kernels == "on"
+    set_combo_kernels(args.combo_kernels)
     if args.split_kv == "off":
         split_kv.available = lambda: False  # the choice is then never offered: SDPA's kernels run
     if not args.tiny and not torch.cuda.is_available():

@@ -72,10 +72,10 @@ def main():
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=1024)
     p.add_argument("--runners", default="compile,ferry-graphs,ferry-inductor-graphs")
-    p.add_argument("--combo-kernels", choices=("on", "off"), default="on", help="as bench/llm.py's")
+    p.add_argument("--combo-kernels", choices=llm.COMBO_CHOICES, default="on", help="as bench/llm.py's")
     p.add_argument("--out", default="llm_profile")
     args = p.parse_args()
-    llm.inductor_backend.COMBO_KERNELS = args.combo_kernels == "on"
+    llm.set_combo_kernels(args.combo_kernels)
     if not torch.cuda.is_available():
         print("llm_profile: skipped: needs a CUDA device")
         return
