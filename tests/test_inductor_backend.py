@@ -643,12 +643,15 @@ def test_an_inductor_program_runs_on_the_emulated_device(emu, tmp_path):
     matches_eager(ferry.Module(tmp_path / "emu.ferry"), model)
 
 
-@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("graphs, combo", [(True, True), (False, True), (True, False)])
 def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernels_launched_together(
-        emu, graphs, monkeypatch):
-    """Inductor's combo kernels (a decode layer's small independent kernels in one launch) for a
-    delegate of static sizes in a plan captured as CUDA graphs, not for one run kernel by kernel;
-    the results equal eager's either way."""
+        emu, graphs, combo, monkeypatch):
+    """Inductor's combo kernels, pointwise only (a decode layer's small independent kernels in one
+    launch), for a delegate of static sizes in a plan captured as CUDA graphs, not for one run
+    kernel by kernel nor with COMBO_KERNELS off; the results equal eager's either way."""
+    from ferry.backends import inductor
+
+    monkeypatch.setattr(inductor, "COMBO_KERNELS", combo)
     seen = []
     real = torch._inductor.compile
     monkeypatch.setattr(torch._inductor, "compile",
@@ -659,4 +662,20 @@ def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernel
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the emulated device captures no graph)
         matches_eager(ferry.Module(program, cuda_graphs=graphs), model)
-    assert [options["combo_kernels"] for options in seen] == [graphs]
+    [options] = seen
+    assert options["combo_kernels"] is (graphs and combo)
+    if graphs and combo:
+        assert options["combo_kernels_pointwise_only"] is True and options["benchmark_combo_kernel"] is False
+
+
+def test_an_inductor_lacking_a_combo_setting_compiles_without_combo_kernels(monkeypatch):
+    """Combo kernels of every kind made a slower decode step (Qwen3): an Inductor that cannot be
+    told every setting (pointwise only, ...) compiles without any, and is not handed a key it lacks."""
+    from ferry.backends import inductor
+
+    monkeypatch.setitem(inductor._COMBO_OPTIONS, "combo_kernels_of_a_later_inductor", True)  # a key this one lacks
+    seen = []
+    monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples, options=None: seen.append(options))
+    monkeypatch.setattr(inductor, "tensor_inputs", lambda method: [])  # a graph of no inputs: static
+    inductor._inductor_compile(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), [], None, combo=True)
+    assert seen[0]["combo_kernels"] is False and "combo_kernels_of_a_later_inductor" not in seen[0]

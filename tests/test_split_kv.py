@@ -3,6 +3,7 @@ Triton kernels on CUDA, fresh random inputs, every mask form, grouped and plain 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import math
 import warnings
@@ -117,6 +118,19 @@ def test_what_it_does_not_compute_is_refused(args, why):
         split_kv.split_kv_attention(q, k, k, mask, 0.125)
 
 
+def test_a_slice_of_a_cache_reaching_past_32_bit_offsets_is_not_split():
+    """The kernels' offsets are 32-bit: a cache slice of few elements whose last one lies 2**31 or
+    more past its first is not offered to the choice (meta tensors: no memory); the same keys laid
+    out densely are."""
+    cache = torch.empty(128, 8, 32768, 128, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(128, 32, 1, 128, dtype=torch.bfloat16, device="meta")
+    k = cache[:, :, :1024]
+    assert k.numel() < 2 ** 31 and not split_kv.fits(q, k, k, None)
+    assert split_kv.fits(q, k.contiguous(), k.contiguous(), None)
+    wide = torch.empty(1, 1, 1, 2 ** 32, dtype=torch.bool, device="meta")
+    assert not split_kv.fits(q[:1], k[:1].contiguous(), k[:1].contiguous(), wide[..., ::2 ** 22])
+
+
 def test_the_launch_experiments_refuse_what_would_count_keys_twice_or_overrun_the_counts():
     q, k, v = _inputs(2, 8, 2, 1, 200, 64, torch.float16, "cpu", 6)
     for length in (0, 96):
@@ -135,8 +149,6 @@ def test_its_fake_results_are_the_real_ones_shapes_and_layouts():
         fake = SPLIT_KV_ATTENTION(*(mode.from_tensor(x) for x in (q, k, v)), None, 0.125)
     for r, f in zip(real, fake):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
-
-
 
 
 def test_inductor_computes_a_mask_several_calls_share_once():
@@ -161,10 +173,43 @@ def test_inductor_computes_a_mask_several_calls_share_once():
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):  # its key does not hold the op's tags
         got, codes = run_and_get_code(torch.compile(layers, backend="inductor", fullgraph=True), q, pos, *caches)
-    masks = {line.split("(")[1].split(",")[3].strip() for code in codes for line in code.splitlines()
-             if "ferry.split_kv_attention.default(" in line}
-    assert len(masks) == 1, masks
+    calls = [ast.parse(line.split("=", 1)[1].strip()).body[0].value for code in codes for line in code.splitlines()
+             if "ferry.split_kv_attention.default(" in line]
+    masks = {ast.unparse(call.args[3]) for call in calls}
+    assert len(calls) == 3 and len(masks) == 1, masks
     assert torch.equal(got, layers(q, pos, *caches))
+
+
+def test_inputs_inductor_lays_out_padded_give_eagers_results():
+    """With no layout constraint Inductor may pad what it hands the op (as it does on a GPU): a
+    mask of 1,100 keys for two query rows arrives with rows of 1,152; q a view of a product."""
+    from torch._inductor.utils import run_and_get_code
+
+    length, gen, seen = 1100, torch.Generator().manual_seed(0), []
+    weight = torch.randn(64, 8 * 32, generator=gen, dtype=torch.bfloat16) * 0.1
+    k, v = (torch.randn(1, 2, length, 32, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    x = torch.randn(1, 2, 64, generator=gen, dtype=torch.bfloat16)
+
+    def two_layers(x, k, v, pos):
+        q = (x @ weight).view(1, 2, 8, 32).transpose(1, 2) * 1.5
+        allowed = torch.arange(length)[None, None, None] <= (pos + torch.arange(2))[None, None, :, None]
+        mask = torch.where(allowed, 0.0, -math.inf).to(q.dtype)
+        out = SPLIT_KV_ATTENTION(q, k, v, mask, 32 ** -0.5)[0]
+        return SPLIT_KV_ATTENTION(out * 2, k, v, mask, 32 ** -0.5)[0]
+
+    pos = torch.tensor([700])
+    want = two_layers(x, k, v, pos)
+    padding = {key: value for key, value in (("disable_padding_cpu", False), ("comprehensive_padding", True))
+               if hasattr(torch._inductor.config, key)}
+    real = split_kv._reference
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False, **padding), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(split_kv, "_reference", lambda *a: seen.append(a[3].stride()) or real(*a))
+        got, _ = run_and_get_code(torch.compile(two_layers, backend="inductor", fullgraph=True), x, k, v, pos)
+    assert torch.equal(got, want)
+    assert seen and all(stride[2] > length for stride in seen)  # (padded: the layout this test is about)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

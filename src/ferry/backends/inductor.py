@@ -63,10 +63,11 @@ __all__ = ["COMBO_KERNELS", "InductorBackend", "graph_of"]
 # Inductor's horizontal fusion for graphs replayed as CUDA graphs: a decoder layer's independent
 # small kernels (q's rotary, k's with its cache write, v's cache write) become one launch, and so do
 # the per-layer position counters a step updates (bench/llm.py --combo-kernels off: the A/B).
-# Pointwise kernels only where this Inductor can say so: a combined persistent reduction (Qwen3's
-# q and k norms with their rotary) ran 12.9 µs where its parts took 4.8.
+# Pointwise kernels only, and not at all with an Inductor that cannot say so: a combined persistent
+# reduction (Qwen3's q and k norms with their rotary) ran 12.9 µs where its parts took 4.8.
+# Inductor's other combo settings (how many kernels a combination takes, ...) are its defaults.
 COMBO_KERNELS = True
-_COMBO_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": True}
+_COMBO_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": True, "benchmark_combo_kernel": False}
 
 
 class InductorBackend(Backend):
@@ -253,15 +254,15 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
     every size up to their bounds at once (Dynamo traces the graph with those dimensions marked
     dynamic, so a new size within the bounds runs the same kernels, never a new compile; a
     dimension of 1 is a shape of its own, compiled when first met). `tuning`: Inductor settings
-    for this compile (choices/gemv.py). `combo`: a graph of static sizes replayed as CUDA graphs
-    (a decode step), whose independent small kernels are launched together where COMBO_KERNELS."""
+    for this compile (choices/gemv.py). `combo`: a graph of static sizes in a plan captured as CUDA
+    graphs (a decode step), whose independent pointwise kernels are launched together where
+    COMBO_KERNELS (Inductor's code for the CPU, the emulated device's, has no such kernels)."""
     dynamic = {i: [d for d, dyn in enumerate(method.tensor(vid).dynamic) if dyn and examples[i].shape[d] >= 2]
                for i, vid in enumerate(tensor_inputs(method))}
     options: dict[str, Any] = dict(tuning or gemv.UNTUNED)  # every key set: nothing from the process's config
-    if combo and COMBO_KERNELS:  # (a key this Inductor lacks would fail the compile)
-        options.update((k, v) for k, v in _COMBO_OPTIONS.items() if hasattr(torch._inductor.config, k))
-    else:
-        options["combo_kernels"] = False
+    # (a key this Inductor lacks would fail the compile)
+    combine = combo and COMBO_KERNELS and all(hasattr(torch._inductor.config, k) for k in _COMBO_OPTIONS)
+    options.update(_COMBO_OPTIONS if combine else {"combo_kernels": False})
     with torch.no_grad():
         if not any(dynamic.values()):
             return torch._inductor.compile(gm, examples, options=options)

@@ -57,7 +57,19 @@ def splits(batch: int, kv_heads: int, keys: int) -> tuple[int, int]:
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """The op computes this SDPA call: 4-D half-precision q, k, v of one dtype and device, k and v
     of one shape, grouped heads, at most MAX_ROWS query rows per KV head, a float or bool mask
-    broadcastable to the scores, each tensor under 2**31 elements."""
+    broadcastable to the scores, and the kernels' 32-bit offsets reach every element (`_spans_fit`)."""
+    return _computes(q, k, v, mask) and _spans_fit(q, k, v, mask)
+
+
+def _spans_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Each operand's farthest element, and the result's, within a 32-bit offset of its first: a
+    slice of a longer cache may reach far past its own element count."""
+    spans = [1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) for t in (q, k, v, mask) if t is not None]
+    return max(spans + [q.numel()]) < _INT32
+
+
+def _computes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """`fits` but for the operands' layouts: what the op computes in either form."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return False
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype or k.shape != v.shape:
@@ -67,8 +79,6 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         return False
     if q.numel() == 0 or k.numel() == 0:
         return False  # (SDPA's own empty result)
-    if max(x.numel() for x in (q, k, v) + (() if mask is None else (mask,))) >= _INT32:
-        return False  # (the kernels' offsets are 32-bit)
     if mask is None:
         return True
     if mask.dtype not in (torch.bool, q.dtype, torch.float32) or mask.dim() > 4:
@@ -173,11 +183,12 @@ def _on_gpu(q, k, v, mask, scale, length: int | None = None, counts: torch.Tenso
 def split_kv_attention(q, k, v, mask, scale):
     """The op's kernel for any device: the two Triton kernels on CUDA where Triton imports, the
     same arithmetic in torch ops elsewhere."""
-    if not fits(q, k, v, mask):
+    if not _computes(q, k, v, mask):
         raise ValueError(f"split_kv_attention: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"mask {None if mask is None else (tuple(mask.shape), mask.dtype)}: not a grouped-heads "
                          f"half-precision attention of at most {MAX_ROWS} query rows per KV head")
-    if q.device.type == "cuda" and available():
+    # (a layout Inductor chose after the choice, padded past 32-bit offsets, takes the torch ops)
+    if q.device.type == "cuda" and available() and _spans_fit(q, k, v, mask):
         return _on_gpu(q, k, v, mask, scale)
     return _reference(q, k, v, mask, scale)
 
