@@ -1,6 +1,7 @@
 """The Triton kernels of split-KV attention (ops/split_kv.py, which imports this module only where
-Triton imports and a kernel is launched). Offsets are 32-bit: split_kv.fits refuses tensors of
-2**31 elements or more."""
+Triton imports and a kernel is launched). Offsets are 32-bit: split_kv.fits refuses an operand
+whose farthest element lies 2**31 or more past its first, and split_kv_attention then runs the
+torch ops."""
 
 from __future__ import annotations
 
