@@ -50,6 +50,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import linecache
 import sys
 import time
 import warnings
@@ -511,12 +512,17 @@ def peak_owners(env: Env, since: int | None, top: int = 8) -> list | None:
 
 
 def _allocated_by(frames: list) -> str:
-    """The innermost frame of library code and the innermost of ferry's, innermost first."""
+    """The innermost frame of library code and the innermost of ferry's, innermost first; where
+    Inductor's generated code made the call, its line too (which op of the graph allocated)."""
     code = [f for f in frames if "/bench/" not in f["filename"]
             and ("site-packages" in f["filename"] or "/ferry/" in f["filename"])]  # not the standard library
     picked = code[:1] + [f for f in code[1:] if "/ferry/" in f["filename"]][:1]
-    return " < ".join(f"{Path(f['filename']).parent.name}/{Path(f['filename']).name}:{f['line']} {f['name']}"
+    where = " < ".join(f"{Path(f['filename']).parent.name}/{Path(f['filename']).name}:{f['line']} {f['name']}"
                        for f in picked) or "(no Python frame)"
+    generated = [f for f in frames if "torchinductor" in f["filename"]][:1]
+    for f in generated:
+        where += f" [Inductor code: {linecache.getline(f['filename'], f['line']).strip()[:160]}]"
+    return where
 
 
 def run_config(name, model, batch, cache, prompts, runners, env: Env, bandwidth: float, rows, pre, save,

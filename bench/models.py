@@ -346,8 +346,11 @@ def run_model(name, batch, device, runners, ios, repeat):
                 print(f"{name} batch {batch} {io} {runner}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 rows.append({"model": name, "batch": batch, "io": io, "runner": runner,
                              "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        for (row, call, _), (p10, ms, p90) in zip(live, _time_interleaved([c for _, c, _ in live], device, repeat)):
+        for (row, call, _), (p10, ms, p90), (samples, collecting) in zip(
+                live, *_time_interleaved([c for _, c, _ in live], device, repeat)):
             row["ms"], row["p10_ms"], row["p90_ms"] = ms, p10, p90
+            row["samples_ms"] = [round(t, 4) for t in samples]  # in call order: a slow mode's pattern shows
+            row["gc_ms"] = [round(t, 4) for t in collecting]  # Python's garbage collection inside each sample
             row["rel_err_after"] = _check(call(), want)  # still right after the timed calls of every runner
             rows.append(row)
         for _, _, module in live:
@@ -358,23 +361,46 @@ def run_model(name, batch, device, runners, ios, repeat):
     return rows
 
 
-def _time_interleaved(calls, device, repeat, rounds=6, warmup=5) -> list[tuple[float, float, float]]:
-    """(p10, median, p90) ms per call of each of `calls`, sampled round-robin in `rounds` rounds:
-    the spread shows a slow mode that a median hides (issue: a p90 above 1.25x the median)."""
+def _time_interleaved(calls, device, repeat, rounds=6, warmup=5):
+    """([(p10, median, p90)], [(samples, gc)]) ms per call of each of `calls`, sampled round-robin
+    in `rounds` rounds: the spread shows a slow mode that a median hides (issue: a p90 above 1.25x
+    the median); each sample's time in Python's garbage collector says whether it is the cause."""
     for call in calls:
         for _ in range(warmup):
             call()
     samples: list[list[float]] = [[] for _ in calls]
+    collecting: list[list[float]] = [[] for _ in calls]
     per_round = max(1, repeat // rounds)
-    for _ in range(rounds):
-        for call, out in zip(calls, samples):
-            for _ in range(per_round):
-                _sync(device)
-                t = time.perf_counter()
-                call()
-                _sync(device)
-                out.append((time.perf_counter() - t) * 1e3)
-    return [_spread(s) for s in samples]
+    with _GcClock() as gc_clock:
+        for _ in range(rounds):
+            for call, out, in_gc in zip(calls, samples, collecting):
+                for _ in range(per_round):
+                    _sync(device)
+                    gc_clock.total = 0.0
+                    t = time.perf_counter()
+                    call()
+                    _sync(device)
+                    out.append((time.perf_counter() - t) * 1e3)
+                    in_gc.append(gc_clock.total * 1e3)
+    return [_spread(s) for s in samples], list(zip(samples, collecting))
+
+
+class _GcClock:
+    """Seconds Python's garbage collector ran since `total` was last zeroed (gc.callbacks)."""
+
+    def __enter__(self):
+        self.total, self._start = 0.0, 0.0
+        gc.callbacks.append(self._on)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on)
+
+    def _on(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._start
 
 
 def _spread(samples: list[float]) -> tuple[float, float, float]:

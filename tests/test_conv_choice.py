@@ -227,14 +227,15 @@ def test_bound_steps_run_the_gemm_only_in_captured_plans(graphs, timed, cudnn, e
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("kernel", ["measured", "gemm forced"])
-def test_on_cuda_the_convolutions_are_measured_and_equal_eager(kernel, fresh, full_fp32, monkeypatch):
-    """ResNet-50's layer-4 bottleneck (2048 and 512 channels at 7x7), with graphs."""
+@pytest.mark.parametrize("backend", ["torch", "inductor"])
+def test_on_cuda_the_convolutions_are_measured_and_equal_eager(kernel, backend, fresh, full_fp32, monkeypatch):
+    """ResNet-50's layer-4 bottleneck (2048 and 512 channels at 7x7), with graphs, either backend."""
     if kernel == "gemm forced":
         monkeypatch.setattr(kernel_timing, "KEEP_IF_ABOVE", math.inf)
         monkeypatch.setattr(kernel_timing, "MIN_SAVING_US", -math.inf)
     model = Bottleneck(2048, 512).eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(1, 2048, 7, 7),)),
-                            ferry.OpSupportPartitioner("cuda:0"))
+                            ferry.OpSupportPartitioner("cuda:0", backend_id=backend))
     module = ferry.Module(program, cuda_graphs=True)
     cuda_model = model.cuda()
     for _ in range(3):
@@ -257,3 +258,39 @@ def test_the_gemm_form_takes_a_layout_other_than_the_planned_one(timed, cudnn):
     args[0] = args[0].transpose(2, 3).contiguous().transpose(2, 3)
     args[2] = args[2].transpose(2, 3).contiguous().transpose(2, 3)
     torch.testing.assert_close(fn(*args), eager(args, True))
+
+
+@pytest.mark.parametrize("case", ["captured, GEMM faster", "captured, GEMM slower", "not captured"])
+def test_the_inductor_backend_compiles_the_convolutions_timed_faster_as_gemms(case, timed, cudnn, emu, monkeypatch):
+    """The inductor backend's form of the choice: in a plan captured as CUDA graphs, each
+    convolution one GEMM over its patches runs faster (a fake clock) reaches Inductor as
+    `im2col` (a reshape for 1x1) and `mm`, not as cuDNN's convolution; results equal eager's."""
+    import warnings
+
+    if case == "captured, GEMM slower":
+        timed.times = (100.0, 95.0)
+    graphs_seen = []
+    real = torch._inductor.compile
+    monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples, options=None: (
+        graphs_seen.append({n.target for n in gm.graph.nodes}) or real(gm, examples, options=options)))
+    model = Bottleneck().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(1, 32, 6, 5),)),
+                            ferry.OpSupportPartitioner("emu:0", backend_id="inductor"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the emulated device captures no graph)
+        module = ferry.Module(program, cuda_graphs=case != "not captured")
+        module.load_method()
+    made = convolutions()
+    assert sorted((d.op, d.shape.split(",")[0], d.taken) for d in made) == (
+        [] if case == "not captured" else
+        [("aten.convolution", "1x1", case == "captured, GEMM faster")] * 2
+        + [("aten.convolution", "3x3", case == "captured, GEMM faster")])
+    [targets] = graphs_seen
+    gemms = case == "captured, GEMM faster"
+    assert bool(targets & {torch.ops.aten.conv2d.default, torch.ops.aten.convolution.default}) is not gemms
+    assert (torch.ops.aten.im2col.default in targets) is gemms
+    for _ in range(3):
+        x = torch.randn(1, 32, 6, 5)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)

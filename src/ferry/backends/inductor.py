@@ -43,7 +43,7 @@ from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
 from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_program
 from ferry.capture import keep_workspace, on_side_stream
-from ferry.choices import attention, gemv
+from ferry.choices import attention, conv, gemv
 from ferry.choices.decisions import Site
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
@@ -148,8 +148,9 @@ class InductorBackend(Backend):
             with _load_stream(method, caller):
                 shapes = _dry_run(gm, examples)
                 static = not _dynamic(method)
-                if static:  # a decode step's attention as split-KV where it is faster (timed)
+                if static:  # kernels chosen by timing: split-KV attention, convolutions as GEMMs
                     attention.split_kv_rewrites(gm, shapes, _site(method, caller))
+                    conv.gemm_rewrites(gm, shapes, _site(method, caller))
                 # a decode step: its one-row products chosen (timed), its kernels tuned; else untuned
                 tuning = gemv.settings(gm, shapes, static=static)
         except BaseException:

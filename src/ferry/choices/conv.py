@@ -44,7 +44,7 @@ from ferry.choices.graph_edits import Rewrite, attr, call, constant, single_use
 from ferry.ops import fused
 from ferry.ops.fused import CONV_ADD_RELU, CONV_RELU
 
-__all__ = ["OPS", "PATTERNS", "conv_as_gemm", "form"]
+__all__ = ["OPS", "PATTERNS", "conv_as_gemm", "form", "gemm_rewrites"]
 
 aten = torch.ops.aten
 OPS = frozenset({fused.CONV_RELU, fused.CONV_ADD_RELU})
@@ -140,6 +140,112 @@ def _decide(device, op, args, residual, site: Site) -> Decision | None:
     pixels = math.prod(fused.result_shape(x, weight, *conv)[2:])
     shape = f"{kh}x{kw}{' + residual' if residual else ''}, {co}x{ci * kh * kw}x{pixels}"
     return timing.decision(FAMILY, str(op.name()), shape, device, x.dtype, FORMS, times)
+
+
+# ---------------------------------------------------------------- the inductor backend's form
+
+
+def gemm_rewrites(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], site: Site) -> list[Decision]:
+    """The inductor backend's form of the choice, at load, in a graph of static sizes in a plan
+    captured as CUDA graphs: each convolution of one image that one GEMM over its patches runs
+    faster (timed, as `form`'s) becomes `im2col` (a view for a 1x1 kernel of stride 1), `mm` and
+    the bias; Inductor gathers the patches in a kernel of its own, calls cuBLAS for the GEMM and
+    fuses the bias into what follows (a batch norm, a residual, a ReLU). Inductor left to itself
+    calls cuDNN: ResNet-50 at batch 1 took 2.75 ms with graphs where the torch backend, with this
+    choice, took 1.09 (H200, fp32, TF32 off). `shapes`: a meta tensor per node, as the dry run
+    made it. Returns the decisions."""
+    if not site.captured:
+        return []
+    made = []
+    for node in list(gm.graph.nodes):
+        args = _plain_conv(gm, node, shapes)
+        decision = None if args is None else _plain_decision(args, site)
+        if decision is None:
+            continue
+        made.append(decision)
+        if decision.taken:
+            _as_gemm(gm, node, args)
+    if any(d.taken for d in made):
+        gm.recompile()
+    return made
+
+
+def _plain_conv(gm, node, shapes) -> tuple | None:
+    """(x, weight, bias, stride, padding, dilation) of a 2-D convolution of one image by a
+    constant weight that `_one_image` takes (x a meta tensor, weight and bias real), or None."""
+    if node.op != "call_function" or node.target not in (aten.conv2d.default, aten.convolution.default):
+        return None
+    if node.target is aten.convolution.default and (_conv_arg(node, "transposed") or any(_conv_arg(node, "output_padding"))):
+        return None
+    x, w, b, stride, padding, dilation, groups = _conv_args(node)
+    xv, weight = shapes.get(x) if isinstance(x, torch.fx.Node) else None, attr(gm, w)
+    bias = attr(gm, b) if b is not None else None
+    if xv is None or weight is None or (b is not None and bias is None) or M.static_ints(xv.shape) is None:
+        return None
+    if not _one_image(xv, weight, bias, None, stride, padding, dilation, groups):
+        return None
+    return xv, weight, bias, stride, padding, dilation
+
+
+def _plain_decision(args: tuple, site: Site) -> Decision | None:
+    x, weight, bias, stride, padding, dilation = args
+    device = timing.gpu_of([weight], site.device)
+    if device is None:
+        return None
+    key = (FAMILY, "aten.convolution", str(device), x.dtype, *blas_settings(), torch.backends.cudnn.allow_tf32,
+           site.replays, tuple(x.shape), tuple(weight.shape), bias is None, *map(tuple, (stride, padding, dilation)))
+    return DECISIONS.get(key, lambda: _decide_plain(device, args, site), timing.may_time(site, device))
+
+
+def _decide_plain(device, args: tuple, site: Site) -> Decision | None:
+    """cuDNN's convolution (as Inductor calls it) against the patches and one GEMM, bias added."""
+    with timing.on(device), torch.no_grad():
+        try:
+            x, weight, bias = (timing.scratch(t, device) if t is not None else None for t in args[:3])
+            conv = args[3:]
+            if not fused.cudnn_takes(x, weight, bias, *conv, 1):
+                return None  # eager's convolution is not cuDNN's here: Inductor's call stays
+            times = timing.time_both(lambda: aten.convolution.default(x, weight, bias, *conv, False, [0, 0], 1),
+                                     lambda: _patches_gemm(x, weight, bias, *conv), site.replay_stream())
+        except torch.cuda.OutOfMemoryError:
+            return None
+    co, ci, kh, kw = weight.shape
+    pixels = math.prod(fused.result_shape(x, weight, *conv)[2:])
+    return timing.decision(FAMILY, "aten.convolution", f"{kh}x{kw}, {co}x{ci * kh * kw}x{pixels}", device, x.dtype,
+                           FORMS, times)
+
+
+def _patches_gemm(x, weight, bias, stride, padding, dilation):
+    """conv2d(x, weight, bias) of one image as the rewritten graph computes it (`_as_gemm`)."""
+    co, ci, kh, kw = weight.shape
+    ho, wo = fused.result_shape(x, weight, stride, padding, dilation)[2:]
+    if _pointwise(weight, stride, padding):
+        patches = x.reshape(ci, ho * wo)
+    else:
+        patches = aten.im2col.default(x, [kh, kw], dilation, padding, stride).view(ci * kh * kw, ho * wo)
+    y = torch.mm(weight.view(co, ci * kh * kw), patches)
+    return (y if bias is None else y + bias.view(co, 1)).view(1, co, ho, wo)
+
+
+def _as_gemm(gm: torch.fx.GraphModule, node: torch.fx.Node, args: tuple) -> None:
+    """Replace convolution `node` by `_patches_gemm`'s ops."""
+    x, weight, bias = node.args[0], *_conv_args(node)[1:3]
+    xv, w, _, stride, padding, dilation = args
+    co, ci, kh, kw = w.shape
+    ho, wo = fused.result_shape(xv, w, stride, padding, dilation)[2:]
+    g = gm.graph
+    with g.inserting_before(node):
+        if _pointwise(w, stride, padding):  # (a reshape: Inductor may lay x out otherwise than the dry run did)
+            patches = g.call_function(aten.reshape.default, (x, [ci, ho * wo]))
+        else:
+            cols = g.call_function(aten.im2col.default, (x, [kh, kw], list(dilation), list(padding), list(stride)))
+            patches = g.call_function(aten.view.default, (cols, [ci * kh * kw, ho * wo]))
+        y = g.call_function(aten.mm.default, (g.call_function(aten.view.default, (weight, [co, ci * kh * kw])), patches))
+        if bias is not None:
+            y = g.call_function(aten.add.Tensor, (y, g.call_function(aten.view.default, (bias, [co, 1]))))
+        out = g.call_function(aten.view.default, (y, [1, co, ho, wo]))
+    node.replace_all_uses_with(out)
+    g.erase_node(node)
 
 
 # ---------------------------------------------------------------- compile time
