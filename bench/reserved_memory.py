@@ -63,14 +63,31 @@ def one(name: str, runner: str) -> dict:
         p["largest"] = sorted(p["largest"], key=lambda s: -s[0])[:8]
     return {"model": name, "runner": runner, "peak_mib": torch.cuda.max_memory_allocated() / MiB,
             "reserved_peak_mib": torch.cuda.max_memory_reserved() / MiB,
-            "reserved_now_mib": torch.cuda.memory_reserved() / MiB, "pools": list(pools.values())}
+            "reserved_now_mib": torch.cuda.memory_reserved() / MiB, "pools": list(pools.values()),
+            "segment_events": _segment_events(snap)}
 
 
-def _frame(frames: list) -> str:
-    """The innermost frames of ferry's and of the libraries' code that made a block."""
+def _segment_events(snap: dict) -> list:
+    """Each segment the allocator took from the driver or gave back, in order: [action, MiB,
+    reserved MiB after it, the frame that asked]. Shows which phase (weights, the arena, timing
+    at load, a first call, a capture) made the reserved peak."""
+    out, reserved = [], 0.0
+    for event in snap["device_traces"][0]:
+        if event["action"] not in ("segment_alloc", "segment_free"):
+            continue
+        size = event["size"] / MiB
+        reserved += size if event["action"] == "segment_alloc" else -size
+        out.append([event["action"].removeprefix("segment_"), round(size, 2), round(reserved, 1),
+                    _frame(event.get("frames", []), deep=True)])
+    return out
+
+
+def _frame(frames: list, deep: bool = False) -> str:
+    """The innermost frames of ferry's and of the libraries' code that made a block (`deep`: the
+    three innermost of ferry's, which tell a load's timing from a first call or a capture)."""
     code = [f for f in frames if "/bench/" not in f["filename"]
             and ("site-packages" in f["filename"] or "/ferry/" in f["filename"])]
-    ferry = [f for f in code if "/ferry/" in f["filename"]][:1]
+    ferry = [f for f in code if "/ferry/" in f["filename"]][:3 if deep else 1]
     return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in code[:1] + ferry) or "(C++)"
 
 
@@ -104,6 +121,10 @@ def main():
                   f"{pool['reserved_mib']:.1f} MiB reserved, {pool['allocated_mib']:.1f} allocated")
             for size, used, frame in pool["largest"]:
                 print(f"  {size:8.2f} MiB segment, {used:8.2f} used; largest block by {frame}")
+        if r.get("segment_events"):
+            print(f"\n{r['model']} {r['runner']}: segments taken (+) and given back (-), reserved MiB after each")
+            for action, size, total, frame in r["segment_events"]:
+                print(f"  {'+' if action == 'alloc' else '-'}{size:8.2f} -> {total:8.1f}  {frame}")
     write_json(args.out, {"rows": rows})
 
 

@@ -675,7 +675,29 @@ def test_an_inductor_lacking_a_combo_setting_compiles_without_combo_kernels(monk
 
     monkeypatch.setitem(inductor._COMBO_OPTIONS, "combo_kernels_of_a_later_inductor", True)  # a key this one lacks
     seen = []
-    monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples, options=None: seen.append(options))
+    monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples, options=None: seen.append(options) or gm)
     monkeypatch.setattr(inductor, "tensor_inputs", lambda method: [])  # a graph of no inputs: static
     inductor._inductor_compile(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), [], None, combo=True)
     assert seen[0]["combo_kernels"] is False and "combo_kernels_of_a_later_inductor" not in seen[0]
+
+
+def test_a_static_delegates_code_first_runs_at_load_on_scratch_inputs(monkeypatch):
+    """Inductor tunes a GPU kernel at its first launch (an L2-sized buffer to flush the cache,
+    copies of what the kernel writes): that launch is made at load, on the examples, so the
+    first call allocates no more than later ones. The results are still eager's."""
+    runs = []
+    real = torch._inductor.compile
+
+    def counted(gm, examples, options=None):
+        fn = real(gm, examples, options=options)
+        return lambda *args: runs.append(len(args)) or fn(*args)
+
+    monkeypatch.setattr(torch._inductor, "compile", counted)
+    model = Block().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(SHAPE),)),
+                            ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    module = ferry.Module(program)
+    module.load_method()
+    assert runs == [1]
+    matches_eager(module, model)
+    assert runs == [1] * 4
