@@ -58,6 +58,7 @@ def fake_gpu(monkeypatch):
         return run
 
     capturing, graphs, alive, emptied, ran_on, workspaces = [], [], weakref.WeakSet(), [], [], []
+    emptied_after: list[int] = []
 
     class Capture:
         """What a fake graph captured (kept after the graph is gone): its stream, pool and kernels."""
@@ -89,8 +90,9 @@ def fake_gpu(monkeypatch):
         def pool(self):
             return self.capture.pool()
 
-    def empty_cache():  # how many timing graphs are still alive
+    def empty_cache():  # how many timing graphs are still alive, and how many were captured so far
         emptied.append(len(list(alive)))
+        emptied_after.append(len(graphs))
 
     current = ["default"]
 
@@ -127,6 +129,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "use_mem_pool", use_mem_pool)
     monkeypatch.setattr(shared_capture, "KEPT_WORKSPACES", {})
     kernel.graphs, kernel.Stream, kernel.capturing, kernel.emptied = graphs, Stream, capturing, emptied
+    kernel.emptied_after = emptied_after
     kernel.ran_on, kernel.workspaces = ran_on, workspaces
     return kernel, sleeps
 
@@ -173,7 +176,9 @@ def test_in_a_captured_plan_each_form_is_replayed_from_a_graph_on_its_capture_st
     (pool,) = shared_capture.KEPT_WORKSPACES.values()
     assert kernel.workspaces == [(pool, stream), (pool, stream)]
     assert kernel.ran_on and set(kernel.ran_on) == {stream}  # the warm-up too: the caller's stream runs nothing
-    assert kernel.emptied == [0, 0]  # after each timing, its graphs gone: their pool is handed back
+    # before each capture (the warm-up's cached blocks, which the capture's pool cannot reuse) and
+    # after it, its graphs gone (their pool)
+    assert kernel.emptied == [0, 0, 0, 0] and kernel.emptied_after == [0, 2, 2, 4]
     assert {g.mode for g in kernel.graphs} == {"thread_local"}  # another thread's host wait breaks nothing
 
 
