@@ -82,16 +82,21 @@ def test_int8_dynamic_activations_generate_what_the_exported_program_generates(e
     """torchao's int8 dynamic-activation variant exports as its own ops (`choose_qparams_affine`,
     `quantize_affine`) around an `_int_mm`: they are placed and run like ATen's. Quantizing each
     activation row turns eager's float rounding into steps of a quantum, so torchao eager's own
-    generation parts from its exported graph's on near ties; the tokens are checked against the
-    exported program run by PyTorch, the prompt's logits against torchao eager."""
+    generation parts from its exported graph's on near ties. The tokens and the prompt's logits
+    are checked against the exported program run by PyTorch (on an AMD EPYC host torchao
+    quantizes the activations to uint8, and its eager logits part from its exported graph's by
+    a quantum there, 0.064), the logits against torchao eager's within a few quanta."""
     prompt = token_ids((1, PROMPT), 4) % CONFIG["vocab_size"]
     ep = exported(True, activations=True)
     with torch.no_grad():
-        want_logits = llama(True, activations=True)(prompt).logits
+        eager_logits = llama(True, activations=True)(prompt).logits
+        want_logits = ep.module()(input_ids=prompt, cache_position=torch.arange(PROMPT))
         want = greedy_by_pytorch(ep.module(), prompt, NEW)
     assert len(set(want[0, PROMPT:].tolist())) >= 6, want
     run = Compiled(ep, placement, tmp_path / "int8da.ferry")
-    torch.testing.assert_close(run(prompt, torch.arange(PROMPT))[0], want_logits, rtol=1e-4, atol=1e-4)
+    got_logits = run(prompt, torch.arange(PROMPT))[0]
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert (got_logits - eager_logits).abs().max() <= 0.05 * eager_logits.abs().max()
     assert ferry.generate(run.module, prompt, NEW).tokens.tolist() == want.tolist()
     records = run.module.program.method("forward").quantized_weights
     assert len(records) == 7 * CONFIG["num_hidden_layers"] + 1
@@ -118,6 +123,10 @@ def test_int8_dynamic_activations_with_rows_padded_as_for_cuda(emu, tmp_path, mo
     monkeypatch.setattr(kernel_limits, "FITTED_ON", frozenset({"cuda", "emu"}))
     prompt = token_ids((1, PROMPT), 4) % CONFIG["vocab_size"]
     ep = exported(True, activations=True)
+    if any(n.target is torch.ops.aten._int_mm.default and n.args[0].meta["val"].dtype == torch.uint8
+           for n in ep.graph.nodes):
+        pytest.skip("torchao quantizes activations to uint8 on this CPU (oneDNN's u8s8): CUDA's _int_mm takes "
+                    "int8 only, and ferry refuses that placement at compile time")
     with torch.no_grad():
         want = greedy_by_pytorch(ep.module(), prompt, NEW)
     run = Compiled(ep, "emu-io", tmp_path / "int8da.ferry")
