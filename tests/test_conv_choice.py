@@ -244,6 +244,8 @@ def test_on_cuda_the_convolutions_are_measured_and_equal_eager(kernel, backend, 
             torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
     made = convolutions()
     assert len(made) == 3 and all(d.device == "cuda:0" and len(d.times_us) == 2 and min(d.times_us) > 0 for d in made)
+    assert {d.op for d in made} == ({"aten.convolution"} if backend == "inductor" else {"ferry::conv_relu",
+                                                                                     "ferry::conv_add_relu"})
     assert kernel == "measured" or all(d.taken for d in made)
 
 
@@ -294,3 +296,54 @@ def test_the_inductor_backend_compiles_the_convolutions_timed_faster_as_gemms(ca
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def one_convolution(target: str, x, weight, bias, stride, padding, dilation) -> torch.fx.GraphModule:
+    """A graph of one ATen convolution node (`conv2d` or `convolution`) of constant weights."""
+    root = torch.nn.Module()
+    root.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        root.bias = torch.nn.Parameter(bias, requires_grad=False)
+    g = torch.fx.Graph()
+    xin, w = g.placeholder("x"), g.get_attr("weight")
+    b = g.get_attr("bias") if bias is not None else None
+    conv = [list(stride), list(padding), list(dilation)]
+    node = (g.call_function(torch.ops.aten.conv2d.default, (xin, w, b, *conv)) if target == "conv2d" else
+            g.call_function(torch.ops.aten.convolution.default, (xin, w, b, *conv, False, [0, 0], 1)))
+    g.output((node,))
+    return torch.fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("conv", CONVS)
+@pytest.mark.parametrize("target", ["conv2d", "convolution"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_convolution_handed_to_inductor_as_a_gemm_equals_eager(conv, target, with_bias, timed, cudnn):
+    """`gemm_rewrites` on either ATen form of every kernel, stride, padding and dilation of CONVS,
+    with a bias and without: the graph then holds no convolution, and it computes eager's, as
+    does the form the load times (`_patches_gemm`)."""
+    kernel, stride, padding, dilation = CONVS[conv]
+    x = torch.randn(1, 8, 11, 9)
+    weight, bias = torch.randn(6, 8, *kernel_size(kernel)), torch.randn(6) if with_bias else None
+    gm = one_convolution(target, x, weight, bias, stride, padding, dilation)
+    made = conv_choice.gemm_rewrites(gm, {next(iter(gm.graph.nodes)): x.to("meta")}, CAPTURED)
+    assert [(d.op, d.taken) for d in made] == [("aten.convolution", True)] and timed.calls == 1
+    assert not {n.target for n in gm.graph.nodes} & {torch.ops.aten.conv2d.default, torch.ops.aten.convolution.default}
+    want = torch.nn.functional.conv2d(x, weight, bias, stride, padding, dilation)
+    torch.testing.assert_close(gm(x)[0], want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(conv_choice._patches_gemm(x, weight, bias, stride, padding, dilation), want,
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("conv", ["1x1", "1x1 stride 2", "3x3 dilated", "3x1 uneven"])
+def test_inductor_compiles_the_rewritten_convolution_to_eagers_result(conv, timed, cudnn):
+    """The rewritten graph through Inductor (its C++ code here): the patches' gather, the GEMM
+    and the bias give eager's convolution."""
+    kernel, stride, padding, dilation = CONVS[conv]
+    x = torch.randn(1, 8, 11, 9)
+    weight, bias = torch.randn(6, 8, *kernel_size(kernel)), torch.randn(6)
+    gm = one_convolution("convolution", x, weight, bias, stride, padding, dilation)
+    assert conv_choice.gemm_rewrites(gm, {next(iter(gm.graph.nodes)): x.to("meta")}, CAPTURED)[0].taken
+    compiled = torch._inductor.compile(gm, [x])
+    y = torch.randn(1, 8, 11, 9)
+    torch.testing.assert_close(compiled(y)[0], torch.nn.functional.conv2d(y, weight, bias, stride, padding, dilation),
+                               rtol=1e-5, atol=1e-4)

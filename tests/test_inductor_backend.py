@@ -681,10 +681,15 @@ def test_an_inductor_lacking_a_combo_setting_compiles_without_combo_kernels(monk
     assert seen[0]["combo_kernels"] is False and "combo_kernels_of_a_later_inductor" not in seen[0]
 
 
-def test_a_static_delegates_code_first_runs_at_load_on_scratch_inputs(monkeypatch):
+@pytest.mark.parametrize("device", ["cuda (as if)", "cpu"])
+def test_a_static_gpu_delegates_code_first_runs_at_load_on_scratch_inputs(device, monkeypatch):
     """Inductor tunes a GPU kernel at its first launch (an L2-sized buffer to flush the cache,
-    copies of what the kernel writes): that launch is made at load, on the examples, so the
-    first call allocates no more than later ones. The results are still eager's."""
+    copies of what the kernel writes): for a GPU's delegate that launch is made at load, on the
+    examples, so the first call allocates no more than later ones. Inductor's C++ code is not
+    tuned so: a CPU delegate is not run at load. The results are eager's either way."""
+    from ferry.backends import inductor
+
+    monkeypatch.setattr(inductor, "_tunes_at_first_launch", lambda method: device != "cpu")
     runs = []
     real = torch._inductor.compile
 
@@ -698,6 +703,26 @@ def test_a_static_delegates_code_first_runs_at_load_on_scratch_inputs(monkeypatc
                             ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
     module = ferry.Module(program)
     module.load_method()
-    assert runs == [1]
+    at_load = 1 if device != "cpu" else 0
+    assert runs == [1] * at_load
     matches_eager(module, model)
-    assert runs == [1] * 4
+    assert runs == [1] * (at_load + 3)
+
+
+def test_a_first_launch_that_fails_at_load_fails_the_load(monkeypatch):
+    """A kernel that fails on the load's examples would fail the first call: the load says so
+    (not the op-by-op fallback meant for a graph Inductor cannot compile)."""
+    from ferry.backends import inductor
+
+    monkeypatch.setattr(inductor, "_tunes_at_first_launch", lambda method: True)
+
+    def failing(gm, examples, options=None):
+        def run(*args):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return run
+
+    monkeypatch.setattr(torch._inductor, "compile", failing)
+    program = ferry.compile(torch.export.export(Block().eval(), (torch.randn(SHAPE),)),
+                            ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        ferry.Module(program).load_method()

@@ -165,7 +165,30 @@ class InductorBackend(Backend):
                           RuntimeWarning, stacklevel=2)
             # as the program states it: products rewritten as reductions would make fp32 copies op by op
             compiled = _rebuilt(method, mem, overwrites) if tuning is gemv.TUNING else gm
+        else:
+            if static and _tunes_at_first_launch(method):  # (a dynamic graph's compile ran it already)
+                _first_launch(compiled, examples, method, caller, mem)
         return _Compiled(compiled, mem, method)
+
+
+def _tunes_at_first_launch(method: Method) -> bool:
+    """Inductor's GPU kernels are tuned when first launched; its C++ code for the CPU is not."""
+    device = _device(method)
+    return device is not None and device.type == "cuda"
+
+
+def _first_launch(compiled, examples: list, method: Method, caller: CallerPlan, memory: Memory) -> None:
+    """The compiled code run once on the examples (scratch tensors), so that Inductor's tuning at a
+    kernel's first launch (an L2-sized buffer to flush the cache, copies of the arguments the
+    kernel writes) allocates inside the load: made in the first decode call, it raised a Llama-1B
+    step's peak 62 MiB above eager's (H200). A kernel that fails here would fail the first call:
+    the load fails instead, its memory freed."""
+    try:
+        with _load_stream(method, caller), torch.no_grad():
+            compiled(*examples)
+    except BaseException:
+        memory.close()
+        raise
 
 
 @contextlib.contextmanager
@@ -257,10 +280,7 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
     dimension of 1 is a shape of its own, compiled when first met). `tuning`: Inductor settings
     for this compile (choices/gemv.py). `combo`: a graph of static sizes in a plan captured as CUDA
     graphs (a decode step), whose independent pointwise kernels are launched together where
-    COMBO_KERNELS (Inductor's code for the CPU, the emulated device's, has no such kernels).
-    The compiled code runs once here, on the examples: Inductor tunes a Triton kernel at its first
-    launch, with an L2-sized buffer to flush the cache and copies of what the kernel writes, which
-    in a first call raised a Llama-1B decode step's peak 62 MiB above eager's (H200)."""
+    COMBO_KERNELS (Inductor's code for the CPU, the emulated device's, has no such kernels)."""
     dynamic = {i: [d for d, dyn in enumerate(method.tensor(vid).dynamic) if dyn and examples[i].shape[d] >= 2]
                for i, vid in enumerate(tensor_inputs(method))}
     options: dict[str, Any] = dict(tuning or gemv.UNTUNED)  # every key set: nothing from the process's config
@@ -269,9 +289,7 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
     options.update(_COMBO_OPTIONS if combine else {"combo_kernels": False})
     with torch.no_grad():
         if not any(dynamic.values()):
-            compiled = torch._inductor.compile(gm, examples, options=options)
-            compiled(*examples)  # each kernel's first launch, where Inductor tunes it (see below): at load
-            return compiled
+            return torch._inductor.compile(gm, examples, options=options)
         for i, dims in dynamic.items():
             for d in dims:
                 torch._dynamo.mark_dynamic(examples[i], d, min=2, max=examples[i].shape[d])

@@ -16,7 +16,8 @@ an H200 idle when the image is small and the channels many; at batch 1 with TF32
 
 No rule of shapes holds across GPUs, so each distinct convolution of ferry's fused ops
 (ops/fused.py) is timed both ways when a method loads, and the GEMM kept where it saves at
-least 10% and 2 µs (choices/timing.py).
+least 10% and 2 µs (choices/timing.py). The inductor backend asks the same of each convolution
+in a graph it compiles (`gemm_rewrites`), and hands Inductor the GEMM's ops where it is faster.
 
 Only in captured plans: the GEMM form launches up to five kernels for cuDNN's one, and without
 graphs that made ResNet-50 at batch 1 slower (bench/results/conv1x1_gemm_experiment.json). Only
@@ -61,18 +62,24 @@ def conv_as_gemm(x, weight, bias, z=None, stride=(1, 1), padding=(0, 0), dilatio
     """relu(conv2d(x, weight, bias, stride, padding, dilation) + z) for one NCHW image (z may be
     None): one GEMM of the weight over the image's patches, then the bias, the residual and the
     ReLU in place on its result."""
+    y = _gemm(x, weight, stride, padding, dilation)
+    co, ho, wo = fused.result_shape(x, weight, stride, padding, dilation)[1:]
+    if bias is not None:
+        y.add_(bias.view(co, 1))
+    if z is not None:
+        y.add_(z.reshape(co, ho * wo))
+    return y.relu_().view(1, co, ho, wo)
+
+
+def _gemm(x, weight, stride, padding, dilation) -> torch.Tensor:
+    """The weight's (out, in x kernel) matrix times the image's patches: (out, pixels)."""
     co, ci, kh, kw = weight.shape
     ho, wo = fused.result_shape(x, weight, stride, padding, dilation)[2:]
     if _pointwise(weight, stride, padding):
         patches = x.reshape(ci, ho * wo)  # a view where the layout allows, as planned
     else:
         patches = torch.nn.functional.unfold(x, (kh, kw), dilation, padding, stride)[0]  # (ci*kh*kw, ho*wo)
-    y = torch.mm(weight.reshape(co, ci * kh * kw), patches)
-    if bias is not None:
-        y.add_(bias.view(co, 1))
-    if z is not None:
-        y.add_(z.reshape(co, ho * wo))
-    return y.relu_().view(1, co, ho, wo)
+    return torch.mm(weight.reshape(co, ci * kh * kw), patches)
 
 
 def _pointwise(weight, stride, padding) -> bool:
@@ -136,10 +143,15 @@ def _decide(device, op, args, residual, site: Site) -> Decision | None:
                                      site.replay_stream())
         except torch.cuda.OutOfMemoryError:
             return None
+    return _decision(str(op.name()), x, weight, conv, " + residual" if residual else "", device, times)
+
+
+def _decision(op: str, x, weight, conv, extra: str, device, times) -> Decision:
+    """The decision, its shape told as kernel, then out x inner x pixels of the GEMM."""
     co, ci, kh, kw = weight.shape
     pixels = math.prod(fused.result_shape(x, weight, *conv)[2:])
-    shape = f"{kh}x{kw}{' + residual' if residual else ''}, {co}x{ci * kh * kw}x{pixels}"
-    return timing.decision(FAMILY, str(op.name()), shape, device, x.dtype, FORMS, times)
+    return timing.decision(FAMILY, op, f"{kh}x{kw}{extra}, {co}x{ci * kh * kw}x{pixels}", device, x.dtype, FORMS,
+                           times)
 
 
 # ---------------------------------------------------------------- the inductor backend's form
@@ -148,19 +160,19 @@ def _decide(device, op, args, residual, site: Site) -> Decision | None:
 def gemm_rewrites(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], site: Site) -> list[Decision]:
     """The inductor backend's form of the choice, at load, in a graph of static sizes in a plan
     captured as CUDA graphs: each convolution of one image that one GEMM over its patches runs
-    faster (timed, as `form`'s) becomes `im2col` (a view for a 1x1 kernel of stride 1), `mm` and
-    the bias; Inductor gathers the patches in a kernel of its own, calls cuBLAS for the GEMM and
-    fuses the bias into what follows (a batch norm, a residual, a ReLU). Inductor left to itself
-    calls cuDNN: ResNet-50 at batch 1 took 2.75 ms with graphs where the torch backend, with this
-    choice, took 1.09 (H200, fp32, TF32 off). `shapes`: a meta tensor per node, as the dry run
-    made it. Returns the decisions."""
+    faster (timed, as `form`'s) becomes `im2col` (a reshape of the image for a 1x1 kernel of
+    stride 1 without padding), `mm` and the bias; Inductor gathers the patches in a kernel of its
+    own, calls cuBLAS for the GEMM and fuses the bias into what follows (a batch norm, a
+    residual, a ReLU). Left to itself Inductor calls cuDNN: ResNet-50 at batch 1 took 2.75 ms
+    with graphs, and 1.14 with this choice (H200, fp32, TF32 off). `shapes`: a meta tensor per
+    node, as the dry run made it. Returns the decisions."""
     if not site.captured:
         return []
     made = []
     for node in list(gm.graph.nodes):
         args = _plain_conv(gm, node, shapes)
         decision = None if args is None else _plain_decision(args, site)
-        if decision is None:
+        if args is None or decision is None:
             continue
         made.append(decision)
         if decision.taken:
@@ -173,9 +185,7 @@ def gemm_rewrites(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Te
 def _plain_conv(gm, node, shapes) -> tuple | None:
     """(x, weight, bias, stride, padding, dilation) of a 2-D convolution of one image by a
     constant weight that `_one_image` takes (x a meta tensor, weight and bias real), or None."""
-    if node.op != "call_function" or node.target not in (aten.conv2d.default, aten.convolution.default):
-        return None
-    if node.target is aten.convolution.default and (_conv_arg(node, "transposed") or any(_conv_arg(node, "output_padding"))):
+    if not _conv2d(node):
         return None
     x, w, b, stride, padding, dilation, groups = _conv_args(node)
     xv, weight = shapes.get(x) if isinstance(x, torch.fx.Node) else None, attr(gm, w)
@@ -192,44 +202,40 @@ def _plain_decision(args: tuple, site: Site) -> Decision | None:
     device = timing.gpu_of([weight], site.device)
     if device is None:
         return None
-    key = (FAMILY, "aten.convolution", str(device), x.dtype, *blas_settings(), torch.backends.cudnn.allow_tf32,
+    key = ("aten.convolution", FAMILY, str(device), x.dtype, *blas_settings(), torch.backends.cudnn.allow_tf32,
            site.replays, tuple(x.shape), tuple(weight.shape), bias is None, *map(tuple, (stride, padding, dilation)))
     return DECISIONS.get(key, lambda: _decide_plain(device, args, site), timing.may_time(site, device))
 
 
 def _decide_plain(device, args: tuple, site: Site) -> Decision | None:
-    """cuDNN's convolution (as Inductor calls it) against the patches and one GEMM, bias added."""
+    """cuDNN's convolution with its bias, as eager runs it, against the patches and one GEMM, bias
+    added (Inductor calls cuDNN without the bias and adds it in a kernel of its own, and may lay
+    the image out channels last: the timing stands for what its code runs, it is not it)."""
+    x_in, weight_in, bias_in, stride, padding, dilation = args
     with timing.on(device), torch.no_grad():
         try:
-            x, weight, bias = (timing.scratch(t, device) if t is not None else None for t in args[:3])
-            conv = args[3:]
-            if not fused.cudnn_takes(x, weight, bias, *conv, 1):
+            x, weight = timing.scratch(x_in, device), timing.scratch(weight_in, device)
+            bias = None if bias_in is None else timing.scratch(bias_in, device)
+            if not fused.cudnn_takes(x, weight, bias, stride, padding, dilation, 1):
                 return None  # eager's convolution is not cuDNN's here: Inductor's call stays
-            times = timing.time_both(lambda: aten.convolution.default(x, weight, bias, *conv, False, [0, 0], 1),
-                                     lambda: _patches_gemm(x, weight, bias, *conv), site.replay_stream())
+            times = timing.time_both(
+                lambda: aten.convolution.default(x, weight, bias, stride, padding, dilation, False, [0, 0], 1),
+                lambda: _patches_gemm(x, weight, bias, stride, padding, dilation), site.replay_stream())
         except torch.cuda.OutOfMemoryError:
             return None
-    co, ci, kh, kw = weight.shape
-    pixels = math.prod(fused.result_shape(x, weight, *conv)[2:])
-    return timing.decision(FAMILY, "aten.convolution", f"{kh}x{kw}, {co}x{ci * kh * kw}x{pixels}", device, x.dtype,
-                           FORMS, times)
+    return _decision("aten.convolution", x, weight, (stride, padding, dilation), "", device, times)
 
 
 def _patches_gemm(x, weight, bias, stride, padding, dilation):
     """conv2d(x, weight, bias) of one image as the rewritten graph computes it (`_as_gemm`)."""
-    co, ci, kh, kw = weight.shape
-    ho, wo = fused.result_shape(x, weight, stride, padding, dilation)[2:]
-    if _pointwise(weight, stride, padding):
-        patches = x.reshape(ci, ho * wo)
-    else:
-        patches = aten.im2col.default(x, [kh, kw], dilation, padding, stride).view(ci * kh * kw, ho * wo)
-    y = torch.mm(weight.view(co, ci * kh * kw), patches)
-    return (y if bias is None else y + bias.view(co, 1)).view(1, co, ho, wo)
+    y = _gemm(x, weight, stride, padding, dilation)
+    co, ho, wo = fused.result_shape(x, weight, stride, padding, dilation)[1:]
+    return (y if bias is None else y.add_(bias.view(co, 1))).view(1, co, ho, wo)
 
 
 def _as_gemm(gm: torch.fx.GraphModule, node: torch.fx.Node, args: tuple) -> None:
     """Replace convolution `node` by `_patches_gemm`'s ops."""
-    x, weight, bias = node.args[0], *_conv_args(node)[1:3]
+    x, weight, bias = _conv_args(node)[:3]
     xv, w, _, stride, padding, dilation = args
     co, ci, kh, kw = w.shape
     ho, wo = fused.result_shape(xv, w, stride, padding, dilation)[2:]
@@ -341,14 +347,21 @@ def fuse_conv_relu(gm: torch.fx.GraphModule) -> list[Rewrite]:
 
 def _fusable_conv(node) -> bool:
     """A 2-D, not transposed convolution of static shape whose one reader is the next op."""
-    if not single_use(node) or node.target not in (aten.conv2d.default, aten.convolution.default):
-        return False
-    if node.target is aten.convolution.default and (_conv_arg(node, "transposed") or any(_conv_arg(node, "output_padding"))):
+    if not single_use(node) or not _conv2d(node):
         return False
     val, x = node.meta.get("val"), node.args[0]
     xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     return (isinstance(val, torch.Tensor) and isinstance(xv, torch.Tensor) and val.dim() == 4
             and val.is_floating_point() and M.static_ints(val.shape) is not None and M.static_ints(xv.shape) is not None)
+
+
+def _conv2d(node) -> bool:
+    """A `conv2d` node, or a `convolution` node that is not transposed (its input may be 2-D too:
+    callers check the shapes)."""
+    if node.op != "call_function" or node.target not in (aten.conv2d.default, aten.convolution.default):
+        return False
+    return node.target is aten.conv2d.default or not (_conv_arg(node, "transposed")
+                                                       or any(_conv_arg(node, "output_padding")))
 
 
 def _same_tensor_type(conv, z) -> bool:
@@ -435,9 +448,7 @@ def _patch_plan(gm, conv):
     """(input, weight tensor, bias node, patch order) when `conv` tiles its input with constant
     weights, at static shapes, and eager lays its result out contiguous or channels-last; else
     None. The patch order follows the input's layout, so packing it reads runs of memory."""
-    if not (conv.op == "call_function" and conv.target in (aten.conv2d.default, aten.convolution.default)):
-        return None
-    if conv.target is aten.convolution.default and (_conv_arg(conv, "transposed") or any(_conv_arg(conv, "output_padding"))):
+    if not _conv2d(conv):
         return None
     x, w, bias, stride, padding, dilation, groups = _conv_args(conv)
     weight, xv, out = attr(gm, w), getattr(x, "meta", {}).get("val"), conv.meta.get("val")
