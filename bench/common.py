@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import platform
 import statistics
@@ -96,3 +97,17 @@ def torch_device(device: str) -> torch.device:
 def result_name(name: str, smoke: bool) -> str:
     """Smoke runs write NAME_smoke.json, never over a real result."""
     return f"{name}_smoke" if smoke else name
+
+
+def allocated_by(frames: list, ferry_frames: int = 1) -> str:
+    """Where a GPU block was made, from the caching allocator's recorded Python frames: the
+    innermost frame of library code, then the innermost `ferry_frames` of ferry's, innermost
+    first; where Inductor's generated code made the call, its line too (which op allocated)."""
+    code = [f for f in frames if "/bench/" not in f["filename"]
+            and ("site-packages" in f["filename"] or "/ferry/" in f["filename"])]  # not the standard library
+    picked = code[:1] + [f for f in code[1:] if "/ferry/" in f["filename"]][:ferry_frames]
+    where = " < ".join(f"{Path(f['filename']).parent.name}/{Path(f['filename']).name}:{f['line']} {f['name']}"
+                       for f in picked) or "(no Python frame)"
+    for f in [f for f in frames if "torchinductor" in f["filename"]][:1]:
+        where += f" [Inductor code: {linecache.getline(f['filename'], f['line']).strip()[:160]}]"
+    return where

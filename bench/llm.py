@@ -50,7 +50,6 @@ import copy
 import dataclasses
 import functools
 import gc
-import linecache
 import sys
 import time
 import warnings
@@ -62,7 +61,7 @@ import torch
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import result_name, table, time_host, write_json  # noqa: E402
+from common import allocated_by, result_name, table, time_host, write_json  # noqa: E402
 
 import ferry  # noqa: E402
 from ferry.backends import inductor as inductor_backend  # noqa: E402
@@ -468,7 +467,7 @@ def memory_owners(env: Env, on: bool, top: int = 8) -> list | None:
     for segment in torch.cuda.memory._snapshot()["segments"]:
         for block in segment["blocks"]:
             if block["state"] == "active_allocated" and block["size"] >= 2**20:
-                where = _allocated_by(block.get("frames", []))
+                where = allocated_by(block.get("frames", []))
                 o = owners.setdefault(where, [where, 0.0, 0])
                 o[1] += block["size"] / 2**20
                 o[2] += 1
@@ -484,7 +483,7 @@ def trace_length(env: Env, on: bool) -> int | None:
 
 def peak_owners(env: Env, since: int | None, top: int = 8) -> list | None:
     """The blocks of 1 MiB or more allocated after trace event `since` and live at the highest point
-    of allocated memory after it, summed by `_allocated_by`: what made a phase's peak, where
+    of allocated memory after it, summed by `allocated_by`: what made a phase's peak, where
     `memory_owners` shows only what is held at its end. [[frame, MiB, blocks]], largest first."""
     if since is None:
         return None
@@ -504,25 +503,11 @@ def peak_owners(env: Env, since: int | None, top: int = 8) -> list | None:
             peak, at_peak = total, {a: e for a, (j, e) in live.items() if j >= since and e["size"] >= 2**20}
     owners: dict = {}
     for event in at_peak.values():
-        where = _allocated_by(event.get("frames", []))
+        where = allocated_by(event.get("frames", []))
         o = owners.setdefault(where, [where, 0.0, 0])
         o[1] += event["size"] / 2**20
         o[2] += 1
     return sorted(owners.values(), key=lambda o: -o[1])[:top]
-
-
-def _allocated_by(frames: list) -> str:
-    """The innermost frame of library code and the innermost of ferry's, innermost first; where
-    Inductor's generated code made the call, its line too (which op of the graph allocated)."""
-    code = [f for f in frames if "/bench/" not in f["filename"]
-            and ("site-packages" in f["filename"] or "/ferry/" in f["filename"])]  # not the standard library
-    picked = code[:1] + [f for f in code[1:] if "/ferry/" in f["filename"]][:1]
-    where = " < ".join(f"{Path(f['filename']).parent.name}/{Path(f['filename']).name}:{f['line']} {f['name']}"
-                       for f in picked) or "(no Python frame)"
-    generated = [f for f in frames if "torchinductor" in f["filename"]][:1]
-    for f in generated:
-        where += f" [Inductor code: {linecache.getline(f['filename'], f['line']).strip()[:160]}]"
-    return where
 
 
 def run_config(name, model, batch, cache, prompts, runners, env: Env, bandwidth: float, rows, pre, save,

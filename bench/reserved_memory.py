@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import table, write_json  # noqa: E402
+from common import allocated_by, table, write_json  # noqa: E402
 
 from models import MODELS, _eager_like, _ferry, _ferry_program, _fresh_gpu  # noqa: E402
 
@@ -58,7 +58,7 @@ def one(name: str, runner: str) -> dict:
         p["reserved_mib"] += seg["total_size"] / MiB
         p["allocated_mib"] += seg["allocated_size"] / MiB
         p["largest"].append([round(seg["total_size"] / MiB, 2), round(seg["allocated_size"] / MiB, 2),
-                             _frame(big.get("frames", [])) if big["state"] == "active_allocated" else "(free)"])
+                             allocated_by(big.get("frames", [])) if big["state"] == "active_allocated" else "(free)"])
     for p in pools.values():
         p["largest"] = sorted(p["largest"], key=lambda s: -s[0])[:8]
     return {"model": name, "runner": runner, "peak_mib": torch.cuda.max_memory_allocated() / MiB,
@@ -78,17 +78,8 @@ def _segment_events(snap: dict) -> list:
         size = event["size"] / MiB
         reserved += size if event["action"] == "segment_alloc" else -size
         out.append([event["action"].removeprefix("segment_"), round(size, 2), round(reserved, 1),
-                    _frame(event.get("frames", []), deep=True)])
+                    allocated_by(event.get("frames", []), ferry_frames=3)])
     return out
-
-
-def _frame(frames: list, deep: bool = False) -> str:
-    """The innermost frames of ferry's and of the libraries' code that made a block (`deep`: the
-    three innermost of ferry's, which tell a load's timing from a first call or a capture)."""
-    code = [f for f in frames if "/bench/" not in f["filename"]
-            and ("site-packages" in f["filename"] or "/ferry/" in f["filename"])]
-    ferry = [f for f in code if "/ferry/" in f["filename"]][:3 if deep else 1]
-    return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in code[:1] + ferry) or "(C++)"
 
 
 def main():
