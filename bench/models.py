@@ -346,12 +346,8 @@ def run_model(name, batch, device, runners, ios, repeat):
                 print(f"{name} batch {batch} {io} {runner}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 rows.append({"model": name, "batch": batch, "io": io, "runner": runner,
                              "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        for (row, call, _), (p10, ms, p90), (samples, collecting) in zip(
-                live, *_time_interleaved([c for _, c, _ in live], device, repeat)):
-            row["ms"], row["p10_ms"], row["p90_ms"] = ms, p10, p90
-            row["samples_ms"] = [round(t, 4) for t in samples]  # in call order: a slow mode's pattern shows
-            row["gc_ms"] = [round(t, 4) for t in collecting]  # Python's garbage collection inside each sample
-            row.update(_after_switch(samples, max(1, repeat // ROUNDS)))
+        for (row, call, _), timed in zip(live, _time_interleaved([c for _, c, _ in live], device, repeat)):
+            row.update(timed)
             row["rel_err_after"] = _check(call(), want)  # still right after the timed calls of every runner
             rows.append(row)
         for _, _, module in live:
@@ -360,9 +356,6 @@ def run_model(name, batch, device, runners, ios, repeat):
         del live
         torch._dynamo.reset()
     return rows
-
-
-ROUNDS = 6  # interleaved rounds of timed calls per runner
 
 
 def _after_switch(samples: list[float], per_round: int) -> dict:
@@ -379,10 +372,11 @@ def _after_switch(samples: list[float], per_round: int) -> dict:
             "steady_p90_ms": p90}
 
 
-def _time_interleaved(calls, device, repeat, rounds=ROUNDS, warmup=5):
-    """([(p10, median, p90)], [(samples, gc)]) ms per call of each of `calls`, sampled round-robin
-    in `rounds` rounds: the spread shows a slow mode that a median hides (issue: a p90 above 1.25x
-    the median); each sample's time in Python's garbage collector says whether it is the cause."""
+def _time_interleaved(calls, device, repeat, rounds=6, warmup=5) -> list[dict]:
+    """For each of `calls`, sampled round-robin in `rounds` rounds: p10, median and p90 ms (the
+    spread shows a slow mode that a median hides; issue: a p90 above 1.25x the median), every
+    sample in call order with the time Python's garbage collector ran in it (is it the cause?),
+    and the first call of each round apart from the rest (`_after_switch`)."""
     for call in calls:
         for _ in range(warmup):
             call()
@@ -400,7 +394,9 @@ def _time_interleaved(calls, device, repeat, rounds=ROUNDS, warmup=5):
                     _sync(device)
                     out.append((time.perf_counter() - t) * 1e3)
                     in_gc.append(gc_clock.total * 1e3)
-    return [_spread(s) for s in samples], list(zip(samples, collecting))
+    return [{**dict(zip(("p10_ms", "ms", "p90_ms"), _spread(times))), "samples_ms": [round(t, 4) for t in times],
+             "gc_ms": [round(t, 4) for t in in_gc], **_after_switch(times, per_round)}
+            for times, in_gc in zip(samples, collecting)]
 
 
 class _GcClock:
