@@ -181,6 +181,80 @@ def test_results_that_are_views_of_the_delegates_inputs_or_weights_are_the_calle
     assert second[0].data_ptr() != first.data_ptr()
 
 
+def _on_emu_with_device_io(model, *args):
+    cfg = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+        skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True))
+    ep = torch.export.export(model, args)
+    return ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", backend_id="inductor"), cfg))
+
+
+class Transposed(torch.nn.Module):
+    def forward(self, x):
+        return x.t(), x.sin()
+
+
+def test_a_result_that_is_a_view_of_an_emulated_input_is_copied_into_emulated_memory(emu):
+    """Compiled code returns a view of its input; the copy that makes it the caller's own stays
+    on the program's device, where the program says its output is."""
+    module = _on_emu_with_device_io(Transposed(), torch.randn(3, 5))
+    x = torch.randn(3, 5)
+    xe = ferry.runtime.clone_to(x, "emu:0")
+    got = module(xe)
+    for g, want in zip(got, (x.t(), x.sin())):
+        assert ferry.runtime.device_of(g) == ferry.Device.parse("emu:0")
+        torch.testing.assert_close(ferry.runtime.clone_to(g, "cpu"), want)
+    assert got[0].data_ptr() != xe.data_ptr()
+
+
+class ValueChecked(torch.nn.Module):
+    """Kernels that check their inputs' values: probabilities in [0, 1], a positive-definite matrix."""
+
+    def forward(self, p, a):
+        return torch.bernoulli(p), torch.linalg.cholesky(a @ a.mT + 4 * torch.eye(a.shape[-1])), torch.linalg.cholesky(a)
+
+
+def test_kernels_that_check_values_load_whatever_the_scratch_values_are(emu):
+    """The load's dry run feeds scratch values; a kernel refusing them (a scratch matrix that is
+    not positive-definite) is the values' doing, not the graph's: the load goes on, and the
+    calls equal eager's."""
+    torch.manual_seed(0)
+    module = None
+    for _ in range(2):
+        p = torch.randint(0, 2, (6,)).float()  # 0 or 1: bernoulli is deterministic
+        a = torch.randn(2, 4, 4)
+        pd = a @ a.mT + 4 * torch.eye(4)
+        module = module or _on_emu_with_device_io(ValueChecked(), p, pd)
+        got = module(*(ferry.runtime.clone_to(t, "emu:0") for t in (p, pd)))
+        for g, want in zip(got, ValueChecked()(p, pd)):
+            torch.testing.assert_close(ferry.runtime.clone_to(g, "cpu"), want)
+
+
+class Cholesky(torch.nn.Module):
+    def forward(self, a):
+        return torch.linalg.cholesky(a).reshape(-1) * 2
+
+
+def test_a_view_past_its_storage_after_a_value_checking_kernel_is_still_refused_at_load():
+    """The dry run goes on past a kernel that refused the scratch values, with stand-ins of its
+    results: a view of one later in the graph is still checked against its storage."""
+    from ferry.program.schema import ConstValue, KernelCall, TensorValue
+
+    program = ferry.compile(torch.export.export(Cholesky(), (torch.eye(4),)),
+                            ferry.OpSupportPartitioner("cpu", backend_id="inductor"))
+
+    def make(m, add):
+        chol, mul = m.instructions[0], m.instructions[-1]
+        dev = m.values[chol.outputs[0]].device
+        wide = add(TensorValue("float32", (16,), dev, storage="view", alias_of=chol.outputs[0]))
+        view = KernelCall("aten::as_strided.default", (chol.outputs[0], add(ConstValue("ints", [16])),
+                                                       add(ConstValue("ints", [1 << 20])), -1), (wide,))
+        return [chol, view, dataclasses.replace(mul, args=(wide, *mul.args[1:]))]
+
+    torch.manual_seed(0)  # scratch values: a random matrix is not positive-definite
+    with pytest.raises(ProgramError, match="out of bounds"):
+        ferry.Module(_with_instructions(program, make)).load_method()
+
+
 def dynamic_lm():
     from test_device_map import TinyLM
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from ferry.aot.emit import emit_method
 from ferry.aot.fuse import merge_for_compiler
@@ -186,6 +187,8 @@ def _first_launch(compiled, examples: list, method: Method, caller: CallerPlan, 
     try:
         with _load_stream(method, caller), torch.no_grad():
             compiled(*examples)
+    except torch.linalg.LinAlgError:
+        return  # a kernel that checks its values refused the scratch ones: the first call tunes instead
     except BaseException:
         memory.close()
         raise
@@ -366,10 +369,29 @@ class _Shapes(torch.fx.Interpreter):
         return self.seen
 
     def run_node(self, n: torch.fx.Node):
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except torch.linalg.LinAlgError:  # the scratch values (a matrix not positive-definite), not the graph
+            result = self._stand_in(n)
         if isinstance(result, torch.Tensor) and result.layout == torch.strided:
             self.seen[n] = torch.empty_strided(result.shape, result.stride(), dtype=result.dtype, device="meta")
         return result
+
+
+    def _stand_in(self, n: torch.fx.Node):
+        """Scratch tensors of the result `n` would have (traced with fake tensors), so the run goes
+        on past a kernel that refused the scratch values, every later view still checked."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            traced = n.target(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, _scratch_like, traced)
+
+
+def _scratch_like(t: torch.Tensor) -> torch.Tensor:
+    real = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return real.uniform_() if t.dtype.is_floating_point or t.dtype.is_complex else real.zero_()
 
 
 class _Compiled(DelegateHandle):
@@ -409,12 +431,14 @@ class _Compiled(DelegateHandle):
 
 def _example(v) -> torch.Tensor:
     """A tensor of input `v`'s shape, dtype, device and layout (eager's strides where the program
-    records them): what Inductor compiles for."""
+    records them): what Inductor compiles for. Its values are in [0, 1), which every kernel that
+    checks its values (bernoulli's probabilities, multinomial's weights, a std) takes, as the dry
+    run and the first launch need."""
     if not isinstance(v, TensorValue):
         raise ProgramError("an inductor delegate takes tensors only")
     t = torch.empty_strided(v.shape, v.layout_strides, dtype=v.torch_dtype, device=v.device.to_torch())
     if v.torch_dtype.is_floating_point or v.torch_dtype.is_complex:
-        return t.normal_()
+        return t.uniform_()
     return t.zero_()  # indices: in range
 
 
