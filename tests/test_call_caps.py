@@ -224,6 +224,44 @@ def test_meta_sizing_allocates_nothing_and_says_when_it_cannot():
         check_results(torch.ops.aten.nonzero.default, why, [f32((4, 1))], "instruction 0")
 
 
+@pytest.mark.parametrize("op, args", [
+    (torch.ops.aten.geqrf.default, (torch.randn(5, 3),)),
+    (torch.ops.aten.geqrf.default, (torch.randn(2, 3, 4),)),
+    (torch.ops.aten.histogram.bin_ct, (torch.randn(20), 7)),
+    (torch.ops.aten.histogram.bins_tensor, (torch.randn(20), torch.linspace(-2, 2, 6))),
+])
+def test_a_kernel_with_no_meta_kernel_is_sized_as_it_sizes_its_results(op, args):
+    """geqrf and histogram have no meta kernel: sized by their own rules, as the kernel sizes them."""
+    want = tuple((tuple(r.shape), r.dtype) for r in op(*args))
+    assert meta_results(op, [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args], {}) == want
+
+
+class NoMetaOrCpuSized(torch.nn.Module):
+    """geqrf and histogram (no meta kernel); an embedding bag, whose offset2bag and max_indices
+    the CPU kernel sizes otherwise than the meta kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(10, 3, mode="sum")
+
+    def forward(self, a, x, idx, off):
+        return (*torch.geqrf(a), *torch.histogram(x, bins=5), self.bag(idx, off))
+
+
+@pytest.mark.parametrize("placement", ["cpu", "emu"])
+def test_kernels_meta_cannot_size_as_the_cpu_does_run_and_equal_eager(emu, placement):
+    """Before the sizing rules, each of these was refused at load ("cannot tell the size")."""
+    torch.manual_seed(0)
+    model = NoMetaOrCpuSized().eval()
+    args = (torch.randn(5, 3), torch.randn(20), torch.tensor([1, 2, 4, 5, 4, 3]), torch.tensor([0, 2]))
+    part = ferry.OpSupportPartitioner("emu:0") if placement == "emu" else None
+    module = ferry.Module(ferry.compile(torch.export.export(model, args), part))
+    for _ in range(2):
+        args = (torch.randn(5, 3), torch.randn(20), torch.randint(0, 10, (6,)), torch.tensor([0, 2]))
+        for got, want in zip(module(*args), model(*args)):
+            torch.testing.assert_close(got, want.detach())
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_a_hostile_delegate_allocates_nothing_of_its_size_and_a_call_is_counted():

@@ -207,10 +207,12 @@ def test_a_result_that_is_a_view_of_an_emulated_input_is_copied_into_emulated_me
 
 
 class ValueChecked(torch.nn.Module):
-    """Kernels that check their inputs' values: probabilities in [0, 1], a positive-definite matrix."""
+    """Kernels that check their inputs' values: probabilities in [0, 1], a positive-definite
+    matrix, pivots that count from 1."""
 
-    def forward(self, p, a):
-        return torch.bernoulli(p), torch.linalg.cholesky(a @ a.mT + 4 * torch.eye(a.shape[-1])), torch.linalg.cholesky(a)
+    def forward(self, p, a, lu, pivots):
+        return (torch.bernoulli(p), torch.linalg.cholesky(a @ a.mT + 4 * torch.eye(a.shape[-1])),
+                torch.linalg.cholesky(a), *torch.lu_unpack(lu, pivots))
 
 
 def test_kernels_that_check_values_load_whatever_the_scratch_values_are(emu):
@@ -223,9 +225,10 @@ def test_kernels_that_check_values_load_whatever_the_scratch_values_are(emu):
         p = torch.randint(0, 2, (6,)).float()  # 0 or 1: bernoulli is deterministic
         a = torch.randn(2, 4, 4)
         pd = a @ a.mT + 4 * torch.eye(4)
-        module = module or _on_emu_with_device_io(ValueChecked(), p, pd)
-        got = module(*(ferry.runtime.clone_to(t, "emu:0") for t in (p, pd)))
-        for g, want in zip(got, ValueChecked()(p, pd)):
+        args = (p, pd, *torch.linalg.lu_factor(torch.randn(3, 3)))
+        module = module or _on_emu_with_device_io(ValueChecked(), *args)
+        got = module(*(ferry.runtime.clone_to(t, "emu:0") for t in args))
+        for g, want in zip(got, ValueChecked()(*args)):
             torch.testing.assert_close(ferry.runtime.clone_to(g, "cpu"), want)
 
 

@@ -53,7 +53,7 @@ from ferry.ops.strings import safe_text
 from ferry.program import Program, program_to_bytes
 from ferry.program.dataflow import in_place_outputs
 from ferry.program.ranks import localized
-from ferry.program.schema import LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
+from ferry.program.schema import CONST_KIND_TABLE, LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
 from ferry.runtime.stages.kernels import bind_aten, check_call, returns_list
 from ferry.runtime.stages.load import Memory, load_memory
 from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, NoMeta, PerCall, Ref, ref
@@ -104,10 +104,9 @@ class InductorBackend(Backend):
         if builder.delegates:
             raise CompileError("backend 'inductor': a partition must not contain delegates")
         try:
-            texts_for_codegen(method)
-            refuse_strides_per_size(method)
-        except ProgramError as e:  # a string Inductor must not see, or a layout it cannot check: ferry's own
-            # backend runs it
+            check_sizes(method)  # what the load checks: a kernel whose results' sizes meta cannot tell
+        except ProgramError as e:  # (geqrf), a string Inductor must not see, a layout it cannot check: ferry's
+            # own backend runs it
             raise UnsupportedByBackend(str(e)) from None
         if data is None:
             return program_to_bytes(Program({"forward": method}, [], builder.segments))
@@ -145,9 +144,8 @@ class InductorBackend(Backend):
         try:
             check_sizes(method, mem)  # before the dry run allocates what the file declares
             gm = _rebuilt(method, mem, overwrites)
-            examples: list = [_example(method.values[v]) for v in tensor_inputs(method)]
             with _load_stream(method, caller):
-                shapes = _dry_run(gm, examples)
+                shapes, examples = _dry_run(gm, method)
                 static = not _dynamic(method)
                 if static:  # kernels chosen by timing: split-KV attention, convolutions as GEMMs
                     attention.split_kv_rewrites(gm, shapes, _site(method, caller))
@@ -306,23 +304,35 @@ def _dynamic(method: Method) -> bool:
     return any(any(method.tensor(vid).dynamic) for vid in tensor_inputs(method))
 
 
-def check_sizes(method: Method, memory: Memory) -> None:
+def check_sizes(method: Method, memory: Memory | None = None) -> None:
     """Every kernel of the payload makes what it declares, on meta tensors (runtime/stages/sizes.py):
     the dry run and Inductor's code then allocate no more than `call_bytes` counted. A size known
     only per call (dynamic inputs) is checked by the dry run at the bounds and on each call's
-    results (bind.py); explicit strides, which neither check bounds, are refused."""
+    results (bind.py); explicit strides, which neither check bounds, are refused. Without
+    `memory` (at compile time) every tensor is read as its declared shape."""
     texts_for_codegen(method)  # each instruction a kernel the loader allows, called as its schema says
     refuse_strides_per_size(method)
+    slots, fixed = (memory.slots, memory.fixed) if memory is not None else _scalars(method)
     for index, ins in enumerate(method.instructions):
         assert isinstance(ins, KernelCall)  # (texts_for_codegen checked every instruction)
         op = resolve_kernel(ins.kernel)
-        pos, kw = bind_aten(op, ins.args, lambda vid: ref(memory.slots, memory.fixed, method, vid))
+        pos, kw = bind_aten(op, ins.args, lambda vid: ref(slots, fixed, method, vid))
         try:
             check_kernel(method, op, pos, kw, ins.outputs, f"method {method.name!r} instruction {index} ({ins.kernel})")
         except NoMeta:  # a size known per call: the dry run at the bounds, and each call's results, are checked
             if not _dynamic(method):
                 raise ProgramError(f"method {method.name!r} instruction {index}: a size computed per call in an "
                                    "inductor delegate whose inputs are static") from None
+
+
+def _scalars(method: Method) -> tuple[list, list]:
+    """Slots as a load fills them, scalars only: every tensor is read per call (at its shape)."""
+    slots: list = [None] * len(method.values)
+    fixed = [False] * len(method.values)
+    for vid, v in enumerate(method.values):
+        if isinstance(v, ConstValue) and v.kind not in LIST_KINDS and v.kind != "symint":
+            slots[vid], fixed[vid] = CONST_KIND_TABLE[v.kind].runtime(v.value), True
+    return slots, fixed
 
 
 def refuse_strides_per_size(method: Method) -> None:
@@ -347,17 +357,24 @@ def _views_by_strides(op) -> bool:
     return "size" in names and "stride" in names and bool(args) and str(args[0].type) == "Tensor"
 
 
-def _dry_run(gm: torch.fx.GraphModule, examples: list) -> dict[torch.fx.Node, torch.Tensor]:
+def _dry_run(gm: torch.fx.GraphModule, method: Method) -> tuple[dict[torch.fx.Node, torch.Tensor], list]:
     """Run the rebuilt graph once, op by op, on inputs of its declared shapes and layouts. ATen
     checks what compiled code trusts (a view's bounds inside its storage, shapes that fit), so a
     payload that would read outside its tensors is refused here, before Inductor sees it.
-    Returns a meta tensor of each node's tensor result, for the load-time kernel choices."""
-    try:
-        with torch.no_grad():
-            return _Shapes(gm).shapes(examples)
-    except Exception as e:  # noqa: BLE001 - any refusal by a kernel: the program is at fault
-        raise ProgramError(f"an inductor delegate's graph fails on inputs of its own declared shapes: "
-                           f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+    Returns a meta tensor of each node's tensor result, for the load-time kernel choices, and the
+    scratch inputs it ran on: integers 0 (indices in range), else 1 where a kernel checks its
+    integers' values (lu_unpack's pivots count from 1); a bound is broken at both."""
+    failure = None
+    for integers in (0, 1):
+        examples = [_example(method.values[v], integers) for v in tensor_inputs(method)]
+        try:
+            with torch.no_grad():
+                return _Shapes(gm).shapes(examples), examples
+        except Exception as e:  # noqa: BLE001 - any refusal by a kernel at both: the program is at fault
+            failure = failure or e
+    text = str(failure).strip()
+    raise ProgramError(f"an inductor delegate's graph fails on inputs of its own declared shapes: "
+                       f"{type(failure).__name__}: {text.splitlines()[0] if text else ''}") from None
 
 
 class _Shapes(torch.fx.Interpreter):
@@ -429,17 +446,17 @@ class _Compiled(DelegateHandle):
         self.memory.close()
 
 
-def _example(v) -> torch.Tensor:
+def _example(v, integers: int = 0) -> torch.Tensor:
     """A tensor of input `v`'s shape, dtype, device and layout (eager's strides where the program
-    records them): what Inductor compiles for. Its values are in [0, 1), which every kernel that
-    checks its values (bernoulli's probabilities, multinomial's weights, a std) takes, as the dry
-    run and the first launch need."""
+    records them): what Inductor compiles for. Floating values are in [0, 1), which the kernels
+    that check theirs take (bernoulli's probabilities, multinomial's weights, a std), as the dry
+    run and the first launch need; integers are all `integers`."""
     if not isinstance(v, TensorValue):
         raise ProgramError("an inductor delegate takes tensors only")
     t = torch.empty_strided(v.shape, v.layout_strides, dtype=v.torch_dtype, device=v.device.to_torch())
     if v.torch_dtype.is_floating_point or v.torch_dtype.is_complex:
         return t.uniform_()
-    return t.zero_()  # indices: in range
+    return t.fill_(integers)
 
 
 def _as_compiled(t: torch.Tensor, strides) -> torch.Tensor:
