@@ -17,7 +17,7 @@ import torch
 from ferry.backend_registry import NOT_CAPTURED, CallerPlan
 from ferry.device import CPU
 from ferry.errors import FerryError, InputError
-from ferry.layout import contiguous_strides
+from ferry.layout import contiguous_strides, same_strides
 from ferry.program.schema import Method, TensorValue
 from ferry.runtime.devices.allocator import get_allocator
 from ferry.runtime.devices.streams import CopyStreams
@@ -193,7 +193,10 @@ class LoadedMethod:
             if shapes is None:
                 return None
         plan = self._plan(io, False, shapes=shapes, caller=caller)
-        copy_back = [(t, vid) for vid, t in zip(m.outputs, outputs) if vid not in io]
+        # outputs the plan does not write in place, also one given but bound otherwise (a shape's
+        # plan makes a result its kernel lays out unlike the caller's tensor in memory of its own)
+        slots, fixed = plan.bound.slots, plan.bound.fixed
+        copy_back = [(t, vid) for vid, t in zip(m.outputs, outputs) if not (fixed[vid] and _writes_into(slots[vid], t))]
         return lambda: plan.run_bound(copy_back)
 
     def check_inputs(self, inputs) -> None:
@@ -272,6 +275,12 @@ class LoadedMethod:
 
     def close(self) -> None:
         self.memory.close()
+
+
+def _writes_into(slot, t: torch.Tensor) -> bool:
+    """The plan's tensor `slot` is `t`'s memory, laid out as `t` is."""
+    return slot is t or (isinstance(slot, torch.Tensor) and slot.data_ptr() == t.data_ptr()
+                         and slot.shape == t.shape and same_strides(t.shape, slot.stride(), t.stride()))
 
 
 def _owns_its_storage(t: torch.Tensor) -> bool:
