@@ -1,7 +1,7 @@
 """Run PyTorch's OpInfo database through ferry (tests/opinfo_sweep.py) and write the report.
 
     .venv/bin/python tests/opinfo_report.py --out docs/ops.md --json docs/opinfo.json \\
-        [--placements cpu,emu,emu_op] [--samples 2] [--jobs 2] [--ops add,cat] [--timeout 300]
+        [--placements cpu,emu,emu_op,emu_inductor] [--samples 2] [--jobs 2] [--ops add,cat] [--timeout 300]
     .venv/bin/python tests/opinfo_report.py --from-json docs/opinfo.json --out docs/ops.md   # markdown only
     .venv/bin/python tests/opinfo_report.py --placements cuda_op --json cuda.json --out cuda.md  # on a GPU
 
@@ -257,7 +257,9 @@ def markdown(data: dict) -> str:
         "memory of their own), and the sample's again.",
         "- **Placements**: `cpu` no partitioner; `emu` every op ferry places on the emulated device emu:0, inputs "
         "and outputs left there (skip_h2d / skip_d2h); `emu_op` the ops on emu:0, inputs and outputs on the CPU; "
-        "`cuda_op` the same on cuda:0, against eager on cuda:0.",
+        "`emu_inductor` as `emu`, each partition compiled by Inductor at load (the `inductor` backend: its C++ code "
+        "on the emulated device's memory); `cuda_op` the ops on cuda:0, against eager on cuda:0 (`cuda_inductor`: "
+        "compiled by Inductor).",
         "- A wrong result says whether `ep.module()` (torch.export's own module) agrees with eager or with ferry.",
         "",
         "The harness is tests/opinfo_sweep.py; tests/test_opinfo.py runs a fixed subset (`FERRY_OPINFO=all`: "
@@ -382,8 +384,8 @@ def main(argv=None) -> int:
     else:
         import torch
 
-        if "cuda_op" in args.placements and not torch.cuda.is_available():
-            ap.error("--placements cuda_op needs a GPU (torch.cuda.is_available() is False)")
+        if any(p.startswith("cuda") for p in args.placements) and not torch.cuda.is_available():
+            ap.error("--placements cuda_op and cuda_inductor need a GPU (torch.cuda.is_available() is False)")
         known = [sweep.op_id(op) for op in sweep.float32_ops()]
         names = known if not args.ops else [n.strip() for n in args.ops.split(",") if n.strip()]
         unknown = sorted(set(names) - set(known))

@@ -56,7 +56,7 @@ from torch.utils import _pytree as pytree
 import ferry
 from ferry.runtime import clone_to, device_of, emulated_device, get_allocator
 
-PLACEMENTS = ("cpu", "emu", "emu_op", "emu_inductor", "cuda_op")
+PLACEMENTS = ("cpu", "emu", "emu_op", "emu_inductor", "cuda_op", "cuda_inductor")
 CPU_PLACEMENTS = ("cpu", "emu", "emu_op")
 DEVICE_IO = ("emu", "emu_inductor")  # inputs and outputs stay on the device (skip_h2d / skip_d2h)
 DEFAULT_SAMPLES = 2
@@ -678,8 +678,9 @@ def compile_for(ep, placement: str):
         return ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", backend_id=backend), cfg)
     if placement == "emu_op":
         return ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
-    if placement == "cuda_op":
-        return ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0"))
+    if placement in ("cuda_op", "cuda_inductor"):
+        backend = "inductor" if placement == "cuda_inductor" else "torch"
+        return ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0", backend_id=backend))
     raise ValueError(f"unknown placement {placement!r}: one of {', '.join(PLACEMENTS)}")
 
 
@@ -818,7 +819,7 @@ def run_program(prep: Prepared, ep, calls: list[Call], placement: str, variant: 
                     out.status, out.message = "run-time error", _error(f"{step}, reading the results", e)
                     return out
                 if problem:
-                    triage = "" if call.random or placement == "cuda_op" else " " + export_triage(ep, call, got)
+                    triage = "" if call.random or placement.startswith("cuda") else " " + export_triage(ep, call, got)
                     out.status, out.message = "wrong", f"{step}: {problem}{triage}"
                     return out
         finally:
@@ -834,12 +835,12 @@ def run_prepared(prep: Prepared, placement: str, dynamic: bool = True) -> list[O
         outs = [Outcome(prep.op, prep.index, placement, "static", prep.status, prep.message)]
         return outs
     torch.manual_seed(3000 + prep.index)
-    ctx = full_fp32() if placement == "cuda_op" else emu_registered()
+    ctx = full_fp32() if placement.startswith("cuda") else emu_registered()
     results = []
     with quiet(), ctx:
         calls = prep.calls
         dcalls = prep.dynamic.calls if prep.dynamic else None
-        if placement == "cuda_op":
+        if placement.startswith("cuda"):
             try:
                 calls = cuda_reference(prep, calls)
                 if dcalls:

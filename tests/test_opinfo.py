@@ -25,15 +25,23 @@ EVERY = 12  # the subset: every 12th op of the sorted list (the TRICKY ops besid
 
 ALL_IDS = [sweep.op_id(op) for op in sweep.float32_ops()]
 IDS = ALL_IDS if RUN_ALL else sweep.ci_subset(ALL_IDS, EVERY)
+# the inductor backend on the emulated device (Inductor's C++ code, compiled per case): every
+# INDUCTOR_EVERY-th op of the subset, and the ops whose failures it found
+INDUCTOR_EVERY = 3
+INDUCTOR_FOUND = ("T", "bernoulli", "cholesky", "lu_unpack", "linalg.ldl_solve", "linalg.solve_triangular",
+                  "nn.functional.embedding_bag", "geqrf", "histogram", "_unsafe_masked_index")
+INDUCTOR_IDS = set(ALL_IDS if RUN_ALL else IDS[::INDUCTOR_EVERY]) | {i for i in ALL_IDS if i in INDUCTOR_FOUND}
 
 
 def _params():
     out = []
-    for name in IDS:
-        for placement in sweep.CPU_PLACEMENTS:
+    for name in sorted(set(IDS) | INDUCTOR_IDS):
+        placements = sweep.CPU_PLACEMENTS if name in IDS else ()
+        for placement in (*placements, *(("emu_inductor",) if name in INDUCTOR_IDS else ())):
             out.append(pytest.param(name, placement, id=f"{name}-{placement}"))
-        if torch.cuda.is_available():
-            out.append(pytest.param(name, "cuda_op", id=f"{name}-cuda_op", marks=pytest.mark.cuda))
+        gpu = (("cuda_op",) if name in IDS else ()) + (("cuda_inductor",) if name in INDUCTOR_IDS else ())
+        for placement in gpu if torch.cuda.is_available() else ():
+            out.append(pytest.param(name, placement, id=f"{name}-{placement}", marks=pytest.mark.cuda))
     return out
 
 
