@@ -408,3 +408,13 @@ def loaded_bytes(emu, program) -> int:
     used = emu.live_bytes
     module.close()
     return used
+
+
+def one_per_device(pieces, alignment: int = 256) -> list[tuple[int, int]]:
+    """(nbytes, index) of the allocations a load makes for its device `pieces` ((nbytes, index)
+    each): one per device index, the pieces each rounded up to the emulated device's default
+    alignment (runtime/devices/slab.py), sorted."""
+    sizes: dict[int, int] = {}
+    for nbytes, index in pieces:
+        sizes[index] = sizes.get(index, 0) + -(-nbytes // alignment) * alignment
+    return sorted((n, index) for index, n in sizes.items() if n)

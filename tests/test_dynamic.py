@@ -16,10 +16,10 @@ from torch import nn
 
 import ferry
 from ferry import ConfigError, InputError
-from ferry.program.footprint import load_bytes
+from ferry.program.footprint import load_pieces
 from ferry.runtime import clone_to, emulated_device
 from ferry.runtime.stages import method as method_module
-from models import launched_streams, loaded_method
+from models import launched_streams, loaded_method, one_per_device
 from test_device_map import DAG_EXAMPLES, RandomDag, TinyLM
 
 BATCH, SEQ = torch.export.Dim("batch", max=8), torch.export.Dim("seq", max=32)
@@ -110,8 +110,10 @@ def test_a_dynamic_program_with_device_inputs_and_outputs_is_captured_per_shape(
     ep = torch.export.export(model, (torch.randint(0, 32, (4, 16)),), dynamic_shapes=({0: BATCH, 1: SEQ},))
     program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"), KEEP_ON_DEVICE)
     module = ferry.Module(program, cuda_graphs=True, outputs=outputs)
-    module.load_method()  # staging at the bound is memory counted before loading allocates it
-    assert emu_async.live_bytes == load_bytes(program, program.method("forward"), stage_io=True)[ferry.Device("emu", 0)]
+    module.load_method()  # staging at the bound is memory counted before loading allocates it: in its one allocation
+    pieces = load_pieces(program, program.method("forward"), stage_io=True)
+    assert emu_async.live_allocations == 1
+    assert emu_async.live_bytes == one_per_device((p.nbytes, p.device.index) for p in pieces if p.device.type == "emu")[0][0]
     wide = torch.randint(0, 32, (8, 32), generator=torch.Generator().manual_seed(9))
     calls = [(2, 16)] * 3 + [(4, 5)] * 3 + [(2, 16), (1, 32), (4, 5), "slice", "slice", "slice"]
     for i, shape in enumerate(calls):

@@ -18,7 +18,8 @@ from ferry.device import CPU, Device
 from ferry.errors import AllocationError, DeviceError, FerryError, InputError
 from ferry.program.schema import DelegateCall, TensorValue
 from ferry.runtime import clone_to, device_of, emulated_device
-from models import Add, WithParams, export, fresh_inputs, small_cnn
+from ferry.runtime.stages import module as module_stage
+from models import Add, WithParams, export, fresh_inputs, one_per_device, small_cnn
 
 EMU0 = Device("emu", 0)
 SKIP_H2D = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=True))
@@ -125,8 +126,9 @@ def test_load_allocates_every_device_buffer_and_device_constant(emu, cnn, exclud
     assert len(expected) > 1
     mod = ferry.Module(program)
     mod.load_method()
-    assert sorted((r.nbytes, r.index) for r in emu.allocated) == expected
-    assert emu.live_bytes == sum(n for n, _ in expected)
+    # one allocation per device, each piece in it aligned (runtime/devices/slab.py)
+    assert sorted((r.nbytes, r.index) for r in emu.allocated) == one_per_device(expected)
+    assert emu.live_bytes == sum(n for n, _ in one_per_device(expected))
     # constants are uploaded once, at load, one host-to-device copy each (no other copy)
     _, constants = device_buffers_and_constants(program)
     uploaded = [n for n, _ in constants if n]
@@ -188,11 +190,16 @@ def test_device_program_without_its_allocator_is_a_device_error():
         assert emu.allocations == 1
 
 
-def test_every_failed_allocation_during_load_frees_everything(emu, cnn):
+@pytest.mark.parametrize("reserved", [True, False])
+def test_every_failed_allocation_during_load_frees_everything(emu, cnn, monkeypatch, reserved):
+    """The load's one allocation per device; or, with nothing reserved (every piece an allocation
+    of its own, as those past a short prediction are), each of them."""
     model, example, ep = cnn
     program = roundtrip(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", exclude=["aten.relu"])))
-    n = len(load_allocations(program))
-    assert n >= 3
+    if not reserved:
+        monkeypatch.setattr(module_stage, "load_pieces", lambda *args: [])
+    n = len(one_per_device(load_allocations(program)) if reserved else load_allocations(program))
+    assert n >= (1 if reserved else 3)
     for k in range(1, n + 1):
         mod = ferry.Module(program)
         emu.reset_counters()
@@ -411,10 +418,11 @@ def test_method_meta(emu, cnn):
         meta.input_meta(1)
     with pytest.raises(IndexError):
         meta.output_meta(1)
-    # method_meta needs no load, and the planned sizes are what load allocates
+    # method_meta needs no load, and the planned sizes are what load allocates (in one allocation)
     assert emu.allocations == 0
     mod.load_method()
-    assert meta.memory_planned_buffer_size(1) in [r.nbytes for r in emu.allocated]
+    assert (meta.memory_planned_buffer_size(1), 0) in load_allocations(program)
+    assert [(r.nbytes, r.index) for r in emu.allocated] == one_per_device(load_allocations(program))
 
 
 def test_method_meta_of_skip_flags_places_inputs_and_outputs_on_the_device(emu):

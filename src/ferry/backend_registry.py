@@ -50,13 +50,17 @@ class ProgramData:
     store:    at compile time, where a payload puts a tensor: `store.constant_segment(t) -> index`
               (the same tensor of two methods gets one segment)
     uploads:  at load time, the module's device copies of segments, one per (segment, device,
-              layout), shared by every method and delegate: `uploads.get(value, make)`
+              layout), shared by every method and delegate: `uploads.get(value, reservation)`
+    reservation: at load time, for a backend that `takes_reservation`, the load's one allocation
+              per device (runtime/devices/slab.py `MemoryReservation`) that its memory comes from
     """
 
     segments: Sequence
     store: Any = None
     uploads: Any = None
-    counted: set = field(default_factory=set)  # (segment, device, ...) already counted by load_bytes
+    reservation: Any = None
+    # already counted by load_bytes (or held by the module): upload keys, ("state", name), ("delegate", index)
+    counted: set = field(default_factory=set)
 
 
 class DelegateHandle:
@@ -97,6 +101,9 @@ class Backend:
     # memory (a KV cache updated in place; see `writes_over`). A backend whose handles return
     # results of their own writes those there itself; ferry passes nothing to one without it
     takes_overwrites = False
+    # `init` takes the device memory `load_pieces` lists from `data.reservation` (the load's one
+    # allocation per device); a backend without it allocates its own, and nothing is reserved for it
+    takes_reservation = False
 
     def preprocess(self, lowered, options, range_constraints=None) -> bytes:
         raise NotImplementedError
@@ -128,6 +135,13 @@ class Backend:
         """Bytes `init` allocates per device (the weights it uploads; its buffers unless
         `given_memory`), for memory limits checked before loading; unknown by default."""
         return {}
+
+    def load_pieces(self, payload: bytes, given_memory: bool, data: ProgramData | None = None) -> list:
+        """`load_bytes` allocation by allocation, [(device, nbytes[, alignment]), ...], so that a
+        reservation of them holds each one's alignment padding; by default one per device. (`data`: as every
+        method gets it, for a backend that `shares_program_data`.)"""
+        extra = {} if data is None else {"data": data}
+        return list(self.load_bytes(payload, given_memory, **extra).items())
 
     def call_bytes(self, payload: bytes) -> dict:
         """Bytes one call of the delegate allocates per device besides what `init` did (results

@@ -33,6 +33,7 @@ from ferry.runtime.stages.method import LoadedMethod
 class TorchBackend(Backend):
     backend_id = "torch"
     shares_program_data = True
+    takes_reservation = True  # its weights and buffers are a LoadedMethod's: taken from the load's reservation
 
     def preprocess(self, lowered, options, range_constraints=None, data: ProgramData | None = None) -> bytes:
         device = delegate_target_device(lowered) or CPU
@@ -61,6 +62,9 @@ class TorchBackend(Backend):
     def load_bytes(self, payload, given_memory: bool, data: ProgramData | None = None) -> dict:
         return payload_load_bytes(payload, given_memory, data)
 
+    def load_pieces(self, payload, given_memory: bool, data: ProgramData | None = None) -> list:
+        return payload_load_pieces(payload, given_memory, data)
+
     def call_bytes(self, payload, data: ProgramData | None = None) -> dict:
         return payload_call_bytes(payload, data)
 
@@ -74,7 +78,7 @@ class TorchBackend(Backend):
         # a delegate of another rank's stage runs in that rank's process, on its devices
         nested = LoadedMethod(program, localized(program.method("forward")), _no_nested_delegates,
                               asynchronous=False, memory=memory, caller=caller,
-                              uploads=uploads)
+                              uploads=uploads, reservation=data.reservation if data is not None else None)
         return _Handle(nested)
 
 
@@ -121,21 +125,29 @@ def _describe(v) -> str:
     return f"a {v.dtype}{list(v.shape)} tensor on {v.device}"
 
 
-def payload_load_bytes(payload, given_memory: bool, data: ProgramData | None = None) -> dict:
-    """Bytes `init` allocates per device for a payload that is a ferry program: the weights it
-    uploads (a weight of the holding program once: `data.counted`), and its buffers unless the
-    caller plans them (`given_memory`)."""
+def payload_load_pieces(payload, given_memory: bool, data: ProgramData | None = None) -> list:
+    """[(device, nbytes[, alignment]), ...] `init` allocates for a payload that is a ferry program:
+    the weights it uploads (a weight of the holding program once: `data.counted`), and its buffers
+    unless the caller plans them (`given_memory`)."""
     program = payload_program(payload, data)
     m = program.method("forward")
     counted = data.counted if data is not None and program.holder_segments else set()  # weights held once
-    need: dict = {}
+    pieces: list[tuple] = []
     for v in m.values:
         if isinstance(v, TensorValue) and v.storage == "constant" and not v.device.is_cpu and upload_key(v) not in counted:
             counted.add(upload_key(v))
-            need[v.device] = need.get(v.device, 0) + v.nbytes
+            pieces.append((v.device, v.nbytes))
     if not given_memory:
-        for b in m.buffers[1:]:
-            need[b.device] = need.get(b.device, 0) + b.size
+        pieces += [(b.device, b.size, b.alignment) for b in m.buffers[1:]]
+    return pieces
+
+
+def payload_load_bytes(payload, given_memory: bool, data: ProgramData | None = None) -> dict:
+    """Bytes `init` allocates per device for a payload that is a ferry program: its
+    `payload_load_pieces`, added up."""
+    need: dict = {}
+    for device, n, *_ in payload_load_pieces(payload, given_memory, data):
+        need[device] = need.get(device, 0) + n
     return need
 
 

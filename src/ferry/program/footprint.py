@@ -2,13 +2,15 @@
 call allocates besides, and the size strings ("20GiB") budgets and limits are written in.
 
 Compile checks a device map against `max_memory` with the first; the runtime checks a file
-from elsewhere against `Module(max_memory=...)` with both, before anything is allocated.
+from elsewhere against `Module(max_memory=...)` with both, before anything is allocated, and
+reserves the first, piece by piece, as one allocation per device (runtime/devices/slab.py).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from ferry.backend_registry import ProgramData, data_kwargs, get_backend
@@ -18,7 +20,8 @@ from ferry.program.lifetimes import value_lifetimes
 from ferry.program.schema import DelegateCall, KernelCall, Method, TensorValue, upload_key
 from ferry.program.states import method_states
 
-__all__ = ["MAX_BYTES", "call_bytes", "limit_for", "load_bytes", "parse_bytes", "parse_limits", "unknown_limit_keys"]
+__all__ = ["MAX_BYTES", "LoadPiece", "call_bytes", "limit_for", "load_bytes", "load_pieces", "parse_bytes", "parse_limits",
+           "unknown_limit_keys"]
 
 MAX_BYTES = 2**60  # one exbibyte: a size above it is a mistake, not a budget
 
@@ -83,19 +86,28 @@ def limit_for(limits: dict[str, int], device: Device) -> int | None:
     return None
 
 
-def load_bytes(program, method: Method, stage_io: bool = False, data: ProgramData | None = None) -> dict[Device, int]:
-    """Bytes loading `method` allocates per device: its buffers, device constants and state,
-    fixed device I/O (CUDA graphs) and what its delegates' backends say they allocate. A weight
-    or state the module holds once for all methods is counted once per `data` (pass one
-    ProgramData for every method of a program; without it, every method counts its own)."""
+@dataclass(frozen=True)
+class LoadPiece:
+    """One allocation loading a method makes. A `reserved` one is taken from the load's one
+    allocation per device (runtime/devices/slab.py); the rest are made apart: a scratch tensor
+    (it may grow at run time, so its storage is its own) and what a backend that does not take
+    the reservation allocates itself. Host pieces are never reserved, whatever they say.
+    `alignment`: what a planned buffer asks for (None: the device allocator's default)."""
+
+    device: Device
+    nbytes: int
+    alignment: int | None = None
+    reserved: bool = True
+
+
+def load_pieces(program, method: Method, stage_io: bool = False, data: ProgramData | None = None) -> list[LoadPiece]:
+    """The allocations loading `method` makes, device by device: its buffers, device constants and
+    state, fixed device I/O (CUDA graphs), scratch, and what its delegates' backends say they
+    allocate. A weight or state the module holds once for all methods is counted once per `data`
+    (pass one ProgramData for every method of a program; without it, every method counts its own);
+    a delegate named `("delegate", index)` in `data.counted` is one loaded already."""
     data = data if data is not None else ProgramData(program.segments)
-    need: dict[Device, int] = {}
-
-    def add(device: Device, n: int) -> None:
-        need[device] = need.get(device, 0) + n
-
-    for b in method.buffers[1:]:
-        add(b.device, b.size)
+    pieces = [LoadPiece(b.device, b.size, b.alignment) for b in method.buffers[1:]]
     states = method_states(method)
     for vid, v in enumerate(method.values):
         if not isinstance(v, TensorValue) or (v.device.is_cpu and v.storage not in ("state", "scratch")):
@@ -104,18 +116,26 @@ def load_bytes(program, method: Method, stage_io: bool = False, data: ProgramDat
             key = upload_key(v) if v.storage == "constant" else ("state", states[vid])
             if key not in data.counted:
                 data.counted.add(key)
-                add(v.device, v.nbytes)
+                pieces.append(LoadPiece(v.device, v.nbytes))
         elif stage_io and v.storage in ("input", "output"):  # staged for graphs (a dynamic one at its bound)
-            add(v.device, v.nbytes)
+            pieces.append(LoadPiece(v.device, v.nbytes))
         elif v.storage == "scratch":  # an out argument nobody reads: a tensor of its own, made at load
-            add(v.device, v.nbytes)
+            pieces.append(LoadPiece(v.device, v.nbytes, reserved=False))
     for ins in method.instructions:
-        if isinstance(ins, DelegateCall):
+        if isinstance(ins, DelegateCall) and ("delegate", ins.delegate) not in data.counted:
             d = program.delegates[ins.delegate]
             backend = get_backend(d.backend_id)
-            for device, n in backend.load_bytes(program.segments[d.payload], bool(ins.scratch),
-                                                **data_kwargs(backend, data)).items():
-                add(device, n)
+            given = backend.load_pieces(program.segments[d.payload], bool(ins.scratch), **data_kwargs(backend, data))
+            pieces += [LoadPiece(device, n, align[0] if align else None, backend.takes_reservation)
+                       for device, n, *align in given]
+    return pieces
+
+
+def load_bytes(program, method: Method, stage_io: bool = False, data: ProgramData | None = None) -> dict[Device, int]:
+    """Bytes loading `method` allocates per device: its `load_pieces`, added up."""
+    need: dict[Device, int] = {}
+    for p in load_pieces(program, method, stage_io, data):
+        need[p.device] = need.get(p.device, 0) + p.nbytes
     return need
 
 

@@ -5,7 +5,8 @@ host are views of the program file, device constants are uploaded once. Each val
 slot: a tensor (or constant) fixed for the life of the method, or None for what changes per
 call (caller tensors, fresh outputs, run-time results, sizes). What a value is comes from
 its storage kind in the program; nothing here guesses it. All or nothing: if anything fails,
-what was allocated is freed before the error propagates.
+what was allocated is freed before the error propagates. Given the load's reservation
+(runtime/devices/slab.py), device memory is taken from it: one allocation per device.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.schema import CONST_KIND_TABLE, LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
 from ferry.program.states import method_states
 from ferry.runtime.devices.allocator import DeviceMemoryBuffer
+from ferry.runtime.devices.slab import MemoryReservation, SlabPiece, allocate
 from ferry.runtime.devices.tensor import make_tensor
 from ferry.runtime.stages.shared import DeviceUploads, ProgramState, constant_tensor, upload
 
@@ -36,7 +38,7 @@ class Memory:
 
     slots: list
     fixed: list[bool]
-    owned: list = field(default_factory=list)  # DeviceMemoryBuffers (and a method's own ProgramState)
+    owned: list = field(default_factory=list)  # DeviceMemoryBuffers, SlabPieces (and a method's own ProgramState)
     staged_inputs: dict[int, int] = field(default_factory=dict)
     staged_outputs: set[int] = field(default_factory=set)
 
@@ -48,15 +50,16 @@ class Memory:
 
 def load_memory(segments: list, method: Method, *, pin_host: bool = True, stage_io: bool = False,
                 buffers: list[torch.Tensor] | None = None, uploads: DeviceUploads | None = None,
-                state: ProgramState | None = None) -> Memory:
+                state: ProgramState | None = None, reservation: MemoryReservation | None = None) -> Memory:
     """Allocate and fill the memory of `method`; `stage_io` gives device inputs and outputs
     fixed tensors (for CUDA graphs). `buffers`: memory the caller already planned for the
     method's buffers (a delegate working in its caller's arena), in place of allocating them.
     `uploads`, `state`: the module's device weights and mutable buffers, shared by its methods
-    (without them the method holds its own)."""
+    (without them the method holds its own). `reservation`: where device memory comes from
+    (without it, an allocation each)."""
     mem = Memory([None] * len(method.values), [False] * len(method.values))
     try:
-        _Loader(segments, method, mem, uploads, state).load(pin_host, stage_io, buffers)
+        _Loader(segments, method, mem, uploads, state, reservation).load(pin_host, stage_io, buffers)
     except BaseException:
         mem.close()
         raise
@@ -71,9 +74,9 @@ class _Given:
 
 
 class _Loader:
-    def __init__(self, segments, method: Method, mem: Memory, uploads=None, state=None):
+    def __init__(self, segments, method: Method, mem: Memory, uploads=None, state=None, reservation=None):
         self.segments, self.m, self.mem = segments, method, mem
-        self.uploads = uploads
+        self.uploads, self.reservation = uploads, reservation
         if state is None:  # a method loaded on its own holds its state (freed with its memory)
             state = ProgramState(segments, {method.name: method})
             mem.owned.append(state)
@@ -98,11 +101,12 @@ class _Loader:
             elif v.storage == "constant":
                 self._fix(vid, self._constant(v))
             elif v.storage == "state":
-                self._fix(vid, self.state.tensor(states[vid]))
+                self._fix(vid, self.state.tensor(states[vid], self.reservation))
             elif v.storage == "scratch":
                 # an out argument nobody reads (batch norm's saved statistics in eval, ...): a plain,
                 # resizable tensor; if this device's kernel needs it larger than traced, it grows
-                # (once) instead of writing over planned neighbours
+                # (once) instead of writing over planned neighbours (so never a piece of a slab, whose
+                # storage is the whole slab)
                 self._fix(vid, torch.empty(v.shape, dtype=v.torch_dtype, device=v.device.to_torch()))
         if stage_io:
             self._stage_io()
@@ -132,8 +136,9 @@ class _Loader:
             return  # lists are built after their members; sizes are computed each call
         self._fix(vid, CONST_KIND_TABLE[v.kind].runtime(v.value))
 
-    def _own(self, nbytes: int, device: Device, alignment: int | None = None, pin: bool = False) -> DeviceMemoryBuffer:
-        buf = DeviceMemoryBuffer.create(nbytes, device, alignment, pin_memory=pin)
+    def _own(self, nbytes: int, device: Device, alignment: int | None = None,
+             pin: bool = False) -> DeviceMemoryBuffer | SlabPiece:
+        buf = allocate(nbytes, device, alignment, pin_memory=pin, reservation=self.reservation)
         self.mem.owned.append(buf)
         return buf
 
@@ -145,7 +150,7 @@ class _Loader:
         if v.device.is_cpu:
             return constant_tensor(self.segments[v.constant], v)
         if self.uploads is not None:
-            return self.uploads.get(v)
+            return self.uploads.get(v, self.reservation)
         t = self._empty(v)
         self._upload(t, v)
         return t

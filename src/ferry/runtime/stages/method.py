@@ -48,7 +48,7 @@ def streams_api_for(method: Method):
 class LoadedMethod:
     def __init__(self, program, method: Method, delegate, *, pin_host: bool = True, cuda_graphs: bool = False,
                  asynchronous: bool = True, memory=None, transport=None, caller: CallerPlan = NOT_CAPTURED,
-                 uploads=None, state=None, graph_memory=None):
+                 uploads=None, state=None, graph_memory=None, reservation=None):
         self.method, self.name = method, method.name
         self.caller = caller  # a delegate's method: the plan it runs inside
         self.transport = transport
@@ -58,8 +58,9 @@ class LoadedMethod:
         self.streams = CopyStreams(api, graph_memory) if api is not None else None
         if self.streams is not None and transport is not None:  # a dead peer must not hang a host wait
             self.streams.bound_waits(transport.timeout, transport.stuck)
+        # reservation: the load's one allocation per device (runtime/devices/slab.py) memory comes from
         self.memory = load_memory(program.segments, method, pin_host=pin_host, stage_io=cuda_graphs and api is not None,
-                                  buffers=memory, uploads=uploads, state=state)
+                                  buffers=memory, uploads=uploads, state=state, reservation=reservation)
         # a method with dynamic sizes runs its first call at each new shape through the generic
         # plan, which records every size; later calls at that shape run a plan bound at those
         # sizes, as a static method's is (kernel fast paths, views made once, fresh outputs at

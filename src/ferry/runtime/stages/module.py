@@ -16,16 +16,17 @@ from ferry.errors import BackendError, ConfigError, DeviceError, FerryError, Pro
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program import Program, load_program
 from ferry.program.dataflow import state_overwrites
-from ferry.program.footprint import unknown_limit_keys
+from ferry.program.footprint import load_pieces, unknown_limit_keys
 from ferry.program.ranks import program_ranks
 from ferry.program.schema import DelegateCall, MethodMeta, TensorValue
 from ferry.program.states import program_states
 from ferry.progress import Progress, checked, tell
 from ferry.runtime.devices.graphs import GraphMemory
 from ferry.runtime.devices.limits import call_bytes, check_limits, load_bytes, parse_limits
+from ferry.runtime.devices.slab import MemoryReservation
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
-from ferry.runtime.stages.method import LoadedMethod
+from ferry.runtime.stages.method import LoadedMethod, streams_api_for
 from ferry.runtime.stages.run import caller_copy
 from ferry.runtime.stages.shared import DeviceUploads, ProgramState
 
@@ -125,6 +126,23 @@ class _Instance:
         loaded = self.methods.get(name)
         if loaded is not None:
             return loaded
+        reservation = self._reserve(name)
+        try:
+            return self._load(name, reservation)
+        finally:  # what no piece holds (a failed load's, a short-lived one's) is freed now
+            reservation.seal()
+
+    def _reserve(self, name: str) -> MemoryReservation:
+        """One allocation per device for what loading `name` will newly allocate: the weights the
+        module uploaded, the states and delegates this set made, are held already."""
+        mod = self.module
+        method = mod.program.method(name)
+        held = mod.uploads.keys() | {("state", s) for s in self.state.tensors} | {("delegate", i) for i in self.delegates}
+        stage_io = mod.cuda_graphs and streams_api_for(method) is not None  # as LoadedMethod stages I/O
+        pieces = load_pieces(mod.program, method, stage_io, ProgramData(mod.program.segments, counted=held))
+        return MemoryReservation((p.device, p.nbytes, p.alignment) for p in pieces if p.reserved)
+
+    def _load(self, name: str, reservation: MemoryReservation) -> LoadedMethod:
         mod = self.module
         created: list[int] = []
         marks = mod.uploads.mark(), self.state.mark()
@@ -133,7 +151,7 @@ class _Instance:
 
         def delegate(index: int, memory=(), caller: CallerPlan = NOT_CAPTURED):
             if index not in self.delegates:
-                self.delegates[index] = mod._init_delegate(index, list(memory), caller)
+                self.delegates[index] = mod._init_delegate(index, list(memory), caller, reservation)
                 created.append(index)
                 tell(mod.progress, task, len(created), parts, "part")
             return self.delegates[index]
@@ -141,7 +159,7 @@ class _Instance:
         try:
             loaded = LoadedMethod(mod.program, mod.program.method(name), delegate, pin_host=mod.pin_host_memory,
                                   cuda_graphs=mod.cuda_graphs, transport=mod.transport, uploads=mod.uploads,
-                                  state=self.state, graph_memory=self.graph_memory)
+                                  state=self.state, graph_memory=self.graph_memory, reservation=reservation)
             try:
                 if mod.microbatches is not None:
                     self.microbatches[name] = MicroBatches(loaded, mod.microbatches, mod.cuda_graphs)
@@ -296,12 +314,15 @@ class Module:
                     self._free.put(inst)
                 _hand_back_cached_memory()
 
-    def _init_delegate(self, index: int, memory: list, caller: CallerPlan):
-        """`memory`: the delegate's working memory, planned in the method's arenas."""
+    def _init_delegate(self, index: int, memory: list, caller: CallerPlan, reservation=None):
+        """`memory`: the delegate's working memory, planned in the method's arenas; `reservation`:
+        the load's, for a backend that takes its memory from it."""
         d = self.program.delegates[index]
         backend = get_backend(d.backend_id)
         payload = self.program.segments[d.payload]
-        extra = data_kwargs(backend, ProgramData(self.program.segments, uploads=self.uploads))
+        data = ProgramData(self.program.segments, uploads=self.uploads,
+                           reservation=reservation if backend.takes_reservation else None)
+        extra = data_kwargs(backend, data)
         if backend.takes_overwrites:
             extra["overwrites"] = _state_overwrites(self.program, index)
         try:

@@ -5,7 +5,8 @@ Methods compiled together from one model (prefill and decode) read the same weig
 the same cache. Each weight is uploaded to a device once, whichever method or delegate asks for
 it first, and freed when the module closes; each state is one tensor per set of memory (a
 module with `concurrency=k` holds k caches, one per concurrent caller), made when the first
-method naming it loads and set to its initial value again by `reset`.
+method naming it loads and set to its initial value again by `reset`. Made while a method loads,
+both take their memory from that load's reservation (runtime/devices/slab.py) when given one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ferry.program.schema import TensorValue, upload_key
 from ferry.program.states import program_states
 from ferry.progress import Progress, tell
 from ferry.runtime.devices.allocator import DeviceMemoryBuffer, as_bytes, require_allocator
+from ferry.runtime.devices.slab import MemoryReservation, SlabPiece, allocate
 from ferry.runtime.devices.tensor import make_tensor
 
 __all__ = ["DeviceUploads", "ProgramState", "constant_tensor", "upload"]
@@ -43,10 +45,11 @@ def upload(dst: torch.Tensor, segment, v: TensorValue) -> None:
         require_allocator(v.device).copy_host_to_device(as_bytes(dst), as_bytes(src), v.nbytes, v.device.index)
 
 
-def _filled(v: TensorValue, segments, owned: list, pin: bool = False) -> torch.Tensor:
+def _filled(v: TensorValue, segments, owned: list, pin: bool = False,
+            reservation: MemoryReservation | None = None) -> torch.Tensor:
     """A tensor of its own for `v`, holding its segment's bytes; its memory is appended to
     `owned` only once filled (a failed upload frees it)."""
-    buf = DeviceMemoryBuffer.create(v.nbytes, v.device, pin_memory=pin)
+    buf = allocate(v.nbytes, v.device, pin_memory=pin, reservation=reservation)
     try:
         t = make_tensor(buf.memory, v.shape, v.torch_dtype, v.device, 0, v.strides)
         upload(t, segments[v.constant], v)
@@ -74,21 +77,27 @@ class DeviceUploads:
         self.segments = segments
         self.progress, self.uploaded = progress, 0  # bytes uploaded, told to `progress` (ferry/progress.py)
         self._made: dict[tuple, torch.Tensor] = {}
-        self._owned: list[DeviceMemoryBuffer] = []
+        self._owned: list[DeviceMemoryBuffer | SlabPiece] = []
         self._lock = threading.Lock()
 
-    def get(self, v: TensorValue) -> torch.Tensor:
+    def get(self, v: TensorValue, reservation: MemoryReservation | None = None) -> torch.Tensor:
+        """The device copy of `v`'s weight, uploaded on first use (into `reservation`, if given)."""
         key = upload_key(v)
         with self._lock:
             t = self._made.get(key)
             if t is None:
-                t = self._made[key] = _filled(v, self.segments, self._owned)
+                t = self._made[key] = _filled(v, self.segments, self._owned, reservation=reservation)
                 self.uploaded += v.nbytes
                 tell(self.progress, "upload weights", self.uploaded, 0, "B")
             return t
 
     def __len__(self) -> int:
         return len(self._made)
+
+    def keys(self) -> set[tuple]:
+        """The upload keys held (program/schema.py `upload_key`): a load counts them as made."""
+        with self._lock:
+            return set(self._made)
 
     def mark(self) -> int:
         return len(self._made)
@@ -114,14 +123,15 @@ class ProgramState:
         self.states = program_states(methods)
         self.pin_host = pin_host
         self.tensors: dict[str, torch.Tensor] = {}
-        self._owned: list[DeviceMemoryBuffer] = []
+        self._owned: list[DeviceMemoryBuffer | SlabPiece] = []
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The state `name`, made and set to its initial value on first use."""
+    def tensor(self, name: str, reservation: MemoryReservation | None = None) -> torch.Tensor:
+        """The state `name`, made (in `reservation`, if given) and set to its initial value on first use."""
         t = self.tensors.get(name)
         if t is None:
             v = self.states[name].value
-            t = self.tensors[name] = _filled(v, self.segments, self._owned, pin=self.pin_host and v.device.is_cpu)
+            t = self.tensors[name] = _filled(v, self.segments, self._owned, pin=self.pin_host and v.device.is_cpu,
+                                             reservation=reservation)
         return t
 
     def mark(self) -> int:
