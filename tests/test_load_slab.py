@@ -136,6 +136,25 @@ def test_a_program_with_several_weights_loads_in_one_allocation(emu):
     assert emu.live_bytes == 0 and emu.deallocations == 1
 
 
+def test_an_inductor_delegates_weights_are_in_the_one_allocation(emu):
+    """Inductor's own results are its allocations; the weights it reads are the load's pieces."""
+    model = Weights().eval()
+    program = ferry.compile(export(model, (torch.randn(4, 8),)), ferry.OpSupportPartitioner("emu:0", backend_id="inductor"))
+    module = ferry.Module(program)
+    module.load_method()
+    uploaded = list(module.uploads._made.values())
+    pieces = load_allocations(program)  # the weights, and the planned copy of the input
+    assert len(uploaded) >= 5 and len(emu.allocated) == 1 and len(pieces) == len(uploaded) + 1
+    assert emu.allocated[0].nbytes == sum(aligned(n) for n, _ in pieces)
+    slab = emu.allocated[0].data_ptr
+    assert all(slab <= t.data_ptr() < slab + emu.allocated[0].nbytes for t in uploaded)
+    for seed in range(2):
+        (x,) = fresh_inputs((torch.randn(4, 8),), seed)
+        torch.testing.assert_close(module(x), model(x))
+    module.close()
+    assert emu.live_bytes == 0
+
+
 def test_buffers_compiled_with_a_larger_alignment_are_in_the_one_allocation_too(emu):
     model = Weights().eval()
     program = ferry.compile(export(model, (torch.randn(4, 8),)), ferry.OpSupportPartitioner("emu:0"),

@@ -42,7 +42,7 @@ from ferry.aot.fuse import merge_for_compiler
 from ferry.aot.place import delegate_target_device
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
-from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_program
+from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_load_pieces, payload_program
 from ferry.capture import keep_workspace, on_side_stream
 from ferry.choices import attention, conv, gemv
 from ferry.choices.decisions import Site
@@ -75,6 +75,7 @@ class InductorBackend(Backend):
     backend_id = "inductor"
     returns_outputs = True  # its results are Inductor's own tensors: the method plans none for them
     takes_overwrites = True  # results the caller keeps in an argument's memory are copied there in the graph
+    takes_reservation = True  # its weights come from the load's one allocation per device (devices/slab.py)
     # its weights are the program's segments (ProgramData), as the torch backend's are: a weight the
     # delegates of several methods use (prefill and decode) is stored and uploaded once
     shares_program_data = True
@@ -121,6 +122,9 @@ class InductorBackend(Backend):
     def memory_needs(self, payload, data: ProgramData | None = None) -> list:
         return []  # nothing is planned: Inductor allocates what it computes
 
+    def load_pieces(self, payload, given_memory: bool, data: ProgramData | None = None) -> list:
+        return payload_load_pieces(payload, given_memory, data)
+
     def load_bytes(self, payload, given_memory: bool, data: ProgramData | None = None) -> dict:
         return payload_load_bytes(payload, given_memory, data)  # the constants it uploads (nothing is planned)
 
@@ -140,7 +144,8 @@ class InductorBackend(Backend):
         if any(allowed.get(r) != a for r, a in overwrites.items()):
             raise ProgramError(f"an inductor delegate is asked to write results over arguments {overwrites}; its "
                                f"graph allows {allowed}")
-        mem = load_memory(program.segments, method, pin_host=False, uploads=uploads)
+        mem = load_memory(program.segments, method, pin_host=False, uploads=uploads,
+                          reservation=data.reservation if data is not None else None)
         try:
             check_sizes(method, mem)  # before the dry run allocates what the file declares
             gm = _rebuilt(method, mem, overwrites)
