@@ -7,7 +7,9 @@ error and every refusal (CompileError) names the op; it is skipped when no sampl
 at all (eager raised, torch.export failed, no tensor output).
 
 By default a fixed subset runs: every `EVERY`-th op id of the sorted list plus opinfo_sweep.TRICKY
-(252 tests, about 2 min 40 s on two CPU cores, all placements together). FERRY_OPINFO=all runs every op;
+(252 tests, about 2 min 40 s on two CPU cores, all placements together), and the inductor backend
+on the emulated device on every third op of those plus the ops whose failures it found (37 tests,
+95 s with an empty Inductor cache). FERRY_OPINFO=all runs every op;
 tests/opinfo_report.py runs the whole database in worker processes and writes docs/ops.md.
 """
 
