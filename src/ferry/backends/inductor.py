@@ -406,6 +406,7 @@ class _Shapes(torch.fx.Interpreter):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        assert callable(n.target)  # (a kernel raised: a call_function node)
         with FakeTensorMode(allow_non_fake_inputs=True):
             traced = n.target(*args, **kwargs)
         return pytree.tree_map_only(torch.Tensor, _scratch_like, traced)

@@ -27,6 +27,7 @@ from ferry.errors import AllocationError, DeviceError, DeviceIndexError
 __all__ = [
     "DeviceAllocator",
     "DeviceMemoryBuffer",
+    "HeldMemory",
     "allocate_aligned",
     "as_bytes",
     "get_allocator",
@@ -348,7 +349,40 @@ def _free(allocator: DeviceAllocator | None, memory: torch.Tensor, index: int) -
         allocator.deallocate(memory, index)
 
 
-class DeviceMemoryBuffer:
+class HeldMemory:
+    """Memory held until `close()` (once) or garbage collection runs `_finalizer`: the shape of
+    DeviceMemoryBuffer and of a slab's piece (runtime/devices/slab.py)."""
+
+    _memory: torch.Tensor | None
+    _finalizer: weakref.finalize
+    _gone = "was freed"  # what became of the memory, for the error a closed one raises
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """The memory: a 1-D uint8 tensor of ``nbytes`` bytes."""
+        if self._memory is None:
+            raise ValueError(f"{self!r} is closed; its memory {self._gone}")
+        return self._memory
+
+    @property
+    def closed(self) -> bool:
+        return self._memory is None
+
+    def close(self) -> None:
+        """Give the memory back now; later calls do nothing."""
+        if self._memory is None:
+            return
+        self._memory = None
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class DeviceMemoryBuffer(HeldMemory):
     """Owns one allocation; frees it exactly once.
 
     Freed by ``close()``, by leaving a ``with`` block, or when garbage collected.
@@ -400,30 +434,6 @@ class DeviceMemoryBuffer:
             alignment = allocator.default_alignment
         memory = allocator.allocate(nbytes, device.index, alignment)
         return cls(memory, device, allocator, alignment)
-
-    @property
-    def memory(self) -> torch.Tensor:
-        """The allocation: a 1-D uint8 tensor of ``nbytes`` bytes."""
-        if self._memory is None:
-            raise ValueError(f"{self!r} is closed; its memory was freed")
-        return self._memory
-
-    @property
-    def closed(self) -> bool:
-        return self._memory is None
-
-    def close(self) -> None:
-        """Free the allocation now; later calls do nothing."""
-        if self._memory is None:
-            return
-        self._memory = None
-        self._finalizer()
-
-    def __enter__(self) -> DeviceMemoryBuffer:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._memory is None else f"at {self._memory.data_ptr():#x}"

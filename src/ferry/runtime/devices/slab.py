@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from ferry.device import Device
-from ferry.runtime.devices.allocator import DeviceMemoryBuffer, require_allocator
+from ferry.runtime.devices.allocator import DeviceMemoryBuffer, HeldMemory, require_allocator
 
 __all__ = ["MemoryReservation", "Slab", "SlabPiece", "allocate", "round_up"]
 
@@ -27,39 +27,17 @@ def round_up(nbytes: int, alignment: int) -> int:
     return -(-nbytes // alignment) * alignment
 
 
-class SlabPiece:
+class SlabPiece(HeldMemory):
     """Bytes of a slab, in the shape of a DeviceMemoryBuffer: `close()` (once; or garbage
     collection) gives them back, and the slab frees itself when the last piece is back."""
 
     pinned = False
+    _gone = "went back to its slab"
 
     def __init__(self, slab: Slab, memory: torch.Tensor, alignment: int):
-        self._memory: torch.Tensor | None = memory
+        self._memory = memory
         self.nbytes, self.device, self.alignment = memory.numel(), slab.device, alignment
         self._finalizer = weakref.finalize(self, slab._release)
-
-    @property
-    def memory(self) -> torch.Tensor:
-        """A 1-D uint8 view of exactly this piece's bytes."""
-        if self._memory is None:
-            raise ValueError(f"{self!r} is closed; its memory went back to its slab")
-        return self._memory
-
-    @property
-    def closed(self) -> bool:
-        return self._memory is None
-
-    def close(self) -> None:
-        if self._memory is None:
-            return
-        self._memory = None
-        self._finalizer()
-
-    def __enter__(self) -> SlabPiece:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._memory is None else f"at {self._memory.data_ptr():#x}"

@@ -11,6 +11,7 @@ load (program/footprint.py, `call_bytes`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import torch
@@ -154,7 +155,7 @@ def _histogram_sizes(x, bins, *_, **__):
 
 # kernels with no meta kernel (nor a fake one), sized from their arguments as their docs say:
 # op packet -> (arguments as meta tensors) -> results as meta tensors
-SIZE_RULES = MappingProxyType({"geqrf": _geqrf_sizes, "histogram": _histogram_sizes})
+SIZE_RULES: Mapping[str, Callable[..., tuple]] = MappingProxyType({"geqrf": _geqrf_sizes, "histogram": _histogram_sizes})
 
 
 def _as_fakes(op, args: list, kwargs: dict, device: torch.device | None = None):
