@@ -258,6 +258,19 @@ def test_a_view_past_its_storage_after_a_value_checking_kernel_is_still_refused_
         ferry.Module(_with_instructions(program, make)).load_method()
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_inductor_delegate_on_the_asynchronous_device_equals_eager(block, emu_async, graphs):
+    """Device work runs after the host moves on; compiled code returns its results to the host
+    at once (as CUDA's Python does), so the copy after it finds them (it found None). Simulated
+    graphs cannot capture such code: those segments run eagerly, with a warning."""
+    program = ferry.compile(torch.export.export(block, (torch.randn(SHAPE),)),
+                            ferry.OpSupportPartitioner("emu:0", backend_id="inductor", exclude=["aten.softmax.int"]))
+    module = ferry.Module(program, cuda_graphs=graphs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        matches_eager(module, block, calls=4)
+
+
 def dynamic_lm():
     from test_device_map import TinyLM
 

@@ -175,6 +175,22 @@ class SimulatedApi:
     def on_device(self, index: int, fn: Callable[[], object]) -> Callable[[], object]:
         return lambda: self.enqueue(self.current_stream(index), fn)
 
+    def results_now(self, index: int, fn: Callable[[], object]) -> Callable[[], object]:
+        """Device work whose results the host holds as soon as it returns (a delegate's compiled
+        code, which returns tensors of its own: on CUDA its Python runs at once and only its
+        kernels wait). Here the code computes them too, so it runs at host time, after the work
+        queued on the device's stream so far. It cannot be captured: a replay would compute new
+        tensors, not rewrite the captured ones as CUDA's does (the segment runs eagerly instead)."""
+
+        def run():
+            stream = self.current_stream(index)
+            if self._capturing is not None and stream is self._capturing[0]:
+                raise RuntimeError("a simulated graph cannot capture code that returns tensors of its own")
+            self._host_wait(lambda: not stream.queue)
+            return fn()
+
+        return run
+
     @staticmethod
     def page_locked(t: torch.Tensor) -> bool:
         return True  # simulated host memory is all page-locked

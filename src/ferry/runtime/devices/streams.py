@@ -76,6 +76,12 @@ class CudaApi:
 
         return run
 
+    @classmethod
+    def results_now(cls, index: int, fn: Callable[[], object]) -> Callable[[], object]:
+        """Device work whose results the host holds as it returns (compiled code's own tensors):
+        on CUDA, as any device work (its Python runs at once, its kernels on the stream)."""
+        return cls.on_device(index, fn)
+
     @staticmethod
     def page_locked(t: torch.Tensor) -> bool:
         """A captured copy from pageable memory would replay a staging buffer filled at capture."""
