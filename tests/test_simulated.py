@@ -342,9 +342,9 @@ def test_a_dynamic_method_with_graphs_loads_its_delegates_as_captured(emu_async,
 
     callers, init = [], module_mod.Module._init_delegate
 
-    def recording(self, index, memory, caller):
+    def recording(self, index, memory, caller, *rest):
         callers.append(caller.captured)
-        return init(self, index, memory, caller)
+        return init(self, index, memory, caller, *rest)
 
     monkeypatch.setattr(module_mod.Module, "_init_delegate", recording)
     batch = torch.export.Dim("batch", max=64)
