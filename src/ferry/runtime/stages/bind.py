@@ -192,8 +192,9 @@ class _Binder(KernelSteps):
         run = None
         if outs and all(self.m.tensor(o).storage in ("runtime", "state") for o in outs) and any(
                 self.m.tensor(o).storage == "runtime" for o in outs):  # dataflow.py: results it returns
-            run = self._returned_outputs(ins, handle)
-        elif all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs):
+            step = self.step(index, "delegate", f"delegate {ins.delegate}", ins, self._returned_outputs(ins, handle))
+            return dataclasses.replace(step, returns=True)
+        if all(self.fixed[a] for a in args) and all(self.fixed[o] for o in outs):
             run = handle.bind_static([slots[a] for a in args], [slots[o] for o in outs], self.capture)  # planned I/O
         made = [i for i, o in enumerate(outs) if self._fresh(o) and handle.makes_output(i, self.m.tensor(o))]
         if run is None and made:

@@ -114,7 +114,7 @@ class Plan:
         if api is None or step.kind == "copy" or not any(d.type == api.device_type for d in step.devices):
             return step.call
         (index,) = {d.index for d in step.devices if d.type == api.device_type}
-        if step.kind == "delegate" and step.writes:  # compiled code returning its results: later steps take them
+        if step.returns:  # compiled code returning its results: later steps take them
             return api.results_now(index, step.call)
         return api.on_device(index, step.call)
 

@@ -24,6 +24,8 @@ class Step:
     writes:        values of this call it produces (a functional kernel's results, views of them)
     makes:         fresh outputs (made for the caller each call) the step allocates itself: a
                    delegate that makes them as late as its own plan allows
+    returns:       its call hands back tensors it made, which later steps take (compiled code
+                   returning its results): a simulated device runs it at host time
 
     A graph may capture a run of steps when every value of the call they read is produced
     earlier in that run: every address they touch is then fixed at load or by the capture.
@@ -41,6 +43,7 @@ class Step:
     writes: frozenset[int] = frozenset()
     release: tuple[int, ...] = ()  # values of the call no later step reads: dropped right after
     makes: frozenset[int] = frozenset()  # outputs made for the caller that this step allocates itself
+    returns: bool = False  # hands back tensors it made (compiled code returning its results)
 
     @property
     def label(self) -> str:
