@@ -363,8 +363,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="the markdown report (docs/ops.md)")
     ap.add_argument("--json", help="every outcome as JSON (docs/opinfo.json)")
     ap.add_argument("--from-json", help="write --out from this JSON, running nothing")
-    ap.add_argument("--placements", default=",".join(sweep.CPU_PLACEMENTS),
-                    help=f"comma-separated, of {', '.join(sweep.PLACEMENTS)} (default: the CPU ones)")
+    ap.add_argument("--placements", default=",".join((*sweep.CPU_PLACEMENTS, "emu_inductor")),
+                    help=f"comma-separated, of {', '.join(sweep.PLACEMENTS)} (default: the CPU ones, both backends)")
     ap.add_argument("--samples", type=int, default=sweep.DEFAULT_SAMPLES, help="samples per op (default 2)")
     ap.add_argument("--ops", help="comma-separated op ids (default: every float32 op)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: CPU count)")
