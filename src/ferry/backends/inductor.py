@@ -399,7 +399,6 @@ class _Shapes(torch.fx.Interpreter):
             self.seen[n] = torch.empty_strided(result.shape, result.stride(), dtype=result.dtype, device="meta")
         return result
 
-
     def _stand_in(self, n: torch.fx.Node):
         """Scratch tensors of the result `n` would have (traced with fake tensors), so the run goes
         on past a kernel that refused the scratch values, every later view still checked."""
@@ -409,12 +408,14 @@ class _Shapes(torch.fx.Interpreter):
         assert callable(n.target)  # (a kernel raised: a call_function node)
         with FakeTensorMode(allow_non_fake_inputs=True):
             traced = n.target(*args, **kwargs)
-        return pytree.tree_map_only(torch.Tensor, _scratch_like, traced)
+        return pytree.tree_map_only(torch.Tensor, lambda t: _scratch(t.shape, t.stride(), t.dtype, t.device), traced)
 
 
-def _scratch_like(t: torch.Tensor) -> torch.Tensor:
-    real = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return real.uniform_() if t.dtype.is_floating_point or t.dtype.is_complex else real.zero_()
+def _scratch(shape, strides, dtype: torch.dtype, device: torch.device, integers: int = 0) -> torch.Tensor:
+    """Scratch values the kernels that check theirs take: floating ones in [0, 1) (bernoulli's
+    probabilities, multinomial's weights, a std), integers all `integers`."""
+    t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+    return t.uniform_() if dtype.is_floating_point or dtype.is_complex else t.fill_(integers)
 
 
 class _Compiled(DelegateHandle):
@@ -454,15 +455,11 @@ class _Compiled(DelegateHandle):
 
 def _example(v, integers: int = 0) -> torch.Tensor:
     """A tensor of input `v`'s shape, dtype, device and layout (eager's strides where the program
-    records them): what Inductor compiles for. Floating values are in [0, 1), which the kernels
-    that check theirs take (bernoulli's probabilities, multinomial's weights, a std), as the dry
-    run and the first launch need; integers are all `integers`."""
+    records them): what Inductor compiles for, holding `_scratch` values (the dry run and the
+    first launch run on it)."""
     if not isinstance(v, TensorValue):
         raise ProgramError("an inductor delegate takes tensors only")
-    t = torch.empty_strided(v.shape, v.layout_strides, dtype=v.torch_dtype, device=v.device.to_torch())
-    if v.torch_dtype.is_floating_point or v.torch_dtype.is_complex:
-        return t.uniform_()
-    return t.fill_(integers)
+    return _scratch(v.shape, v.layout_strides, v.torch_dtype, v.device.to_torch(), integers)
 
 
 def _as_compiled(t: torch.Tensor, strides) -> torch.Tensor:

@@ -258,9 +258,10 @@ class _Binder(KernelSteps):
                 st = st if st is not None else contiguous_strides(tuple(r.shape))
                 if ((dev is not None and device_of(r) != dev) or r.untyped_storage().data_ptr() in shared
                         or not same_strides(r.shape, r.stride(), st)):  # into memory of its own, on its device
-                    fresh = empty_on(dev, r.shape, r.dtype, st) if dev is not None else \
-                        torch.empty_strided(r.shape, st, dtype=r.dtype, device=r.device)
-                    r = fresh.copy_(r)
+                    if dev is None:
+                        r = torch.empty_strided(r.shape, st, dtype=r.dtype, device=r.device).copy_(r)
+                    else:
+                        r = empty_on(dev, r.shape, r.dtype, st).copy_(r)
                 slots[o] = r
 
         return run

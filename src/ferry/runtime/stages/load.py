@@ -20,8 +20,8 @@ from ferry.errors import ProgramError
 from ferry.ops import OUT_COPY_KERNELS
 from ferry.program.schema import CONST_KIND_TABLE, LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
 from ferry.program.states import method_states
-from ferry.runtime.devices.allocator import DeviceMemoryBuffer
-from ferry.runtime.devices.slab import MemoryReservation, SlabPiece, allocate
+from ferry.runtime.devices.allocator import HeldMemory
+from ferry.runtime.devices.slab import MemoryReservation, allocate
 from ferry.runtime.devices.tensor import make_tensor
 from ferry.runtime.stages.shared import DeviceUploads, ProgramState, constant_tensor, upload
 
@@ -137,7 +137,7 @@ class _Loader:
         self._fix(vid, CONST_KIND_TABLE[v.kind].runtime(v.value))
 
     def _own(self, nbytes: int, device: Device, alignment: int | None = None,
-             pin: bool = False) -> DeviceMemoryBuffer | SlabPiece:
+             pin: bool = False) -> HeldMemory:
         buf = allocate(nbytes, device, alignment, pin_memory=pin, reservation=self.reservation)
         self.mem.owned.append(buf)
         return buf

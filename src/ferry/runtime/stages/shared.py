@@ -19,8 +19,8 @@ import torch
 from ferry.program.schema import TensorValue, upload_key
 from ferry.program.states import program_states
 from ferry.progress import Progress, tell
-from ferry.runtime.devices.allocator import DeviceMemoryBuffer, as_bytes, require_allocator
-from ferry.runtime.devices.slab import MemoryReservation, SlabPiece, allocate
+from ferry.runtime.devices.allocator import HeldMemory, as_bytes, require_allocator
+from ferry.runtime.devices.slab import MemoryReservation, allocate
 from ferry.runtime.devices.tensor import make_tensor
 
 __all__ = ["DeviceUploads", "ProgramState", "constant_tensor", "upload"]
@@ -77,7 +77,7 @@ class DeviceUploads:
         self.segments = segments
         self.progress, self.uploaded = progress, 0  # bytes uploaded, told to `progress` (ferry/progress.py)
         self._made: dict[tuple, torch.Tensor] = {}
-        self._owned: list[DeviceMemoryBuffer | SlabPiece] = []
+        self._owned: list[HeldMemory] = []
         self._lock = threading.Lock()
 
     def get(self, v: TensorValue, reservation: MemoryReservation | None = None) -> torch.Tensor:
@@ -123,7 +123,7 @@ class ProgramState:
         self.states = program_states(methods)
         self.pin_host = pin_host
         self.tensors: dict[str, torch.Tensor] = {}
-        self._owned: list[DeviceMemoryBuffer | SlabPiece] = []
+        self._owned: list[HeldMemory] = []
 
     def tensor(self, name: str, reservation: MemoryReservation | None = None) -> torch.Tensor:
         """The state `name`, made (in `reservation`, if given) and set to its initial value on first use."""
