@@ -43,11 +43,12 @@ def main() -> int:
             report["transfers"] = sum(1 for ins in module.module.program.method("forward").instructions
                                       if getattr(ins, "kernel", "").startswith("ferry::"))
             if rank == 0:
-                outs, errors = [], []
+                outs, errors, after = [], [], []
                 for x in torch.load(inputs):
                     start = time.monotonic()
                     try:
                         outs.append(module(*x))
+                        after.append([t.clone() for t in x])  # what the call left in its inputs
                     except ferry.FerryError as e:
                         report.update(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
                         print(f"rank 0: {type(e).__name__} after {time.monotonic() - start:.1f} s", flush=True)
@@ -56,7 +57,7 @@ def main() -> int:
                         if not options.get("keep_going"):
                             break
                         outs.append(None)
-                report.update(outputs=outs, errors=errors)
+                report.update(outputs=outs, errors=errors, inputs_after=after)
             else:
                 module.serve()
     except ferry.FerryError as e:

@@ -92,13 +92,28 @@ def op_id(op) -> str:
     return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
 
 
+class InplaceVariant:
+    """An op's in-place variant (`x.add_(y)` for `add`) as an op of the sweep: the op's samples,
+    its in-place function called on them (the first input written, as the caller's tensor).
+    Its id is the op's with `.inplace` ("add.inplace")."""
+
+    def __init__(self, op):
+        self.base, self.op = op, op.inplace_variant
+        self.variant_test_name = f"{op.variant_test_name}.inplace" if op.variant_test_name else "inplace"
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
 def float32_ops() -> list:
-    """Every OpInfo op that supports float32 on the CPU, sorted by op_id."""
+    """Every OpInfo op that supports float32 on the CPU, and the in-place variant of each that
+    has one, sorted by op_id."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     _thaw_backend_flags()
     with quiet():
         ops = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
+    ops += [InplaceVariant(op) for op in ops if op.inplace_variant is not None]
     return sorted(ops, key=op_id)
 
 

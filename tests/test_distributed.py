@@ -205,6 +205,28 @@ def test_micro_batches_pipeline_across_ranks(tmp_path, emu):
         torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
 
 
+class WritesItsInput(Stages):
+    """Rank 1 computes the input's new value; rank 0 writes it into the caller's tensor."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        x.copy_(self.a(x)[:, :16])
+        return y
+
+
+def test_an_input_written_in_place_is_written_on_rank_0(tmp_path, emu):
+    ep = torch.export.export(WritesItsInput().eval(), (torch.randn(4, 16),))
+    program = ferry.compile(ep, ferry.DeviceMapPartitioner({"a": "rank1:emu:0", "b": "emu:0"}))
+    calls = _calls(3)
+    zero, one = run_ranks(tmp_path, program, [tuple(t.clone() for t in c) for c in calls])
+    assert "error" not in zero and "error" not in one, (zero, one)
+    model = WritesItsInput().eval()
+    for (x,), got, (after,) in zip(calls, zero["outputs"], zero["inputs_after"]):
+        x = x.clone()
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(after, x, atol=1e-5, rtol=1e-4)
+
+
 class Transposed(Stages):
     def forward(self, x):
         return super().forward(x).view(-1, 2, 4).transpose(1, 2)

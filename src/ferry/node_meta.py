@@ -14,7 +14,7 @@ _INPUT = "ferry_input"
 _OUTPUTS = "ferry_outputs"
 
 USER_INPUT, PARAMETER, BUFFER, CONSTANT = "user_input", "parameter", "buffer", "constant"
-USER_OUTPUT, BUFFER_MUTATION = "user_output", "buffer_mutation"
+USER_OUTPUT, BUFFER_MUTATION, USER_INPUT_MUTATION = "user_output", "buffer_mutation", "user_input_mutation"
 
 
 def module_path(node: torch.fx.Node) -> str:
@@ -65,8 +65,8 @@ class InputInfo:
 
 @dataclass(frozen=True)
 class OutputInfo:
-    kind: str  # user_output | buffer_mutation
-    target: str = ""
+    kind: str  # user_output | buffer_mutation | user_input_mutation
+    target: str = ""  # the buffer's qualified name, or the written input's placeholder name
 
 
 def input_info(node: torch.fx.Node) -> InputInfo:

@@ -33,6 +33,7 @@ from ferry.program.schema import (
     ConstValue,
     Delegate,
     DelegateCall,
+    InputWrite,
     KernelCall,
     Method,
     MutableBuffer,
@@ -61,6 +62,7 @@ class _MethodEmitter:
         self.const_ids: dict = {}
         self.inputs: list[int] = []
         self.outputs: list[int] = []
+        self.input_writes: list[InputWrite] = []
         self.mutable: list[MutableBuffer] = []
         self.mutable_ids: set[int] = set()
         self.state_names: dict[int, str] = {}  # state value -> its buffer's name
@@ -377,6 +379,9 @@ class _MethodEmitter:
                 self.mutable.append(MutableBuffer(self.env[target], vid, info.target))
             else:
                 self.outputs.append(vid)
+                if info.kind == M.USER_INPUT_MUTATION:
+                    placeholder = next(p for p in self.gm.graph.nodes if p.op == "placeholder" and p.name == info.target)
+                    self.input_writes.append(InputWrite(len(self.outputs) - 1, self.inputs.index(self.env[placeholder])))
                 v = self.values[vid]
                 if isinstance(v, TensorValue) and (not self.opts.alloc_graph_output or not v.device.is_cpu):
                     if vid not in self.inputs and v.constant is None:
@@ -409,7 +414,7 @@ class _MethodEmitter:
                 values[vid] = dataclasses.replace(v, storage=self._storage(vid, v))
         return Method(
             name=self.name, values=values, instructions=self.instructions, inputs=self.inputs,
-            outputs=self.outputs, buffers=plan.buffers, mutable_buffers=self.mutable,
+            outputs=self.outputs, buffers=plan.buffers, mutable_buffers=self.mutable, input_writes=self.input_writes,
             lower_bounds={str(d): b for d, b in plan.lower_bounds.items()},
             runtime_allocating_ops=sorted(set(self.allocating_ops)),
             kernel_choices=dict(sorted(self.kernel_choices.items())),

@@ -94,10 +94,13 @@ class LoweredProgram:
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         infos = M.output_infos(self.graph_module.graph.output_node())
         by_target = {M.input_info(n).target: n.name for n in self.placeholders()}
+        given = dict(zip([n.name for n in self.placeholders()], args))
         result = []
         for info, value in zip(infos, outs):
             if info.kind == M.BUFFER_MUTATION:
                 self.constants[by_target[info.target]].copy_(value)
+            elif info.kind == M.USER_INPUT_MUTATION:
+                given[info.target].copy_(value)
             else:
                 result.append(value)
         return result[0] if len(result) == 1 else tuple(result)
@@ -146,14 +149,6 @@ def functional_aten(ep: torch.export.ExportedProgram, shared_state=frozenset()) 
     _contiguous_gemm_inputs(ep.graph_module)
     gather_rows_first(ep, shared_state)
     return ep
-
-
-def _producer(ep, name: str) -> str:
-    """The op that computes node `name` (through a getitem of a multi-result op)."""
-    node = next((n for n in ep.graph.nodes if n.name == name), None)
-    if node is not None and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return str(node.target) if node is not None and node.op == "call_function" else f"node {name!r}"
 
 
 def _refuse_hidden_mutations(ep, exported_state: set[str]) -> None:
@@ -290,11 +285,9 @@ def _annotate(ep: torch.export.ExportedProgram, shared_state=frozenset()) -> dic
             infos.append(M.OutputInfo(M.USER_OUTPUT))
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             infos.append(M.OutputInfo(M.BUFFER_MUTATION, spec.target))
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            infos.append(M.OutputInfo(M.USER_INPUT_MUTATION, spec.target))  # written into the caller's tensor
         else:
-            if spec.kind == OutputKind.USER_INPUT_MUTATION:
-                raise CompileError(f"{_producer(ep, spec.arg.name)} writes the caller's input {spec.target!r} in "
-                                   "place; ferry programs do not change their inputs: return the new value instead, "
-                                   "or hold it in a registered buffer (mutable buffers are supported)")
             raise CompileError(f"output {spec.arg} is a {spec.kind.name}, which ferry does not support yet")
     M.set_output_infos(ep.graph.output_node(), infos)
     return constants

@@ -103,12 +103,15 @@ class PropagateDevicePass(PassBase):
                 return home[value]
             if info.kind == M.BUFFER_MUTATION:
                 return self._buffer_home.get(info.target, CPU)  # written back where the buffer lives
+            if info.kind == M.USER_INPUT_MUTATION:
+                return self._input_home.get(info.target, CPU)  # written into the caller's tensor where it lives
             return CPU
         return CPU
 
     def _homes(self, gm, targets) -> dict[torch.fx.Node, Device]:
         home: dict[torch.fx.Node, Device] = {}
         self._buffer_home: dict[str, Device] = {}
+        self._input_home: dict[str, Device] = {}
         for n in gm.graph.nodes:
             if n.op in ("output",) or (n.op == "get_attr" and isinstance(getattr(gm, n.target, None), LoweredBackendModule)):
                 continue
@@ -129,6 +132,8 @@ class PropagateDevicePass(PassBase):
                 home[n] = devs[0] if devs else CPU
             else:
                 home[n] = CPU
+            if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT:
+                self._input_home[n.name] = home[n]
         return home
 
     def _mutable_buffer_home(self, gm, node, targets) -> Device:

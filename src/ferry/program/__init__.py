@@ -11,6 +11,7 @@ from ferry.program.schema import (
     ConstValue,
     Delegate,
     DelegateCall,
+    InputWrite,
     Instruction,
     KernelCall,
     Method,
@@ -29,7 +30,7 @@ from ferry.program.validate import validate_program
 
 __all__ = [
     "CONST_KINDS", "DEFAULT_ARG", "STORAGE_KINDS", "Buffer", "ConstValue", "CopyReport", "CopyRow", "Delegate",
-    "DelegateCall", "Instruction", "KernelCall", "Method", "MethodMeta", "MutableBuffer", "PlanEntry", "Program",
+    "DelegateCall", "InputWrite", "Instruction", "KernelCall", "Method", "MethodMeta", "MutableBuffer", "PlanEntry", "Program",
     "QuantizedWeight", "TensorMeta", "TensorValue", "Value", "dtype_from_name", "dtype_name", "element_size", "FORMAT_VERSION",
     "SEGMENT_ALIGNMENT", "copy_report", "load_program", "program_to_bytes", "save_program", "validate_program",
 ]

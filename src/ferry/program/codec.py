@@ -44,6 +44,7 @@ from ferry.program.schema import (
     ConstValue,
     Delegate,
     DelegateCall,
+    InputWrite,
     KernelCall,
     Method,
     MutableBuffer,
@@ -179,14 +180,15 @@ QUANTIZED_WEIGHT = Record(QuantizedWeight, (
     ("shape", Seq(Int(), as_tuple=True, max_len=MAX_RANK)), ("parts", StrKeyed(Str())), ("nbytes", Int()),
     ("details", Str()),
 ))
+INPUT_WRITE = Record(InputWrite, (("output", ID), ("input", ID)))
 METHOD = Record(Method, (
     ("name", Str(nonempty=True)), ("values", Seq(VALUE)), ("instructions", Seq(INSTRUCTION)),
     ("inputs", Seq(ID)), ("outputs", Seq(ID)), ("buffers", Seq(BUFFER)), ("mutable_buffers", Seq(MUTABLE_BUFFER)),
     ("lower_bounds", StrKeyed(Int())), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrKeyed(Str())),
     ("device_map", StrKeyed(Str())), ("max_memory", StrKeyed(Int())), ("storage_inputs", Seq(ID)),
     ("equal_sizes", Seq(Seq(Seq(Int(), max_len=2), max_len=MAX_RANK * 1024), max_len=1 << 16)),
-    ("quantized_weights", Seq(QUANTIZED_WEIGHT)),
-), optional=("device_map", "max_memory", "storage_inputs", "equal_sizes", "quantized_weights"))
+    ("quantized_weights", Seq(QUANTIZED_WEIGHT)), ("input_writes", Seq(INPUT_WRITE)),
+), optional=("device_map", "max_memory", "storage_inputs", "equal_sizes", "quantized_weights", "input_writes"))
 
 
 class _SpecPairs(Field):

@@ -198,7 +198,8 @@ def _project_method(m: Method, rank: int) -> Method:
     ours = rank == 0  # the call's inputs and outputs are rank 0's
     return dataclasses.replace(m, values=values, instructions=kept, buffers=buffers,
                                mutable_buffers=[MutableBuffer(mb.value, mb.update, mb.name) for mb in mutable],
-                               inputs=m.inputs if ours else [], outputs=m.outputs if ours else [])
+                               inputs=m.inputs if ours else [], outputs=m.outputs if ours else [],
+                               input_writes=m.input_writes if ours else [])
 
 
 def _views_of(m: Method, vid: int) -> set[int]:

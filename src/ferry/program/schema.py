@@ -303,6 +303,17 @@ class MutableBuffer:
 
 
 @dataclass(frozen=True)
+class InputWrite:
+    """An input the method writes in place, as eager's `x.add_(y)` does: after each call, the
+    method's output at position `output` (a value of the input's dtype and shape, on its device)
+    is copied into the caller's tensor passed at input position `input`; the call returns the
+    other outputs."""
+
+    output: int
+    input: int
+
+
+@dataclass(frozen=True)
 class QuantizedWeight:
     """A weight the model held as a tensor subclass (torchao's int8/int4 weights), stored as its
     inner tensors, each a constant of the method: what `ferry inspect` shows. `parts`: inner
@@ -342,6 +353,13 @@ class Method:
     storage_inputs: list[int] = field(default_factory=list)
     equal_sizes: list[list[list[int]]] = field(default_factory=list)  # [input, dim] pairs one dynamic size
     quantized_weights: list[QuantizedWeight] = field(default_factory=list)  # facts for people, not read to run
+    input_writes: list[InputWrite] = field(default_factory=list)  # inputs written in place, by output position
+
+    @property
+    def returned_outputs(self) -> list[int]:
+        """Positions of the outputs a call returns: every output but those written into inputs."""
+        written = {w.output for w in self.input_writes}
+        return [i for i in range(len(self.outputs)) if i not in written]
 
     def tensor(self, vid: int) -> TensorValue:
         v = self.values[vid]
@@ -404,7 +422,12 @@ class MethodMeta:
         return len(self._m.inputs)
 
     def num_outputs(self) -> int:
-        return len(self._m.outputs)
+        """The outputs a call returns (inputs written in place are not among them)."""
+        return len(self._m.returned_outputs)
+
+    def written_inputs(self) -> list[int]:
+        """Positions of the inputs a call writes in place, as eager's in-place ops do."""
+        return sorted(w.input for w in self._m.input_writes)
 
     def _meta(self, ids: list[int], i: int, what: str) -> TensorMeta:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(ids):
@@ -418,4 +441,4 @@ class MethodMeta:
         return self._meta(self._m.inputs, i, "input")
 
     def output_meta(self, i: int) -> TensorMeta:
-        return self._meta(self._m.outputs, i, "output")
+        return self._meta([self._m.outputs[k] for k in self._m.returned_outputs], i, "output")

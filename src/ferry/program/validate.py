@@ -107,6 +107,7 @@ class _MethodChecks:
             if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < len(m.inputs):
                 raise ProgramError(f"{self.pre} storage_inputs names input {x!r}; it has {len(m.inputs)} inputs")
         self.equal_sizes()
+        self.input_writes()
         self.io_storage()
         for kind, ids in (("value", [mb.value for mb in m.mutable_buffers]),
                           ("update", [mb.update for mb in m.mutable_buffers if not mb.read_only])):
@@ -244,6 +245,29 @@ class _MethodChecks:
                 self.vid(a, f"{label} argument {j}", allow_default=not isinstance(ins, DelegateCall))
             for j, o in enumerate(ins.outputs):
                 self.vid(o, f"{label} output {j}")
+
+    def input_writes(self) -> None:
+        """Each input written at most once, from its own output, of the input's dtype, rank,
+        static sizes and device: the write is a copy on one device, never a hidden transfer."""
+        m, ins, outs = self.m, set(), set()
+        for j, w in enumerate(m.input_writes):
+            what = f"{self.pre} input write {j}"
+            if not (w.output < len(m.outputs) and w.input < len(m.inputs)):
+                raise ProgramError(f"{what} names output {w.output} and input {w.input}; the method has "
+                                   f"{len(m.outputs)} outputs and {len(m.inputs)} inputs")
+            if w.input in ins or w.output in outs:
+                raise ProgramError(f"{what}: input {w.input} or output {w.output} is in an earlier write too")
+            ins.add(w.input)
+            outs.add(w.output)
+            x, o = m.values[m.inputs[w.input]], m.values[m.outputs[w.output]]
+            if not (isinstance(x, TensorValue) and isinstance(o, TensorValue)):
+                raise ProgramError(f"{what}: input {w.input} and output {w.output} must both be tensors")
+            sizes_differ = len(x.shape) != len(o.shape) or any(
+                a != b for a, b, da, db in zip(x.shape, o.shape, x.dynamic or (False,) * len(x.shape),
+                                               o.dynamic or (False,) * len(o.shape)) if not (da or db))
+            if x.dtype != o.dtype or sizes_differ or x.device != o.device:
+                raise ProgramError(f"{what}: output {w.output} ({o.dtype}{list(o.shape)} on {o.device}) cannot be "
+                                   f"written into input {w.input} ({x.dtype}{list(x.shape)} on {x.device})")
 
     def equal_sizes(self) -> None:
         """Each [input, dim] of `equal_sizes` names a dynamic dim of a tensor input."""

@@ -161,8 +161,10 @@ class _Builder:
 
     def sinks(self) -> None:
         m = self.m
+        writes = {w.output: w.input for w in m.input_writes}
         for k, vid in enumerate(m.outputs):
-            pos = self.value_node(f"out{k}", "output", f"output {k}", f"method output {k}", vid, True)
+            what = f"method output {k}" + (f", written into input {writes[k]} after the call" if k in writes else "")
+            pos = self.value_node(f"out{k}", "output", f"output {k}", what, vid, True)
             self.link(self.last_def.get(vid), pos, vid)
         for k, mb in enumerate(m.mutable_buffers):
             if not 0 <= mb.update < len(m.values) or mb.read_only:  # (read only: nothing is written back)

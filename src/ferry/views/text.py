@@ -36,6 +36,13 @@ def _tensor_line(v: TensorValue) -> str:
     return f"{v.dtype}{list(v.shape)} on {v.device}" + (" (dynamic)" if any(v.dynamic) else "")
 
 
+def _io_line(m: Method, vid: int) -> str:
+    v = m.values[vid]
+    if isinstance(v, ConstValue):
+        return f"the constant {v.value!r}"
+    return f"{_tensor_line(v)} ({owner(m, vid)})"
+
+
 def _methods(program: Program, method: str | None) -> list[tuple[str, Method]]:
     """(name, method) pairs: all of them, or the one asked for."""
     return [(method, program.methods[method])] if method is not None else list(program.methods.items())
@@ -78,8 +85,10 @@ def _memory_lines(program: Program, m: Method) -> list[str]:
 
 def _method_lines(program: Program, name: str, m: Method, instructions: bool) -> list[str]:
     out = [f"method {name!r}: {len(m.instructions)} instructions, {len(m.values)} values"]
-    for kind, ids in (("input", m.inputs), ("output", m.outputs)):
-        out += [f"  {kind} {i}: {_tensor_line(m.tensor(vid))} ({owner(m, vid)})" for i, vid in enumerate(ids)]
+    writes = {w.output: w.input for w in m.input_writes}
+    out += [f"  input {i}: {_io_line(m, vid)}" for i, vid in enumerate(m.inputs)]
+    out += [f"  output {i}: {_io_line(m, vid)}" + (f", written into input {writes[i]} after the call" if i in writes else "")
+            for i, vid in enumerate(m.outputs)]
     if instructions:
         out += _instruction_lines(program, m)
     out.append("  " + str(copy_report(program, name)).replace("\n", "\n  "))
@@ -186,8 +195,9 @@ def program_json(program: Program, method: str | None = None) -> dict:
 def _method_json(program: Program, name: str, m: Method) -> dict:
     rep = copy_report(program, name)
     return {
-        "inputs": [_tensor_json(m.tensor(v)) for v in m.inputs],
-        "outputs": [_tensor_json(m.tensor(v)) for v in m.outputs],
+        "inputs": [_io_json(m, v) for v in m.inputs],
+        "outputs": [_io_json(m, v) for v in m.outputs],
+        "input_writes": [{"output": w.output, "input": w.input} for w in m.input_writes],
         "instructions": [
             {
                 "index": i,
@@ -208,6 +218,11 @@ def _method_json(program: Program, name: str, m: Method) -> dict:
         "quantized_weights": [dataclasses.asdict(q) | {"shape": list(q.shape)} for q in m.quantized_weights],
         "devices": device_memory(program, m),
     }
+
+
+def _io_json(m: Method, vid: int) -> dict:
+    v = m.values[vid]
+    return {"value": v.value, "kind": v.kind} if isinstance(v, ConstValue) else _tensor_json(v)
 
 
 def _tensor_json(v: TensorValue) -> dict:

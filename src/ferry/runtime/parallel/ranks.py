@@ -32,6 +32,7 @@ from ferry.program.ranks import boundaries, program_ranks, project
 from ferry.runtime.parallel.microbatch import batched_values
 from ferry.runtime.parallel.transport import Groups, Transport
 from ferry.runtime.stages.module import Module as _LocalModule
+from ferry.runtime.stages.module import forward_result
 
 __all__ = ["Module"]
 
@@ -113,8 +114,7 @@ class Module:
                 raise
 
     def forward(self, *inputs):
-        outs = self.run_method("forward", inputs)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return forward_result(self.run_method("forward", inputs))
 
     __call__ = forward
 

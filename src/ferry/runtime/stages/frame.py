@@ -137,7 +137,8 @@ def call_io(m: Method, memory: Memory, fixed: list[bool], fresh_shapes: dict[int
     owned = {i for i, vid in enumerate(m.outputs)
              if not fixed[vid] and isinstance(m.values[vid], TensorValue) and m.tensor(vid).storage in ("output", "input")}
     constant = {i for i, vid in enumerate(m.outputs)
-                if root_storage(m.values, vid) == "constant" and m.tensor(vid).device.is_cpu}
+                if isinstance(m.values[vid], TensorValue) and root_storage(m.values, vid) == "constant"
+                and m.tensor(vid).device.is_cpu}
     return CallIO(
         inputs=tuple((vid, mode(vid)) for vid in m.inputs),
         fresh_outputs=fresh,

@@ -24,6 +24,7 @@ from ferry.runtime.devices.streams import CopyStreams
 from ferry.runtime.devices.tensor import device_of
 from ferry.runtime.stages.bind import BindContext, bind_method, dynamic_values
 from ferry.runtime.stages.graph_report import ShapeGraphs, nothing_captured, shape_graphs
+from ferry.runtime.stages.input_writes import check_writable
 from ferry.runtime.stages.load import load_memory
 from ferry.runtime.stages.run import Plan
 from ferry.runtime.stages.schedule import schedule
@@ -215,6 +216,7 @@ class LoadedMethod:
                 raise InputError(f"input {i} of {self.name!r} is read through its storage (as_strided with a storage "
                                  "offset), which counts from the start of the tensor: pass a contiguous tensor that "
                                  "owns its storage (x.contiguous().clone()), not a view into a larger one")
+        check_writable(self.method, inputs)
         for group in self.method.equal_sizes:  # dims export traced as one dynamic size
             sizes = [inputs[i].shape[d] for i, d in group]
             if len(set(sizes)) > 1:

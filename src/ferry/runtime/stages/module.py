@@ -26,9 +26,18 @@ from ferry.runtime.devices.limits import call_bytes, check_limits, load_bytes, p
 from ferry.runtime.devices.slab import MemoryReservation
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
+from ferry.runtime.stages.input_writes import written_back
 from ferry.runtime.stages.method import LoadedMethod, streams_api_for
 from ferry.runtime.stages.run import caller_copy
 from ferry.runtime.stages.shared import DeviceUploads, ProgramState
+
+
+def forward_result(outs: list):
+    """What `forward` returns for a call's outputs: one output as it is, several as a tuple, and
+    None for none (a forward that only writes its inputs in place)."""
+    if not outs:
+        return None
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _hand_back_cached_memory() -> None:
@@ -358,19 +367,23 @@ class Module:
                 break
             self._free.put(inst)  # closed since the check: load again, then take a set
         try:
-            split = inst.microbatches.get(name)
-            if split is not None:
-                return split(list(inputs))  # joined results: the caller's own
-            buckets = inst.buckets.get(name)
-            if buckets is None:
-                return self._run(inst.methods[name], list(inputs))
             inputs = list(inputs)
-            bucket = buckets.bucket_for(inputs)
-            if bucket is None or bucket == inputs[0].shape[0]:
-                return self._run(inst.methods[name], inputs, graphs=bucket is not None)
-            return self._rows(inst.methods[name], buckets, inputs, bucket)
+            return written_back(inst.methods[name].method, inputs, self._call(inst, name, inputs))
         finally:
             self._free.put(inst)
+
+    def _call(self, inst: _Instance, name: str, inputs: list) -> list:
+        """Every output of one call of `name`, those written into inputs included."""
+        split = inst.microbatches.get(name)
+        if split is not None:
+            return split(inputs)  # joined results: the caller's own
+        buckets = inst.buckets.get(name)
+        if buckets is None:
+            return self._run(inst.methods[name], inputs)
+        bucket = buckets.bucket_for(inputs)
+        if bucket is None or bucket == inputs[0].shape[0]:
+            return self._run(inst.methods[name], inputs, graphs=bucket is not None)
+        return self._rows(inst.methods[name], buckets, inputs, bucket)
 
     def _rows(self, m: LoadedMethod, buckets: ShapeBuckets, inputs: list, bucket: int) -> list:
         """A call padded to its bucket: its results are the first rows, as many as it has. The
@@ -455,8 +468,7 @@ class Module:
                 self._free.put(inst)
 
     def forward(self, *inputs):
-        outs = self.run_method("forward", inputs)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return forward_result(self.run_method("forward", inputs))
 
     __call__ = forward
 

@@ -27,7 +27,10 @@ __all__ = ["Plan", "caller_copy", "empty_on"]
 
 def caller_copy(t: torch.Tensor, device: Device) -> torch.Tensor:
     """A copy the caller owns, on `device`, where `t` is (host-backed device memory, such as
-    the emulated device's, stays on its device)."""
+    the emulated device's, stays on its device). A constant output (`None`, a number) is returned
+    as it is."""
+    if not isinstance(t, torch.Tensor):
+        return t
     if device.is_cpu or t.device.type != "cpu":
         return t.clone()
     out = empty_on(device, t.shape, t.dtype)
