@@ -14,6 +14,7 @@ from ferry.device import CPU, Device
 from ferry.errors import AllocationError
 from ferry.program import TensorValue
 from ferry.runtime import device_of
+from ferry.runtime.devices import slab as slab_module
 from ferry.runtime.devices.allocator import DeviceMemoryBuffer
 from ferry.runtime.devices.slab import MemoryReservation, SlabPiece
 from ferry.runtime.stages import module as module_stage
@@ -206,9 +207,9 @@ def test_each_set_of_memory_reserves_its_own_and_close_frees_all(emu):
     assert emu.live_bytes == 0 and emu.deallocations == 2
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_a_failed_allocation_leaves_nothing_and_the_module_loads_again(emu, monkeypatch, k):
-    """k=1: the slab itself; k=2: a piece past a short prediction, made on its own."""
+def test_a_failed_allocation_leaves_nothing_and_the_module_loads_again(emu, monkeypatch):
+    """A piece past a short prediction, made on its own, fails."""
+    k = 2
     model, program = Weights().eval(), weights_program()
     real = module_stage.load_pieces
     monkeypatch.setattr(module_stage, "load_pieces", lambda *args: real(*args)[:-1])  # the last piece left out
@@ -218,6 +219,42 @@ def test_a_failed_allocation_leaves_nothing_and_the_module_loads_again(emu, monk
         module.load_method()
     assert emu.live_bytes == 0 and emu.live_allocations == 0 and emu.allocations == k - 1 == emu.deallocations
     (x,) = fresh_inputs((torch.randn(4, 8),), k)
+    torch.testing.assert_close(module(x), model(x))
+    module.close()
+    assert emu.live_bytes == 0
+
+
+def test_a_slab_that_cannot_be_allocated_whole_falls_back_to_an_allocation_per_piece(emu):
+    """Fragmented device memory may hold every piece but not their sum in one range."""
+    model, program = Weights().eval(), weights_program()
+    pieces = load_allocations(program)
+    module = ferry.Module(program)
+    emu.fail_allocation(1)  # the slab
+    module.load_method()
+    assert emu.failed_allocations == 1 and emu.live_allocations == len(pieces)
+    assert sorted(r.nbytes for r in emu.allocated) == sorted(n for n, _ in pieces)
+    for seed in range(2):
+        (x,) = fresh_inputs((torch.randn(4, 8),), seed)
+        torch.testing.assert_close(module(x), model(x))
+    module.close()
+    assert emu.live_bytes == 0 and emu.live_allocations == 0
+
+
+def no_slab(device, nbytes):
+    """In place of Slab: its one allocation fails."""
+    raise AllocationError(f"allocation of {nbytes} bytes on {device} failed: injected")
+
+
+def test_a_piece_failing_after_the_slab_did_leaves_nothing(emu, monkeypatch):
+    model, program = Weights().eval(), weights_program()
+    monkeypatch.setattr(slab_module, "Slab", no_slab)
+    module = ferry.Module(program)
+    emu.fail_allocation(2)  # the second piece
+    with pytest.raises(AllocationError, match="emu:0"):
+        module.load_method()
+    assert emu.live_bytes == 0 and emu.live_allocations == 0 and emu.allocations == 1 == emu.deallocations
+    monkeypatch.undo()
+    (x,) = fresh_inputs((torch.randn(4, 8),), 3)
     torch.testing.assert_close(module(x), model(x))
     module.close()
     assert emu.live_bytes == 0

@@ -190,16 +190,31 @@ def test_device_program_without_its_allocator_is_a_device_error():
         assert emu.allocations == 1
 
 
-@pytest.mark.parametrize("reserved", [True, False])
-def test_every_failed_allocation_during_load_frees_everything(emu, cnn, monkeypatch, reserved):
-    """The load's one allocation per device; or, with nothing reserved (every piece an allocation
-    of its own, as those past a short prediction are), each of them."""
+def test_a_failed_reservation_loads_piece_by_piece(emu, cnn):
+    """The load's one allocation per device failing (fragmented memory) is no error: each piece
+    is then allocated on its own."""
     model, example, ep = cnn
     program = roundtrip(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", exclude=["aten.relu"])))
-    if not reserved:
-        monkeypatch.setattr(module_stage, "load_pieces", lambda *args: [])
-    n = len(one_per_device(load_allocations(program)) if reserved else load_allocations(program))
-    assert n >= (1 if reserved else 3)
+    pieces = load_allocations(program)
+    assert len(one_per_device(pieces)) == 1 and len(pieces) >= 3
+    mod = ferry.Module(program)
+    emu.fail_allocation(1)
+    mod.load_method()
+    assert emu.failed_allocations == 1 and emu.live_allocations == len(pieces)
+    x = fresh_inputs(example, 1)
+    assert close(mod(*x), model(*x))
+    mod.close()
+    assert emu.live_bytes == 0
+
+
+def test_every_failed_allocation_during_load_frees_everything(emu, cnn, monkeypatch):
+    """With nothing reserved (every piece an allocation of its own, as those past a short
+    prediction, or all of them when the reservation failed), each of them."""
+    model, example, ep = cnn
+    program = roundtrip(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", exclude=["aten.relu"])))
+    monkeypatch.setattr(module_stage, "load_pieces", lambda *args: [])
+    n = len(load_allocations(program))
+    assert n >= 3
     for k in range(1, n + 1):
         mod = ferry.Module(program)
         emu.reset_counters()
@@ -239,10 +254,11 @@ def test_failed_load_of_a_second_method_keeps_the_first(emu):
     mod = ferry.Module(program)
     mod.load_method("a")
     live = emu.live_bytes
-    emu.fail_allocation(1)
+    emu.capacity = live  # the device is full
     with pytest.raises(AllocationError):
         mod.load_method("b")
     assert emu.live_bytes == live
+    emu.capacity = None
     x, y = fresh_inputs((x0, x0), 8)
     assert torch.equal(mod.run_method("a", [x, y])[0], x + y)
     assert torch.equal(mod.run_method("b", [y, x])[0], x + y)

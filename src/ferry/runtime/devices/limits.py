@@ -12,9 +12,23 @@ from __future__ import annotations
 
 from ferry.device import Device
 from ferry.errors import AllocationError
-from ferry.program.footprint import call_bytes, limit_for, load_bytes, parse_limits
+from ferry.program.footprint import call_bytes, limit_for, load_pieces, parse_limits
+from ferry.runtime.devices.slab import reserved_bytes
 
 __all__ = ["call_bytes", "check_limits", "load_bytes", "parse_limits"]
+
+
+def load_bytes(program, method, stage_io: bool = False) -> dict[Device, int]:
+    """Bytes loading `method` allocates per device, as the load allocates them: the device pieces
+    it reserves as their one allocation holds them (each aligned: runtime/devices/slab.py), the
+    rest as asked for (program/footprint.py `load_bytes` counts every piece as asked for)."""
+    pieces = load_pieces(program, method, stage_io)
+    reserved = [p for p in pieces if p.reserved and not p.device.is_cpu]
+    need = {d.local: n for d, n in reserved_bytes((p.device, p.nbytes, p.alignment) for p in reserved).items()}
+    for p in pieces:
+        if not (p.reserved and not p.device.is_cpu):
+            need[p.device.local] = need.get(p.device.local, 0) + p.nbytes
+    return need
 
 
 def check_limits(limits: dict[str, int] | None, need: dict[Device, int], copies: int, method: str,

@@ -11,6 +11,7 @@ allocation of its own: never an error, never wrong memory. Host memory is not re
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Iterable
@@ -18,9 +19,10 @@ from collections.abc import Iterable
 import torch
 
 from ferry.device import Device
+from ferry.errors import AllocationError
 from ferry.runtime.devices.allocator import DeviceMemoryBuffer, HeldMemory, require_allocator
 
-__all__ = ["MemoryReservation", "Slab", "SlabPiece", "allocate", "round_up"]
+__all__ = ["MemoryReservation", "Slab", "SlabPiece", "allocate", "reserved_bytes", "round_up"]
 
 
 def round_up(nbytes: int, alignment: int) -> int:
@@ -101,26 +103,36 @@ class Slab:
         return f"Slab({self.nbytes} bytes on {self.device}, {state})"
 
 
+def reserved_bytes(pieces: Iterable[tuple]) -> dict[Device, int]:
+    """Per device, the slab a reservation of `pieces` ((device, nbytes[, alignment]) each; host
+    pieces left out) allocates: each piece rounded up to the device allocator's default
+    alignment, plus room for the padding of a piece that asks for a larger one."""
+    sizes: dict[Device, int] = {}
+    for device, nbytes, *alignment in pieces:
+        if not device.is_cpu:
+            default = require_allocator(device.local, "a load's memory").default_alignment
+            asked = alignment[0] if alignment and alignment[0] else default
+            sizes[device.local] = sizes.get(device.local, 0) + round_up(nbytes, default) + max(asked - default, 0)
+    return sizes
+
+
 class MemoryReservation:
     """What one load allocates on its devices: a slab per device of the `pieces` it predicts
     ((device, nbytes[, alignment]) each; host pieces are left out), each rounded up to the device
     allocator's default alignment so every piece starts aligned. A piece that asks for a larger
     alignment (a buffer compiled with `alignment=4096`) is given room for its padding wherever it
-    lands. Sealed when the load is over."""
+    lands. A device whose slab cannot be allocated in one piece (its free memory fragmented) gets
+each piece allocated on its own, as the load would without a reservation. Sealed when the load
+is over."""
 
     def __init__(self, pieces: Iterable[tuple]):
-        sizes: dict[Device, int] = {}
-        for device, nbytes, *alignment in pieces:
-            if not device.is_cpu:
-                default = require_allocator(device.local, "a load's memory").default_alignment
-                asked = alignment[0] if alignment and alignment[0] else default
-                need = round_up(nbytes, default) + max(asked - default, 0)
-                sizes[device.local] = sizes.get(device.local, 0) + need
+        sizes = reserved_bytes(pieces)
         self.slabs: dict[Device, Slab] = {}
         try:
             for device, nbytes in sizes.items():
                 if nbytes:
-                    self.slabs[device] = Slab(device, nbytes)
+                    with contextlib.suppress(AllocationError):  # no room for it in one piece (memory
+                        self.slabs[device] = Slab(device, nbytes)  # fragmented): each piece allocated alone
         except BaseException:
             self.seal()
             raise
