@@ -105,14 +105,14 @@ class InplaceVariant:
         return getattr(self.base, name)
 
 
-def float32_ops() -> list:
-    """Every OpInfo op that supports float32 on the CPU, and the in-place variant of each that
-    has one, sorted by op_id."""
+def float32_ops(dtype: torch.dtype = torch.float32) -> list:
+    """Every OpInfo op that supports `dtype` (float32 unless asked) on the CPU, and the in-place
+    variant of each that has one, sorted by op_id."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     _thaw_backend_flags()
     with quiet():
-        ops = [op for op in op_db if torch.float32 in op.supported_dtypes("cpu")]
+        ops = [op for op in op_db if dtype in op.supported_dtypes("cpu")]
     ops += [InplaceVariant(op) for op in ops if op.inplace_variant is not None]
     return sorted(ops, key=op_id)
 
@@ -124,8 +124,8 @@ def _thaw_backend_flags() -> None:
     torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
 
 
-def ops_by_id() -> dict:
-    return {op_id(op): op for op in float32_ops()}
+def ops_by_id(dtype: torch.dtype = torch.float32) -> dict:
+    return {op_id(op): op for op in float32_ops(dtype)}
 
 
 def ci_subset(ids: list[str], every: int, offset: int = 0) -> list[str]:
@@ -661,13 +661,13 @@ def prepare(op, index: int, sample) -> Prepared:
     return prep
 
 
-def prepare_op(op, samples: int = DEFAULT_SAMPLES) -> list[Prepared] | Outcome:
-    """The first `samples` samples of `op`, prepared; or an Outcome saying why there are none."""
+def prepare_op(op, samples: int = DEFAULT_SAMPLES, dtype: torch.dtype = torch.float32) -> list[Prepared] | Outcome:
+    """The first `samples` samples of `op` in `dtype`, prepared; or an Outcome saying why there are none."""
     name = op_id(op)
     torch.manual_seed(0)
     try:
         with quiet():
-            gen = op.sample_inputs("cpu", torch.float32)
+            gen = op.sample_inputs("cpu", dtype)
             got = list(islice(gen, samples))
             if hasattr(gen, "close"):
                 gen.close()  # now, not when collected in the middle of a later trace
@@ -750,10 +750,12 @@ def _compare(what, got, want, random) -> list[str]:
         return [f"{what}: {got.dtype}{list(got.shape)}, eager {want.dtype}{list(want.shape)}"]
     if random:
         return []
+    # float32 and wider: RTOL/ATOL; half types and integers: assert_close's own per dtype (exact for integers)
+    rtol, atol = (RTOL, ATOL) if want.dtype in (torch.float32, torch.float64, torch.complex64, torch.complex128) else (None, None)
     try:
         if got.layout != torch.strided or want.layout != torch.strided:
             got, want = got.to_dense(), want.to_dense()
-        torch.testing.assert_close(got, want, equal_nan=True, rtol=RTOL, atol=ATOL, check_stride=False)
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=rtol, atol=atol, check_stride=False)
     except AssertionError as e:
         return [f"{what}: " + " ".join(str(e).split())[:600]]
     return []
@@ -881,20 +883,20 @@ def run_prepared(prep: Prepared, placement: str, dynamic: bool = True) -> list[O
 class Sweep:
     """Runs ops on placements, preparing each op's samples once (the last op's are kept)."""
 
-    def __init__(self, samples: int = DEFAULT_SAMPLES, dynamic: bool = True):
-        self.samples, self.dynamic = samples, dynamic
+    def __init__(self, samples: int = DEFAULT_SAMPLES, dynamic: bool = True, dtype: torch.dtype = torch.float32):
+        self.samples, self.dynamic, self.dtype = samples, dynamic, dtype
         self._ops = None
         self._last: tuple[str, object] | None = None
 
     def op(self, name: str):
         if self._ops is None:
-            self._ops = ops_by_id()
+            self._ops = ops_by_id(self.dtype)
         return self._ops[name]
 
     def prepared(self, name: str):
         if self._last is None or self._last[0] != name:
             self._last = None  # free the previous op's tensors and exports first
-            self._last = (name, prepare_op(self.op(name), self.samples))
+            self._last = (name, prepare_op(self.op(name), self.samples, self.dtype))
         return self._last[1]
 
     def run(self, name: str, placement: str) -> list[Outcome]:

@@ -237,3 +237,44 @@ def test_written_inputs_on_a_gpu_hold_what_eager_leaves_in_them(config, graphs):
         want = cls()(*want_inputs)
         torch.testing.assert_close(module(*mine).cpu(), want)
         torch.testing.assert_close(mine[0].cpu(), want_inputs[0])
+
+
+class InstanceNormWithStats(nn.Module):
+    """Eager's instance_norm updates the running statistics it is given, which its schema does
+    not say: ferry decomposes it, so the update is recorded and written back."""
+
+    def forward(self, x, mean, var):
+        return nn.functional.instance_norm(x, mean, var, use_input_stats=True, momentum=0.3)
+
+
+def test_an_op_that_hides_its_write_is_decomposed_and_the_write_kept(emu):
+    g = torch.Generator().manual_seed(3)
+    make = lambda: (torch.randn(2, 3, 5, generator=g), torch.randn(3, generator=g), torch.rand(3, generator=g) + 0.5)  # noqa: E731
+    ep = torch.export.export(InstanceNormWithStats(), make())
+    kernels = [getattr(i, "kernel", "") for i in ferry.compile(ep).method("forward").instructions]
+    assert "aten::_native_batch_norm_legit_functional.default" in kernels
+    assert not any("instance_norm" in k for k in kernels)
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
+    assert program.method_meta("forward").written_inputs() == [1, 2]
+    _same_as_eager(InstanceNormWithStats(), ferry.Module(program), program, make)
+
+
+class IndexesByAList(nn.Module):
+    def forward(self, x):
+        return x[[0, 2]] * 2  # the index is a tensor made inside forward (a lifted constant)
+
+
+def test_a_tensor_made_inside_forward_is_not_taken_for_a_written_input():
+    x = torch.randn(4, 3)
+    program = ferry.compile(torch.export.export(IndexesByAList(), (x,)))
+    torch.testing.assert_close(ferry.Module(program)(x), IndexesByAList()(x))
+
+
+class TransposesItsInputInPlace(nn.Module):
+    def forward(self, x):
+        return x.t_() + 1
+
+
+def test_an_op_changing_an_inputs_shape_in_place_is_refused_by_name():
+    with pytest.raises(ferry.CompileError, match=r"aten.t_.default changes a tensor's sizes or strides in place"):
+        ferry.compile(torch.export.export(TransposesItsInputInPlace(), (torch.randn(2, 3),)))

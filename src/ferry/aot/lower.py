@@ -10,6 +10,8 @@ from typing import cast
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
+from torch.export import default_decompositions
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
@@ -130,6 +132,7 @@ def functional_aten(ep: torch.export.ExportedProgram, shared_state=frozenset()) 
     dynamic = _dynamic_dims(ep, as_exported=True)
     ep = written_constants_as_state(ep)
     exported_state = {s.target for s in ep.graph_signature.input_specs if s.target}
+    reshaped = _shape_writes(ep)
     try:
         with warnings.catch_warnings():
             # torch >= 2.13 deep-copies the program's call signature here, and copying its
@@ -140,42 +143,113 @@ def functional_aten(ep: torch.export.ExportedProgram, shared_state=frozenset()) 
                                     module="copyreg")
             ep = ep.run_decompositions({})
     except Exception as e:  # torch's functionalization failed on some op
-        raise CompileError(f"torch.export could not turn the program into functional ATen ops: "
-                           f"{type(e).__name__}: {e}") from e
+        raise CompileError(reshaped or f"torch.export could not turn the program into functional ATen ops: "
+                                       f"{type(e).__name__}: {e}") from e
+    ep = _without_hidden_mutations(ep, exported_state, reshaped)
     _refuse_specialized(dynamic, _dynamic_dims(ep))
     out_dtype_as_aten(ep.graph_module)  # torchao's int8 products on CUDA
-    _refuse_hidden_mutations(ep, exported_state)
     _drop_export_time_checks(ep.graph_module)
     _contiguous_gemm_inputs(ep.graph_module)
     gather_rows_first(ep, shared_state)
     return ep
 
 
-def _refuse_hidden_mutations(ep, exported_state: set[str]) -> None:
+def _shape_writes(ep) -> str:
+    """Why the program cannot run as ferry runs programs, when an op changes a tensor's sizes or
+    strides in place (`t_`, `squeeze_`, `as_strided_`, `resize_`): "" when none does."""
+    ops = list(dict.fromkeys(str(n.target) for n in ep.graph.nodes if n.op == "call_function"
+                             and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.inplace_view in n.target.tags
+                             and n.target not in (torch.ops.aten.detach_.default,)))
+    if not ops:
+        return ""
+    return (f"{', '.join(ops)} changes a tensor's sizes or strides in place; a ferry program writes values into "
+            "the caller's tensors but never changes their shape: use the op that returns a new view "
+            "(x = x.t() for x.t_()) and return it")
+
+
+def _without_hidden_mutations(ep, exported_state: set[str], reshaped: str = "") -> torch.export.ExportedProgram:
     """An input a composite op writes in place while its schema says nothing of it (eager's
     `instance_norm` updates the running statistics it is given) shows in the trace's version
-    counter but not in the program's signature: ferry would not write it back, so the op is a
-    CompileError naming it rather than a program that silently skips the update.
+    counter but not in the program's signature. Such ops are decomposed (torch's decompositions
+    record the update, which ferry writes back into the caller's tensor); one that has no
+    decomposition, or still hides its update after it, is a CompileError naming it rather than a
+    program that silently skips the update."""
+    found = _hidden_mutations(ep, exported_state)
+    table = default_decompositions() if found else {}
+    ops = {op for _, writers in found for op in writers if op in table}
+    if ops:
+        ep = ep.run_decompositions({op: table[op] for op in ops})
+        found = _hidden_mutations(ep, exported_state)
+    if found and reshaped:
+        raise CompileError(reshaped)
+    if found:
+        node, writers = found[0]
+        names = ", ".join(map(str, writers)) or ", ".join(_readers(node)[:3]) or "an op of the program"
+        raise CompileError(f"{names} writes input {node.name!r} in place without saying so in its schema (eager "
+                           "updates it; the exported program does not record it): ferry cannot keep that update; "
+                           "export the model in eval mode, or without the state it updates")
+    return ep
+
+
+def _hidden_mutations(ep, exported_state: set[str]) -> list[tuple[torch.fx.Node, list]]:
+    """(placeholder, the ops that write it unrecorded) for each input written in place that the
+    signature does not record.
 
     State the decomposition made (`exported_state` lacks it: the inner tensors of a tensor-subclass
-    weight such as torchao's, set once as torch unwrapped it) was written by torch, not the model."""
+    weight such as torchao's, set once as torch unwrapped it) was written by torch, not the model; a
+    tensor made inside forward (`x[[0, 2]]`'s index) counts its own making, so it is listed only
+    where an op that reads it writes it again."""
     recorded = {s.arg.name for s in ep.graph_signature.output_specs
                 if s.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)}
+    targets = {s.target for s in ep.graph_signature.output_specs if s.target}
+    found = []
     for node in ep.graph.nodes:
         val = node.meta.get("val")
         if node.op != "placeholder" or not isinstance(val, torch.Tensor) or not val._version:
             continue
-        targets = {s.target for s in ep.graph_signature.output_specs if s.target}
         spec = next((s for s in ep.graph_signature.input_specs if s.arg.name == node.name), None)
         if (spec is not None and spec.target is not None and spec.target not in exported_state
                 and ".parametrizations." in spec.target):
             continue  # an inner tensor of an unwrapped subclass weight (`w.parametrizations.<attr>.original<i>`)
         if node.name in targets or (spec is not None and spec.target in targets) or node.name in recorded:
             continue  # a mutation the signature records (refused or kept as the program's state elsewhere)
-        ops = ", ".join(_readers(node)[:3]) or "an op of the program"
-        raise CompileError(f"{ops} writes input {node.name!r} in place without saying so in its schema (eager "
-                           "updates it; the exported program does not record it): ferry cannot keep that update; "
-                           "export the model in eval mode, or without the state it updates")
+        writers = _hidden_writers(node)
+        if writers or spec is None or spec.kind != InputKind.CONSTANT_TENSOR:
+            found.append((node, writers))
+    return found
+
+
+def _hidden_writers(node: torch.fx.Node) -> list:
+    """The ops that write `node` in place although their schema says nothing of it: each op
+    reading it (through views) run again on fresh fake tensors, its version counter watched."""
+    val = node.meta["val"]
+    mode = detect_fake_mode([val])
+    if mode is None:
+        return []  # nothing to run on: the readers are named
+    found: list = []
+    with mode:
+        fresh = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        todo = [(user, node, fresh) for user in node.users]
+        while todo:
+            user, source, tensor = todo.pop(0)
+            if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+                continue
+
+            def arg(a, source=source, tensor=tensor):
+                if a is source:
+                    return tensor
+                v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+                return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) if isinstance(
+                    v, torch.Tensor) else v
+
+            args, kwargs = torch.fx.node.map_aggregate((user.args, user.kwargs), arg)
+            before = fresh._version
+            out = user.target(*args, **kwargs)
+            if fresh._version != before:
+                found.append(user.target)
+            elif is_view(user.target) and isinstance(out, torch.Tensor):
+                todo += [(u, user, out) for u in user.users]
+    return found
 
 
 def _dynamic_dims(ep, as_exported: bool = False) -> dict[tuple[str, int], tuple[str, list[str]]]:
