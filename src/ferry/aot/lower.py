@@ -10,10 +10,10 @@ from typing import cast
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import default_decompositions
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, is_concrete_int
 
 from ferry import node_meta as M
 from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_device
@@ -221,31 +221,34 @@ def _hidden_mutations(ep, exported_state: set[str]) -> list[tuple[torch.fx.Node,
 
 def _hidden_writers(node: torch.fx.Node) -> list:
     """The ops that write `node` in place although their schema says nothing of it: each op
-    reading it (through views) run again on fresh fake tensors, its version counter watched."""
-    val = node.meta["val"]
-    mode = detect_fake_mode([val])
-    if mode is None:
-        return []  # nothing to run on: the readers are named
+    reading it (through views) run again on fresh fake tensors at the traced sizes, in a fake mode
+    of its own, its version counter watched. An op that cannot be run so is taken for a writer."""
+    def fresh(v):
+        if isinstance(v, torch.SymInt):
+            return M.hint_ints([v])[0]
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(M.hint_ints(v.shape), M.hint_ints(v.stride()), dtype=v.dtype, device=v.device)
+        return v
+
     found: list = []
-    with mode:
-        fresh = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-        todo = [(user, node, fresh) for user in node.users]
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        mine = fresh(node.meta["val"])
+        todo = [(user, node, mine) for user in node.users]
         while todo:
             user, source, tensor = todo.pop(0)
             if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
                 continue
-
-            def arg(a, source=source, tensor=tensor):
-                if a is source:
-                    return tensor
-                v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
-                return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) if isinstance(
-                    v, torch.Tensor) else v
-
-            args, kwargs = torch.fx.node.map_aggregate((user.args, user.kwargs), arg)
-            before = fresh._version
-            out = user.target(*args, **kwargs)
-            if fresh._version != before:
+            args, kwargs = torch.fx.node.map_aggregate(
+                (user.args, user.kwargs),
+                lambda a, source=source, tensor=tensor: tensor if a is source else fresh(
+                    a.meta.get("val") if isinstance(a, torch.fx.Node) else a))
+            before = mine._version
+            try:
+                out = user.target(*args, **kwargs)
+            except Exception:
+                found.append(user.target)
+                continue
+            if mine._version != before:
                 found.append(user.target)
             elif is_view(user.target) and isinstance(out, torch.Tensor):
                 todo += [(u, user, out) for u in user.users]
