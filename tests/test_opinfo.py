@@ -6,10 +6,10 @@ bounded dynamic dim at two sizes). It passes iff no sample gives a wrong result 
 error and every refusal (CompileError) names the op; it is skipped when no sample could be run
 at all (eager raised, torch.export failed, no tensor output).
 
-By default a fixed subset runs: every `EVERY`-th op id of the sorted list plus opinfo_sweep.TRICKY
-(252 tests, about 2 min 40 s on two CPU cores, all placements together), and the inductor backend
-on the emulated device on every third op of those plus the ops whose failures it found (37 tests,
-95 s with an empty Inductor cache). FERRY_OPINFO=all runs every op;
+The op ids include each op's in-place variant (`add.inplace`). By default a fixed subset runs:
+every `EVERY`-th op id of the sorted list plus opinfo_sweep.TRICKY (294 tests, all placements
+together), and the inductor backend on the emulated device on every third op of those plus the
+ops whose failures it found (43 tests). FERRY_OPINFO=all runs every op;
 tests/opinfo_report.py runs the whole database in worker processes and writes docs/ops.md.
 """
 
