@@ -49,17 +49,44 @@ def _params():
 
 _sweep = sweep.Sweep(samples=sweep.DEFAULT_SAMPLES)  # an op's samples are prepared once for its placements
 
+# other dtypes (opinfo_report.py --dtype for all of them): every DTYPE_EVERY-th op supporting each,
+# the op on the emulated device with CPU inputs and outputs (copies both ways), static sizes
+OTHER_DTYPES = ("int64", "bfloat16")
+DTYPE_EVERY = 40
+DTYPE_FOUND = {"bfloat16": ("_batch_norm_with_update", "native_layer_norm", "nn.functional.embedding_bag")}  # its failures
+_dtype_sweeps = {d: sweep.Sweep(samples=sweep.DEFAULT_SAMPLES, dynamic=False, dtype=getattr(torch, d))
+                 for d in OTHER_DTYPES}
+
+
+def _dtype_params():
+    out = []
+    for dtype in OTHER_DTYPES:
+        ids = sorted(sweep.op_id(op) for op in sweep.float32_ops(getattr(torch, dtype)))
+        chosen = set(ids[::DTYPE_EVERY]) | {i for i in ids if i in DTYPE_FOUND.get(dtype, ())}
+        out += [pytest.param(name, dtype, id=f"{name}-{dtype}") for name in sorted(chosen)]
+    return out
+
 
 @pytest.mark.parametrize(("name", "placement"), _params())
 def test_op_matches_eager(name, placement):
-    outcomes = _sweep.run(name, placement)
+    _passes(_sweep.run(name, placement), f"{name} on {placement}")
+
+
+def _passes(outcomes, what: str) -> None:
+    """Fails on a wrong result, a run-time error or a refusal that does not name the op; skips
+    when no sample could run at all."""
     failed = [o for o in outcomes if o.failed]
     if failed:
-        pytest.fail(f"{len(failed)} of {len(outcomes)} cases of {name} on {placement} failed:\n"
+        pytest.fail(f"{len(failed)} of {len(outcomes)} cases of {what} failed:\n"
                     + "\n".join(o.describe() for o in failed), pytrace=False)
     ran = [o for o in outcomes if o.variant == "static" and o.status not in sweep.SKIPS]
     if not ran:
         pytest.skip("; ".join(sorted({f"{o.status}: {sweep.first_line(o.message)}".rstrip(": ") for o in outcomes})))
+
+
+@pytest.mark.parametrize(("name", "dtype"), _dtype_params())
+def test_op_in_another_dtype_matches_eager(name, dtype):
+    _passes(_dtype_sweeps[dtype].run(name, "emu_op"), f"{name} in {dtype} on emu_op")
 
 
 def test_subset_is_fixed_and_covers_the_tricky_ops():

@@ -37,13 +37,15 @@ STATISTICS_DIFFER = MappingProxyType({
 })
 
 
-# kernels whose results the CPU kernel sizes otherwise than the meta kernel (and CUDA's): the
-# embedding bag's offset2bag and max_indices; batch norm's saved statistics out of training (empty
-# on the CPU). A file traced on the CPU declares the CPU's sizes, so a declaration is held to
-# either. op packet names
+# kernels whose results the CPU kernel sizes or types otherwise than the meta kernel (and CUDA's):
+# the embedding bag's offset2bag and max_indices; batch norm's saved statistics out of training
+# (empty on the CPU); layer and batch norm's statistics of half-precision inputs (of the input's
+# dtype on the CPU, float32 elsewhere). A file traced on the CPU declares the CPU's, so a
+# declaration is held to either. op packet names
 CPU_SIZES_DIFFER = frozenset({"embedding_bag", "_embedding_bag", "_embedding_bag_forward_only",
                               "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
-                              "_native_batch_norm_legit", "native_batch_norm"})
+                              "_native_batch_norm_legit", "native_batch_norm", "_batch_norm_with_update_functional",
+                              "_batch_norm_with_update", "native_layer_norm"})
 
 
 def check_kernel(m: Method, op, pos: list, kw: dict, outputs, label: str, shapes: dict | None = None) -> None:
