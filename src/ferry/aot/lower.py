@@ -238,10 +238,10 @@ def _hidden_writers(node: torch.fx.Node) -> list:
             user, source, tensor = todo.pop(0)
             if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
                 continue
-            args, kwargs = torch.fx.node.map_aggregate(
-                (user.args, user.kwargs),
-                lambda a, source=source, tensor=tensor: tensor if a is source else fresh(
-                    a.meta.get("val") if isinstance(a, torch.fx.Node) else a))
+            def value(a, source=source, tensor=tensor):
+                return tensor if a is source else fresh(a.meta.get("val") if isinstance(a, torch.fx.Node) else a)
+
+            args, kwargs = torch.fx.node.map_aggregate((user.args, user.kwargs), value)
             before = mine._version
             try:
                 out = user.target(*args, **kwargs)
