@@ -15,7 +15,7 @@ from ferry.program import TensorValue, validate_program
 from ferry.program.footprint import call_bytes, load_bytes
 from ferry.program.schema import upload_key
 from ferry.runtime.devices import slab as slab_module
-from ferry.runtime.devices.limits import load_bytes as allocated_by_load
+from ferry.runtime.devices.limits import allocated_by_load
 from ferry.runtime.stages.load import load_memory
 from models import Add, Owners, fresh_inputs, loaded_bytes, small, transformer_block
 from test_load_slab import no_slab

@@ -380,7 +380,7 @@ class _MethodEmitter:
             else:
                 self.outputs.append(vid)
                 if info.kind == M.USER_INPUT_MUTATION:
-                    placeholder = next(p for p in self.gm.graph.nodes if p.op == "placeholder" and p.name == info.target)
+                    placeholder = next(p for p in self.gm.graph.find_nodes(op="placeholder") if p.name == info.target)
                     self.input_writes.append(InputWrite(len(self.outputs) - 1, self.inputs.index(self.env[placeholder])))
                 v = self.values[vid]
                 if isinstance(v, TensorValue) and (not self.opts.alloc_graph_output or not v.device.is_cpu):

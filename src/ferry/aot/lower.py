@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import cast
@@ -105,6 +107,8 @@ class LoweredProgram:
                 given[info.target].copy_(value)
             else:
                 result.append(value)
+        if not result:
+            return None  # (a forward that only writes its inputs)
         return result[0] if len(result) == 1 else tuple(result)
 
 
@@ -155,11 +159,12 @@ def functional_aten(ep: torch.export.ExportedProgram, shared_state=frozenset()) 
 
 
 def _shape_writes(ep) -> str:
-    """Why the program cannot run as ferry runs programs, when an op changes a tensor's sizes or
+    """Why the program cannot run as ferry runs programs, when an op changes an input's sizes or
     strides in place (`t_`, `squeeze_`, `as_strided_`, `resize_`): "" when none does."""
     ops = list(dict.fromkeys(str(n.target) for n in ep.graph.nodes if n.op == "call_function"
                              and isinstance(n.target, torch._ops.OpOverload) and torch.Tag.inplace_view in n.target.tags
-                             and n.target not in (torch.ops.aten.detach_.default,)))
+                             and n.target not in (torch.ops.aten.detach_.default,)
+                             and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"))
     if not ops:
         return ""
     return (f"{', '.join(ops)} changes a tensor's sizes or strides in place; a ferry program writes values into "
@@ -205,8 +210,8 @@ def _hidden_mutations(ep, exported_state: set[str]) -> list[tuple[torch.fx.Node,
     found = []
     for node in ep.graph.nodes:
         val = node.meta.get("val")
-        if node.op != "placeholder" or not isinstance(val, torch.Tensor) or not val._version:
-            continue
+        if node.op != "placeholder" or not isinstance(val, torch.Tensor) or val.is_inference() or not val._version:
+            continue  # (an inference tensor keeps no version counter: traced in inference mode, nothing is written)
         spec = next((s for s in ep.graph_signature.input_specs if s.arg.name == node.name), None)
         if (spec is not None and spec.target is not None and spec.target not in exported_state
                 and ".parametrizations." in spec.target):
@@ -222,28 +227,20 @@ def _hidden_mutations(ep, exported_state: set[str]) -> list[tuple[torch.fx.Node,
 def _hidden_writers(node: torch.fx.Node) -> list:
     """The ops that write `node` in place although their schema says nothing of it: each op
     reading it (through views) run again on fresh fake tensors at the traced sizes, in a fake mode
-    of its own, its version counter watched. An op that cannot be run so is taken for a writer."""
-    def fresh(v):
-        if isinstance(v, torch.SymInt):
-            return M.hint_ints([v])[0]
-        if isinstance(v, torch.Tensor):
-            return torch.empty_strided(M.hint_ints(v.shape), M.hint_ints(v.stride()), dtype=v.dtype, device=v.device)
-        return v
-
+    of its own (outside inference mode, where tensors keep no version counter), its version
+    counter watched. An op that cannot be run so is taken for a writer."""
     found: list = []
-    with FakeTensorMode(shape_env=ShapeEnv()):
-        mine = fresh(node.meta["val"])
-        todo = [(user, node, mine) for user in node.users]
+    with torch.inference_mode(False), FakeTensorMode(shape_env=ShapeEnv()):
+        mine = _fresh(node.meta["val"])
+        todo = deque((user, node, mine) for user in node.users)
         while todo:
-            user, source, tensor = todo.pop(0)
+            user, source, tensor = todo.popleft()
             if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
                 continue
-            def value(a, source=source, tensor=tensor):
-                return tensor if a is source else fresh(a.meta.get("val") if isinstance(a, torch.fx.Node) else a)
-
-            args, kwargs = torch.fx.node.map_aggregate((user.args, user.kwargs), value)
             before = mine._version
             try:
+                args, kwargs = torch.fx.node.map_aggregate((user.args, user.kwargs), functools.partial(
+                    _fresh_arg, source=source, tensor=tensor))
                 out = user.target(*args, **kwargs)
             except Exception:
                 found.append(user.target)
@@ -251,8 +248,24 @@ def _hidden_writers(node: torch.fx.Node) -> list:
             if mine._version != before:
                 found.append(user.target)
             elif is_view(user.target) and isinstance(out, torch.Tensor):
-                todo += [(u, user, out) for u in user.users]
+                todo.extend((u, user, out) for u in user.users)
+            elif is_view(user.target) and isinstance(out, (list, tuple)):  # split, unbind: views read by getitem
+                todo.extend((u, item, out[cast(int, item.args[1])]) for item in user.users
+                            if item.target is operator.getitem for u in item.users)
     return found
+
+
+def _fresh(v):
+    """A new fake tensor like `v` at its traced sizes (a size: its traced value); else `v`."""
+    if isinstance(v, torch.SymInt):
+        return M.hint_ints([v])[0]
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(M.hint_ints(v.shape), M.hint_ints(v.stride()), dtype=v.dtype, device=v.device)
+    return v
+
+
+def _fresh_arg(a, source: torch.fx.Node, tensor: torch.Tensor):
+    return tensor if a is source else _fresh(a.meta.get("val") if isinstance(a, torch.fx.Node) else a)
 
 
 def _dynamic_dims(ep, as_exported: bool = False) -> dict[tuple[str, int], tuple[str, list[str]]]:

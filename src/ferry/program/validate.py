@@ -262,9 +262,9 @@ class _MethodChecks:
             x, o = m.values[m.inputs[w.input]], m.values[m.outputs[w.output]]
             if not (isinstance(x, TensorValue) and isinstance(o, TensorValue)):
                 raise ProgramError(f"{what}: input {w.input} and output {w.output} must both be tensors")
-            sizes_differ = len(x.shape) != len(o.shape) or any(
-                a != b for a, b, da, db in zip(x.shape, o.shape, x.dynamic or (False,) * len(x.shape),
-                                               o.dynamic or (False,) * len(o.shape)) if not (da or db))
+            dx, do = x.dynamic or (False,) * len(x.shape), o.dynamic or (False,) * len(o.shape)
+            sizes_differ = len(x.shape) != len(o.shape) or dx != do or any(
+                a != b for a, b, d in zip(x.shape, o.shape, dx) if not d)  # (dynamic dims: checked per call)
             if x.dtype != o.dtype or sizes_differ or x.device != o.device:
                 raise ProgramError(f"{what}: output {w.output} ({o.dtype}{list(o.shape)} on {o.device}) cannot be "
                                    f"written into input {w.input} ({x.dtype}{list(x.shape)} on {x.device})")

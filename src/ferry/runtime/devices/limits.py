@@ -15,10 +15,10 @@ from ferry.errors import AllocationError
 from ferry.program.footprint import call_bytes, limit_for, load_pieces, parse_limits
 from ferry.runtime.devices.slab import reserved_bytes
 
-__all__ = ["call_bytes", "check_limits", "load_bytes", "parse_limits"]
+__all__ = ["allocated_by_load", "call_bytes", "check_limits", "parse_limits"]
 
 
-def load_bytes(program, method, stage_io: bool = False) -> dict[Device, int]:
+def allocated_by_load(program, method, stage_io: bool = False) -> dict[Device, int]:
     """Bytes loading `method` allocates per device, as the load allocates them: the device pieces
     it reserves as their one allocation holds them (each aligned: runtime/devices/slab.py), the
     rest as asked for (program/footprint.py `load_bytes` counts every piece as asked for)."""

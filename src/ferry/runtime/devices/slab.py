@@ -122,8 +122,8 @@ class MemoryReservation:
     allocator's default alignment so every piece starts aligned. A piece that asks for a larger
     alignment (a buffer compiled with `alignment=4096`) is given room for its padding wherever it
     lands. A device whose slab cannot be allocated in one piece (its free memory fragmented) gets
-each piece allocated on its own, as the load would without a reservation. Sealed when the load
-is over."""
+    each piece allocated on its own, as the load would without a reservation. Sealed when the load
+    is over."""
 
     def __init__(self, pieces: Iterable[tuple]):
         sizes = reserved_bytes(pieces)

@@ -24,7 +24,6 @@ from ferry.runtime.devices.streams import CopyStreams
 from ferry.runtime.devices.tensor import device_of
 from ferry.runtime.stages.bind import BindContext, bind_method, dynamic_values
 from ferry.runtime.stages.graph_report import ShapeGraphs, nothing_captured, shape_graphs
-from ferry.runtime.stages.input_writes import check_writable
 from ferry.runtime.stages.load import load_memory
 from ferry.runtime.stages.run import Plan
 from ferry.runtime.stages.schedule import schedule
@@ -179,6 +178,11 @@ class LoadedMethod:
     def constant_outputs(self) -> frozenset[int]:
         return self.plan.io.constant_outputs
 
+    @property
+    def written_outputs(self) -> frozenset[int]:
+        """Outputs written into the caller's inputs after the call (never handed to the caller)."""
+        return frozenset(w.output for w in self.method.input_writes)
+
     def rebind(self, inputs, outputs, caller: CallerPlan):
         """Tensors a delegate's caller passes the same on every call (its planned inputs and
         outputs): a new plan bound to them like to planned memory (no per-call binding, fast
@@ -216,7 +220,6 @@ class LoadedMethod:
                 raise InputError(f"input {i} of {self.name!r} is read through its storage (as_strided with a storage "
                                  "offset), which counts from the start of the tensor: pass a contiguous tensor that "
                                  "owns its storage (x.contiguous().clone()), not a view into a larger one")
-        check_writable(self.method, inputs)
         for group in self.method.equal_sizes:  # dims export traced as one dynamic size
             sizes = [inputs[i].shape[d] for i, d in group]
             if len(set(sizes)) > 1:

@@ -22,11 +22,11 @@ from ferry.program.schema import DelegateCall, MethodMeta, TensorValue
 from ferry.program.states import program_states
 from ferry.progress import Progress, checked, tell
 from ferry.runtime.devices.graphs import GraphMemory
-from ferry.runtime.devices.limits import call_bytes, check_limits, load_bytes, parse_limits
+from ferry.runtime.devices.limits import allocated_by_load, call_bytes, check_limits, parse_limits
 from ferry.runtime.devices.slab import MemoryReservation
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
-from ferry.runtime.stages.input_writes import written_back
+from ferry.runtime.stages.input_writes import check_writable, written_back
 from ferry.runtime.stages.method import LoadedMethod, streams_api_for
 from ferry.runtime.stages.run import caller_copy
 from ferry.runtime.stages.shared import DeviceUploads, ProgramState
@@ -309,7 +309,7 @@ class Module:
             _check_delegate_calls(self.program, self.program.method(name))
             if self.max_memory:
                 method = self.program.method(name)
-                check_limits(self.max_memory, load_bytes(self.program, method, self.cuda_graphs), len(self._instances),
+                check_limits(self.max_memory, allocated_by_load(self.program, method, self.cuda_graphs), len(self._instances),
                              name, call_bytes(self.program, method))
             taken = [self._free.get() for _ in self._instances]  # no call runs while loading
             try:
@@ -352,6 +352,7 @@ class Module:
         after checking the inputs: a distributed rank 0 tells the other ranks before it starts."""
         self.load_method(name)
         inst = self._instances[0]
+        check_writable(inst.methods[name].method, list(inputs))
         split = inst.microbatches.get(name)
         if split is not None:
             return split.count(list(inputs))
@@ -367,8 +368,9 @@ class Module:
                 break
             self._free.put(inst)  # closed since the check: load again, then take a set
         try:
-            inputs = list(inputs)
-            return written_back(inst.methods[name].method, inputs, self._call(inst, name, inputs))
+            inputs, method = list(inputs), inst.methods[name].method
+            check_writable(method, inputs)
+            return written_back(method, inputs, self._call(inst, name, inputs))
         finally:
             self._free.put(inst)
 
@@ -399,7 +401,8 @@ class Module:
         if any(o.shape[0] != bucket for o in outs):
             raise ProgramError(f"method {m.name!r}: an output's dim 0 is not the padded batch "
                                f"({[tuple(o.shape) for o in outs]}); load it without shape_buckets=")
-        keep = m.caller_owned_outputs | (set(range(len(outs))) - m.constant_outputs if self.outputs == "view" else set())
+        keep = m.caller_owned_outputs | m.written_outputs | (
+            set(range(len(outs))) - m.constant_outputs if self.outputs == "view" else set())
         devices = m.output_devices
         return [o[:rows] if i in keep and not buckets.owns(o) else caller_copy(o[:rows], devices[i])
                 for i, o in enumerate(outs)]
@@ -413,8 +416,9 @@ class Module:
             # file mapping: a crash); those few outputs are copies, the rest stay views
             constant = m.constant_outputs
             return [caller_copy(o, devices[i]) if i in constant else o for i, o in enumerate(outs)] if constant else outs
-        caller_owned = m.caller_owned_outputs
-        return [o if i in caller_owned else caller_copy(o, devices[i]) for i, o in enumerate(outs)]
+        # (an output written into an input is copied there while this set of memory is held)
+        keep = m.caller_owned_outputs | m.written_outputs
+        return [o if i in keep else caller_copy(o, devices[i]) for i, o in enumerate(outs)]
 
     def run_parts(self, name: str, parts: int) -> None:
         """A serving rank's share of one call of a program over ranks (ferry.distributed): the
