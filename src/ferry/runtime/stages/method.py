@@ -50,6 +50,8 @@ class LoadedMethod:
                  asynchronous: bool = True, memory=None, transport=None, caller: CallerPlan = NOT_CAPTURED,
                  uploads=None, state=None, graph_memory=None, reservation=None):
         self.method, self.name = method, method.name
+        # outputs written into the caller's inputs after the call (never handed to the caller)
+        self.written_outputs = frozenset(w.output for w in method.input_writes)
         self.caller = caller  # a delegate's method: the plan it runs inside
         self.transport = transport
         self._delegate = delegate
@@ -177,11 +179,6 @@ class LoadedMethod:
     @property
     def constant_outputs(self) -> frozenset[int]:
         return self.plan.io.constant_outputs
-
-    @property
-    def written_outputs(self) -> frozenset[int]:
-        """Outputs written into the caller's inputs after the call (never handed to the caller)."""
-        return frozenset(w.output for w in self.method.input_writes)
 
     def rebind(self, inputs, outputs, caller: CallerPlan):
         """Tensors a delegate's caller passes the same on every call (its planned inputs and

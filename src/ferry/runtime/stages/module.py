@@ -417,7 +417,7 @@ class Module:
             constant = m.constant_outputs
             return [caller_copy(o, devices[i]) if i in constant else o for i, o in enumerate(outs)] if constant else outs
         # (an output written into an input is copied there while this set of memory is held)
-        keep = m.caller_owned_outputs | m.written_outputs
+        keep = m.caller_owned_outputs | m.written_outputs if m.written_outputs else m.caller_owned_outputs
         return [o if i in keep else caller_copy(o, devices[i]) for i, o in enumerate(outs)]
 
     def run_parts(self, name: str, parts: int) -> None:
