@@ -65,6 +65,7 @@ from common import allocated_by, result_name, table, time_host, write_json  # no
 
 import ferry  # noqa: E402
 from ferry.backends import inductor as inductor_backend  # noqa: E402
+from ferry.choices import gemv  # noqa: E402
 from ferry.choices.summary import details  # noqa: E402
 from ferry.ops import split_kv  # noqa: E402
 from ferry.runtime import clone_to, device_of, emulated_device, sampling  # noqa: E402
@@ -630,6 +631,10 @@ def parse_args():
                    help="a decode graph's independent pointwise kernels launched together by Inductor (on: ferry's "
                         "default, backends/inductor.py COMBO_KERNELS), each alone (off: for an A/B), or reductions "
                         "combined too where Inductor times a combination faster at compile (benchmarked: an experiment)")
+    p.add_argument("--split-slices", choices=("on", "off"), default="on",
+                   help="a merged product read as equal slices (gate and up) as one reduction per slice, which Inductor "
+                        "fuses with SiLU(gate) * up (on: ferry's default, choices/gemv.py SPLIT_EQUAL_SLICES), or one "
+                        "reduction over the stacked weight (off: for an A/B)")
     p.add_argument("--memory-owners", action="store_true",
                    help="list what holds the GPU memory allocated after each runner's run, by the code that allocated it")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
@@ -648,6 +653,7 @@ def main():
         key, _, value = item.partition("=")
         setattr(torch._inductor.config, key, ast.literal_eval(value))
     set_combo_kernels(args.combo_kernels)
+    gemv.SPLIT_EQUAL_SLICES = args.split_slices == "on"
     if args.split_kv == "off":
         split_kv.available = lambda: False  # the choice is then never offered: SDPA's kernels run
     if not args.tiny and not torch.cuda.is_available():
@@ -660,7 +666,7 @@ def main():
               quant=args.quant, last_position=args.last_position, torchao_tuning=args.torchao_inductor_config == "on")
     settings = {"last_position_only": env.last_position, "torchao_inductor_config": args.torchao_inductor_config,
                 "device": env.ferry_device, "inductor_config": args.inductor_config, "split_kv": args.split_kv,
-                "combo_kernels": args.combo_kernels,
+                "combo_kernels": args.combo_kernels, "split_slices": args.split_slices,
                 "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
                                          "directions for a static decode step with a one-row reduction or quantized "
                                          "product, otherwise none; the process's coordinate_descent_* keys ignored",

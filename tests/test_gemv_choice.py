@@ -138,6 +138,67 @@ def test_a_row_an_inductor_kernel_computes_is_stored_before_its_reduction_and_a_
         assert torch.allclose(g_.float(), w_.float(), rtol=2 ** -7, atol=2 ** -7 * w_.abs().max().item())
 
 
+def _merged_graph(widths: list[int], bias: bool, also_whole: bool = False):
+    """A merged product (as choices/projections.py leaves gate and up) read as column slices of
+    `widths`, SiLU of the first times the others (unequal widths: each returned); `also_whole`: the
+    product is returned too."""
+    aten = torch.ops.aten
+    torch.manual_seed(4)
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.randn(sum(widths), 32, dtype=torch.bfloat16))
+    module.register_buffer("b", torch.randn(sum(widths), dtype=torch.bfloat16))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(aten.linear.default, (x, g.get_attr("w"), *([g.get_attr("b")] if bias else [])))
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    parts = [g.call_function(aten.slice.Tensor, (y, -1, a, a + n)) for a, n in zip(starts, widths)]
+    outs = [g.call_function(aten.silu.default, (parts[0],)), *parts[1:]]  # unequal widths: each its own
+    if len(set(widths)) == 1:
+        for p in parts[1:]:
+            outs[0] = g.call_function(aten.mul.Tensor, (outs[0], p))
+        outs = outs[:1]
+    g.output((*outs, y) if also_whole else tuple(outs))
+    gm = torch.fx.GraphModule(module, g)
+    xs = [torch.randn(1, 1, 32, dtype=torch.bfloat16)]
+    shapes = {n: torch.empty(0, device="meta") for n in g.nodes}
+    shapes.update({x: xs[0].to("meta"), y: torch.empty(1, 1, sum(widths), dtype=torch.bfloat16, device="meta")})
+    shapes.update({a: getattr(module, a.target).to("meta") for a in y.args[1:]})
+    return gm, xs, shapes
+
+
+@pytest.mark.parametrize("widths, bias, also_whole, split", [
+    ([48, 48], False, False, True),  # gate and up: one reduction each
+    ([40, 40, 40], True, False, True),
+    ([64, 16, 16], False, False, False),  # q, k and v: one reduction (three sizes would be three kernels)
+    ([48, 48], False, True, False),  # the whole product read too
+])
+def test_a_merged_product_read_as_equal_slices_becomes_one_reduction_per_slice(widths, bias, also_whole, split):
+    """Reductions of one size over one row fuse into one kernel with what combines them (SiLU(gate)
+    * up), which one reduction read at two offsets keeps in a kernel of its own."""
+    aten = torch.ops.aten
+    gm, xs, shapes = _merged_graph(widths, bias, also_whole)
+    want = gm(*xs)
+    (node,) = gemv.candidates(gm, shapes)
+    gemv.rewrite(gm, node, shapes)
+    gm.recompile()
+    sums = [n for n in gm.graph.nodes if n.target is aten.sum.dim_IntList]
+    assert len(sums) == (len(widths) if split else 1)
+    sliced_results = [n for n in gm.graph.nodes if n.target is aten.slice.Tensor and n.args[0].op != "get_attr"]
+    assert (not sliced_results) is split  # split: each reduction reads its rows of the weight
+    got = torch._inductor.compile(gm, xs)(*xs)
+    for g_, w_ in zip(got, want):
+        assert g_.shape == w_.shape and g_.dtype == w_.dtype
+        assert torch.allclose(g_.float(), w_.float(), rtol=2 ** -6, atol=2 ** -6 * w_.abs().max().item())
+
+
+def test_a_merged_product_stays_one_reduction_when_the_split_is_off(monkeypatch):
+    monkeypatch.setattr(gemv, "SPLIT_EQUAL_SLICES", False)
+    gm, _, shapes = _merged_graph([48, 48], False)
+    (node,) = gemv.candidates(gm, shapes)
+    gemv.rewrite(gm, node, shapes)
+    assert len([n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList]) == 1
+
+
 @pytest.mark.parametrize("times, rewritten", [((10.0, 5.0), True), ((10.0, 9.6), True), ((10.0, 9.8), False),
                                               ((3.0, 2.5), True)])
 def test_the_reduction_is_kept_where_it_saves_three_percent_and_the_decision_is_recorded(timed_on_cpu, times,

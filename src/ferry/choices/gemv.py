@@ -34,8 +34,8 @@ from ferry.ops.aliasing import is_view, view_source
 from ferry.ops.library import new_fragment
 from ferry.ops.split_kv import SPLIT_KV_ATTENTION
 
-__all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "TIMED_ON", "TUNING", "UNTUNED", "apply", "by_reduction", "candidates",
-           "cold_copies", "measure", "product_times", "rewrite", "settings"]
+__all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "SPLIT_EQUAL_SLICES", "TIMED_ON", "TUNING", "UNTUNED", "apply",
+           "by_reduction", "candidates", "cold_copies", "measure", "product_times", "rewrite", "settings"]
 
 aten = torch.ops.aten
 FAMILY = "matrix-vector product"
@@ -265,25 +265,59 @@ def _compiled(weight, bias):
 def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
             shapes: dict[torch.fx.Node, torch.Tensor] | None = None) -> None:
     """Replace the `linear` node by `by_reduction`'s ops, which Inductor fuses into one kernel, its
-    row read from memory as the timed kernel read it (`_realized`)."""
+    row read from memory as the timed kernel read it (`_realized`). A merged product read only as
+    column slices of one width (an MLP's gate and up, choices/projections.py) becomes one reduction
+    per slice over its rows of the stacked weight (SPLIT_EQUAL_SLICES): reductions of one size over
+    one row fuse into one kernel, and so does what combines their results (SiLU(gate) * up), which
+    a single reduction's result, read at two offsets, keeps in a kernel of its own."""
     x, weight = node.args[:2]
     bias = node.args[2] if len(node.args) > 2 else None
     assert isinstance(x, torch.fx.Node)  # (candidates: a row the graph computes or takes)
     g = gm.graph
+    dtype = _weights(gm, node)[0].dtype
+    parts = (_equal_slices(node, shapes or {}) if SPLIT_EQUAL_SLICES else None) or [(node, None)]
     with g.inserting_before(node):
-        f32 = torch.float32
         row = _realized(g, x, (shapes or {}).get(x))
         xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (row, -2)),),
-                             {"dtype": f32})
-        wf = g.call_function(aten._to_copy.default, (weight,), {"dtype": f32})
-        out = g.call_function(aten.sum.dim_IntList, (g.call_function(aten.mul.Tensor, (xf, wf)), [-1]))
-        if bias is not None:
-            out = g.call_function(aten.add.Tensor, (out, g.call_function(aten._to_copy.default, (bias,),
-                                                                          {"dtype": f32})))
-        dtype = _weights(gm, node)[0].dtype
-        result = g.call_function(aten._to_copy.default, (out,), {"dtype": dtype})
-    node.replace_all_uses_with(result)
+                             {"dtype": torch.float32})
+        for user, rows in parts:
+            result = _reduction(g, xf, weight, bias, rows, dtype)
+            user.replace_all_uses_with(result)
+            if user is not node:
+                g.erase_node(user)
     g.erase_node(node)
+
+
+SPLIT_EQUAL_SLICES = True  # one reduction per equal column slice of a merged product (rewrite)
+
+
+def _reduction(g: torch.fx.Graph, xf: torch.fx.Node, weight: torch.fx.Node, bias, rows: tuple[int, int] | None,
+               dtype: torch.dtype) -> torch.fx.Node:
+    """`by_reduction`'s ops on the fp32 row `xf`, over `rows` of the weight (all where None)."""
+    def part(t):
+        t = t if rows is None else g.call_function(aten.slice.Tensor, (t, 0, *rows))
+        return g.call_function(aten._to_copy.default, (t,), {"dtype": torch.float32})
+    out = g.call_function(aten.sum.dim_IntList, (g.call_function(aten.mul.Tensor, (xf, part(weight))), [-1]))
+    if bias is not None:
+        out = g.call_function(aten.add.Tensor, (out, part(bias)))
+    return g.call_function(aten._to_copy.default, (out,), {"dtype": dtype})
+
+
+def _equal_slices(node: torch.fx.Node, shapes: dict) -> list[tuple[torch.fx.Node, tuple[int, int]]] | None:
+    """The users of `node` with the rows each reads, where every user is a step-1 slice of the last
+    dim and all are of one width (at least two); else None."""
+    meta = shapes.get(node)
+    last = {-1} | ({meta.dim() - 1} if isinstance(meta, torch.Tensor) and meta.dim() else set())
+    parts = []
+    for user in node.users:
+        args = user.args
+        if (user.op != "call_function" or user.target is not aten.slice.Tensor or user.kwargs or len(args) < 4
+                or args[1] not in last or not all(isinstance(a, int) for a in args[2:4])
+                or (len(args) > 4 and args[4] != 1)):
+            return None
+        parts.append((user, (args[2], args[3])))
+    widths = {b - a for _, (a, b) in parts}
+    return parts if len(parts) > 1 and len(widths) == 1 and min(a for _, (a, _b) in parts) >= 0 else None
 
 
 def _realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) -> torch.fx.Node:
