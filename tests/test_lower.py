@@ -337,3 +337,37 @@ def test_results_take_the_shape_their_device_makes():
         m = program.method("forward")
         shapes[device] = [m.tensor(o).shape for o in m.outputs]
     assert shapes == {"cpu": [(2, 3, 4), (0,), (0,)], "cuda:0": [(2, 3, 4), (3,), (3,)]}
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_results_take_the_dtype_their_device_makes_and_so_do_their_readers(norm, dynamic):
+    """Layer and batch norm keep a bfloat16 input's statistics in bfloat16 on the CPU and in
+    float32 on CUDA: placed on CUDA, the program declares float32 (CUDA eager's), and an op that
+    reads a statistic declares what it makes of float32 (the OpInfo sweep on an H200 found the
+    CPU's dtypes planned there)."""
+    aten = torch.ops.aten
+
+    class Norm(torch.nn.Module):
+        def forward(self, x, w, b):
+            if norm == "layer":
+                y, mean, rstd = aten.native_layer_norm.default(x, [4], w, b, 1e-5)
+            else:
+                y, mean, rstd = aten.native_batch_norm.default(x, w, b, None, None, True, 0.1, 1e-5)
+            return y, mean, rstd * 2
+
+    channels = 4 if norm == "layer" else 3
+    example = (torch.randn(5, 3, 4, dtype=torch.bfloat16), torch.randn(channels, dtype=torch.bfloat16),
+               torch.randn(channels, dtype=torch.bfloat16))
+    shapes = {0: torch.export.Dim("n", max=8)} if dynamic else None
+    ep = torch.export.export(Norm(), example, dynamic_shapes=(shapes, None, None) if dynamic else None)
+    dtypes = {}
+    for device in ("cpu", "cuda:0"):
+        program = ferry.compile(ep, ferry.OpSupportPartitioner(device) if device != "cpu" else None)
+        m = program.method("forward")
+        dtypes[device] = [m.tensor(o).dtype for o in m.outputs]
+    assert dtypes["cpu"] == ["bfloat16"] * 3
+    assert dtypes["cuda:0"] == ["bfloat16", "float32", "float32"]
+    got = ferry.Module(ferry.compile(ep))(*example)  # the CPU's program still runs as eager on the CPU
+    for g, w in zip(got, Norm()(*example)):
+        assert g.dtype == w.dtype and torch.allclose(g.float(), w.float())

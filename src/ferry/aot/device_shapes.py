@@ -1,11 +1,13 @@
 """Shapes memory is planned from, checked against what the kernels will make.
 
-* Results whose shape depends on the device that computes them take that device's shape. The
-  trace runs on the CPU, and a few kernels give auxiliary results another shape on CUDA:
-  `native_batch_norm` in eval returns its saved mean and inverse std as (0,) on the CPU and as
-  (C,) on CUDA. An op placed on CUDA is traced again on fake CUDA tensors (no GPU needed) and,
-  where that disagrees, the node records CUDA's shape. Only ops with several results are
-  asked: a single result's shape is the op's meaning.
+* Results whose shape or dtype depends on the device that computes them take that device's. The
+  trace runs on the CPU, and a few kernels give auxiliary results another shape or dtype on
+  CUDA: `native_batch_norm` in eval returns its saved mean and inverse std as (0,) on the CPU
+  and as (C,) on CUDA; layer and batch norm keep a bfloat16 input's statistics in bfloat16 on
+  the CPU and in float32 on CUDA. An op placed on CUDA is traced again on fake CUDA tensors (no
+  GPU needed) and, where that disagrees, the node records CUDA's shape and dtype. Only ops with
+  several results are asked (a single result's shape is the op's meaning), and the ops that
+  read a result so changed.
 * A dynamic program's symbolic shapes agree with a trace at the example's sizes: a shape
   function that is wrong at symbolic sizes (`nll_loss_nd` over a dynamic class dim gives a
   0-dim result where the kernel returns one per row) is a CompileError naming the op, not
@@ -29,30 +31,33 @@ __all__ = ["check_symbolic_shapes", "fit_to_device"]
 
 
 def fit_to_device(nodes, device: Device) -> int:
-    """Give the multi-result ops among `nodes` (placed on `device`) the shapes that device's
-    kernels make; returns how many changed. A node of dynamic shape is traced again at the sizes
-    export traced (a symbolic size is never asked for a value, which would fix it): a result of
-    static shape takes the device's; one of dynamic shape that differs is a CompileError."""
+    """Give the multi-result ops among `nodes` (placed on `device`) the shapes and dtypes that
+    device's kernels make, and the ops that read a result so changed theirs; returns how many
+    changed. A node of dynamic shape is traced again at the sizes export traced (a symbolic size is
+    never asked for a value, which would fix it): a result of static shape takes the device's; one
+    of dynamic shape that differs is a CompileError. Dtypes follow the device at any shape."""
     if device.type != "cuda":
         return 0  # host-backed devices run the CPU's kernels: the trace is theirs
-    changed = 0
+    changed: set[torch.fx.Node] = set()
     for node in nodes:
         val = node.meta.get("val")
+        vals = list(val) if isinstance(val, (tuple, list)) else [val]
         if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
-                or not isinstance(val, (tuple, list)) or not all(isinstance(v, torch.Tensor) for v in val)
-                or not _hinted(val)):
+                or not all(isinstance(v, torch.Tensor) for v in vals) or not _hinted(vals)
+                or not (isinstance(val, (tuple, list)) or changed.intersection(node.all_input_nodes))):
             continue
-        there = _traced(node, device, static=not _static(val))
-        if there is None or len(there) != len(val):
+        there = _traced(node, device, static=not _static(vals))
+        if there is None or len(there) != len(vals):
             continue
-        new = [_like(node, v, t) for v, t in zip(val, there)]
-        if any(n is not v for n, v in zip(new, val)):
-            node.meta["val"] = type(val)(new)
+        new = [_like(node, v, t) for v, t in zip(vals, there)]
+        if any(n is not v for n, v in zip(new, vals)):
+            node.meta["val"] = type(val)(new) if isinstance(val, (tuple, list)) else new[0]
+            changed.add(node)
             for user in node.users:
                 if user.target is operator.getitem and isinstance(user.args[1], int):
                     user.meta["val"] = new[user.args[1]]
-            changed += 1
-    return changed
+                    changed.add(user)
+    return len({n for n in changed if n.target is not operator.getitem})
 
 
 def check_symbolic_shapes(gm: torch.fx.GraphModule) -> None:
@@ -155,16 +160,19 @@ def _traced(node: torch.fx.Node, device: Device, static: bool):
 
 
 def _like(node: torch.fx.Node, traced: torch.Tensor, there) -> torch.Tensor:
-    """`traced`, or a CPU fake tensor of the device's shape when a static shape differs."""
+    """`traced`, or a fake tensor of the device's shape and dtype where they differ (the device's
+    shape only where it is static: `there` was traced at the example's sizes)."""
     if not isinstance(there, torch.Tensor):
         return traced
-    if M.static_ints(traced.shape) is None:  # `there` was traced at the example's sizes
-        if tuple(there.shape) != M.hint_ints(traced.shape):
-            raise CompileError(f"{node.target} (node {node.name!r}) gives a result of shape {tuple(traced.shape)} on the "
-                               f"CPU and {tuple(there.shape)} on the device at the traced sizes: a shape that differs "
-                               "by device is planned only where it is static; export this part static")
-        return traced
-    if tuple(there.shape) == tuple(traced.shape):
+    static = M.static_ints(traced.shape) is not None
+    if not static and tuple(there.shape) != M.hint_ints(traced.shape):
+        raise CompileError(f"{node.target} (node {node.name!r}) gives a result of shape {tuple(traced.shape)} on the "
+                           f"CPU and {tuple(there.shape)} on the device at the traced sizes: a shape that differs "
+                           "by device is planned only where it is static; export this part static")
+    shape = tuple(there.shape) if static else traced.shape
+    if tuple(shape) == tuple(traced.shape) and there.dtype == traced.dtype:
         return traced
     with detect_fake_mode([traced]) or contextlib.nullcontext():
-        return torch.empty(tuple(there.shape), dtype=traced.dtype, device=traced.device)
+        if tuple(shape) == tuple(traced.shape):  # the dtype alone: the trace's layout kept
+            return torch.empty_strided(shape, traced.stride(), dtype=there.dtype, device=traced.device)
+        return torch.empty(shape, dtype=there.dtype, device=traced.device)

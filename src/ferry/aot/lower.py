@@ -433,11 +433,11 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
     partitions = list(partitioner.partition(ep)) if partitioner is not None else []
     nodes = list(ep.graph.nodes)
     groups = _check_partitions(partitions, {n.name: n for n in nodes})
+    pos = {n: i for i, n in enumerate(nodes)}
     for p, group in zip(partitions, groups):
         device = _spec_device(p)
         if device is not None:
-            fit_to_device(group, device)
-    pos = {n: i for i, n in enumerate(nodes)}
+            fit_to_device(groups_sorted(group, pos), device)  # in graph order: a reader after what it reads
     root, g = torch.nn.Module(), torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for kind, unit in _unit_order(nodes, groups, partitions):
