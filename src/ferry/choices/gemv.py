@@ -275,7 +275,8 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
     assert isinstance(x, torch.fx.Node)  # (candidates: a row the graph computes or takes)
     g = gm.graph
     dtype = _weights(gm, node)[0].dtype
-    parts = (_equal_slices(node, shapes or {}) if SPLIT_EQUAL_SLICES else None) or [(node, None)]
+    split = _equal_slices(node, shapes or {}) if SPLIT_EQUAL_SLICES else None
+    parts: list[tuple[torch.fx.Node, tuple[int, int] | None]] = list(split) if split else [(node, None)]
     with g.inserting_before(node):
         row = _realized(g, x, (shapes or {}).get(x))
         xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (row, -2)),),
@@ -291,7 +292,7 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
 SPLIT_EQUAL_SLICES = True  # one reduction per equal column slice of a merged product (rewrite)
 
 
-def _reduction(g: torch.fx.Graph, xf: torch.fx.Node, weight: torch.fx.Node, bias, rows: tuple[int, int] | None,
+def _reduction(g: torch.fx.Graph, xf: torch.fx.Node, weight, bias, rows: tuple[int, int] | None,
                dtype: torch.dtype) -> torch.fx.Node:
     """`by_reduction`'s ops on the fp32 row `xf`, over `rows` of the weight (all where None)."""
     def part(t):
@@ -311,11 +312,12 @@ def _equal_slices(node: torch.fx.Node, shapes: dict) -> list[tuple[torch.fx.Node
     parts = []
     for user in node.users:
         args = user.args
-        if (user.op != "call_function" or user.target is not aten.slice.Tensor or user.kwargs or len(args) < 4
-                or args[1] not in last or not all(isinstance(a, int) for a in args[2:4])
+        start, end = (args[2], args[3]) if len(args) >= 4 else (None, None)
+        if (user.op != "call_function" or user.target is not aten.slice.Tensor or user.kwargs
+                or args[1] not in last or not isinstance(start, int) or not isinstance(end, int)
                 or (len(args) > 4 and args[4] != 1)):
             return None
-        parts.append((user, (args[2], args[3])))
+        parts.append((user, (start, end)))
     widths = {b - a for _, (a, b) in parts}
     return parts if len(parts) > 1 and len(widths) == 1 and min(a for _, (a, _b) in parts) >= 0 else None
 
