@@ -56,7 +56,8 @@ def fit_to_device(nodes, device: Device) -> int:
             for user in node.users:
                 if user.target is operator.getitem and isinstance(user.args[1], int):
                     user.meta["val"] = new[user.args[1]]
-                    changed.add(user)
+                    if new[user.args[1]] is not vals[user.args[1]]:
+                        changed.add(user)  # its readers are asked again
     return len({n for n in changed if n.target is not operator.getitem})
 
 

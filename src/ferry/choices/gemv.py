@@ -306,20 +306,23 @@ def _reduction(g: torch.fx.Graph, xf: torch.fx.Node, weight, bias, rows: tuple[i
 
 def _equal_slices(node: torch.fx.Node, shapes: dict) -> list[tuple[torch.fx.Node, tuple[int, int]]] | None:
     """The users of `node` with the rows each reads, where every user is a step-1 slice of the last
-    dim and all are of one width (at least two); else None."""
+    dim and all are of one width (at least two); else None (and where the product's size is not
+    known)."""
     meta = shapes.get(node)
-    last = {-1} | ({meta.dim() - 1} if isinstance(meta, torch.Tensor) and meta.dim() else set())
+    if not isinstance(meta, torch.Tensor) or not meta.dim() or not isinstance(meta.shape[-1], int):
+        return None
+    n = meta.shape[-1]
     parts = []
     for user in node.users:
         args = user.args
         start, end = (args[2], args[3]) if len(args) >= 4 else (None, None)
         if (user.op != "call_function" or user.target is not aten.slice.Tensor or user.kwargs
-                or args[1] not in last or not isinstance(start, int) or not isinstance(end, int)
-                or (len(args) > 4 and args[4] != 1)):
+                or args[1] not in (-1, meta.dim() - 1) or not isinstance(start, int) or not isinstance(end, int)
+                or not 0 <= start < min(end, n) or (len(args) > 4 and args[4] != 1)):
             return None
-        parts.append((user, (start, end)))
+        parts.append((user, (start, min(end, n))))
     widths = {b - a for _, (a, b) in parts}
-    return parts if len(parts) > 1 and len(widths) == 1 and min(a for _, (a, _b) in parts) >= 0 else None
+    return parts if len(parts) > 1 and len(widths) == 1 else None
 
 
 def _realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) -> torch.fx.Node:
