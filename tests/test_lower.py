@@ -362,12 +362,14 @@ def test_results_take_the_dtype_their_device_makes_and_so_do_their_readers(norm,
     shapes = {0: torch.export.Dim("n", max=8)} if dynamic else None
     ep = torch.export.export(Norm(), example, dynamic_shapes=(shapes, None, None) if dynamic else None)
     dtypes = {}
-    for device in ("cpu", "cuda:0"):
-        program = ferry.compile(ep, ferry.OpSupportPartitioner(device) if device != "cpu" else None)
+    for device, exclude in (("cpu", ()), ("cuda:0", ()), ("cuda:0 reader on the cpu", ("aten.mul.Tensor",))):
+        where = device.split()[0]
+        program = ferry.compile(ep, ferry.OpSupportPartitioner(where, exclude=exclude) if where != "cpu" else None)
         m = program.method("forward")
         dtypes[device] = [m.tensor(o).dtype for o in m.outputs]
     assert dtypes["cpu"] == ["bfloat16"] * 3
     assert dtypes["cuda:0"] == ["bfloat16", "float32", "float32"]
+    assert dtypes["cuda:0 reader on the cpu"] == ["bfloat16", "float32", "float32"]  # outside the partition too
     got = ferry.Module(ferry.compile(ep))(*example)  # the CPU's program still runs as eager on the CPU
     for g, w in zip(got, Norm()(*example)):
         assert g.dtype == w.dtype and torch.allclose(g.float(), w.float())

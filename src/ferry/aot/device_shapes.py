@@ -7,7 +7,7 @@
   the CPU and in float32 on CUDA. An op placed on CUDA is traced again on fake CUDA tensors (no
   GPU needed) and, where that disagrees, the node records CUDA's shape and dtype. Only ops with
   several results are asked (a single result's shape is the op's meaning), and the ops that
-  read a result so changed.
+  read a result so changed, in any partition or on the CPU.
 * A dynamic program's symbolic shapes agree with a trace at the example's sizes: a shape
   function that is wrong at symbolic sizes (`nll_loss_nd` over a dynamic class dim gives a
   0-dim result where the kernel returns one per row) is a CompileError naming the op, not
@@ -22,43 +22,53 @@ import operator
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ferry import node_meta as M
 from ferry.device import Device
 from ferry.errors import CompileError
 
-__all__ = ["check_symbolic_shapes", "fit_to_device"]
+__all__ = ["check_symbolic_shapes", "fit_to_devices"]
 
 
-def fit_to_device(nodes, device: Device) -> int:
-    """Give the multi-result ops among `nodes` (placed on `device`) the shapes and dtypes that
-    device's kernels make, and the ops that read a result so changed theirs; returns how many
-    changed. A node of dynamic shape is traced again at the sizes export traced (a symbolic size is
-    never asked for a value, which would fix it): a result of static shape takes the device's; one
-    of dynamic shape that differs is a CompileError. Dtypes follow the device at any shape."""
-    if device.type != "cuda":
-        return 0  # host-backed devices run the CPU's kernels: the trace is theirs
+def fit_to_devices(nodes, devices: dict) -> None:
+    """Give the multi-result ops among `nodes` (in graph order) placed on CUDA (`devices`: node ->
+    Device, absent for the CPU) the shapes and dtypes CUDA's kernels make, and every op that reads
+    a result so changed, wherever it runs, what it makes of it. A node of dynamic shape is traced
+    again at the sizes export traced (a symbolic size is never asked for a value, which would fix
+    it): a result of static shape takes the device's; one of dynamic shape that differs is a
+    CompileError. Dtypes follow the device at any shape."""
     changed: set[torch.fx.Node] = set()
     for node in nodes:
         val = node.meta.get("val")
         vals = list(val) if isinstance(val, (tuple, list)) else [val]
-        if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
-                or not all(isinstance(v, torch.Tensor) for v in vals) or not _hinted(vals)
-                or not (isinstance(val, (tuple, list)) or changed.intersection(node.all_input_nodes))):
+        device = devices.get(node, _CPU)
+        on_cuda = device.type == "cuda"  # host-backed devices run the CPU's kernels: the trace is theirs
+        asked = (isinstance(val, (tuple, list)) and on_cuda) or changed.intersection(node.all_input_nodes)
+        if (not asked or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
+                or not all(isinstance(v, torch.Tensor) for v in vals) or not _hinted(vals)):
             continue
-        there = _traced(node, device, static=not _static(vals))
+        there = _traced(node, device if on_cuda else _CPU, static=not _static(vals))
         if there is None or len(there) != len(vals):
             continue
         new = [_like(node, v, t) for v, t in zip(vals, there)]
         if any(n is not v for n, v in zip(new, vals)):
-            node.meta["val"] = type(val)(new) if isinstance(val, (tuple, list)) else new[0]
+            _set_val(node, type(val)(new) if isinstance(val, (tuple, list)) else new[0])
             changed.add(node)
             for user in node.users:
                 if user.target is operator.getitem and isinstance(user.args[1], int):
-                    user.meta["val"] = new[user.args[1]]
+                    _set_val(user, new[user.args[1]])
                     if new[user.args[1]] is not vals[user.args[1]]:
                         changed.add(user)  # its readers are asked again
-    return len({n for n in changed if n.target is not operator.getitem})
+
+
+_CPU = Device("cpu", 0)
+
+
+def _set_val(node: torch.fx.Node, val) -> None:
+    node.meta["val"] = val
+    if isinstance(val, torch.Tensor) and "tensor_meta" in node.meta:
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
 
 
 def check_symbolic_shapes(gm: torch.fx.GraphModule) -> None:

@@ -18,7 +18,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, is_concrete_int
 
 from ferry import node_meta as M
-from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_device
+from ferry.aot.device_shapes import check_symbolic_shapes, fit_to_devices
 from ferry.aot.gathered_rows import gather_rows_first
 from ferry.aot.higher_order import out_dtype_as_aten
 from ferry.aot.last_position import keep_last_position
@@ -434,10 +434,8 @@ def to_backend(exported_program: torch.export.ExportedProgram, partitioner: Part
     nodes = list(ep.graph.nodes)
     groups = _check_partitions(partitions, {n.name: n for n in nodes})
     pos = {n: i for i, n in enumerate(nodes)}
-    for p, group in zip(partitions, groups):
-        device = _spec_device(p)
-        if device is not None:
-            fit_to_device(groups_sorted(group, pos), device)  # in graph order: a reader after what it reads
+    devices = {n: d for p, group in zip(partitions, groups) if (d := _spec_device(p)) is not None for n in group}
+    fit_to_devices(nodes, devices)
     root, g = torch.nn.Module(), torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for kind, unit in _unit_order(nodes, groups, partitions):
