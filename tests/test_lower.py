@@ -373,3 +373,26 @@ def test_results_take_the_dtype_their_device_makes_and_so_do_their_readers(norm,
     got = ferry.Module(ferry.compile(ep))(*example)  # the CPU's program still runs as eager on the CPU
     for g, w in zip(got, Norm()(*example)):
         assert g.dtype == w.dtype and torch.allclose(g.float(), w.float())
+
+
+@pytest.mark.parametrize("device, stats, accepted", [
+    ("cpu", "bfloat16", True), ("emu", "bfloat16", True),  # the CPU's kernels: the CPU's dtype
+    ("cpu", "float32", True), ("cuda", "float32", True),  # the meta kernel's
+    ("cuda", "bfloat16", False),  # CUDA's kernel makes float32: a file saying bfloat16 would round them
+])
+def test_a_declared_statistics_dtype_is_held_to_what_the_devices_kernel_makes(device, stats, accepted):
+    from ferry.device import Device
+    from ferry.errors import ProgramError
+    from ferry.program.schema import TensorValue
+    from ferry.runtime.stages import sizes
+
+    bf16 = {"dtype": torch.bfloat16, "device": "meta"}
+    args = [torch.empty(5, 3, 4, **bf16), [4], torch.empty(4, **bf16), torch.empty(4, **bf16), 1e-5]
+    where = Device(device, 0)
+    want = [TensorValue("bfloat16", (5, 3, 4), where), TensorValue(stats, (5, 3, 1), where),
+            TensorValue(stats, (5, 3, 1), where)]
+    if accepted:
+        sizes._check_sized(torch.ops.aten.native_layer_norm.default, args, {}, want, "the norm")
+    else:
+        with pytest.raises(ProgramError, match="result 1 would be float32"):
+            sizes._check_sized(torch.ops.aten.native_layer_norm.default, args, {}, want, "the norm")
