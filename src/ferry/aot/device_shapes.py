@@ -30,6 +30,8 @@ from ferry.errors import CompileError
 
 __all__ = ["check_symbolic_shapes", "fit_to_devices"]
 
+_CPU = Device("cpu", 0)  # where an op no partition places runs, and whose kernels host-backed devices run
+
 
 def fit_to_devices(nodes, devices: dict) -> None:
     """Give the multi-result ops among `nodes` (in graph order) placed on CUDA (`devices`: node ->
@@ -60,9 +62,6 @@ def fit_to_devices(nodes, devices: dict) -> None:
                     _set_val(user, new[user.args[1]])
                     if new[user.args[1]] is not vals[user.args[1]]:
                         changed.add(user)  # its readers are asked again
-
-
-_CPU = Device("cpu", 0)
 
 
 def _set_val(node: torch.fx.Node, val) -> None:
