@@ -52,6 +52,7 @@ from ferry.program.schema import (
     QuantizedWeight,
     TensorValue,
 )
+from ferry.program.signature import MAX_TREE_NODES, TREE_KINDS, Signature, Tree, check_tree
 
 _SPECIAL_FLOATS = MappingProxyType({"inf": math.inf, "-inf": -math.inf, "nan": math.nan})
 
@@ -154,6 +155,84 @@ class _TaggedValue(Tagged):
         TENSOR.check(x, what)
 
 
+class TreeField(Field):
+    """A call's argument or result tree (program/signature.py), written flat: its nodes in
+    preorder, each with its count of items, so a deep tree never nests the file's JSON."""
+
+    keys = ("kind", "n", "keys", "type", "context", "value")
+
+    def encode(self, t: Tree):
+        out, stack = [], [t]
+        while stack:
+            node = stack.pop()
+            rec: dict = {"kind": node.kind}
+            if node.items:
+                rec["n"] = len(node.items)
+            if node.keys:
+                rec["keys"] = list(node.keys)
+            if node.type:
+                rec["type"], rec["context"] = node.type, node.context
+            if node.kind == "constant":
+                rec["value"] = _enc_float(node.value) if isinstance(node.value, float) else node.value
+            out.append(rec)
+            stack.extend(reversed(node.items))
+        return out
+
+    def decode(self, x, path):
+        nodes = Seq(ANY).decode(x, path)
+        if not nodes or len(nodes) > MAX_TREE_NODES:
+            raise bad(path, f"expected 1 to {MAX_TREE_NODES} tree nodes, got {len(nodes)}")
+        parsed = [self._node(e, f"{path}[{j}]") for j, e in enumerate(nodes)]
+        tree, used = _tree_from_preorder(parsed, path)
+        if used != len(parsed):
+            raise bad(path, f"the tree ends at node {used}; {len(parsed) - used} more follow")
+        check_tree(tree, path)
+        return tree
+
+    def _node(self, e, path):
+        o = check_keys(e, path, self.keys, optional=("n", "keys", "type", "context", "value"))
+        kind = OneOf(TREE_KINDS).decode(o["kind"], f"{path}.kind")
+        n = Int(0, MAX_TREE_NODES).decode(o.get("n", 0), f"{path}.n")
+        keys = tuple(Seq(ANY).decode(o.get("keys", []), f"{path}.keys"))
+        for j, k in enumerate(keys):
+            if not (isinstance(k, str) or is_int(k)):
+                raise bad(f"{path}.keys[{j}]", f"expected a string or integer key, got {jtype(k)}")
+        value = o.get("value")
+        if isinstance(value, (list, dict)):
+            raise bad(f"{path}.value", f"expected a number, string, boolean or null, got {jtype(value)}")
+        if isinstance(value, str) and kind == "constant" and value in _SPECIAL_FLOATS:
+            value = _SPECIAL_FLOATS[value]
+        return kind, n, keys, Str().decode(o.get("type", ""), f"{path}.type"), \
+            Str().decode(o.get("context", ""), f"{path}.context"), value
+
+    def check(self, x, what):
+        if not isinstance(x, Tree):
+            raise ProgramError(f"{what} must be a Tree, got {type(x).__name__}")
+        check_tree(x, what)
+
+
+def _tree_from_preorder(parsed: list, path: str) -> tuple[Tree, int]:
+    """The tree whose preorder nodes are `parsed` ((kind, n, keys, type, context, value) each),
+    and how many nodes it took; iterative, so no file can nest it past the stack."""
+    if not parsed:
+        raise bad(path, "an empty tree")
+    # a frame: [node fields, items so far]; a node is finished when its items are all built
+    stack: list = []
+    pos = 0
+    while True:
+        if pos >= len(parsed):
+            raise bad(path, f"the tree's nodes run out: {len(parsed)} nodes, more items declared")
+        fields = parsed[pos]
+        pos += 1
+        stack.append([fields, []])
+        while stack and len(stack[-1][1]) == stack[-1][0][1]:
+            (kind, _n, keys, typ, context, value), items = stack.pop()
+            built = Tree(kind, tuple(items), keys, typ, context, value)
+            if not stack:
+                return built, pos
+            stack[-1][1].append(built)
+
+
 # ---------------------------------------------------------------- the records
 
 ID = Int()
@@ -181,14 +260,16 @@ QUANTIZED_WEIGHT = Record(QuantizedWeight, (
     ("details", Str()),
 ))
 INPUT_WRITE = Record(InputWrite, (("output", ID), ("input", ID)))
+SIGNATURE = Record(Signature, (("inputs", TreeField()), ("outputs", TreeField()), ("arg_names", Seq(Str(), as_tuple=True))))
 METHOD = Record(Method, (
     ("name", Str(nonempty=True)), ("values", Seq(VALUE)), ("instructions", Seq(INSTRUCTION)),
     ("inputs", Seq(ID)), ("outputs", Seq(ID)), ("buffers", Seq(BUFFER)), ("mutable_buffers", Seq(MUTABLE_BUFFER)),
     ("lower_bounds", StrKeyed(Int())), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrKeyed(Str())),
     ("device_map", StrKeyed(Str())), ("max_memory", StrKeyed(Int())), ("storage_inputs", Seq(ID)),
     ("equal_sizes", Seq(Seq(Seq(Int(), max_len=2), max_len=MAX_RANK * 1024), max_len=1 << 16)),
-    ("quantized_weights", Seq(QUANTIZED_WEIGHT)), ("input_writes", Seq(INPUT_WRITE)),
-), optional=("device_map", "max_memory", "storage_inputs", "equal_sizes", "quantized_weights", "input_writes"))
+    ("quantized_weights", Seq(QUANTIZED_WEIGHT)), ("input_writes", Seq(INPUT_WRITE)), ("signature", Opt(SIGNATURE)),
+), optional=("device_map", "max_memory", "storage_inputs", "equal_sizes", "quantized_weights", "input_writes",
+             "signature"))
 
 
 class _SpecPairs(Field):

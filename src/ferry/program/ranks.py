@@ -199,7 +199,7 @@ def _project_method(m: Method, rank: int) -> Method:
     return dataclasses.replace(m, values=values, instructions=kept, buffers=buffers,
                                mutable_buffers=[MutableBuffer(mb.value, mb.update, mb.name) for mb in mutable],
                                inputs=m.inputs if ours else [], outputs=m.outputs if ours else [],
-                               input_writes=m.input_writes if ours else [])
+                               input_writes=m.input_writes if ours else [], signature=m.signature if ours else None)
 
 
 def _views_of(m: Method, vid: int) -> set[int]:

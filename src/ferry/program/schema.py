@@ -19,6 +19,7 @@ from ferry.alignment import default_alignment
 from ferry.device import CPU, Device
 from ferry.errors import ProgramError
 from ferry.layout import contiguous_strides
+from ferry.program.signature import Signature
 
 # ---------------------------------------------------------------- dtypes
 
@@ -354,6 +355,7 @@ class Method:
     equal_sizes: list[list[list[int]]] = field(default_factory=list)  # [input, dim] pairs one dynamic size
     quantized_weights: list[QuantizedWeight] = field(default_factory=list)  # facts for people, not read to run
     input_writes: list[InputWrite] = field(default_factory=list)  # inputs written in place, by output position
+    signature: Signature | None = None  # the model's (args, kwargs) and result trees; None: flat tensors
 
     @property
     def returned_outputs(self) -> list[int]:

@@ -24,6 +24,7 @@ from ferry.program.schema import (
     TensorValue,
     element_size,
 )
+from ferry.program.signature import check_signature
 from ferry.program.states import program_states
 
 __all__ = ["validate_program", "check_types", "check_semantics"]
@@ -109,6 +110,8 @@ class _MethodChecks:
         self.equal_sizes()
         self.input_writes()
         self.io_storage()
+        if m.signature is not None:
+            check_signature(m.signature, len(m.inputs), len(m.returned_outputs), self.pre)
         for kind, ids in (("value", [mb.value for mb in m.mutable_buffers]),
                           ("update", [mb.update for mb in m.mutable_buffers if not mb.read_only])):
             if len(set(ids)) != len(ids):

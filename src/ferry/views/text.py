@@ -12,6 +12,7 @@ from ferry.errors import FerryError
 from ferry.program import Program, load_program
 from ferry.program.report import copy_report
 from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, Method, TensorValue, element_size
+from ferry.program.signature import call_text
 from ferry.program.states import program_states
 from ferry.views.facts import device_memory, fmt_bytes, owner, plan_of
 
@@ -86,6 +87,8 @@ def _memory_lines(program: Program, m: Method) -> list[str]:
 def _method_lines(program: Program, name: str, m: Method, instructions: bool) -> list[str]:
     out = [f"method {name!r}: {len(m.instructions)} instructions, {len(m.values)} values"]
     writes = {w.output: w.input for w in m.input_writes}
+    if m.signature is not None:
+        out.append(f"  called as {call_text(m.signature, name)}")
     out += [f"  input {i}: {_io_line(m, vid)}" for i, vid in enumerate(m.inputs)]
     out += [f"  output {i}: {_io_line(m, vid)}" + (f", written into input {writes[i]} after the call" if i in writes else "")
             for i, vid in enumerate(m.outputs)]
@@ -198,6 +201,7 @@ def _method_json(program: Program, name: str, m: Method) -> dict:
         "inputs": [_io_json(m, v) for v in m.inputs],
         "outputs": [_io_json(m, v) for v in m.outputs],
         "input_writes": [{"output": w.output, "input": w.input} for w in m.input_writes],
+        "called_as": call_text(m.signature, name) if m.signature is not None else None,
         "instructions": [
             {
                 "index": i,

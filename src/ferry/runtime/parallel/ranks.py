@@ -32,7 +32,6 @@ from ferry.program.ranks import boundaries, program_ranks, project
 from ferry.runtime.parallel.microbatch import batched_values
 from ferry.runtime.parallel.transport import Groups, Transport
 from ferry.runtime.stages.module import Module as _LocalModule
-from ferry.runtime.stages.module import forward_result
 
 __all__ = ["Module"]
 
@@ -113,8 +112,13 @@ class Module:
                     self.transport.broken = f"rank 0 failed during a call ({type(e).__name__}: {e})"
                 raise
 
-    def forward(self, *inputs):
-        return forward_result(self.run_method("forward", inputs))
+    def call(self, method: str, /, *args, **kwargs):
+        """As ferry.Module.call: the model's own arguments and result structure."""
+        tree = self.module.call_tree(method)
+        return tree.result(self.run_method(method, tree.inputs(args, kwargs)))
+
+    def forward(self, /, *args, **kwargs):
+        return self.call("forward", *args, **kwargs)
 
     __call__ = forward
 

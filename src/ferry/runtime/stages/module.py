@@ -26,18 +26,11 @@ from ferry.runtime.devices.limits import allocated_by_load, call_bytes, check_li
 from ferry.runtime.devices.slab import MemoryReservation
 from ferry.runtime.parallel.microbatch import MicroBatches
 from ferry.runtime.stages.buckets import ShapeBuckets, check_buckets
+from ferry.runtime.stages.call_tree import CallTree
 from ferry.runtime.stages.input_writes import check_writable, written_back
 from ferry.runtime.stages.method import LoadedMethod, streams_api_for
 from ferry.runtime.stages.run import caller_copy
 from ferry.runtime.stages.shared import DeviceUploads, ProgramState
-
-
-def forward_result(outs: list):
-    """What `forward` returns for a call's outputs: one output as it is, several as a tuple, and
-    None for none (a forward that only writes its inputs in place)."""
-    if not outs:
-        return None
-    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _hand_back_cached_memory() -> None:
@@ -286,6 +279,7 @@ class Module:
             self._free.put(inst)
         self._load_lock = threading.Lock()
         self._loaded: set[str] = set()  # methods loaded in every set of memory (a call's one check)
+        self._trees: dict[str, CallTree] = {}
 
     @property
     def _methods(self) -> dict[str, LoadedMethod]:
@@ -316,6 +310,7 @@ class Module:
                 for inst in taken:
                     loaded = inst.load(name)
                 self._loaded.add(name)
+                self.call_tree(name)  # (a result type this process lacks is told at load)
                 for note in loaded.notes:
                     warnings.warn(f"method {name!r}: {note}", RuntimeWarning, stacklevel=2)
             finally:
@@ -471,8 +466,23 @@ class Module:
             for inst in taken:
                 self._free.put(inst)
 
-    def forward(self, *inputs):
-        return forward_result(self.run_method("forward", inputs))
+    def call_tree(self, name: str = "forward") -> CallTree:
+        """How `call` takes `name`'s arguments and builds its result (its signature as exported)."""
+        tree = self._trees.get(name)
+        if tree is None:
+            method = self.program.method(name)
+            tree = self._trees[name] = CallTree(method.signature, name, len(method.inputs))
+        return tree
+
+    def call(self, method: str, /, *args, **kwargs):
+        """Run `method` as the exported model is called: positional and keyword arguments (nested
+        lists, tuples, dicts) as at export, the result in the model's own structure (a tensor, a
+        tuple, a dict, a ModelOutput). `run_method` takes and returns the flat tensors instead."""
+        tree = self.call_tree(method)
+        return tree.result(self.run_method(method, tree.inputs(args, kwargs)))
+
+    def forward(self, /, *args, **kwargs):
+        return self.call("forward", *args, **kwargs)
 
     __call__ = forward
 

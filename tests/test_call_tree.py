@@ -1,0 +1,230 @@
+"""Calling a program as the model is called (runtime/stages/call_tree.py): keyword arguments,
+nested lists and dicts in, the model's own result structure out (dicts, tuples, named tuples,
+transformers' ModelOutput, None and ints), through a saved file, compared with eager and with
+`ep.module()` on fresh random inputs. Calls that do not fit the exported signature are InputErrors
+that say what the signature is, and the module stays usable."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import ferry
+from ferry.errors import InputError
+from ferry.program.signature import Tree
+
+Pair = collections.namedtuple("Pair", "total rest")
+
+
+class Nested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, ys, *, mask, bias):
+        h = self.lin(x) * mask + ys[0] - ys[1]
+        return {"h": h, "pair": Pair(h.sum(), (x + bias["b"],)), "none": None}
+
+
+def rand(*shape):
+    return torch.randn(*shape)
+
+
+def example():
+    return (rand(3, 4), [rand(3, 4), rand(3, 4)]), {"mask": rand(3, 4), "bias": {"b": rand(3, 4)}}
+
+
+def saved(ep, tmp_path, name="m.ferry", **kw):
+    path = tmp_path / name
+    ferry.compile(ep, **kw).save(path)
+    return ferry.Module(path)
+
+
+def assert_same_tree(got, want):
+    assert type(got) is type(want)
+    if isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want)
+    elif isinstance(want, dict):
+        assert list(got) == list(want)
+        for k in want:
+            assert_same_tree(got[k], want[k])
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same_tree(g, w)
+    else:
+        assert got == want
+
+
+@pytest.fixture(scope="module")
+def nested_ep():
+    torch.manual_seed(0)
+    model = Nested().eval()
+    args, kwargs = example()
+    return model, torch.export.export(model, args, kwargs)
+
+
+def test_keywords_nested_inputs_and_structured_results_equal_eager(nested_ep, tmp_path):
+    model, ep = nested_ep
+    module = saved(ep, tmp_path)
+    for _ in range(2):
+        (x, ys), kw = example()
+        want = model(x, ys, **kw)
+        assert_same_tree(module(x, ys, **kw), want)
+        assert_same_tree(module(x, ys, bias=kw["bias"], mask=kw["mask"]), want)  # keywords in any order
+        assert_same_tree(module(x=x, ys=tuple(ys), **kw), want)  # positional parameters by name
+        assert_same_tree(module.call("forward", x, ys, **kw), want)
+        assert_same_tree(module(x, ys, **kw), ep.module()(x, ys, **kw))
+        assert isinstance(module(x, ys, **kw)["pair"], Pair)  # the process's own named tuple
+
+
+def test_the_flat_inputs_are_taken_as_before(nested_ep, tmp_path):
+    model, ep = nested_ep
+    module = saved(ep, tmp_path)
+    (x, ys), kw = example()
+    flat = module.run_method("forward", [x, *ys, kw["mask"], kw["bias"]["b"]])
+    assert_same_tree(module(x, *ys, kw["mask"], kw["bias"]["b"]), module(x, ys, **kw))
+    torch.testing.assert_close(flat[0], model(x, ys, **kw)["h"])
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda m, x, ys, kw: m(x, ys, mask=kw["mask"]), "missing keyword argument(s) 'bias'"),
+    (lambda m, x, ys, kw: m(x, ys, **kw, scale=2.0), "unexpected keyword argument(s) 'scale'"),
+    (lambda m, x, ys, kw: m(x, ys[:1], **kw), "ys takes 2 items, got 1"),
+    (lambda m, x, ys, kw: m(x, ys, mask=kw["mask"], bias={"c": x}), "bias takes the keys ['b'], got ['c']"),
+    (lambda m, x, ys, kw: m(x, ys, x=x, **kw), "'x' is given by position and by name"),
+    (lambda m, x, ys, kw: m(ys=ys, **kw), "argument 'x' is missing"),
+    (lambda m, x, ys, kw: m(x, ys, ys, **kw), "takes 2 positional argument(s), got 3"),
+])
+def test_a_call_unlike_the_export_says_what_it_takes(nested_ep, tmp_path, call, says):
+    model, ep = nested_ep
+    module = saved(ep, tmp_path)
+    (x, ys), kw = example()
+    with pytest.raises(InputError) as e:
+        call(module, x, ys, kw)
+    assert says in str(e.value)
+    if "positional" in says or "items" in says or "keys" in says or "keyword" in says:
+        assert "forward(x, ys: [T, T], *, mask, bias: {'b': T}) -> {'h': T" in str(e.value)
+    assert_same_tree(module(x, ys, **kw), model(x, ys, **kw))  # still usable
+
+
+class Fixed(torch.nn.Module):
+    def forward(self, x, scale: float, flag: bool = True):
+        return (x * scale if flag else x,)
+
+
+def test_arguments_fixed_at_export_are_checked_each_call(tmp_path):
+    x = rand(5)
+    ep = torch.export.export(Fixed(), (x, 3.0), {"flag": True})
+    module = saved(ep, tmp_path)
+    assert module.method_meta().num_inputs() == 1  # the constants are no inputs of the method
+    y = rand(5)
+    assert_same_tree(module(y, 3.0, flag=True), Fixed()(y, 3.0, flag=True))  # a 1-tuple, as eager
+    assert_same_tree(module(y, 3, flag=True), Fixed()(y, 3, flag=True))  # 3 == 3.0, as eager takes it
+    for bad in ((y, 4.0), (y, True)):
+        with pytest.raises(InputError, match="fixed to 3.0 at export"):
+            module(*bad, flag=True)
+    with pytest.raises(InputError, match="flag was fixed to True"):
+        module(y, 3.0, flag=False)
+
+
+class Constants(torch.nn.Module):
+    def forward(self, x):
+        return [x * 2, (x + 1,)], None, 3
+
+
+def test_results_keep_none_and_ints_and_one_tuples(tmp_path):
+    x = rand(2, 3)
+    module = saved(torch.export.export(Constants(), (x,)), tmp_path)
+    y = rand(2, 3)
+    assert_same_tree(module(y), Constants()(y))
+
+
+def test_model_output_comes_back_as_its_class(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out_type = transformers.modeling_outputs.BaseModelOutput
+
+    class Encoder(torch.nn.Module):
+        def forward(self, x):
+            return out_type(last_hidden_state=x.tanh(), hidden_states=(x, x * 2))
+
+    x = rand(2, 3)
+    module = saved(torch.export.export(Encoder(), (x,)), tmp_path)
+    y = rand(2, 3)
+    got, want = module(y), Encoder()(y)
+    assert type(got) is out_type
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
+    torch.testing.assert_close(got["hidden_states"][1], want.hidden_states[1])
+    assert got.attentions is None
+
+
+def test_a_type_this_process_lacks_comes_back_plain_with_one_warning(nested_ep, tmp_path):
+    model, ep = nested_ep
+    program = ferry.compile(ep)
+    m = program.method("forward")
+    outs = m.signature.outputs  # a dict: h, pair (named tuple), none
+    missing = dataclasses.replace(outs.items[1], type="nowhere.Missing")
+    node = Tree("node", (outs.items[0],), ("h",), "nowhere.Output", '["h"]')
+    renamed = dataclasses.replace(outs, items=(node, missing, outs.items[2]))
+    m.signature = dataclasses.replace(m.signature, outputs=renamed)
+    program.save(tmp_path / "m.ferry")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = ferry.Module(tmp_path / "m.ferry")
+        module.load_method()
+    said = [str(w.message) for w in caught if "nowhere.Output" in str(w.message)]
+    assert len(said) == 1 and "comes back as a dict" in said[0]
+    (x, ys), kw = example()
+    got, want = module(x, ys, **kw), model(x, ys, **kw)
+    assert got["h"] == {"h": got["h"]["h"]} and torch.equal(got["h"]["h"], module(x, ys, **kw)["h"]["h"])
+    torch.testing.assert_close(got["h"]["h"], want["h"])
+    assert got["pair"]._fields == ("total", "rest") and type(got["pair"]) is not Pair  # a named tuple like it
+    torch.testing.assert_close(got["pair"].total, want["pair"].total)
+
+
+def test_methods_are_called_by_name_with_their_keywords(tmp_path):
+    class Two(torch.nn.Module):
+        def forward(self, x, *, y):
+            return x - y
+
+    x = rand(4)
+    program = ferry.compile({"forward": torch.export.export(Fixed(), (x, 2.0)),
+                             "sub": torch.export.export(Two(), (x,), {"y": rand(4)})})
+    module = ferry.Module(program)
+    a, b = rand(4), rand(4)
+    torch.testing.assert_close(module.call("sub", a, y=b), a - b)
+    torch.testing.assert_close(module.call("sub", x=a, y=b), a - b)
+    with pytest.raises(ferry.UnknownMethodError):
+        module.call("nope", a)
+
+
+def test_transformers_decoder_export_is_called_with_its_keywords():
+    """transformers' ExecuTorch recipe exports input_ids and cache_position as keywords: ferry's
+    module takes them as ep.module() does, step after step of one cache."""
+    pytest.importorskip("transformers")
+    from test_generate import export
+
+    ep = export("llama", 1, False)
+    module, reference = ferry.Module(ferry.compile(ep)), ep.module()
+    tokens = torch.randint(0, 64, (1, 4))
+    for i in range(4):
+        kw = {"input_ids": tokens[:, i:i + 1], "cache_position": torch.tensor([i])}
+        torch.testing.assert_close(module(**kw), reference(**kw))
+
+
+def test_on_the_emulated_device_with_results_kept_there(nested_ep, emu, tmp_path):
+    model, ep = nested_ep
+    keep = ferry.PropagateDeviceConfig(skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True)
+    module = saved(ep, tmp_path, partitioner=ferry.OpSupportPartitioner("emu:0"),
+                   config=ferry.CompileConfig(propagate_device=keep))
+    (x, ys), kw = example()
+    on = lambda t: ferry.runtime.clone_to(t, "emu:0")  # noqa: E731
+    got = module(on(x), [on(y) for y in ys], mask=on(kw["mask"]), bias={"b": on(kw["bias"]["b"])})
+    want = model(x, ys, **kw)
+    assert ferry.runtime.device_of(got["h"]) == ferry.Device.parse("emu:0")
+    torch.testing.assert_close(ferry.runtime.clone_to(got["h"], "cpu"), want["h"])
+    torch.testing.assert_close(ferry.runtime.clone_to(got["pair"].rest[0], "cpu"), want["pair"].rest[0])

@@ -1,0 +1,146 @@
+"""A method's signature in the program file (program/signature.py, aot/signature.py, the codec):
+read from torch.export's tree specs, written as plain JSON and read back equal, and every hostile
+edit of it refused with a ProgramError when the file is loaded, never a crash or a wrong result."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import ferry
+from edits import metadata_of, rebuild
+from ferry.errors import ProgramError
+from ferry.program.signature import MAX_TREE_DEPTH, Tree
+
+
+class Model(torch.nn.Module):
+    def forward(self, x, ys, limit: float, *, mask):
+        return {"out": (x + ys[0]).clamp(max=limit) * mask, "n": None}, [ys[1]]
+
+
+def export(limit=1.5):
+    x = torch.randn(3)
+    return torch.export.export(Model(), (x, [torch.randn(3), torch.randn(3)], limit), {"mask": torch.randn(3)})
+
+
+def signature_json(data: bytes):
+    meta = metadata_of(data)
+    return meta, meta["methods"][0]["signature"]
+
+
+def test_read_from_the_export_and_saved_equal(tmp_path):
+    program = ferry.compile(export(math.inf))
+    sig = program.method("forward").signature
+    assert sig.arg_names == ("x", "ys", "limit")
+    assert [t.kind for t in sig.args.items] == ["value", "list", "constant"]
+    assert sig.args.items[2].value == math.inf  # written as 'inf', read back a float
+    assert sig.kwargs.keys == ("mask",)
+    assert sig.outputs.kind == "tuple" and sig.outputs.items[0].keys == ("out", "n")
+    assert sig.inputs.count() == 4 and sig.inputs.count("constant") == 1 and sig.outputs.count() == 3
+    program.save(tmp_path / "m.ferry")
+    assert ferry.load_program(tmp_path / "m.ferry").method("forward").signature == sig
+
+
+def _hostile(tmp_path, edit):
+    program = ferry.compile(export())
+    program.save(tmp_path / "m.ferry")
+    data = (tmp_path / "m.ferry").read_bytes()
+    meta, sig = signature_json(data)
+    edit(sig)
+    (tmp_path / "bad.ferry").write_bytes(rebuild(data, meta))
+    return tmp_path / "bad.ferry"
+
+
+def _drop_a_leaf(sig):
+    sig["inputs"][3]["n"] -= 1  # the list `ys` loses its second tensor
+    del sig["inputs"][5]
+
+
+def _deep(sig):
+    depth = 10 * MAX_TREE_DEPTH
+    sig["outputs"] = [{"kind": "list", "n": 1}] * depth + [{"kind": "tuple", "n": 2}, {"kind": "dict", "n": 2, "keys":
+                     ["out", "n"]}, {"kind": "value"}, {"kind": "none"}, {"kind": "list", "n": 1}, {"kind": "value"}]
+
+
+HOSTILE = {
+    "a leaf fewer than the method's inputs": (_drop_a_leaf, "the method has 4"),
+    "an unknown kind": (lambda s: s["outputs"][-1].update(kind="code"), "expected one of"),
+    "more items declared than nodes": (lambda s: s["outputs"][0].update(n=9), "run out"),
+    "nodes after the tree": (lambda s: s["outputs"].append({"kind": "none"}), "more follow"),
+    "keys unlike the items": (lambda s: s["outputs"][1].update(keys=["out"]), "1 keys for 2 items"),
+    "repeated keys": (lambda s: s["outputs"][1].update(keys=["out", "out"]), "keys repeat"),
+    "a constant holding a list": (lambda s: s["inputs"][6].update(value=[1, 2]), "expected a number, string"),
+    "a value leaf with items": (lambda s: (s["outputs"][2].update(n=1), s["outputs"].insert(3, {"kind": "none"})),
+                                "has no items"),
+    "nested past the limit": (_deep, f"nested deeper than {MAX_TREE_DEPTH}"),
+    "a node with no type": (lambda s: s["outputs"][1].update(kind="node"), "names its type"),
+    "a node whose context is no JSON": (lambda s: s["outputs"][1].update(kind="node", type="collections.OrderedDict",
+                                                                          context="[" * 100000), "not valid JSON"),
+    "a named tuple's field no identifier": (lambda s: s["outputs"][1].update(kind="namedtuple", type="a.P",
+                                                                             keys=["out", "x; import os"]),
+                                            "identifiers"),
+    "the keywords not a dict": (lambda s: s["inputs"][-2].update(kind="list", keys=[]), "keywords' dict"),
+    "argument names for other arguments": (lambda s: s.update(arg_names=["x"]), "1 argument names for 3"),
+    "a result declared constant": (lambda s: s["outputs"][-1].update(kind="constant", value=1), "never a constant"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_signature_is_refused_at_load(tmp_path, case):
+    edit, says = HOSTILE[case]
+    path = _hostile(tmp_path, edit)
+    with pytest.raises(ProgramError) as e:
+        ferry.Module(path)
+    assert says in str(e.value)
+
+
+def test_the_file_keeps_no_signature_for_a_structure_that_is_no_data():
+    class Box:
+        def __init__(self, value):
+            self.value = value
+
+    pytree.register_pytree_node(Box, lambda b: ([b.value], {1, 2}), lambda v, c: Box(v[0]),
+                                serialized_type_name="test_signature.Box")
+
+    class Boxed(torch.nn.Module):
+        def forward(self, x):
+            return Box(x * 2)
+
+    try:
+        ep = torch.export.export(Boxed(), (torch.randn(2),))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            program = ferry.compile(ep)
+    finally:
+        pytree._deregister_pytree_node(Box)
+    assert program.method("forward").signature is None
+    assert any("is not JSON" in str(w.message) and "flat tensors" in str(w.message) for w in caught)
+    x = torch.randn(2)
+    torch.testing.assert_close(ferry.Module(program)(x), x * 2)  # flat, as before signatures
+
+
+def test_an_old_file_without_a_signature_runs_flat(tmp_path):
+    program = ferry.compile(export())
+    program.save(tmp_path / "m.ferry")
+    data = (tmp_path / "m.ferry").read_bytes()
+    meta = metadata_of(data)
+    del meta["methods"][0]["signature"]
+    (tmp_path / "old.ferry").write_bytes(rebuild(data, meta))
+    module = ferry.Module(tmp_path / "old.ferry")
+    x, y0, y1, mask = (torch.randn(3) for _ in range(4))
+    got = module(x, y0, y1, mask)
+    torch.testing.assert_close(got[0], (x + y0).clamp(max=1.5) * mask)
+    with pytest.raises(ferry.InputError, match="keeps no signature"):
+        module(x, [y0, y1], 1.5, mask=mask)
+
+
+def test_trees_count_their_leaves_in_order():
+    t = Tree("tuple", (Tree("value"), Tree("list", (Tree("constant", value=2), Tree("value"))), Tree("none")))
+    assert [leaf.kind for leaf in t.leaves()] == ["value", "constant", "value"]
+    assert t.count() == 2 and t.count("constant") == 1
+    assert copy.deepcopy(t) == t
