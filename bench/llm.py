@@ -310,7 +310,8 @@ def ferry_runner(built: dict, model, batch, cache, prompts, env: Env, graphs: bo
     else:  # the emulated device: its memory is host memory that ferry's allocator owns
         feed = lambda t: t if str(device_of(t)) == env.ferry_device else clone_to(t, env.ferry_device)
     prefill = None if why else (lambda ids, pos: module.run_method("prefill", [ids, pos])[0])
-    return Runner(step=lambda ids, pos: module(ids, pos), feed=feed, prefill=prefill, no_prefill=why, pick=sampling.greedy,
+    step = lambda ids, pos: module.run_method("forward", [ids, pos])[0]  # noqa: E731
+    return Runner(step=step, feed=feed, prefill=prefill, no_prefill=why, pick=sampling.greedy,
                   compile_s=compile_s, load_s=load_s,
                   notes=[str(w.message)[:200] for w in caught] + details(),  # + the kernel choices timed at load
                   close=module.close, file_bytes=built["file_bytes"][backend])

@@ -177,7 +177,7 @@ def test_a_type_this_process_lacks_comes_back_plain_with_one_warning(nested_ep, 
         module = ferry.Module(tmp_path / "m.ferry")
         module.load_method()
     said = [str(w.message) for w in caught if "nowhere.Output" in str(w.message)]
-    assert len(said) == 1 and "comes back as a dict" in said[0]
+    assert len(said) == 1 and "comes back as a dict" in said[0] and "`import nowhere`" in said[0]
     (x, ys), kw = example()
     got, want = module(x, ys, **kw), model(x, ys, **kw)
     assert got["h"] == {"h": got["h"]["h"]} and torch.equal(got["h"]["h"], module(x, ys, **kw)["h"]["h"])
@@ -228,3 +228,78 @@ def test_on_the_emulated_device_with_results_kept_there(nested_ep, emu, tmp_path
     assert ferry.runtime.device_of(got["h"]) == ferry.Device.parse("emu:0")
     torch.testing.assert_close(ferry.runtime.clone_to(got["h"], "cpu"), want["h"])
     torch.testing.assert_close(ferry.runtime.clone_to(got["pair"].rest[0], "cpu"), want["pair"].rest[0])
+
+
+class Keywords(torch.nn.Module):
+    def forward(self, x, a, b):
+        return x + 2 * a - b
+
+
+def test_keywords_exported_out_of_order_are_matched_by_name(tmp_path):
+    """Exported with b before a: by name each lands where it belongs; by position the tensors
+    are taken in the program's order, and the call says so once."""
+    x, a, b = rand(3), rand(3), rand(3)
+    module = saved(torch.export.export(Keywords(), (x,), {"b": b, "a": a}), tmp_path)
+    x, a, b = rand(3), rand(3), rand(3)
+    want = Keywords()(x, a, b)
+    torch.testing.assert_close(module(x, a=a, b=b), want)
+    torch.testing.assert_close(module(x=x, b=b, a=a), want)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(module(x, b, a), want)  # the program's order: x, b, a
+        module(x, b, a)
+    said = [str(w.message) for w in caught if "by position" in str(w.message)]
+    assert len(said) == 1 and "(b, a)" in said[0] and "Pass them by name" in said[0]
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, scale: float, x, y):
+        return x * scale + y
+
+
+def test_a_fixed_argument_first_keeps_the_dynamic_sizes_of_the_inputs_after_it(tmp_path):
+    n = torch.export.Dim("n", min=2, max=64)
+    ep = torch.export.export(Scaled(), (2.0, rand(4, 3), rand(4, 3)), dynamic_shapes=(None, {0: n}, {0: n}))
+    module = saved(ep, tmp_path)
+    for rows in (7, 3, 9):
+        x, y = rand(rows, 3), rand(rows, 3)
+        torch.testing.assert_close(module(2.0, x, y), Scaled()(2.0, x, y))
+    with pytest.raises(InputError, match="input 0 dim 0 is 7, input 1 dim 0 is 6"):
+        module(2.0, rand(7, 3), rand(6, 3))
+
+
+class Mode(torch.nn.Module):
+    def forward(self, x, mode: str):
+        return x.exp() if mode == "inf" else x
+
+
+def test_a_string_constant_stays_a_string_through_the_file(tmp_path):
+    x = rand(3)
+    module = saved(torch.export.export(Mode(), (x, "inf")), tmp_path)
+    torch.testing.assert_close(module(x, "inf"), x.exp())
+    with pytest.raises(InputError, match="fixed to 'inf'"):
+        module(x, float("inf"))
+
+
+@dataclasses.dataclass
+class Batch:
+    a: torch.Tensor | None
+    b: torch.Tensor | None
+    c: torch.Tensor | None
+
+
+def test_a_dataclass_argument_must_set_the_fields_it_set_at_export(tmp_path):
+    class Reads(torch.nn.Module):
+        def forward(self, x, batch):
+            return x + batch.a - batch.c
+
+    torch.utils._pytree.register_dataclass(Batch)
+    try:
+        t, x = rand(3), rand(3)
+        module = saved(torch.export.export(Reads(), (x, Batch(t, None, rand(3)))), tmp_path)
+        a, c = rand(3), rand(3)
+        torch.testing.assert_close(module(x, Batch(a, None, c)), x + a - c)
+        with pytest.raises(InputError, match="unlike the one at export"):
+            module(x, Batch(a, c, None))
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Batch)

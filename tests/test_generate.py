@@ -96,7 +96,7 @@ def follows_eager_step_by_step(module, eager, device: str, steps: int = 12) -> N
     with torch.no_grad():
         for i in range(steps):
             ids, pos = tokens[:, i:i + 1].contiguous(), torch.tensor([i], device=device)
-            got = module(ids, pos)
+            got = module(input_ids=ids, cache_position=pos)
             want = eager(input_ids=ids, cache_position=pos)
             assert got.shape == want.shape
             scale = want.float().abs().max().item()

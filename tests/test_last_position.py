@@ -50,7 +50,7 @@ def test_the_prefill_equals_eagers_last_row_at_every_length_and_its_head_runs_on
         ids, pos = token_ids((1, n), n), torch.arange(n)
         with torch.no_grad():
             want = eager(input_ids=ids, cache_position=pos)[:, -1:]
-        torch.testing.assert_close(module(ids, pos), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(module(input_ids=ids, cache_position=pos), want, rtol=1e-5, atol=1e-5)
     lowered = functional_aten(ep)
     keep_last_position(lowered, "forward")
     (head,) = [n for n in lowered.graph.output_node().args[0] if n.target is aten.linear.default]

@@ -15,7 +15,7 @@ SRC = pathlib.Path(ferry.__file__).parent
 # lower number = lower layer; a folder (or top-level module) may import only from lower layers
 LAYERS = {
     **dict.fromkeys(("device", "errors", "alignment", "layout", "op_names", "node_meta", "capture",
-                     "backend_registry", "progress"), 0),
+                     "backend_registry", "progress", "imported"), 0),
     "ops": 1, "program": 2, "choices": 3, "aot": 4, "runtime": 4, "seq2seq": 4, "backends": 5,
     **dict.fromkeys(("cli", "cli_generate", "cli_progress", "views", "inspect", "distributed", "examples", "__main__"), 6),
 }

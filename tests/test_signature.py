@@ -74,7 +74,6 @@ HOSTILE = {
     "nodes after the tree": (lambda s: s["outputs"].append({"kind": "none"}), "more follow"),
     "keys unlike the items": (lambda s: s["outputs"][1].update(keys=["out"]), "1 keys for 2 items"),
     "repeated keys": (lambda s: s["outputs"][1].update(keys=["out", "out"]), "keys repeat"),
-    "a constant holding a list": (lambda s: s["inputs"][6].update(value=[1, 2]), "expected a number, string"),
     "a value leaf with items": (lambda s: (s["outputs"][2].update(n=1), s["outputs"].insert(3, {"kind": "none"})),
                                 "has no items"),
     "nested past the limit": (_deep, f"nested deeper than {MAX_TREE_DEPTH}"),
@@ -86,7 +85,15 @@ HOSTILE = {
                                             "identifiers"),
     "the keywords not a dict": (lambda s: s["inputs"][-2].update(kind="list", keys=[]), "keywords' dict"),
     "argument names for other arguments": (lambda s: s.update(arg_names=["x"]), "1 argument names for 3"),
-    "a result declared constant": (lambda s: s["outputs"][-1].update(kind="constant", value=1), "never a constant"),
+    "a node's context unlike its type": (lambda s: s["outputs"][1].update(kind="node", type="collections.OrderedDict",
+                                                                         context="5"), "does not fit"),
+    "a node's keys unlike its context": (lambda s: s["outputs"][1].update(kind="node", type="collections.OrderedDict",
+                                                                           context='["n", "out"]'), "disagree"),
+    "a constant holding a list": (lambda s: s["inputs"][6].update(const={"type": "const", "kind": "ints",
+                                                                         "value": [1]}), "expected one of none"),
+    "a constant without its value": (lambda s: s["inputs"][6].pop("const"), "only a constant, holds"),
+    "a result declared constant": (lambda s: s["outputs"][-1].update(kind="constant", const={"type": "const",
+                                   "kind": "int", "value": 1}), "never a constant"),
 }
 
 

@@ -14,6 +14,7 @@ _INPUT = "ferry_input"
 _OUTPUTS = "ferry_outputs"
 
 USER_INPUT, PARAMETER, BUFFER, CONSTANT = "user_input", "parameter", "buffer", "constant"
+FIXED = "fixed"  # an argument torch.export fixed (a float, a flag): no input of the method, checked per call
 USER_OUTPUT, BUFFER_MUTATION, USER_INPUT_MUTATION = "user_output", "buffer_mutation", "user_input_mutation"
 
 
@@ -58,7 +59,7 @@ def set_device(node: torch.fx.Node, device: Device) -> None:
 
 @dataclass(frozen=True)
 class InputInfo:
-    kind: str  # user_input | parameter | buffer | constant
+    kind: str  # user_input | parameter | buffer | constant | fixed
     target: str = ""  # fully qualified name of the parameter/buffer/constant
     mutable: bool = False  # a buffer the program updates (this method, or another compiled with it)
 

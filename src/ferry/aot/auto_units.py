@@ -12,12 +12,12 @@ before them, as an explicit map places them with their producer.
 from __future__ import annotations
 
 import operator
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from ferry.aot.auto_cost import is_view, op_seconds, val_bytes
+from ferry.imported import imported_type
 from ferry.node_meta import module_path
 
 
@@ -117,11 +117,8 @@ def _declared_no_split(nodes) -> frozenset[str]:
     read from classes already imported: a class name recorded by export is never imported."""
     names: set[str] = set()
     for qualname in {q for _, q in _stack_types(nodes)}:
-        module, _, name = qualname.rpartition(".")
-        cls = sys.modules.get(module)
-        for part in name.split("."):
-            cls = getattr(cls, part, None)
-        declared = getattr(cls, "_no_split_modules", None) if isinstance(cls, type) else None
+        cls = imported_type(qualname)
+        declared = getattr(cls, "_no_split_modules", None) if cls is not None else None
         if isinstance(declared, (list, tuple, set, frozenset)):
             names.update(str(d) for d in declared)
     return frozenset(names)

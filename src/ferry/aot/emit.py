@@ -204,9 +204,9 @@ class _MethodEmitter:
             self.inputs.append(vid)
             self.env[node] = vid
             return
+        if info.kind == M.FIXED:
+            return  # an argument torch.export fixed (a float, a flag): the signature checks it per call
         if info.kind == M.USER_INPUT:
-            if (val is None or isinstance(val, (bool, int, float, str))) and not node.users:
-                return  # an argument torch.export fixed (a float, a flag): the signature checks it per call
             if not isinstance(val, torch.Tensor):
                 raise CompileError(f"method {self.name!r}: input {node.name!r} is not a tensor; ferry methods take tensors")
             vid = self.tensor_value(node, val, self.device_of(node))

@@ -14,7 +14,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import default_decompositions
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, is_concrete_int
 
 from ferry import node_meta as M
@@ -87,13 +87,14 @@ class LoweredProgram:
 
     def __call__(self, *inputs):
         """Run the graph eagerly (on the CPU while tensors are CPU); returns the user outputs."""
-        wanted = [n.name for n in self.placeholders() if n.name not in self.constants]
+        wanted = [n.name for n in self.user_inputs()]
         if len(inputs) != len(wanted):
             raise InputError(f"this program takes {len(wanted)} input(s) ({', '.join(wanted)}), got {len(inputs)}")
         user = iter(inputs)
         args = []
         for n in self.placeholders():
-            args.append(self.constants[n.name] if n.name in self.constants else next(user))
+            fixed = M.input_info(n).kind == M.FIXED  # (unread: torch.export folded its value in)
+            args.append(self.constants[n.name] if n.name in self.constants else None if fixed else next(user))
         outs = self.graph_module(*args)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         infos = M.output_infos(self.graph_module.graph.output_node())
@@ -362,6 +363,9 @@ def _annotate(ep: torch.export.ExportedProgram, shared_state=frozenset()) -> dic
         if kind is None:
             raise CompileError(f"input {spec.arg.name!r} is a {spec.kind.name}, which ferry does not support yet")
         node = by_name[spec.arg.name]
+        if kind == M.USER_INPUT and isinstance(spec.arg, ConstantArgument):
+            M.set_input_info(node, M.InputInfo(M.FIXED))  # (torch.export left it unread)
+            continue
         state = spec.target in mutated or (kind == M.BUFFER and spec.target in shared_state)
         M.set_input_info(node, M.InputInfo(kind, spec.target or "", state))
         if kind != M.USER_INPUT:

@@ -5,7 +5,6 @@ return its dicts, tuples and ModelOutputs, as `ep.module()` does."""
 from __future__ import annotations
 
 import json
-import math
 import warnings
 
 import torch
@@ -59,7 +58,7 @@ def _input_leaf(arg) -> Tree:
     if not isinstance(arg, ConstantArgument):
         return Tree("value")
     v = arg.value
-    if v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and not math.isnan(v)):
+    if v is None or type(v) in (bool, float, str) or (type(v) is int and -(1 << 63) <= v < (1 << 63)):
         return Tree("constant", value=v)
     raise _Unstorable(f"argument {arg.name!r} was fixed at export to {type(v).__name__} {v!r}, which the file "
                       "cannot hold")

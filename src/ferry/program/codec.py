@@ -52,7 +52,7 @@ from ferry.program.schema import (
     QuantizedWeight,
     TensorValue,
 )
-from ferry.program.signature import MAX_TREE_NODES, TREE_KINDS, Signature, Tree, check_tree
+from ferry.program.signature import MAX_TREE_DEPTH, MAX_TREE_NODES, TREE_KINDS, Signature, Tree, check_tree
 
 _SPECIAL_FLOATS = MappingProxyType({"inf": math.inf, "-inf": -math.inf, "nan": math.nan})
 
@@ -157,9 +157,11 @@ class _TaggedValue(Tagged):
 
 class TreeField(Field):
     """A call's argument or result tree (program/signature.py), written flat: its nodes in
-    preorder, each with its count of items, so a deep tree never nests the file's JSON."""
+    preorder, each with its count of items, so a deep tree never nests the file's JSON. A
+    constant's value is a constant record (ConstField), which keeps 'inf' the string apart from
+    inf the float."""
 
-    keys = ("kind", "n", "keys", "type", "context", "value")
+    keys = ("kind", "n", "keys", "type", "context", "const")
 
     def encode(self, t: Tree):
         out, stack = [], [t]
@@ -173,7 +175,7 @@ class TreeField(Field):
             if node.type:
                 rec["type"], rec["context"] = node.type, node.context
             if node.kind == "constant":
-                rec["value"] = _enc_float(node.value) if isinstance(node.value, float) else node.value
+                rec["const"] = CONST.encode(ConstValue(_SCALAR_KINDS[type(node.value)], node.value))
             out.append(rec)
             stack.extend(reversed(node.items))
         return out
@@ -190,18 +192,21 @@ class TreeField(Field):
         return tree
 
     def _node(self, e, path):
-        o = check_keys(e, path, self.keys, optional=("n", "keys", "type", "context", "value"))
+        o = check_keys(e, path, self.keys, optional=("n", "keys", "type", "context", "const"))
         kind = OneOf(TREE_KINDS).decode(o["kind"], f"{path}.kind")
         n = Int(0, MAX_TREE_NODES).decode(o.get("n", 0), f"{path}.n")
         keys = tuple(Seq(ANY).decode(o.get("keys", []), f"{path}.keys"))
         for j, k in enumerate(keys):
             if not (isinstance(k, str) or is_int(k)):
                 raise bad(f"{path}.keys[{j}]", f"expected a string or integer key, got {jtype(k)}")
-        value = o.get("value")
-        if isinstance(value, (list, dict)):
-            raise bad(f"{path}.value", f"expected a number, string, boolean or null, got {jtype(value)}")
-        if isinstance(value, str) and kind == "constant" and value in _SPECIAL_FLOATS:
-            value = _SPECIAL_FLOATS[value]
+        if (kind == "constant") != ("const" in o):
+            raise bad(path, "a constant, and only a constant, holds a 'const'")
+        value = None
+        if "const" in o:
+            c = CONST.decode(o["const"], f"{path}.const")
+            if c.kind not in _SCALAR_KINDS.values():
+                raise bad(f"{path}.const.kind", f"expected one of {', '.join(_SCALAR_KINDS.values())}, got {c.kind!r}")
+            value = c.value
         return kind, n, keys, Str().decode(o.get("type", ""), f"{path}.type"), \
             Str().decode(o.get("context", ""), f"{path}.context"), value
 
@@ -209,19 +214,28 @@ class TreeField(Field):
         if not isinstance(x, Tree):
             raise ProgramError(f"{what} must be a Tree, got {type(x).__name__}")
         check_tree(x, what)
+        for leaf in x.leaves():
+            if leaf.kind == "constant" and type(leaf.value) not in _SCALAR_KINDS:
+                raise ProgramError(f"{what}: a constant is None, a bool, an int, a float or a string, "
+                                   f"got {type(leaf.value).__name__}")
+            if leaf.kind == "constant":
+                CONST.check(ConstValue(_SCALAR_KINDS[type(leaf.value)], leaf.value), f"{what} constant")
+
+
+_SCALAR_KINDS = MappingProxyType({type(None): "none", bool: "bool", int: "int", float: "float", str: "str"})
 
 
 def _tree_from_preorder(parsed: list, path: str) -> tuple[Tree, int]:
     """The tree whose preorder nodes are `parsed` ((kind, n, keys, type, context, value) each),
     and how many nodes it took; iterative, so no file can nest it past the stack."""
-    if not parsed:
-        raise bad(path, "an empty tree")
     # a frame: [node fields, items so far]; a node is finished when its items are all built
     stack: list = []
     pos = 0
     while True:
         if pos >= len(parsed):
             raise bad(path, f"the tree's nodes run out: {len(parsed)} nodes, more items declared")
+        if len(stack) > MAX_TREE_DEPTH:
+            raise bad(path, f"the tree is nested deeper than {MAX_TREE_DEPTH}")
         fields = parsed[pos]
         pos += 1
         stack.append([fields, []])

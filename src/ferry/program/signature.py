@@ -18,7 +18,7 @@ from ferry.errors import ProgramError
 TREE_KINDS = ("value", "constant", "none", "tuple", "list", "dict", "namedtuple", "node")
 CONTAINERS = ("tuple", "list", "dict", "namedtuple", "node")
 MAX_TREE_DEPTH = 64  # nesting a file may declare (a hostile file could nest past the stack)
-MAX_TREE_NODES = 1 << 20
+MAX_TREE_NODES = 1 << 16  # (a model's signature has hundreds)
 
 Scalar = None | bool | int | float | str
 Key = str | int
@@ -107,7 +107,9 @@ def _check_node(t: Tree, where: str) -> None:
     if t.kind not in ("namedtuple", "node") and (t.type or t.context):
         raise ProgramError(f"{where}: only a named tuple or node names a type")
     if t.kind == "node":
-        node_context(t, where)
+        context = node_context(t, where)
+        if t.keys and isinstance(context, list) and context != list(t.keys):
+            raise ProgramError(f"{where}: keys {list(t.keys)} disagree with the context {context}")
 
 
 def node_context(t: Tree, where: str):

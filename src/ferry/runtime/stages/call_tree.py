@@ -9,15 +9,18 @@ as the nearest plain container, with one warning that says what to import."""
 from __future__ import annotations
 
 import collections
+import functools
+import json
+import keyword
 import math
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.utils._pytree as pytree
 
-from ferry.errors import InputError
+from ferry.errors import InputError, ProgramError
+from ferry.imported import imported_type
 from ferry.program.signature import Signature, Tree, call_text, node_context
 
 __all__ = ["CallTree", "forward_result"]
@@ -40,13 +43,30 @@ class CallTree:
                                           and not signature.kwargs.items)
         self._build: Callable[[list], object] = forward_result
         if signature is not None:
-            self._build = _builder(signature.outputs, method)
+            try:
+                self._build = _builder(signature.outputs, method)
+            except (TypeError, ValueError) as e:  # a result type refusing the file's names
+                if isinstance(e, ProgramError):
+                    raise
+                raise ProgramError(f"method {method!r}: the file's result structure cannot be built: {e}") from None
+        # a flat call's tensors are taken in the program's order, which for keywords is the order
+        # they were given at export, not necessarily forward's: said once where two or more
+        self._order_unsure = signature is not None and signature.kwargs.count() >= 2
+
+    def _flat(self, args: tuple) -> list:
+        if self._order_unsure:
+            self._order_unsure = False
+            names = ", ".join(map(str, self.signature.kwargs.keys))  # type: ignore[union-attr]
+            warnings.warn(f"method {self.method!r} was called with its {self.count} tensors by position; those "
+                          f"exported as keywords are taken in the order they were given at export ({names}), "
+                          "which need not be forward's own order. Pass them by name to be sure.", stacklevel=4)
+        return list(args)
 
     def inputs(self, args: tuple, kwargs: dict) -> list:
         """The method's flat inputs for a call of the model's signature. A call of the flat inputs
         themselves (every tensor in order, no keywords) is taken too, as earlier files took it."""
-        if self.flat and not kwargs:
-            return list(args)
+        if not kwargs and (self.flat or self._flat_call(args)):
+            return self._flat(args)
         sig = self.signature
         if sig is None:
             raise InputError(f"method {self.method!r} takes its {self.count} inputs by position, flat (got keywords "
@@ -64,9 +84,15 @@ class CallTree:
             _match(sig.kwargs, kwargs, "keyword arguments", out)
         except _Mismatch as e:
             if not kwargs and len(args) == self.count and all(isinstance(a, torch.Tensor) for a in args):
-                return list(args)
+                return self._flat(args)
             raise InputError(f"method {self.method!r} was exported as {self.describe()}: {e}") from None
         return out
+
+    def _flat_call(self, args: tuple) -> bool:
+        """A call of the flat tensors where the signature takes another count of arguments (a
+        decode step called as `module(ids, pos)` for keywords input_ids and cache_position)."""
+        return (len(args) == self.count != len(self.signature.args.items)  # type: ignore[union-attr]
+                and all(isinstance(a, torch.Tensor) for a in args))
 
     def result(self, outs: list):
         return self._build(outs)
@@ -135,7 +161,11 @@ def _match(tree: Tree, given, path: str, out: list) -> None:
 def _children(tree: Tree, given, path: str) -> list:
     """The items of a tuple, list, named tuple or registered node a call passed where `tree` is."""
     if tree.kind == "node" and type(given) in pytree.SUPPORTED_NODES and not isinstance(given, (tuple, list)):
-        items = list(pytree.SUPPORTED_NODES[type(given)].flatten_fn(given)[0])
+        items, context = pytree.SUPPORTED_NODES[type(given)].flatten_fn(given)
+        if not _same_context(context, tree):
+            raise _Mismatch(f"{path} is a {type(given).__name__} unlike the one at export (its context "
+                            f"{_as_json(context)} is not {tree.context})")
+        items = list(items)
     elif isinstance(given, (tuple, list)):
         items = list(given)
     else:
@@ -143,6 +173,24 @@ def _children(tree: Tree, given, path: str) -> list:
     if len(items) != len(tree.items):
         raise _Mismatch(f"{path} takes {len(tree.items)} items, got {len(items)}")
     return items
+
+
+def _as_json(context) -> str | None:
+    try:
+        return json.dumps(context, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(text: str):
+    return json.loads(text)
+
+
+def _same_context(context, tree: Tree) -> bool:
+    """A node's pytree context as a call gave it is the one at export (the fields set, in order)."""
+    text = _as_json(context)
+    return text is not None and json.loads(text) == _parsed(tree.context)
 
 
 def _same_constant(given, value) -> bool:
@@ -205,42 +253,45 @@ def _node_maker(tree: Tree, parts: list, method: str) -> Callable:
     node = pytree.SUPPORTED_NODES.get(typ) if typ is not None else None
     if node is not None:
         context = node_context(tree, f"method {method!r}'s result")
+        _check_fits(node, context, tree, method)
         unflatten = node.unflatten_fn
         return lambda it: unflatten([p(it) for p in parts], context)
     plain = "a dict" if tree.keys else "a tuple"
+    module = tree.type.rpartition(".")[0] or tree.type
     warnings.warn(f"method {method!r} returns a {tree.type}, a type this process has not registered with pytree; "
-                  f"it comes back as {plain}. Import the library that defines it (e.g. transformers) before "
-                  "loading the program to get the type itself", stacklevel=4)
+                  f"it comes back as {plain}. `import {module}` before loading the program to get the type "
+                  "itself", stacklevel=4)
     if tree.keys:
         keys = tree.keys
         return lambda it: dict(zip(keys, [p(it) for p in parts]))
     return lambda it: tuple(p(it) for p in parts)
 
 
+def _check_fits(node, context, tree: Tree, method: str) -> None:
+    """The file's context fits the type: built from it and flattened again, the type gives back
+    as many items and the same context (else every call would fail, or put results under other
+    keys)."""
+    try:
+        items, again = node.flatten_fn(node.unflatten_fn([torch.empty(0)] * len(tree.items), context))
+        fits = len(list(items)) == len(tree.items) and _same_context(again, tree)
+    except Exception:  # noqa: BLE001 - whatever the type's own code raises on a context unlike its own
+        fits = False
+    if not fits:
+        raise ProgramError(f"method {method!r}: the file's context {tree.context[:80]} does not fit its result type "
+                           f"{tree.type}")
+
+
 def _named_tuple(tree: Tree) -> type:
     """The process's own named tuple of that name and fields, else a fresh one like it."""
     typ = _find_type(tree.type)
-    if isinstance(typ, type) and pytree.is_namedtuple_class(typ) and tuple(typ._fields) == tree.keys:
+    if isinstance(typ, type) and pytree.is_namedtuple_class(typ) and tuple(getattr(typ, "_fields", ())) == tree.keys:
         return typ
     short = tree.type.rsplit(".", 1)[-1]
-    return collections.namedtuple(short if short.isidentifier() else "Result", tree.keys)  # type: ignore[misc]
+    name = short if short.isidentifier() and not keyword.iskeyword(short) else "Result"
+    return collections.namedtuple(name, [str(k) for k in tree.keys], rename=True)  # type: ignore[misc]
 
 
 def _find_type(name: str) -> type | None:
-    """A type by name from pytree's registry or a module already imported, never importing one
-    and never calling a module's __getattr__."""
+    """A type by name from pytree's registry or a module already imported, never importing one."""
     typ = pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE.get(name)
-    if isinstance(typ, type):
-        return typ
-    parts = name.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        module = sys.modules.get(".".join(parts[:cut]))
-        if module is None:
-            continue
-        obj: object = module
-        for attr in parts[cut:]:
-            obj = vars(obj).get(attr) if hasattr(obj, "__dict__") else None
-            if obj is None:
-                break
-        return obj if isinstance(obj, type) else None
-    return None
+    return typ if isinstance(typ, type) else imported_type(name)

@@ -279,7 +279,9 @@ class Module:
             self._free.put(inst)
         self._load_lock = threading.Lock()
         self._loaded: set[str] = set()  # methods loaded in every set of memory (a call's one check)
-        self._trees: dict[str, CallTree] = {}
+        # how each method takes its arguments and builds its result: a result type the file names
+        # that this process lacks, or a structure that cannot be built, is told here
+        self._trees = {name: CallTree(m.signature, name, len(m.inputs)) for name, m in program.methods.items()}
 
     @property
     def _methods(self) -> dict[str, LoadedMethod]:
@@ -310,7 +312,6 @@ class Module:
                 for inst in taken:
                     loaded = inst.load(name)
                 self._loaded.add(name)
-                self.call_tree(name)  # (a result type this process lacks is told at load)
                 for note in loaded.notes:
                     warnings.warn(f"method {name!r}: {note}", RuntimeWarning, stacklevel=2)
             finally:
@@ -468,11 +469,11 @@ class Module:
 
     def call_tree(self, name: str = "forward") -> CallTree:
         """How `call` takes `name`'s arguments and builds its result (its signature as exported)."""
-        tree = self._trees.get(name)
-        if tree is None:
-            method = self.program.method(name)
-            tree = self._trees[name] = CallTree(method.signature, name, len(method.inputs))
-        return tree
+        try:
+            return self._trees[name]
+        except KeyError:
+            self.program.method(name)  # an UnknownMethodError naming the methods
+            raise
 
     def call(self, method: str, /, *args, **kwargs):
         """Run `method` as the exported model is called: positional and keyword arguments (nested
