@@ -303,3 +303,27 @@ def test_a_dataclass_argument_must_set_the_fields_it_set_at_export(tmp_path):
             module(x, Batch(a, c, None))
     finally:
         torch.utils._pytree._deregister_pytree_node(Batch)
+
+
+def test_a_transformers_causal_lm_takes_its_mask_by_name_and_returns_its_output_class(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    mask = torch.ones(2, 5, dtype=torch.long)
+    module = saved(torch.export.export(model, (torch.randint(0, 64, (2, 5)),), {"attention_mask": mask}), tmp_path)
+    ids = torch.randint(0, 64, (2, 5))
+    mask[1, :2] = 0  # left padding in the second row
+    got, want = module(ids, attention_mask=mask), model(ids, attention_mask=mask)
+    assert type(got) is type(want)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_inspect_shows_how_a_method_is_called(nested_ep):
+    from ferry.views.text import program_json, program_summary
+
+    program = ferry.compile(nested_ep[1])
+    said = "forward(x, ys: [T, T], *, mask, bias: {'b': T}) -> {'h': T, 'pair': Pair(T, (T,)), 'none': T}"
+    assert f"called as {said}" in program_summary(program)
+    assert program_json(program)["methods"]["forward"]["called_as"] == said
