@@ -460,3 +460,22 @@ def test_compile_keeps_the_last_position_when_asked(tmp_path):
     got = ferry.Module(path)(x)
     assert got.shape == (2, 1, 64)
     torch.testing.assert_close(got, model(x)[:, -1:], rtol=1e-4, atol=1e-5)
+
+
+def test_a_factory_may_give_keyword_inputs_and_run_feeds_them(tmp_path, monkeypatch, emu):
+    (tmp_path / "keyword_factory.py").write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x, *, mask):\n"
+        "        return {'y': x * mask}\n"
+        "def build():\n"
+        "    return M(), (torch.randn(2, 3),), {'mask': torch.randn(2, 3)}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc, out, err = call(["compile", "keyword_factory:build", "-o", tmp_path / "k.ferry", "--device", "emu:0"])
+    assert rc == 0, err
+    rc, out, err = call(["inspect", tmp_path / "k.ferry"])
+    assert rc == 0 and "called as forward(x, *, mask) -> {'y': T}" in out, err
+    x, mask = torch.randn(2, 3), torch.randn(2, 3)
+    torch.testing.assert_close(ferry.Module(tmp_path / "k.ferry")(x, mask=mask)["y"], x * mask)
+    rc, out, err = call(["run", tmp_path / "k.ferry", "--repeat", "2"])
+    assert rc == 0, err

@@ -135,9 +135,11 @@ def _load_spec(spec: str, factory=None):
         raise
     except Exception as e:  # the user's factory failed: say so, in one line
         raise UserError(f"{spec} raised {type(e).__name__}: {_one_line(e)}") from None
-    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], (tuple, list))):
-        raise UserError(f"{spec} must return (model, example_inputs) with example_inputs a tuple of tensors")
-    return got
+    if not (isinstance(got, tuple) and len(got) in (2, 3) and isinstance(got[1], (tuple, list))
+            and (len(got) == 2 or isinstance(got[2], dict))):
+        raise UserError(f"{spec} must return (model, example_args) or (model, example_args, example_kwargs), "
+                        "with example_args a tuple and example_kwargs a dict")
+    return got[0], tuple(got[1]), (got[2] if len(got) == 3 else {})
 
 
 def cmd_compile(args) -> int:
@@ -151,10 +153,10 @@ def cmd_compile(args) -> int:
     _check_output_path(args.output)
     factory = _resolve_spec(args.spec)
     with _stage(f"load {args.spec}"):
-        model, inputs = _load_spec(args.spec, factory)
+        model, inputs, keywords = _load_spec(args.spec, factory)
     with _stage("torch.export"):
         try:
-            ep = torch.export.export(model, tuple(inputs))
+            ep = torch.export.export(model, inputs, keywords)
         except Exception as e:  # torch.export refused the model: its first line says why
             raise UserError(f"torch.export of {args.spec} failed: {type(e).__name__}: {_one_line(e)}") from None
     config = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(args.skip_h2d, args.skip_d2h),
@@ -424,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="export a model and compile it to a .ferry file")
-    c.add_argument("spec", help="package.module:function returning (model, example_inputs)")
+    c.add_argument("spec", help="package.module:function returning (model, example_args[, example_kwargs])")
     c.add_argument("-o", "--output", required=True, help="program file to write")
     c.add_argument("--device", default=None, help="device of the delegated partition (default cuda:0; emu:0, ...)")
     c.add_argument("--device-map", metavar="JSON", help="module path -> device, as accelerate writes it: "
