@@ -19,8 +19,8 @@ import torch
 from ferry.errors import ConfigError, InputError
 from ferry.program.schema import TensorMeta, TensorValue
 
-__all__ = ["Signature", "cache_capacity", "check_fits", "check_prefill", "integer_dtype", "plan_methods",
-           "read_signature"]
+__all__ = ["TokenStep", "cache_capacity", "check_fits", "check_prefill", "integer_dtype", "plan_methods",
+           "read_token_step"]
 
 _HINT = ("ferry.generate calls a method with (input_ids [batch, seq] integers, cache_position [seq] integers) and "
          "reads logits [batch, seq, vocab] from its first output; export the model with transformers' "
@@ -32,7 +32,7 @@ _KEY_CACHE = re.compile(r"(?:^|[._])(?:key|k)_cache(?:$|[._0-9])")
 
 
 @dataclass(frozen=True)
-class Signature:
+class TokenStep:
     """How one method takes tokens. `width`: tokens per call when fixed, None when dynamic (up to
     `bound`). `start_only`: the position input is the first position ([1]), not one per token."""
 
@@ -67,8 +67,8 @@ def integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def read_signature(module, name: str) -> Signature:
-    """The Signature of `name`, or a ConfigError saying what the method takes instead."""
+def read_token_step(module, name: str) -> TokenStep:
+    """How `name` takes tokens, or a ConfigError saying what the method takes instead."""
     meta = module.method_meta(name)
     ins = [meta.input_meta(i) for i in range(meta.num_inputs())]
     out = meta.output_meta(0) if meta.num_outputs() else None
@@ -86,22 +86,22 @@ def read_signature(module, name: str) -> Signature:
     if not (per_token or start_only):
         raise ConfigError(f"method {name!r}: cache_position must have one entry per token of input_ids (or be the "
                           f"start position, [1]): {got}. {_HINT}")
-    return Signature(name, ids_at, ids, pos, out, None if dynamic else n, n, start_only)
+    return TokenStep(name, ids_at, ids, pos, out, None if dynamic else n, n, start_only)
 
 
-def plan_methods(module, method: str | None, prefill: str, decode: str) -> tuple[Signature, Signature]:
+def plan_methods(module, method: str | None, prefill: str, decode: str) -> tuple[TokenStep, TokenStep]:
     """(the method taking the prompt, the method taking one token per decode step)."""
     names = list(module.method_names())
     if method is not None:
         if method not in names:
             raise ConfigError(f"the program has no method {method!r}; its methods: {', '.join(names)}")
-        first = step = read_signature(module, method)
+        first = step = read_token_step(module, method)
     elif prefill in names and decode in names:
-        first, step = read_signature(module, prefill), read_signature(module, decode)
+        first, step = read_token_step(module, prefill), read_token_step(module, decode)
     elif "forward" in names:
-        first = step = read_signature(module, "forward")
+        first = step = read_token_step(module, "forward")
     elif decode in names:  # an encoder–decoder's decoder (its encode method runs first)
-        first = step = read_signature(module, decode)
+        first = step = read_token_step(module, decode)
     else:
         raise ConfigError(f"the program's methods are {', '.join(names)}: ferry.generate runs 'forward', or "
                           f"{prefill!r} and {decode!r}, or {decode!r} alone; name them with method= or "
@@ -113,7 +113,7 @@ def plan_methods(module, method: str | None, prefill: str, decode: str) -> tuple
     return first, step
 
 
-def _check_agree(first: Signature, step: Signature) -> None:
+def _check_agree(first: TokenStep, step: TokenStep) -> None:
     """Prefill and decode hand tokens to each other: one batch, one vocabulary."""
     if first is step:
         return
@@ -157,7 +157,7 @@ def check_fits(prompt_len: int, max_new_tokens: int, capacity: tuple[int, str] |
                      f"{fix}, or export the model with a larger max_cache_len")
 
 
-def check_prefill(first: Signature, prompt_len: int) -> None:
+def check_prefill(first: TokenStep, prompt_len: int) -> None:
     """A method of fixed width > 1 takes the prompt in whole calls only."""
     if first.width not in (None, 1) and prompt_len % first.width:
         raise InputError(f"method {first.name!r} takes exactly {first.width} tokens per call and the prompt has "

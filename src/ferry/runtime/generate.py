@@ -38,7 +38,7 @@ from ferry.device import CPU, Device
 from ferry.errors import ConfigError, InputError
 from ferry.program.states import program_states
 from ferry.progress import Progress, checked, tell
-from ferry.runtime.decoder import Signature, cache_capacity, check_fits, check_prefill, integer_dtype, plan_methods
+from ferry.runtime.decoder import TokenStep, cache_capacity, check_fits, check_prefill, integer_dtype, plan_methods
 from ferry.runtime.devices.tensor import clone_to, device_of
 from ferry.runtime.sampling import Sampling, make_generator
 
@@ -125,7 +125,7 @@ class _Loop:
     """One generation's state on the logits' device: the new tokens, which rows have stopped, and
     each stopped row's pad."""
 
-    def __init__(self, module, first: Signature, step: Signature, sampling: Sampling, rng, stops: tuple[int, ...],
+    def __init__(self, module, first: TokenStep, step: TokenStep, sampling: Sampling, rng, stops: tuple[int, ...],
                  on_token, check_every: int, progress: Progress | None = None):
         self.module, self.first, self.step, self.sampling, self.rng = module, first, step, sampling, rng
         self.progress = progress
@@ -203,7 +203,7 @@ class _Slots:
     """A fixed-width method's inputs, kept on their devices across calls: the next ids are copied
     in there and the position advances in place, so a call sends nothing from the host."""
 
-    def __init__(self, sig: Signature, rows: int, start: int):
+    def __init__(self, sig: TokenStep, rows: int, start: int):
         self.sig, self.width = sig, sig.width or 1
         self.ids = _place(torch.zeros(rows, self.width, dtype=sig.ids.dtype), sig.ids.device)
         self.pos = _place(sig.positions(start, self.width), sig.pos.device)
@@ -278,7 +278,7 @@ def _check_count(value, what: str) -> None:
         raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
 
 
-def _prompt(input_ids, sig: Signature) -> torch.Tensor:
+def _prompt(input_ids, sig: TokenStep) -> torch.Tensor:
     """The prompt as a [batch, prompt] int64 host tensor, checked against the method's batch and
     vocabulary (an id past it would index outside the embedding, on a GPU a device-side assert)."""
     try:
