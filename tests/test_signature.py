@@ -151,3 +151,23 @@ def test_trees_count_their_leaves_in_order():
     assert [leaf.kind for leaf in t.leaves()] == ["value", "constant", "value"]
     assert t.count() == 2 and t.count("constant") == 1
     assert copy.deepcopy(t) == t
+
+
+class Difference(torch.nn.Module):
+    def forward(self, x, *, y):
+        return x - y
+
+
+def test_one_tensor_given_for_two_inputs_at_export_is_said():
+    """torch.export traces one tensor object given for x and y as one input: the program computes
+    y - y for every call. ferry cannot undo it, so compile says so and how to avoid it."""
+    x = torch.randn(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merged = ferry.compile(torch.export.export(Difference(), (x,), {"y": x}))
+        apart = ferry.compile(torch.export.export(Difference(), (x,), {"y": x.clone()}))
+    said = [str(w.message) for w in caught if "were one tensor at export" in str(w.message)]
+    assert len(said) == 1 and "inputs 'x' and 'y'" in said[0]
+    a, b = torch.randn(4), torch.randn(4)
+    assert torch.equal(ferry.Module(merged)(a, y=b), torch.zeros(4))  # what torch.export made of it
+    torch.testing.assert_close(ferry.Module(apart)(a, y=b), a - b)

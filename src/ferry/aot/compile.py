@@ -18,7 +18,7 @@ from ferry.aot.fallbacks import kernel_fallbacks
 from ferry.aot.lifted_state import refuse_stale_views
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
-from ferry.aot.signature import signature_of
+from ferry.aot.signature import signature_of, warn_merged_inputs
 from ferry.aot.storage_reads import equal_sizes, storage_inputs
 from ferry.aot.subclass_weights import quantized_weights
 from ferry.aot.values import ProgramBuilder
@@ -132,6 +132,7 @@ def _compile(eps, partitioner, options, budgets, done: Callable[[int, int], obje
         method.kernel_choices.update(fallbacks)
         method.quantized_weights = quantized_weights(eps[name], placed.weights)
         method.signature = signature_of(eps[name], name)
+        warn_merged_inputs(eps[name], name)
         method.storage_inputs = storage_inputs(placed.graph_module)
         method.equal_sizes = equal_sizes(placed.graph_module)
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}

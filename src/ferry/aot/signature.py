@@ -13,7 +13,7 @@ from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
 from ferry.program.signature import MAX_TREE_DEPTH, Key, Signature, Tree
 
-__all__ = ["signature_of"]
+__all__ = ["signature_of", "warn_merged_inputs"]
 
 
 class _Unstorable(Exception):
@@ -44,6 +44,24 @@ def signature_of(ep: torch.export.ExportedProgram, name: str) -> Signature | Non
     if inputs.kind != "tuple" or [t.kind for t in inputs.items] != ["tuple", "dict"]:
         return None
     return Signature(inputs, outputs, _arg_names(ep, len(inputs.items[0].items)))
+
+
+def warn_merged_inputs(ep: torch.export.ExportedProgram, name: str) -> None:
+    """Say so when export was given one tensor object for two inputs: torch.export traces them as
+    one, so the program (and `ep.module()`) reads one of them for both, whatever a call passes,
+    where eager reads each. Nothing downstream can undo it; exporting with distinct tensors can."""
+    example = getattr(ep, "example_inputs", None)
+    ins = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    leaves = pytree.tree_leaves(example) if example else []
+    if len(leaves) != len(ins):
+        return
+    first: dict[int, str] = {}
+    for leaf, arg in zip(leaves, ins):
+        if isinstance(leaf, torch.Tensor) and first.setdefault(id(leaf), arg) != arg:
+            warnings.warn(f"method {name!r}: inputs {first[id(leaf)]!r} and {arg!r} were one tensor at export, and "
+                          "torch.export traced them as one: the program reads the same values for both, whatever a "
+                          "call passes (eager reads each). Export with distinct tensors (e.g. a clone) to keep them "
+                          "apart", stacklevel=3)
 
 
 def _arg_names(ep, count: int) -> tuple[str, ...]:
