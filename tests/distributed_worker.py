@@ -1,6 +1,7 @@
 """One rank of a two-process ferry.distributed job, for tests/test_distributed.py.
 
-argv: program path, inputs path (a list of input tensors, one per call), result path, and a
+argv: program path, inputs path (per call, a tuple of input tensors or {"args": tuple, "kwargs":
+dict}), result path, and a
 JSON object of options. Rank 0 saves the outputs (or the error it got); other ranks serve.
 """
 
@@ -47,8 +48,9 @@ def main() -> int:
                 for x in torch.load(inputs):
                     start = time.monotonic()
                     try:
-                        outs.append(module(*x))
-                        after.append([t.clone() for t in x])  # what the call left in its inputs
+                        args, kwargs = (x["args"], x["kwargs"]) if isinstance(x, dict) else (x, {})
+                        outs.append(module(*args, **kwargs))
+                        after.append([t.clone() for t in args])  # what the call left in its inputs
                     except ferry.FerryError as e:
                         report.update(error=type(e).__name__, message=str(e), seconds=time.monotonic() - start)
                         print(f"rank 0: {type(e).__name__} after {time.monotonic() - start:.1f} s", flush=True)

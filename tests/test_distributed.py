@@ -205,6 +205,26 @@ def test_micro_batches_pipeline_across_ranks(tmp_path, emu):
         torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
 
 
+class Keyed(Stages):
+    def forward(self, x, *, shift):
+        y = super().forward(x)
+        return {"y": y + shift, "parts": (y, shift.sum())}
+
+
+def test_rank_0_takes_keywords_and_returns_the_models_structure(tmp_path, emu):
+    ep = torch.export.export(Keyed().eval(), (torch.randn(4, 16),), {"shift": torch.randn(4, 8)})
+    program = ferry.compile(ep, ferry.DeviceMapPartitioner({"a": "emu:0", "b": "rank1:emu:0"}))
+    calls = [{"args": (x,), "kwargs": {"shift": torch.randn(4, 8)}} for (x,) in _calls(2, seed=3)]
+    zero, one = run_ranks(tmp_path, program, calls)
+    assert "error" not in zero and "error" not in one, (zero, one)
+    model = Keyed().eval()
+    for call, got in zip(calls, zero["outputs"]):
+        want = model(*call["args"], **call["kwargs"])
+        assert isinstance(got, dict) and isinstance(got["parts"], tuple)
+        torch.testing.assert_close(got["y"], want["y"], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got["parts"][1], want["parts"][1], atol=1e-4, rtol=1e-4)
+
+
 class WritesItsInput(Stages):
     """Rank 1 computes the input's new value; rank 0 writes it into the caller's tensor."""
 
