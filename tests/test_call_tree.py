@@ -264,7 +264,7 @@ def test_a_fixed_argument_first_keeps_the_dynamic_sizes_of_the_inputs_after_it(t
     for rows in (7, 3, 9):
         x, y = rand(rows, 3), rand(rows, 3)
         torch.testing.assert_close(module(2.0, x, y), Scaled()(2.0, x, y))
-    with pytest.raises(InputError, match="input 0 dim 0 is 7, input 1 dim 0 is 6"):
+    with pytest.raises(InputError, match=r"input 0 \('x'\) dim 0 is 7, input 1 \('y'\) dim 0 is 6"):
         module(2.0, rand(7, 3), rand(6, 3))
 
 
@@ -327,3 +327,13 @@ def test_inspect_shows_how_a_method_is_called(nested_ep):
     said = "forward(x, ys: [T, T], *, mask, bias: {'b': T}) -> {'h': T, 'pair': Pair(T, (T,)), 'none': T}"
     assert f"called as {said}" in program_summary(program)
     assert program_json(program)["methods"]["forward"]["called_as"] == said
+
+
+def test_a_wrong_tensor_is_named_as_at_export(nested_ep, tmp_path):
+    model, ep = nested_ep
+    module = saved(ep, tmp_path)
+    (x, ys), kw = example()
+    with pytest.raises(InputError, match=r"input 3 \('mask'\) of 'forward' must be float32, got float64"):
+        module(x, ys, mask=kw["mask"].double(), bias=kw["bias"])
+    with pytest.raises(InputError, match=r"input 1 \('ys_0'\) of 'forward' must have shape \(3, 4\), got \(3, 5\)"):
+        module(x, [rand(3, 5), ys[1]], **kw)

@@ -555,7 +555,7 @@ def test_inputs_that_disagree_on_one_dynamic_size_are_an_input_error():
     program = ferry.load_program(_two_batches_program().to_bytes())  # the groups survive the file
     assert program.method("forward").equal_sizes == [[[0, 0], [1, 0]]]  # c's own Dim is not grouped
     module = ferry.Module(program)
-    with pytest.raises(ferry.InputError, match=r"input 0 dim 0 is 4, input 1 dim 0 is 5"):
+    with pytest.raises(ferry.InputError, match=r"input 0 \('a'\) dim 0 is 4, input 1 \('b'\) dim 0 is 5"):
         module(torch.randn(4, 3), torch.randn(5, 3), torch.randn(6, 2))
     for n in (3, 7):
         a, b, c = torch.randn(n, 3), torch.randn(n, 3), torch.randn(n + 2, 2)
@@ -563,7 +563,7 @@ def test_inputs_that_disagree_on_one_dynamic_size_are_an_input_error():
         want = _TwoBatches()(a, b, c)
         torch.testing.assert_close(got[0], want[0])
         torch.testing.assert_close(got[1], want[1])
-    with pytest.raises(ferry.InputError, match=r"input 0 dim 0 is 7, input 1 dim 0 is 3"):
+    with pytest.raises(ferry.InputError, match=r"input 0 \('a'\) dim 0 is 7, input 1 \('b'\) dim 0 is 3"):
         module(torch.randn(7, 3), torch.randn(3, 3), torch.randn(2, 2))
 
 

@@ -211,16 +211,16 @@ class LoadedMethod:
             if expected is not None and _is_expected(t, *expected):
                 continue
             if not isinstance(t, torch.Tensor):
-                raise InputError(f"input {i} of {self.name!r} must be a torch.Tensor, got {type(t).__name__}")
+                raise InputError(f"{_label(i, v)} of {self.name!r} must be a torch.Tensor, got {type(t).__name__}")
             _check_input(self.name, i, t, v)
             if i in self._storage_read and not _owns_its_storage(t):
-                raise InputError(f"input {i} of {self.name!r} is read through its storage (as_strided with a storage "
+                raise InputError(f"{_label(i, v)} of {self.name!r} is read through its storage (as_strided with a storage "
                                  "offset), which counts from the start of the tensor: pass a contiguous tensor that "
                                  "owns its storage (x.contiguous().clone()), not a view into a larger one")
         for group in self.method.equal_sizes:  # dims export traced as one dynamic size
             sizes = [inputs[i].shape[d] for i, d in group]
             if len(set(sizes)) > 1:
-                named = ", ".join(f"input {i} dim {d} is {n}" for (i, d), n in zip(group, sizes))
+                named = ", ".join(f"{_label(i, self._inputs[i])} dim {d} is {n}" for (i, d), n in zip(group, sizes))
                 raise InputError(f"inputs of {self.name!r} disagree on one dynamic size: {named}; the program was "
                                  "exported with these dims equal (one torch.export.Dim)")
 
@@ -328,18 +328,24 @@ def _is_expected(t, device, dtype, shape) -> bool:
             and not t.is_conj() and not t.is_neg())
 
 
+def _label(i: int, v) -> str:
+    """An input as a message names it: its position, and its name at export where the file has it."""
+    name = getattr(v, "name", "")
+    return f"input {i} ({name!r})" if name else f"input {i}"
+
+
 def _check_input(name: str, i: int, t: torch.Tensor, v: TensorValue) -> None:
     kind = _unusable(t)
     if kind:
-        raise InputError(f"input {i} of {name!r} is {kind}; pass a plain dense tensor with its values")
+        raise InputError(f"{_label(i, v)} of {name!r} is {kind}; pass a plain dense tensor with its values")
     if t.dtype != v.torch_dtype:
-        raise InputError(f"input {i} of {name!r} must be {v.dtype}, got {str(t.dtype).removeprefix('torch.')}")
+        raise InputError(f"{_label(i, v)} of {name!r} must be {v.dtype}, got {str(t.dtype).removeprefix('torch.')}")
     dyn = v.dynamic or (False,) * len(v.shape)
     if t.dim() != len(v.shape) or any((s > b) if d else (s != b) for s, b, d in zip(t.shape, v.shape, dyn)):
         bound = ", ".join(f"<={b}" if d else str(b) for b, d in zip(v.shape, dyn))
-        raise InputError(f"input {i} of {name!r} must have shape ({bound}), got {tuple(t.shape)}")
+        raise InputError(f"{_label(i, v)} of {name!r} must have shape ({bound}), got {tuple(t.shape)}")
     dev = device_of(t)
     if dev != v.device:
         hint = (" (this input is placed on the device by skip_h2d_for_method_inputs: pass a tensor already there)"
                 if not v.device.is_cpu else "")
-        raise InputError(f"input {i} of {name!r} must be on {v.device}, got a tensor on {dev}{hint}")
+        raise InputError(f"{_label(i, v)} of {name!r} must be on {v.device}, got a tensor on {dev}{hint}")
