@@ -130,6 +130,8 @@ def test_arguments_fixed_at_export_are_checked_each_call(tmp_path):
             module(*bad, flag=True)
     with pytest.raises(InputError, match="flag was fixed to True"):
         module(y, 3.0, flag=False)
+    with pytest.raises(InputError, match="missing keyword argument"):
+        module(y)  # the tensors alone would skip the fixed arguments' check
 
 
 class Constants(torch.nn.Module):

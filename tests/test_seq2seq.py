@@ -89,6 +89,19 @@ def test_decode_reads_the_cross_cache_encode_fills_as_state(emu):
     assert decode_inputs == [(1, 1), (1,)]  # tokens and a position: the encoder's output is not an input
 
 
+def test_the_methods_are_called_by_the_recipes_own_names():
+    """encode(input_features=) then decode(input_ids=, cache_position=): greedy steps by hand give
+    transformers' tokens, as ferry.generate does."""
+    module = ferry.Module(ferry.compile(exported()))
+    feats = features(1)
+    module.call("encode", input_features=feats)
+    tokens = [1]
+    for i in range(NEW):
+        logits = module.call("decode", input_ids=torch.tensor([tokens[-1:]]), cache_position=torch.tensor([i]))
+        tokens.append(int(logits[0, -1].argmax()))
+    assert [tokens] == reference(feats)
+
+
 def test_encoder_inputs_without_an_encode_method_are_refused():
     program = ferry.compile({"decode": exported()["decode"]})
     with pytest.raises(ConfigError, match="no method 'encode'"):

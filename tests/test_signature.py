@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 import ferry
 from edits import metadata_of, rebuild
 from ferry.errors import ProgramError
-from ferry.program.signature import MAX_TREE_DEPTH, Tree
+from ferry.program.signature import MAX_TREE_DEPTH, Signature, Tree
 
 
 class Model(torch.nn.Module):
@@ -92,6 +92,8 @@ HOSTILE = {
     "a constant holding a list": (lambda s: s["inputs"][6].update(const={"type": "const", "kind": "ints",
                                                                          "value": [1]}), "expected one of none"),
     "a constant without its value": (lambda s: s["inputs"][6].pop("const"), "only a constant, holds"),
+    "a type name past the limit": (lambda s: s["outputs"][1].update(kind="namedtuple", type="." * 100000,
+                                                                     keys=["out", "n"]), "type name of 100000"),
     "a result declared constant": (lambda s: s["outputs"][-1].update(kind="constant", const={"type": "const",
                                    "kind": "int", "value": 1}), "never a constant"),
 }
@@ -171,3 +173,36 @@ def test_one_tensor_given_for_two_inputs_at_export_is_said():
     a, b = torch.randn(4), torch.randn(4)
     assert torch.equal(ferry.Module(merged)(a, y=b), torch.zeros(4))  # what torch.export made of it
     torch.testing.assert_close(ferry.Module(apart)(a, y=b), a - b)
+
+
+def test_a_type_named_by_a_file_is_found_without_importing_or_running_code(tmp_path):
+    """A file naming types in a module nobody imported, or through an object that is no module
+    or class, loads without importing anything or touching that object; each result comes back
+    plain, with a warning."""
+    import sys
+
+    import ferry.runtime.stages.call_tree as call_tree
+
+    program = ferry.compile(export())
+    m = program.method("forward")
+    outs = m.signature.outputs
+    names = ["xml.dom.minidom.Node", "torch.distributed.reduce_op.SUM.Missing"]
+    nodes = tuple(Tree("node", (t,), ("k",), name, '["k"]') for t, name in zip(outs.items, names))
+    m.signature = Signature(m.signature.inputs, Tree("tuple", nodes), m.signature.arg_names)
+    program.save(tmp_path / "m.ferry")
+    before = set(sys.modules)
+    touched = []
+    probe = type("Probe", (), {"__getattribute__": lambda self, name: touched.append(name)})()
+    call_tree.torch.__dict__["_ferry_probe"] = probe
+    try:
+        assert call_tree._find_type("torch._ferry_probe.anything") is None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = ferry.Module(tmp_path / "m.ferry")
+    finally:
+        del call_tree.torch.__dict__["_ferry_probe"]
+    assert touched == [] and set(sys.modules) - before == set()
+    assert sum("comes back as a dict" in str(w.message) for w in caught) == 2
+    x, y0, y1, mask = (torch.randn(3) for _ in range(4))
+    got = module(x, [y0, y1], 1.5, mask=mask)
+    torch.testing.assert_close(got[0]["k"]["out"], (x + y0).clamp(max=1.5) * mask)

@@ -78,10 +78,11 @@ class EncoderDecoderExport(nn.Module):
         constants; compile reads each as the buffer it is (aot/lifted_state.py)."""
         ids = torch.zeros(self.batch_size, 1, dtype=torch.long, device=input_features.device)
         with torch.no_grad():
-            return {"encode": torch.export.export(_Method(self, "encode"), (input_features,), strict=strict),
-                    "decode": torch.export.export(_Method(self, "decode"),
-                                                  (ids, torch.tensor([0], device=input_features.device)),
-                                                  strict=strict)}
+            pos = torch.tensor([0], device=input_features.device)
+            return {"encode": torch.export.export(_Method(self, "encode"), (), {"input_features": input_features},
+                                                  strict=strict),
+                    "decode": torch.export.export(_Method(self, "decode"), (),
+                                                  {"input_ids": ids, "cache_position": pos}, strict=strict)}
 
 
 class _Method(nn.Module):
@@ -91,5 +92,5 @@ class _Method(nn.Module):
         super().__init__()
         self.recipe, self.name = recipe, name
 
-    def forward(self, *args):
-        return getattr(self.recipe, self.name)(*args)
+    def forward(self, **kwargs):  # (keywords: the program is called by the recipe's own names)
+        return getattr(self.recipe, self.name)(**kwargs)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 
 from ferry.errors import ProgramError
+from ferry.imported import MAX_TYPE_NAME
 
 # kinds of tree node: "value" is a leaf passed to or returned by the method, "constant" a fixed
 # argument; "node" is a container type registered with torch's pytree (ModelOutput, OrderedDict)
@@ -104,6 +105,8 @@ def _check_node(t: Tree, where: str) -> None:
         raise ProgramError(f"{where}: a named tuple's fields are identifiers, got {list(t.keys)}")
     if t.kind in ("namedtuple", "node") and not t.type:
         raise ProgramError(f"{where}: a {t.kind} names its type")
+    if len(t.type) > MAX_TYPE_NAME:
+        raise ProgramError(f"{where}: a type name of {len(t.type)} characters; at most {MAX_TYPE_NAME}")
     if t.kind not in ("namedtuple", "node") and (t.type or t.context):
         raise ProgramError(f"{where}: only a named tuple or node names a type")
     if t.kind == "node":

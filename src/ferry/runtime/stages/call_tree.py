@@ -52,6 +52,9 @@ class CallTree:
         # a flat call's tensors are taken in the program's order, which for keywords is the order
         # they were given at export, not necessarily forward's: said once where two or more
         self._order_unsure = signature is not None and signature.kwargs.count() >= 2
+        # arguments fixed at export to a value: a call of the tensors alone would skip their check
+        self._fixed = [] if signature is None else [
+            leaf.value for leaf in signature.inputs.leaves() if leaf.kind == "constant" and leaf.value is not None]
 
     def _flat(self, args: tuple) -> list:
         if self._order_unsure:
@@ -65,7 +68,7 @@ class CallTree:
     def inputs(self, args: tuple, kwargs: dict) -> list:
         """The method's flat inputs for a call of the model's signature. A call of the flat inputs
         themselves (every tensor in order, no keywords) is taken too, as earlier files took it."""
-        if not kwargs and (self.flat or self._flat_call(args)):
+        if not kwargs and (self.flat or (self._flat_call(args) and not self._fixed)):
             return self._flat(args)
         sig = self.signature
         if sig is None:
@@ -76,14 +79,15 @@ class CallTree:
         out: list = []
         try:
             names = sig.arg_names or tuple(f"args[{j}]" for j in range(len(sig.args.items)))
+            _check_keywords(sig.kwargs.keys, kwargs)
             if len(args) != len(names):
                 raise _Mismatch(f"it takes {len(names)} positional argument(s), got {len(args)}")
             for name, tree, given in zip(names, sig.args.items, args):
                 _match(tree, given, name, out)
-            _check_keywords(sig.kwargs.keys, kwargs)
             _match(sig.kwargs, kwargs, "keyword arguments", out)
         except _Mismatch as e:
-            if not kwargs and len(args) == self.count and all(isinstance(a, torch.Tensor) for a in args):
+            if (not kwargs and not self._fixed and len(args) == self.count
+                    and all(isinstance(a, torch.Tensor) for a in args)):
                 return self._flat(args)
             raise InputError(f"method {self.method!r} was exported as {self.describe()}: {e}") from None
         return out
@@ -284,8 +288,9 @@ def _check_fits(node, context, tree: Tree, method: str) -> None:
 def _named_tuple(tree: Tree) -> type:
     """The process's own named tuple of that name and fields, else a fresh one like it."""
     typ = _find_type(tree.type)
-    if isinstance(typ, type) and pytree.is_namedtuple_class(typ) and tuple(getattr(typ, "_fields", ())) == tree.keys:
-        return typ
+    if (isinstance(typ, type) and pytree.is_namedtuple_class(typ) and typ.__bases__ == (tuple,)
+            and tuple(getattr(typ, "_fields", ())) == tree.keys):
+        return typ  # (a plain named tuple: a subclass with a __new__ of its own is not built from a file)
     short = tree.type.rsplit(".", 1)[-1]
     name = short if short.isidentifier() and not keyword.iskeyword(short) else "Result"
     return collections.namedtuple(name, [str(k) for k in tree.keys], rename=True)  # type: ignore[misc]
