@@ -291,15 +291,17 @@ def test_a_factory_that_raises_is_one_line(tmp_path, monkeypatch):
     assert last == "ferry compile: error: bad_factory:build raised RuntimeError: no weights here"
 
 
-def test_a_model_export_refuses_is_one_line(tmp_path, monkeypatch):
-    (tmp_path / "unexportable.py").write_text(
-        "import torch\n"
-        "class M(torch.nn.Module):\n"
-        "    def forward(self, x):\n"
-        "        return x.nonzero().sum() if x.sum() > 0 else x\n"
-        "def build():\n"
-        "    return M(), (torch.randn(3),)\n")
+def _factory(tmp_path, monkeypatch, name: str, params: str, returns: str, example: str) -> None:
+    """A module `name` on the path whose build() gives a model returning `returns` from forward(`params`)."""
+    (tmp_path / f"{name}.py").write_text(
+        f"import torch\nclass M(torch.nn.Module):\n    def forward(self, {params}):\n        return {returns}\n"
+        f"def build():\n    return M(), {example}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_model_export_refuses_is_one_line(tmp_path, monkeypatch):
+    _factory(tmp_path, monkeypatch, "unexportable", "x", "x.nonzero().sum() if x.sum() > 0 else x",
+             "(torch.randn(3),)")
     rc, out, err = call(["compile", "unexportable:build", "-o", tmp_path / "o.ferry", "--device", "emu:0"])
     last = err.strip().splitlines()[-1]
     assert rc == 2 and "Traceback" not in err and last.startswith("ferry compile: error: torch.export of unexportable:build failed")
@@ -463,14 +465,8 @@ def test_compile_keeps_the_last_position_when_asked(tmp_path):
 
 
 def test_a_factory_may_give_keyword_inputs_and_run_feeds_them(tmp_path, monkeypatch, emu):
-    (tmp_path / "keyword_factory.py").write_text(
-        "import torch\n"
-        "class M(torch.nn.Module):\n"
-        "    def forward(self, x, *, mask):\n"
-        "        return {'y': x * mask}\n"
-        "def build():\n"
-        "    return M(), (torch.randn(2, 3),), {'mask': torch.randn(2, 3)}\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _factory(tmp_path, monkeypatch, "keyword_factory", "x, *, mask", "{'y': x * mask}",
+             "(torch.randn(2, 3),), {'mask': torch.randn(2, 3)}")
     rc, out, err = call(["compile", "keyword_factory:build", "-o", tmp_path / "k.ferry", "--device", "emu:0"])
     assert rc == 0, err
     rc, out, err = call(["inspect", tmp_path / "k.ferry"])
