@@ -111,19 +111,18 @@ def _node(typ: type, context, items: tuple[Tree, ...]) -> Tree:
     context as JSON, never as code; a context that needs its own serializer is not stored."""
     serial = pytree.SUPPORTED_SERIALIZED_TYPES.get(typ)
     if serial is not None and serial.to_dumpable_context is not None:
-        raise _Unstorable(f"a {type_name(typ)} needs its own serializer for its context")
+        raise _Unstorable(f"a {_type_name(typ)} needs its own serializer for its context")
     try:
         text = json.dumps(context, allow_nan=False)
     except (TypeError, ValueError):
-        raise _Unstorable(f"a {type_name(typ)}'s pytree context {context!r} is not JSON") from None
-    keys = context if isinstance(context, (list, tuple)) and len(context) == len(items) else ()
-    keys = tuple(keys) if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys) else ()
-    if len(set(keys)) != len(keys):
-        keys = ()
-    return Tree("node", items, keys, type_name(typ), text)
+        raise _Unstorable(f"a {_type_name(typ)}'s pytree context {context!r} is not JSON") from None
+    keys = tuple(context) if isinstance(context, (list, tuple)) and len(context) == len(items) else ()
+    if not _plain_keys(keys) or len(set(keys)) != len(keys):
+        keys = ()  # (kept only where a dict can stand in for the type: see runtime/stages/call_tree.py)
+    return Tree("node", items, keys, _type_name(typ), text)
 
 
-def type_name(typ: type) -> str:
+def _type_name(typ: type) -> str:
     """The name a type is found by again: pytree's serialized name, else module.qualname."""
     serial = pytree.SUPPORTED_SERIALIZED_TYPES.get(typ)
     name = getattr(serial, "serialized_type_name", None)
@@ -134,6 +133,11 @@ def type_name(typ: type) -> str:
 
 def _keys(context, typ) -> tuple[Key, ...]:
     keys = tuple(context)
-    if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
+    if not _plain_keys(keys):
         raise _Unstorable(f"a {typ.__name__} key is not a string or an integer: {list(keys)!r}")
     return keys
+
+
+def _plain_keys(keys: tuple) -> bool:
+    """Keys a file holds: strings and integers (not bools)."""
+    return all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys)

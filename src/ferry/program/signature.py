@@ -93,9 +93,7 @@ def _check_node(t: Tree, where: str) -> None:
         raise ProgramError(f"{where}: a {t.kind} has no items, got {len(t.items)}")
     if t.kind != "constant" and t.value is not None:
         raise ProgramError(f"{where}: only a constant has a value")
-    if t.kind in ("dict", "namedtuple") and len(t.keys) != len(t.items):
-        raise ProgramError(f"{where}: {len(t.keys)} keys for {len(t.items)} items")
-    if t.kind == "node" and t.keys and len(t.keys) != len(t.items):
+    if (t.keys or t.kind in ("dict", "namedtuple")) and len(t.keys) != len(t.items):  # (a node's keys: optional)
         raise ProgramError(f"{where}: {len(t.keys)} keys for {len(t.items)} items")
     if t.kind not in ("dict", "namedtuple", "node") and t.keys:
         raise ProgramError(f"{where}: a {t.kind} has no keys")
@@ -124,9 +122,8 @@ def node_context(t: Tree, where: str):
 
 
 def check_signature(sig: Signature, inputs: int, outputs: int, what: str) -> None:
-    """`sig` is a (args, kwargs) tree whose leaves are the method's `inputs` and `outputs`."""
-    check_tree(sig.inputs, f"{what} inputs")
-    check_tree(sig.outputs, f"{what} outputs")
+    """`sig` is a (args, kwargs) tree whose leaves are the method's `inputs` and `outputs` (each
+    tree's nodes were checked with the record's types: check_tree)."""
     top = sig.inputs
     if top.kind != "tuple" or [t.kind for t in top.items] != ["tuple", "dict"]:
         raise ProgramError(f"{what} inputs: expected a tuple of the arguments' tuple and the keywords' dict")

@@ -23,10 +23,10 @@ from ferry.errors import InputError, ProgramError
 from ferry.imported import imported_type
 from ferry.program.signature import Signature, Tree, call_text, node_context
 
-__all__ = ["CallTree", "forward_result"]
+__all__ = ["CallTree"]
 
 
-def forward_result(outs: list):
+def _flat_result(outs: list):
     """What a call without a signature returns for its outputs (a file saved before signatures
     were kept): one output as it is, several as a tuple, and None for none."""
     if not outs:
@@ -41,22 +41,22 @@ class CallTree:
         self.signature, self.method, self.count = signature, method, inputs
         self.flat = signature is None or (all(t.kind == "value" for t in signature.args.items)
                                           and not signature.kwargs.items)
-        self._build: Callable[[list], object] = forward_result
+        self._build: Callable[[list], object] = _flat_result
         if signature is not None:
             try:
                 self._build = _builder(signature.outputs, method)
+            except ProgramError:
+                raise
             except (TypeError, ValueError) as e:  # a result type refusing the file's names
-                if isinstance(e, ProgramError):
-                    raise
                 raise ProgramError(f"method {method!r}: the file's result structure cannot be built: {e}") from None
         # a flat call's tensors are taken in the program's order, which for keywords is the order
         # they were given at export, not necessarily forward's: said once where two or more
         self._order_unsure = signature is not None and signature.kwargs.count() >= 2
-        # arguments fixed at export to a value: a call of the tensors alone would skip their check
-        self._fixed = [] if signature is None else [
-            leaf.value for leaf in signature.inputs.leaves() if leaf.kind == "constant" and leaf.value is not None]
+        # an argument fixed at export to a value: a call of the tensors alone would skip its check
+        self._fixed = signature is not None and any(
+            leaf.kind == "constant" and leaf.value is not None for leaf in signature.inputs.leaves())
 
-    def _flat(self, args: tuple) -> list:
+    def _as_flat(self, args: tuple) -> list:
         if self._order_unsure:
             self._order_unsure = False
             names = ", ".join(map(str, self.signature.kwargs.keys))  # type: ignore[union-attr]
@@ -69,7 +69,7 @@ class CallTree:
         """The method's flat inputs for a call of the model's signature. A call of the flat inputs
         themselves (every tensor in order, no keywords) is taken too, as earlier files took it."""
         if not kwargs and (self.flat or (self._flat_call(args) and not self._fixed)):
-            return self._flat(args)
+            return self._as_flat(args)
         sig = self.signature
         if sig is None:
             raise InputError(f"method {self.method!r} takes its {self.count} inputs by position, flat (got keywords "
@@ -88,8 +88,8 @@ class CallTree:
         except _Mismatch as e:
             if (not kwargs and not self._fixed and len(args) == self.count
                     and all(isinstance(a, torch.Tensor) for a in args)):
-                return self._flat(args)
-            raise InputError(f"method {self.method!r} was exported as {self.describe()}: {e}") from None
+                return self._as_flat(args)
+            raise InputError(f"method {self.method!r} was exported as {call_text(sig, self.method)}: {e}") from None
         return out
 
     def _flat_call(self, args: tuple) -> bool:
@@ -118,11 +118,6 @@ class CallTree:
                 raise InputError(f"method {self.method!r}: argument {names[len(given)]!r} is missing")
             given.append(kwargs.pop(n))
         return tuple(given), kwargs
-
-    def describe(self) -> str:
-        sig = self.signature
-        return call_text(sig, self.method) if sig else f"{self.method}({', '.join(['T'] * self.count)})"
-
 
 class _Mismatch(Exception):
     pass
@@ -244,8 +239,7 @@ def _maker(tree: Tree, method: str) -> Callable:
     if kind == "list":
         return lambda it: [p(it) for p in parts]
     if kind == "dict":
-        keys = tree.keys
-        return lambda it: dict(zip(keys, [p(it) for p in parts]))
+        return _dict_maker(tree.keys, parts)
     if kind == "namedtuple":
         cls = _named_tuple(tree)
         return lambda it: cls(*[p(it) for p in parts])
@@ -265,10 +259,11 @@ def _node_maker(tree: Tree, parts: list, method: str) -> Callable:
     warnings.warn(f"method {method!r} returns a {tree.type}, a type this process has not registered with pytree; "
                   f"it comes back as {plain}. `import {module}` before loading the program to get the type "
                   "itself", stacklevel=4)
-    if tree.keys:
-        keys = tree.keys
-        return lambda it: dict(zip(keys, [p(it) for p in parts]))
-    return lambda it: tuple(p(it) for p in parts)
+    return _dict_maker(tree.keys, parts) if tree.keys else lambda it: tuple(p(it) for p in parts)
+
+
+def _dict_maker(keys: tuple, parts: list) -> Callable:
+    return lambda it: dict(zip(keys, [p(it) for p in parts]))
 
 
 def _check_fits(node, context, tree: Tree, method: str) -> None:
