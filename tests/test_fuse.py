@@ -349,9 +349,9 @@ def test_linear_over_a_transposed_input_or_a_dynamic_batch_equals_eager(emu):
     model = Mlp().eval()
     ep = torch.export.export(model, (torch.randn(2, 5, 16),), dynamic_shapes=({0: torch.export.Dim("b", max=9)},))
     program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
-    assert "aten::addmm.out" not in delegate_kernels(program)  # sizes are read only when static
+    assert "aten::addmm.out" in delegate_kernels(program)  # the rows are the batch's: a view of any
     module = ferry.Module(program)
-    for batch in (2, 7, 1):
+    for batch in (2, 7, 1, 9, 3):
         x = torch.randn(batch, 5, 16)
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
@@ -926,3 +926,45 @@ def test_a_shared_mask_over_a_dynamic_length_equals_eager_at_sizes_large_small_l
         q, k, v, _ = _shared_mask_inputs()
         k, v, pos = k[:, :, :length], v[:, :, :length], torch.randint(0, length, (1,))
         assert torch.equal(module(q, k, v, pos), model(q, k, v, pos))
+
+
+def _dynamic(model, example, dims):
+    """`model` exported with the dimensions `dims` ({dim: max}) of its one input dynamic, compiled for emu:0."""
+    shapes = ({d: torch.export.Dim(f"d{d}", max=top) for d, top in dims.items()},)
+    return ferry.compile(torch.export.export(model, (example,), dynamic_shapes=shapes), ferry.OpSupportPartitioner("emu:0"))
+
+
+def _equal_at_sizes(program, model, shapes):
+    """Called at each shape in turn (smaller and larger than the traced one), equal to eager."""
+    module = ferry.Module(program)
+    for shape in shapes:
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_linear_over_two_dynamic_sizes_is_one_gemm_and_equals_eager(emu):
+    """Batch and length both dynamic: the result's view takes the delegate's size inputs."""
+    model = Mlp().eval()
+    program = _dynamic(model, torch.randn(3, 4, 16), {0: 9, 1: 12})
+    assert delegate_kernels(program).count("aten::addmm.out") == 2
+    _equal_at_sizes(program, model, [(3, 4, 16), (7, 2, 16), (2, 11, 16), (9, 12, 16), (3, 4, 16)])
+
+
+@pytest.mark.parametrize("dims", [{0: 8}, {0: 8, 1: 16}], ids=["batch", "batch-and-length"])
+def test_dynamic_self_attention_becomes_one_fused_op_and_equals_eager_at_every_size(dims, emu):
+    model = SelfAttention().eval()
+    program = _dynamic(model, torch.randn(2, 7, 32), dims)
+    kernels = delegate_kernels(program)
+    assert kernels.count(MHA) == 1 and SDPA not in kernels, kernels
+    lengths = (7, 3, 16, 7) if 1 in dims else (7, 7, 7, 7)
+    _equal_at_sizes(program, model, [(b, t, 32) for b, t in zip((5, 2, 8, 3), lengths)])
+
+
+def test_dynamic_sequence_first_attention_stays_traced(emu):
+    """The numerical check runs at the traced sizes and one larger: what the fused op does not
+    compute alike stays traced at dynamic sizes too."""
+    model = SelfAttention(batch_first=False).eval()
+    program = _dynamic(model, torch.randn(7, 2, 32), {1: 8})
+    assert MHA not in delegate_kernels(program)
+    _equal_at_sizes(program, model, [(7, 5, 32), (7, 2, 32), (7, 8, 32)])

@@ -354,14 +354,15 @@ def _attention_modules(gm) -> dict[str, list[torch.fx.Node]]:
 
 def _attention_region(gm, members):
     """(x, [in_w, in_b, out_w, out_b], heads, output node) when `members` is self-attention
-    over one input with packed projections and no mask; None otherwise."""
+    over one input with packed projections and no mask; None otherwise. The batch and the
+    sequence may be dynamic (their sizes come in as symbolic inputs); the width and heads not."""
     if any(n.target not in _MHA_OPS for n in members):
         return None  # anything else is not what the fused kernel computes
     inside = set(members)
     inputs = []
     for n in members:
         for a in n.all_input_nodes:
-            if a not in inside and a not in inputs:
+            if a not in inside and a not in inputs and not _is_size(a):
                 inputs.append(a)
     outs = [n for n in members if any(u not in inside for u in n.users)]
     sdpa = [n for n in members if n.target is SDPA]
@@ -371,22 +372,28 @@ def _attention_region(gm, members):
     if len(acts) != 1:
         return None
     x, out = acts[0], outs[0]
-    xv, ov = x.meta.get("val"), out.meta.get("val")
+    xv, ov, q = x.meta.get("val"), out.meta.get("val"), sdpa[0].args[0].meta.get("val")
     if not (isinstance(xv, torch.Tensor) and isinstance(ov, torch.Tensor) and xv.dim() == 3):
         return None
-    shape = M.static_ints(xv.shape)
-    if shape is None or M.static_ints(ov.shape) != shape:
-        return None  # dynamic sizes: the numerical check needs concrete ones
-    embed = shape[2]
+    if not _same_sizes(xv.shape, ov.shape) or type(xv.shape[2]) is not int:
+        return None
+    embed = xv.shape[2]
     shapes = {tuple(attr(gm, a).shape): a for a in inputs if a.op == "get_attr" and attr(gm, a) is not None}
     want = [(3 * embed, embed), (3 * embed,), (embed, embed), (embed,)]
     if any(s not in shapes for s in want):
         return None
-    q = sdpa[0].args[0].meta.get("val")
-    q_shape = M.static_ints(q.shape) if isinstance(q, torch.Tensor) else None
-    if q_shape is None or len(q_shape) != 4:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or type(q.shape[1]) is not int:
         return None
-    return x, [shapes[s] for s in want], q_shape[1], out
+    return x, [shapes[s] for s in want], q.shape[1], out
+
+
+def _is_size(node: torch.fx.Node) -> bool:
+    """A size (a symbolic batch or length) the traced ops take as an input: not an activation."""
+    return isinstance(node.meta.get("val"), (int, torch.SymInt))
+
+
+def _same_sizes(a, b) -> bool:
+    return len(a) == len(b) and all(M.surely(p == q) for p, q in zip(a, b))
 
 
 def _has_mask_or_dropout(sdpa) -> bool:
@@ -395,13 +402,50 @@ def _has_mask_or_dropout(sdpa) -> bool:
 
 
 def _same_result(gm, members, region) -> bool:
-    """Run the traced ops and the fused op on one random input with the real weights."""
+    """Run the traced ops and the fused op on one random input with the real weights: at the
+    traced sizes, and where a size is dynamic also at each dynamic size one larger."""
+    x = region[0]
+    bindings = _check_bindings(x.meta["val"].shape)
+    return bindings is not None and all(_same_at(gm, members, region, b) for b in bindings)
+
+
+def _check_bindings(shape) -> list[dict] | None:
+    """Values for the symbols of `shape`: the traced ones, and (if any) each one larger; None
+    where a size has no traced value."""
+    symbols = set().union(*(s.node.expr.free_symbols for s in shape if isinstance(s, torch.SymInt)))
+    if not symbols:
+        return [{}]
+    hints = {}
+    for s in shape:
+        if isinstance(s, torch.SymInt):
+            hints.update(s.node.shape_env.var_to_val)
+    if any(sym not in hints for sym in symbols):
+        return None
+    traced = {sym: hints[sym] for sym in symbols}
+    return [traced, {sym: v + 1 for sym, v in traced.items()}]
+
+
+def _size_at(size, binding: dict) -> int:
+    """A size (an int or a symbolic one) at the symbols' values in `binding`."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    value = size.node.expr.xreplace(binding)
+    if value.free_symbols:
+        raise ValueError(f"size {size} has no value here")
+    return int(value)
+
+
+def _same_at(gm, members, region, binding: dict) -> bool:
     x, weights, heads, out = region
     xv = x.meta["val"]
-    shape = M.static_ints(xv.shape)  # static: _attention_region checked
-    if shape is None or math.prod(shape) > _CHECK_ELEMENTS or not xv.dtype.is_floating_point:
+    try:
+        shape = [_size_at(s, binding) for s in xv.shape]
+        sizes = {a: _size_at(a.meta["val"], binding) for n in members for a in n.all_input_nodes if _is_size(a)}
+    except ValueError:
         return False
-    values = {w: attr(gm, w).cpu() for w in weights}
+    if math.prod(shape) > _CHECK_ELEMENTS or not xv.dtype.is_floating_point:
+        return False
+    values = {w: attr(gm, w).cpu() for w in weights} | sizes
     gen = torch.Generator().manual_seed(0)
     values[x] = torch.randn(shape, generator=gen).to(xv.dtype)
     try:

@@ -111,8 +111,9 @@ def _decide(device: torch.device, operands, site: Site) -> Decision | None:
 
 def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """`linear(x, w, b)` -> `view(addmm(b, view(x, (rows, k)), t(w)), (..., n))` (`mm` without a
-    bias), what eager's linear computes for a contiguous input; x of static shape only, and not
-    where a batched result is the delegate's own output (a view there would cost a copy)."""
+    bias), what eager's linear computes for a contiguous input; the rows may be dynamic (a
+    batch, a length), the width not. Not where a batched result is the delegate's own output
+    (a view there would cost a copy)."""
     done = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default:
@@ -122,26 +123,43 @@ def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
         xv, wv, out = x.meta.get("val"), w.meta.get("val"), node.meta.get("val")
         if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor) and isinstance(out, torch.Tensor)):
             continue
-        shape, out_shape = M.static_ints(xv.shape), M.static_ints(out.shape)
-        if shape is None or out_shape is None or len(shape) < 2 or wv.dim() != 2 or not M.surely(xv.is_contiguous()):
+        if xv.dim() < 2 or wv.dim() != 2 or M.static_ints((xv.shape[-1], out.shape[-1])) is None:
             continue
+        if not M.surely(xv.is_contiguous()):
+            continue
+        k, n = xv.shape[-1], out.shape[-1]
         bv = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
-        if b is not None and not (isinstance(bv, torch.Tensor) and tuple(bv.shape) == (out_shape[-1],)):
+        if b is not None and not (isinstance(bv, torch.Tensor) and tuple(bv.shape) == (n,)):
             continue  # addmm broadcasts a bias over rows only: a (rows-like, n) bias stays with linear
-        if len(shape) > 2 and any(u.op == "output" for u in node.users):
+        if xv.dim() > 2 and any(u.op == "output" for u in node.users):
             continue  # a view as the delegate's result would be copied out: linear writes the caller's tensor
-        rows = (math.prod(shape[:-1]), shape[-1])
+        rows = math.prod(xv.shape[:-1])
         with gm.graph.inserting_before(node):
-            flat = x if len(shape) == 2 else call(gm, node, aten.view.default, (x, list(rows)), xv.new_empty(rows))
+            flat = x if xv.dim() == 2 else call(gm, node, aten.view.default, (x, [_or_any(rows), k]),
+                                                  xv.new_empty((rows, k)))
             wt = call(gm, node, aten.t.default, (w,), wv.t())
-            res = out.new_empty((rows[0], out_shape[-1]))
+            res = out.new_empty((rows, n))
             gemm = (call(gm, node, aten.mm.default, (flat, wt), res) if b is None
                     else call(gm, node, aten.addmm.default, (b, flat, wt), res))
-            y = gemm if len(shape) == 2 else call(gm, node, aten.view.default, (gemm, list(out_shape)), out)
+            lead = [] if xv.dim() == 2 else _view_sizes(gm, node, x, xv.shape[:-1])
+            y = gemm if xv.dim() == 2 else call(gm, node, aten.view.default, (gemm, [*lead, n]), out)
         node.replace_all_uses_with(y)
         gm.graph.erase_node(node)
         done.append(Rewrite("gemm", node.name))
     return done
+
+
+def _or_any(size):
+    """A view's size: an int as it is, a symbolic one as -1 (the one size the view infers)."""
+    return size if type(size) is int else -1
+
+
+def _view_sizes(gm, like: torch.fx.Node, x: torch.fx.Node, sizes) -> list:
+    """`sizes` (x's leading sizes) as a view's argument: ints as they are; one symbolic size
+    as -1; several each read from x (`sym_size`)."""
+    if sum(type(s) is not int for s in sizes) <= 1:
+        return [_or_any(s) for s in sizes]
+    return [s if type(s) is int else call(gm, like, aten.sym_size.int, (x, i), s) for i, s in enumerate(sizes)]
 
 
 PATTERNS = (linear_as_gemm,)
