@@ -292,7 +292,7 @@ def test_a_constant_mask_that_would_grow_the_result_is_left_to_fail_as_in_eager(
     an all-true one would have returned a result instead."""
     from ferry.choices.attention import _fits  # internal: the rule for dropping a mask, checked on its own
 
-    q = torch.empty(3, 6, 8)
+    q = (3, 6, 8)
     assert _fits(torch.ones(2, 3, 6, 6, dtype=torch.bool), q, q) is None
     assert _fits(torch.ones(6, 6, dtype=torch.bool), q, q) == ((3, 6, 8), (3, 6, 8))
     assert _fits(torch.ones(6, 5, dtype=torch.bool), q, q) is None  # does not broadcast at all

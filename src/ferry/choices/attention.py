@@ -37,6 +37,7 @@ import math
 import operator
 from collections.abc import Callable
 
+import sympy
 import torch
 import torch.fx
 
@@ -57,6 +58,7 @@ MHA = aten._native_multi_head_attention.default
 OPS = frozenset({SDPA, MHA})
 FORMS = ("fused", "GEMMs and a softmax")
 _CHECK_ELEMENTS = 1 << 22  # the largest activation a numerical check materialises
+_MAX_BINDINGS = 64  # the most values of a mask's dynamic sizes it is computed at, at compile time
 # what the traced ops of one nn.MultiheadAttention (self-attention, packed projections) may be
 _MHA_OPS = frozenset({aten.linear.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
             aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
@@ -429,8 +431,8 @@ def _size_at(size, binding: dict) -> int:
     """A size (an int or a symbolic one) at the symbols' values in `binding`."""
     if not isinstance(size, torch.SymInt):
         return int(size)
-    value = size.node.expr.xreplace(binding)
-    if value.free_symbols:
+    value = sympy.sympify(size.node.expr.xreplace(binding))
+    if not value.is_Integer:
         raise ValueError(f"size {size} has no value here")
     return int(value)
 
@@ -486,23 +488,71 @@ def simplify_attention_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
             continue
         kwargs = _sdpa_options(node)
         mask = kwargs.get("attn_mask")
-        value = _constant_value(gm, mask, {}) if isinstance(mask, torch.fx.Node) else None
-        if value is None or value.dtype != torch.bool:
+        kind = _known_mask(gm, node, mask, bool(kwargs.get("is_causal"))) if isinstance(mask, torch.fx.Node) else None
+        if kind is None:
             continue
-        shapes = _fits(value, *(a.meta.get("val") for a in node.args[:2]))
-        if shapes is None:
-            continue
-        q, k = shapes
-        if bool(value.all()):
-            kind = "mask dropped"
-        elif not kwargs.get("is_causal") and _is_causal(value, q, k):
-            kwargs["is_causal"], kind = True, "mask causal"
-        else:
-            continue
+        if kind == "mask causal":
+            kwargs["is_causal"] = True
         kwargs["attn_mask"] = None
         node.args, node.kwargs = tuple(node.args[:3]), kwargs
         done.append(Rewrite(kind, node.name))
     return done
+
+
+def _known_mask(gm, sdpa: torch.fx.Node, mask: torch.fx.Node, causal: bool) -> str | None:
+    """"mask dropped" where the boolean `mask`, computed from constants, is all true, "mask
+    causal" where it is lower-triangular (and the call not causal already), at every size the
+    call may have: a dynamic size at each of its values (at most _MAX_BINDINGS in all, else None)."""
+    q, k = (a.meta.get("val") for a in sdpa.args[:2])
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        return None
+    kinds = set()
+    for binding in _every_binding([q, k, *_ancestors(mask)]) or []:
+        value = _constant_value(gm, mask, {}, binding)
+        shapes = _fits(value, _shape_at(q, binding), _shape_at(k, binding)) if value is not None else None
+        if shapes is None or value.dtype != torch.bool:
+            return None
+        if bool(value.all()):
+            kinds.add("mask dropped")
+        elif not causal and _is_causal(value, *shapes):
+            kinds.add("mask causal")
+        else:
+            return None
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _ancestors(node: torch.fx.Node) -> list:
+    """The values of `node` and of every node it is computed from."""
+    seen, todo = {node}, [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return [n.meta.get("val") for n in seen]
+
+
+def _every_binding(values) -> list[dict] | None:
+    """Every assignment of the sizes the symbolic `values` (tensors, sizes) depend on, each from
+    1 to its upper bound; [{}] where none is symbolic; None where one is unbounded or there
+    would be more than _MAX_BINDINGS."""
+    sizes = [s for v in values for s in (v.shape if isinstance(v, torch.Tensor) else (v,))
+             if isinstance(s, torch.SymInt)]
+    bindings: list[dict] = [{}]
+    for sym in sorted(set().union(*(s.node.expr.free_symbols for s in sizes)), key=str):
+        ranges = sizes[0].node.shape_env.var_to_range.get(sym)
+        upper = ranges.upper if ranges is not None and ranges.upper.is_Integer else None  # not int_oo
+        if upper is None or len(bindings) * int(upper) > _MAX_BINDINGS:
+            return None
+        bindings = [b | {sym: v} for b in bindings for v in range(1, int(upper) + 1)]
+    return bindings
+
+
+def _shape_at(t: torch.Tensor, binding: dict) -> tuple[int, ...] | None:
+    try:
+        return tuple(_size_at(s, binding) for s in t.shape)
+    except ValueError:
+        return None
 
 
 def _is_causal(mask: torch.Tensor, q: tuple, k: tuple) -> bool:
@@ -512,11 +562,9 @@ def _is_causal(mask: torch.Tensor, q: tuple, k: tuple) -> bool:
     return bool((mask == torch.ones(rows, cols, dtype=torch.bool).tril()).all())
 
 
-def _fits(mask: torch.Tensor, q, k):
-    """(q, k) as static shapes when `mask` broadcasts to the attention weights' shape without
-    growing it (else eager raises, and so must ferry); None otherwise."""
-    qs = M.static_ints(q.shape) if isinstance(q, torch.Tensor) else None
-    ks = M.static_ints(k.shape) if isinstance(k, torch.Tensor) else None
+def _fits(mask: torch.Tensor, qs: tuple | None, ks: tuple | None):
+    """(qs, ks) where `mask` broadcasts to the attention weights' shape without growing it
+    (else eager raises, and so must ferry); None otherwise."""
     if qs is None or ks is None or mask.dim() > len(qs):
         return None
     weights = (*qs[:-1], ks[-2])
@@ -526,23 +574,24 @@ def _fits(mask: torch.Tensor, q, k):
         return None
 
 
-def _small(val) -> bool:
-    """A traced result of static shape small enough to compute at compile time."""
-    shape = M.static_ints(val.shape) if isinstance(val, torch.Tensor) else None
-    return shape is not None and math.prod(shape) <= _CHECK_ELEMENTS
-
-
-def _constant_value(gm, node, memo: dict):
-    """The value of `node` when it depends on constants alone (evaluated on the CPU), else None."""
+def _constant_value(gm, node, memo: dict, binding: dict):
+    """The value of `node` when it depends on constants and sizes alone (evaluated on the CPU,
+    symbolic sizes at their values in `binding`), else None."""
     if node in memo:
         return memo[node]
     memo[node] = None
-    if node.op == "get_attr":
+    val = node.meta.get("val")
+    if isinstance(val, torch.SymInt) or (type(val) is int and node.op == "placeholder"):
+        try:
+            memo[node] = _size_at(val, binding)
+        except ValueError:
+            memo[node] = None
+    elif node.op == "get_attr":
         memo[node] = attr(gm, node)
     elif (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-          and torch.Tag.nondeterministic_seeded not in node.target.tags and _small(node.meta.get("val"))):
-        inputs = [_constant_value(gm, a, memo) for a in node.all_input_nodes]
-        if all(isinstance(v, torch.Tensor) for v in inputs):
+          and torch.Tag.nondeterministic_seeded not in node.target.tags and _small(val, binding)):
+        inputs = [_constant_value(gm, a, memo, binding) for a in node.all_input_nodes]
+        if all(v is not None for v in inputs):
             values = dict(zip(node.all_input_nodes, inputs))
             args = torch.fx.node.map_arg(node.args, values.__getitem__)
             kwargs = dict(torch.fx.node.map_arg(node.kwargs, values.__getitem__))
@@ -555,6 +604,12 @@ def _constant_value(gm, node, memo: dict):
             if isinstance(result, torch.Tensor) and result.numel() <= _CHECK_ELEMENTS:
                 memo[node] = result
     return memo[node]
+
+
+def _small(val, binding: dict) -> bool:
+    """A traced tensor small enough to compute at compile time at the sizes of `binding`."""
+    shape = _shape_at(val, binding) if isinstance(val, torch.Tensor) else None
+    return shape is not None and math.prod(shape) <= _CHECK_ELEMENTS
 
 
 def additive_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
