@@ -968,3 +968,41 @@ def test_dynamic_sequence_first_attention_stays_traced(emu):
     program = _dynamic(model, torch.randn(7, 2, 32), {1: 8})
     assert MHA not in delegate_kernels(program)
     _equal_at_sizes(program, model, [(7, 5, 32), (7, 2, 32), (7, 8, 32)])
+
+
+class SizedMaskAttention(torch.nn.Module):
+    """A mask built from arange and the input's dynamic sizes: `causal` is lower-triangular at
+    every size; `short` is all true only while the length is at most 4 (a rule of the size
+    that one traced value cannot reveal)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q):
+        n, t = q.shape[0], q.shape[2]
+        i = torch.arange(t)
+        mask = (i[:, None] >= i[None, :]) if self.kind == "causal" else (i[None, :] < 4).expand(t, t)
+        return torch.nn.functional.scaled_dot_product_attention(q, q * 2, q, attn_mask=mask.expand(n, 1, t, t))
+
+
+@pytest.mark.parametrize("kind,note", [("causal", "1 lower-triangular"), ("short", None)])
+def test_masks_of_dynamic_sizes_are_simplified_only_where_they_are_so_at_every_size(kind, note, emu):
+    model = SizedMaskAttention(kind)
+    program = _dynamic(model, torch.randn(2, 3, 4, 8), {0: 5, 2: 9})
+    notes = delegate_method(program).kernel_choices
+    if note is None:
+        assert "compile time" not in notes.get(SDPA, "")
+    else:
+        assert note in notes[SDPA]
+        assert not any(k.startswith(("aten::arange", "aten::ge")) for k in delegate_kernels(program))
+    _equal_at_sizes(program, model, [(2, 3, 4, 8), (5, 3, 9, 8), (1, 3, 2, 8), (3, 3, 7, 8)])
+
+
+def test_a_mask_of_sizes_with_too_many_values_to_check_stays(emu):
+    """A causal mask over a length of up to 100 values (more than the compile-time check
+    computes) is left to run: no rewrite that was not checked at every size."""
+    model = SizedMaskAttention("causal")
+    program = _dynamic(model, torch.randn(2, 3, 4, 8), {0: 5, 2: 100})
+    assert "compile time" not in delegate_method(program).kernel_choices.get(SDPA, "")
+    _equal_at_sizes(program, model, [(2, 3, 4, 8), (5, 3, 37, 8), (1, 3, 2, 8)])

@@ -506,19 +506,22 @@ def _known_mask(gm, sdpa: torch.fx.Node, mask: torch.fx.Node, causal: bool) -> s
     q, k = (a.meta.get("val") for a in sdpa.args[:2])
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
         return None
-    kinds = set()
-    for binding in _every_binding([q, k, *_ancestors(mask)]) or []:
+    bindings = _every_binding([q, k, *_ancestors(mask)])
+    if not bindings:
+        return None
+    kinds = {"mask dropped", "mask causal"}  # those that hold at every size so far
+    for binding in bindings:
         value = _constant_value(gm, mask, {}, binding)
         shapes = _fits(value, _shape_at(q, binding), _shape_at(k, binding)) if value is not None else None
         if shapes is None or value.dtype != torch.bool:
             return None
-        if bool(value.all()):
-            kinds.add("mask dropped")
-        elif not causal and _is_causal(value, *shapes):
-            kinds.add("mask causal")
-        else:
+        if not bool(value.all()):
+            kinds.discard("mask dropped")  # a 1 x 1 mask is both: causal over lengths that vary
+        if causal or not _is_causal(value, *shapes):
+            kinds.discard("mask causal")
+        if not kinds:
             return None
-    return kinds.pop() if len(kinds) == 1 else None
+    return "mask dropped" if "mask dropped" in kinds else "mask causal"
 
 
 def _ancestors(node: torch.fx.Node) -> list:
