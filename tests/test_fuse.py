@@ -957,8 +957,8 @@ def test_dynamic_self_attention_becomes_one_fused_op_and_equals_eager_at_every_s
     program = _dynamic(model, torch.randn(2, 7, 32), dims)
     kernels = delegate_kernels(program)
     assert kernels.count(MHA) == 1 and SDPA not in kernels, kernels
-    lengths = (7, 3, 16, 7) if 1 in dims else (7, 7, 7, 7)
-    _equal_at_sizes(program, model, [(b, t, 32) for b, t in zip((5, 2, 8, 3), lengths)])
+    lengths = (7, 3, 16, 1, 7) if 1 in dims else (7, 7, 7, 7, 7)
+    _equal_at_sizes(program, model, [(b, t, 32) for b, t in zip((5, 1, 8, 3, 2), lengths)])
 
 
 def test_dynamic_sequence_first_attention_stays_traced(emu):
@@ -1006,3 +1006,17 @@ def test_a_mask_of_sizes_with_too_many_values_to_check_stays(emu):
     program = _dynamic(model, torch.randn(2, 3, 4, 8), {0: 5, 2: 100})
     assert "compile time" not in delegate_method(program).kernel_choices.get(SDPA, "")
     _equal_at_sizes(program, model, [(2, 3, 4, 8), (5, 3, 37, 8), (1, 3, 2, 8)])
+
+
+@pytest.mark.parametrize("dims", [{0: 6}, {0: 6, 2: 16, 3: 16}], ids=["batch", "batch-and-image"])
+def test_a_residual_block_of_dynamic_sizes_runs_as_two_fused_convolutions(dims, emu):
+    """The fused convolutions compute the same at every size: a dynamic batch or image keeps
+    them, and the program stays dynamic (no size fixed by the rewrite's checks)."""
+    torch.manual_seed(0)
+    model = Residual().eval()
+    program = _dynamic(model, torch.randn(2, 8, 10, 10), dims)
+    assert delegate_kernels(program) == [CONV_RELU, CONV_ADD_RELU]
+    sizes = [(5, 8, 10, 10), (1, 8, 10, 10), (6, 8, 10, 10)]
+    if 2 in dims:
+        sizes += [(3, 8, 16, 7), (2, 8, 4, 12)]
+    _equal_at_sizes(program, model, sizes)

@@ -44,6 +44,11 @@ def surely(b) -> bool:
     return bool(b)
 
 
+def same_sizes(a, b) -> bool:
+    """Two shapes (or strides) equal at every size, static or symbolic (no guard added)."""
+    return len(a) == len(b) and all(surely(p == q) for p, q in zip(a, b))
+
+
 def hint_ints(shape) -> tuple[int, ...]:
     """A shape at the sizes export traced (the hint of each symbolic size), adding no guard."""
     return tuple(s if type(s) is int else int(s.node.hint) if s.node.hint is not None else 1 for s in shape)

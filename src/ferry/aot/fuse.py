@@ -23,7 +23,9 @@ does not show. Three of them cost ferry the most on real models (measured on an 
 All run after partitioning, on each delegate's subgraph: partitioners and `exclude=` see the
 ops the user wrote. The attention rewrite fires only on exactly `nn.MultiheadAttention`'s own
 ops and is checked numerically against them before it replaces them; the fold and the masks
-are exact algebra on constants. Nothing is rewritten over a dynamic size.
+are exact algebra on constants. At dynamic sizes (a batch, a length) a rewrite applies only
+where it holds at every size: attention's check also runs one size larger, and a mask is
+evaluated at every value its bounded sizes may take.
 """
 
 from __future__ import annotations

@@ -377,7 +377,7 @@ def _attention_region(gm, members):
     xv, ov, q = x.meta.get("val"), out.meta.get("val"), sdpa[0].args[0].meta.get("val")
     if not (isinstance(xv, torch.Tensor) and isinstance(ov, torch.Tensor) and xv.dim() == 3):
         return None
-    if not _same_sizes(xv.shape, ov.shape) or type(xv.shape[2]) is not int:
+    if not M.same_sizes(xv.shape, ov.shape) or type(xv.shape[2]) is not int:
         return None
     embed = xv.shape[2]
     shapes = {tuple(attr(gm, a).shape): a for a in inputs if a.op == "get_attr" and attr(gm, a) is not None}
@@ -392,10 +392,6 @@ def _attention_region(gm, members):
 def _is_size(node: torch.fx.Node) -> bool:
     """A size (a symbolic batch or length) the traced ops take as an input: not an activation."""
     return isinstance(node.meta.get("val"), (int, torch.SymInt))
-
-
-def _same_sizes(a, b) -> bool:
-    return len(a) == len(b) and all(M.surely(p == q) for p, q in zip(a, b))
 
 
 def _has_mask_or_dropout(sdpa) -> bool:

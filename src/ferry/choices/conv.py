@@ -316,7 +316,7 @@ def _foldable(gm, conv, bn):
 def fuse_conv_relu(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """`relu(conv(x))` -> `ferry::conv_relu`, `relu(conv(x) + z)` -> `ferry::conv_add_relu`
     (ops/fused.py: one cuDNN call on CUDA where eager would run cuDNN). Only a 2-D
-    convolution of static shape that nothing else reads, and a `z` of its result's exact shape,
+    convolution that nothing else reads, and a `z` of its result's exact shape,
     dtype and layout (no broadcast). The graph is functional here (lowering made it so): an
     in-place `relu_` or `+=` of the module is a `relu` or `add` by now."""
     done = []
@@ -346,13 +346,13 @@ def fuse_conv_relu(gm: torch.fx.GraphModule) -> list[Rewrite]:
 
 
 def _fusable_conv(node) -> bool:
-    """A 2-D, not transposed convolution of static shape whose one reader is the next op."""
+    """A 2-D, not transposed convolution (of any sizes: the fused op computes the same at each)
+    whose one reader is the next op."""
     if not single_use(node) or not _conv2d(node):
         return False
     val, x = node.meta.get("val"), node.args[0]
     xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    return (isinstance(val, torch.Tensor) and isinstance(xv, torch.Tensor) and val.dim() == 4
-            and val.is_floating_point() and M.static_ints(val.shape) is not None and M.static_ints(xv.shape) is not None)
+    return isinstance(val, torch.Tensor) and isinstance(xv, torch.Tensor) and val.dim() == 4 and val.is_floating_point()
 
 
 def _conv2d(node) -> bool:
@@ -367,8 +367,8 @@ def _conv2d(node) -> bool:
 def _same_tensor_type(conv, z) -> bool:
     cv = conv.meta.get("val")
     zv = z.meta.get("val") if isinstance(z, torch.fx.Node) else None
-    return (isinstance(zv, torch.Tensor) and tuple(zv.shape) == tuple(cv.shape) and zv.dtype == cv.dtype
-            and zv.stride() == cv.stride())
+    return (isinstance(zv, torch.Tensor) and M.same_sizes(zv.shape, cv.shape) and zv.dtype == cv.dtype
+            and M.same_sizes(zv.stride(), cv.stride()))
 
 
 def _conv_args(conv) -> tuple:
