@@ -290,12 +290,12 @@ def test_one_attention_module_called_twice_is_fused_per_call(emu):
 def test_a_constant_mask_that_would_grow_the_result_is_left_to_fail_as_in_eager():
     """Eager raises when a mask has more leading dimensions than the attention weights; dropping
     an all-true one would have returned a result instead."""
-    from ferry.choices.attention import _fits  # internal: the rule for dropping a mask, checked on its own
+    from ferry.choices.attention import _mask_fits  # internal: the rule for dropping a mask, checked on its own
 
     q = (3, 6, 8)
-    assert _fits(torch.ones(2, 3, 6, 6, dtype=torch.bool), q, q) is None
-    assert _fits(torch.ones(6, 6, dtype=torch.bool), q, q) == ((3, 6, 8), (3, 6, 8))
-    assert _fits(torch.ones(6, 5, dtype=torch.bool), q, q) is None  # does not broadcast at all
+    assert not _mask_fits(torch.ones(2, 3, 6, 6, dtype=torch.bool), q, q)
+    assert _mask_fits(torch.ones(6, 6, dtype=torch.bool), q, q)
+    assert not _mask_fits(torch.ones(6, 5, dtype=torch.bool), q, q)  # does not broadcast at all
 
 
 # ---- linear as eager's one GEMM over rows, into planned memory
@@ -1020,3 +1020,57 @@ def test_a_residual_block_of_dynamic_sizes_runs_as_two_fused_convolutions(dims, 
     if 2 in dims:
         sizes += [(3, 8, 16, 7), (2, 8, 4, 12)]
     _equal_at_sizes(program, model, sizes)
+
+
+class MaskOfAnotherSize(torch.nn.Module):
+    """A mask all true while `z` has rows, only key 0 allowed when it has none: a call may pass
+    any size from 0 to the bound, so the mask must be checked at 0 too."""
+
+    def forward(self, q, z):
+        mask = (torch.arange(8)[None, :] < 8 * z.shape[0] + 1).expand(8, 8)
+        return torch.nn.functional.scaled_dot_product_attention(q, q * 2, q, attn_mask=mask) + z.sum()
+
+
+def test_a_mask_that_differs_at_size_zero_stays(emu):
+    model, q = MaskOfAnotherSize(), torch.randn(1, 2, 8, 4)
+    ep = torch.export.export(model, (q, torch.randn(3)), dynamic_shapes=(None, {0: torch.export.Dim("n", max=4)}))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
+    module = ferry.Module(program)
+    for rows in (3, 0, 1):
+        z = torch.randn(rows)
+        torch.testing.assert_close(module(q, z), model(q, z), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,features", [((3, 0, 16), (16, 8)), ((3, 4, 16), (16, 0)), ((3, 4, 0), (0, 8))],
+                         ids=["no-rows", "no-outputs", "no-inputs"])
+def test_a_linear_with_an_empty_size_beside_a_dynamic_batch_equals_eager(shape, features, emu):
+    """A view that infers a size (-1) is ambiguous over zero elements: such a linear stays."""
+    model = torch.nn.Linear(*features).eval()
+    program = _dynamic(model, torch.randn(*shape), {0: 8})
+    _equal_at_sizes(program, model, [(b, *shape[1:]) for b in (3, 1, 0, 8)])
+
+
+def test_the_fused_convolution_takes_an_empty_batch_as_eager_does():
+    """A dynamic batch may be 0: eager's convolution returns an empty result, and so does the
+    fused op (cuDNN's fused call is not asked; its argument check would refuse it)."""
+    from ferry.ops.fused import cudnn_takes
+
+    w, b = torch.randn(8, 4, 3, 3), torch.randn(8)
+    assert cudnn_takes(torch.randn(0, 4, 6, 5), w, b, [1, 1], [0, 0], [1, 1], 1) is False
+    out = torch.ops.ferry.conv_relu(torch.randn(0, 4, 6, 5), w, b, [1, 1], [0, 0], [1, 1], 1)
+    assert out.shape == (0, 8, 4, 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_dynamic_residual_block_on_cuda_equals_eager_at_every_batch_and_an_empty_one():
+    torch.manual_seed(0)
+    model = Residual().eval()
+    ep = torch.export.export(model, (torch.randn(2, 8, 10, 10),), dynamic_shapes=({0: torch.export.Dim("b", max=6)},))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0"))
+    assert delegate_kernels(program) == [CONV_RELU, CONV_ADD_RELU]
+    module, cuda_model = ferry.Module(program), copy.deepcopy(model).cuda()
+    for batch in (5, 0, 1, 6):
+        x = torch.randn(batch, 8, 10, 10)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)

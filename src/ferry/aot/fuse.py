@@ -23,9 +23,11 @@ does not show. Three of them cost ferry the most on real models (measured on an 
 All run after partitioning, on each delegate's subgraph: partitioners and `exclude=` see the
 ops the user wrote. The attention rewrite fires only on exactly `nn.MultiheadAttention`'s own
 ops and is checked numerically against them before it replaces them; the fold and the masks
-are exact algebra on constants. At dynamic sizes (a batch, a length) a rewrite applies only
-where it holds at every size: attention's check also runs one size larger, and a mask is
-evaluated at every value its bounded sizes may take.
+are exact algebra on constants. At dynamic sizes (a batch, a length): linear as a GEMM, the
+fold and the fused convolutions are the same algebra at every size; attention's numerical check
+runs at the traced sizes and again with the dynamic sizes one larger; a mask is evaluated at
+every value its bounded sizes may take (0 to the bound, at most 64 combinations), and stays
+otherwise. Patches as a GEMM stay static-only (their packing is laid out per shape).
 """
 
 from __future__ import annotations

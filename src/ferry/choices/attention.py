@@ -401,22 +401,21 @@ def _has_mask_or_dropout(sdpa) -> bool:
 
 def _same_result(gm, members, region) -> bool:
     """Run the traced ops and the fused op on one random input with the real weights: at the
-    traced sizes, and where a size is dynamic also at each dynamic size one larger."""
+    traced sizes, and where a size is dynamic also with the dynamic sizes one larger."""
     x = region[0]
     bindings = _check_bindings(x.meta["val"].shape)
     return bindings is not None and all(_same_at(gm, members, region, b) for b in bindings)
 
 
 def _check_bindings(shape) -> list[dict] | None:
-    """Values for the symbols of `shape`: the traced ones, and (if any) each one larger; None
-    where a size has no traced value."""
+    """Values for the symbols of `shape`: the traced ones, and all of them one larger (a second
+    sample: the ops' sizes are symbolic, so what differs with a size shows there); None where a
+    size has no traced value."""
     symbols = set().union(*(s.node.expr.free_symbols for s in shape if isinstance(s, torch.SymInt)))
     if not symbols:
         return [{}]
-    hints = {}
-    for s in shape:
-        if isinstance(s, torch.SymInt):
-            hints.update(s.node.shape_env.var_to_val)
+    env = next(s.node.shape_env for s in shape if isinstance(s, torch.SymInt))
+    hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # renamed after torch 2.11
     if any(sym not in hints for sym in symbols):
         return None
     traced = {sym: hints[sym] for sym in symbols}
@@ -508,12 +507,12 @@ def _known_mask(gm, sdpa: torch.fx.Node, mask: torch.fx.Node, causal: bool) -> s
     kinds = {"mask dropped", "mask causal"}  # those that hold at every size so far
     for binding in bindings:
         value = _constant_value(gm, mask, {}, binding)
-        shapes = _fits(value, _shape_at(q, binding), _shape_at(k, binding)) if value is not None else None
-        if shapes is None or value.dtype != torch.bool:
+        qs, ks = _shape_at(q, binding), _shape_at(k, binding)
+        if value is None or value.dtype != torch.bool or not _mask_fits(value, qs, ks):
             return None
         if not bool(value.all()):
             kinds.discard("mask dropped")  # a 1 x 1 mask is both: causal over lengths that vary
-        if causal or not _is_causal(value, *shapes):
+        if causal or not _is_causal(value, qs, ks):
             kinds.discard("mask causal")
         if not kinds:
             return None
@@ -532,18 +531,19 @@ def _ancestors(node: torch.fx.Node) -> list:
 
 
 def _every_binding(values) -> list[dict] | None:
-    """Every assignment of the sizes the symbolic `values` (tensors, sizes) depend on, each from
-    1 to its upper bound; [{}] where none is symbolic; None where one is unbounded or there
-    would be more than _MAX_BINDINGS."""
+    """Every assignment of the sizes the symbolic `values` (tensors, sizes) depend on, each from 0
+    to its upper bound (a call may pass any size up to the bound, below the exported minimum
+    too); [{}] where none is symbolic; None where one is unbounded or there would be more than
+    _MAX_BINDINGS."""
     sizes = [s for v in values for s in (v.shape if isinstance(v, torch.Tensor) else (v,))
              if isinstance(s, torch.SymInt)]
     bindings: list[dict] = [{}]
     for sym in sorted(set().union(*(s.node.expr.free_symbols for s in sizes)), key=str):
         ranges = sizes[0].node.shape_env.var_to_range.get(sym)
         upper = ranges.upper if ranges is not None and ranges.upper.is_Integer else None  # not int_oo
-        if upper is None or len(bindings) * int(upper) > _MAX_BINDINGS:
+        if upper is None or len(bindings) * (int(upper) + 1) > _MAX_BINDINGS:
             return None
-        bindings = [b | {sym: v} for b in bindings for v in range(1, int(upper) + 1)]
+        bindings = [b | {sym: v} for b in bindings for v in range(int(upper) + 1)]
     return bindings
 
 
@@ -561,16 +561,16 @@ def _is_causal(mask: torch.Tensor, q: tuple, k: tuple) -> bool:
     return bool((mask == torch.ones(rows, cols, dtype=torch.bool).tril()).all())
 
 
-def _fits(mask: torch.Tensor, qs: tuple | None, ks: tuple | None):
-    """(qs, ks) where `mask` broadcasts to the attention weights' shape without growing it
-    (else eager raises, and so must ferry); None otherwise."""
+def _mask_fits(mask: torch.Tensor, qs: tuple | None, ks: tuple | None) -> bool:
+    """`mask` broadcasts to the attention weights' shape (q and k of shapes `qs`, `ks`) without
+    growing it (else eager raises, and so must ferry)."""
     if qs is None or ks is None or mask.dim() > len(qs):
-        return None
+        return False
     weights = (*qs[:-1], ks[-2])
     try:
-        return (qs, ks) if torch.broadcast_shapes(tuple(mask.shape), weights) == weights else None
+        return torch.broadcast_shapes(tuple(mask.shape), weights) == weights
     except RuntimeError:
-        return None
+        return False
 
 
 def _constant_value(gm, node, memo: dict, binding: dict):

@@ -128,6 +128,8 @@ def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
         if not M.surely(xv.is_contiguous()):
             continue
         k, n = xv.shape[-1], out.shape[-1]
+        if 0 in (k, n, *(s for s in xv.shape[:-1] if type(s) is int)):
+            continue  # an empty operand: a view inferring a size (-1) of zero elements would be ambiguous
         bv = b.meta.get("val") if isinstance(b, torch.fx.Node) else None
         if b is not None and not (isinstance(bv, torch.Tensor) and tuple(bv.shape) == (n,)):
             continue  # addmm broadcasts a bias over rows only: a (rows-like, n) bias stays with linear
@@ -135,7 +137,7 @@ def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
             continue  # a view as the delegate's result would be copied out: linear writes the caller's tensor
         rows = math.prod(xv.shape[:-1])
         with gm.graph.inserting_before(node):
-            flat = x if xv.dim() == 2 else call(gm, node, aten.view.default, (x, [_or_any(rows), k]),
+            flat = x if xv.dim() == 2 else call(gm, node, aten.view.default, (x, [_inferred_if_symbolic(rows), k]),
                                                   xv.new_empty((rows, k)))
             wt = call(gm, node, aten.t.default, (w,), wv.t())
             res = out.new_empty((rows, n))
@@ -149,8 +151,9 @@ def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
     return done
 
 
-def _or_any(size):
-    """A view's size: an int as it is, a symbolic one as -1 (the one size the view infers)."""
+def _inferred_if_symbolic(size):
+    """A view's size: an int as it is, a symbolic one as -1 (the one size the view infers; every
+    other size given is nonzero, so the inference is unambiguous)."""
     return size if type(size) is int else -1
 
 
@@ -158,7 +161,7 @@ def _view_sizes(gm, like: torch.fx.Node, x: torch.fx.Node, sizes) -> list:
     """`sizes` (x's leading sizes) as a view's argument: ints as they are; one symbolic size
     as -1; several each read from x (`sym_size`)."""
     if sum(type(s) is not int for s in sizes) <= 1:
-        return [_or_any(s) for s in sizes]
+        return [_inferred_if_symbolic(s) for s in sizes]
     return [s if type(s) is int else call(gm, like, aten.sym_size.int, (x, i), s) for i, s in enumerate(sizes)]
 
 

@@ -92,6 +92,8 @@ def cudnn_takes(x, weight, bias, stride, padding, dilation, groups) -> bool:
     convolution refuses are refused here, before cuDNN sees them (what aten.convolution checks)."""
     if x.dim() != 4 or torch.backends.cudnn.deterministic or torch.are_deterministic_algorithms_enabled():
         return False  # cuDNN's fused call has no deterministic mode: eager's convolution then add and ReLU
+    if x.shape[0] == 0:
+        return False  # an empty batch (a dynamic one may be): eager's convolution returns an empty result
     _check_args(x, weight, bias, stride, padding, dilation, groups)
     backend = torch._C._select_conv_backend(x, weight, bias, stride, padding, dilation, False, [0, 0], groups, None)
     return backend == torch._C._ConvBackend.Cudnn  # type: ignore[attr-defined]
