@@ -498,7 +498,7 @@ def _known_mask(gm, sdpa: torch.fx.Node, mask: torch.fx.Node, causal: bool) -> s
     """"mask dropped" where the boolean `mask`, computed from constants, is all true, "mask
     causal" where it is lower-triangular (and the call not causal already), at every size the
     call may have: a dynamic size at each of its values (at most _MAX_BINDINGS in all, else None)."""
-    q, k = (a.meta.get("val") for a in sdpa.args[:2])
+    q, k = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in sdpa.args[:2])
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
         return None
     bindings = _every_binding([q, k, *_ancestors(mask)])
@@ -508,7 +508,7 @@ def _known_mask(gm, sdpa: torch.fx.Node, mask: torch.fx.Node, causal: bool) -> s
     for binding in bindings:
         value = _constant_value(gm, mask, {}, binding)
         qs, ks = _shape_at(q, binding), _shape_at(k, binding)
-        if value is None or value.dtype != torch.bool or not _mask_fits(value, qs, ks):
+        if value is None or qs is None or ks is None or value.dtype != torch.bool or not _mask_fits(value, qs, ks):
             return None
         if not bool(value.all()):
             kinds.discard("mask dropped")  # a 1 x 1 mask is both: causal over lengths that vary
@@ -561,10 +561,10 @@ def _is_causal(mask: torch.Tensor, q: tuple, k: tuple) -> bool:
     return bool((mask == torch.ones(rows, cols, dtype=torch.bool).tril()).all())
 
 
-def _mask_fits(mask: torch.Tensor, qs: tuple | None, ks: tuple | None) -> bool:
+def _mask_fits(mask: torch.Tensor, qs: tuple, ks: tuple) -> bool:
     """`mask` broadcasts to the attention weights' shape (q and k of shapes `qs`, `ks`) without
     growing it (else eager raises, and so must ferry)."""
-    if qs is None or ks is None or mask.dim() > len(qs):
+    if mask.dim() > len(qs):
         return False
     weights = (*qs[:-1], ks[-2])
     try:
