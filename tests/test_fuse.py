@@ -2,6 +2,7 @@
 nn.MultiheadAttention as one fused op, batch norms folded into convolutions; each checked against
 eager with fresh inputs."""
 
+import collections
 import copy
 
 import pytest
@@ -1074,3 +1075,33 @@ def test_a_dynamic_residual_block_on_cuda_equals_eager_at_every_batch_and_an_emp
         x = torch.randn(batch, 8, 10, 10)
         with torch.no_grad():
             torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_llama_with_a_dynamic_batch_and_length_runs_its_fixed_twins_kernels(emu):
+    """transformers' Llama (grouped KV heads, a causal mask built from arange and the sizes,
+    linears over two dynamic sizes): the dynamic program runs the kernels the program compiled
+    for one shape runs (and reads its sizes), and equals eager at every size."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = transformers.LlamaForCausalLM(cfg).eval()
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    model, ids = Logits().eval(), torch.randint(0, 128, (2, 8))
+    dims = ({0: torch.export.Dim("b", max=4), 1: torch.export.Dim("t", max=16)},)
+    dynamic = ferry.compile(torch.export.export(model, (ids,), dynamic_shapes=dims), ferry.OpSupportPartitioner("emu:0"))
+    fixed = ferry.compile(torch.export.export(model, (ids,)), ferry.OpSupportPartitioner("emu:0"))
+    ran = collections.Counter(k for k in delegate_kernels(dynamic) if k != "aten::sym_size.int")
+    assert ran == collections.Counter(delegate_kernels(fixed))
+    module = ferry.Module(dynamic)
+    for b, t in ((2, 8), (1, 3), (4, 16), (3, 1), (2, 8)):
+        x = torch.randint(0, 128, (b, t))
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-4)

@@ -26,7 +26,7 @@ ops and is checked numerically against them before it replaces them; the fold an
 are exact algebra on constants. At dynamic sizes (a batch, a length): linear as a GEMM, the
 fold and the fused convolutions are the same algebra at every size; attention's numerical check
 runs at the traced sizes and again with the dynamic sizes one larger; a mask is evaluated at
-every value its bounded sizes may take (0 to the bound, at most 64 combinations), and stays
+every value its bounded sizes may take (0 to the bound, at most 512 combinations), and stays
 otherwise. Patches as a GEMM stay static-only (their packing is laid out per shape).
 """
 

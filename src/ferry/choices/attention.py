@@ -58,7 +58,7 @@ MHA = aten._native_multi_head_attention.default
 OPS = frozenset({SDPA, MHA})
 FORMS = ("fused", "GEMMs and a softmax")
 _CHECK_ELEMENTS = 1 << 22  # the largest activation a numerical check materialises
-_MAX_BINDINGS = 64  # the most values of a mask's dynamic sizes it is computed at, at compile time
+_MAX_BINDINGS = 512  # the most values of a mask's dynamic sizes it is computed at, at compile time
 # what the traced ops of one nn.MultiheadAttention (self-attention, packed projections) may be
 _MHA_OPS = frozenset({aten.linear.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
             aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
@@ -691,13 +691,13 @@ def _repeated_heads(node) -> tuple[torch.fx.Node, int] | None:
     if not (isinstance(k, torch.fx.Node) and isinstance(kv, torch.Tensor) and isinstance(out, torch.Tensor)
             and isinstance(expanded, torch.Tensor)) or kv.dim() != 4:
         return None
-    kv_shape, ex, res = (M.static_ints(t.shape) for t in (kv, expanded, out))
-    if kv_shape is None or ex is None or res is None or len(ex) != 5:
+    b, h, n, d = kv.shape  # the batch and the length may be symbolic; heads and repeats not
+    ex, repeats = expanded.shape, expanded.shape[2] if expanded.dim() == 5 else None
+    if type(repeats) is not int or type(h) is not int:
         return None
-    b, h, n, d = kv_shape
-    if ex[:2] != (b, h) or ex[3:] != (n, d) or res != (b, h * ex[2], n, d):
+    if not (M.same_sizes(ex, (b, h, repeats, n, d)) and M.same_sizes(out.shape, (b, h * repeats, n, d))):
         return None
-    return k, ex[2]
+    return k, repeats
 
 
 PATTERNS = (fuse_attention, simplify_attention_masks, grouped_heads, additive_masks)
