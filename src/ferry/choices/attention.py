@@ -411,7 +411,7 @@ def _check_bindings(shape) -> list[dict] | None:
     """Values for the symbols of `shape`: the traced ones, and all of them one larger (a second
     sample: the ops' sizes are symbolic, so what differs with a size shows there); None where a
     size has no traced value."""
-    symbols = set().union(*(s.node.expr.free_symbols for s in shape if isinstance(s, torch.SymInt)))
+    symbols = _symbols(shape)
     if not symbols:
         return [{}]
     env = next(s.node.shape_env for s in shape if isinstance(s, torch.SymInt))
@@ -420,6 +420,11 @@ def _check_bindings(shape) -> list[dict] | None:
         return None
     traced = {sym: hints[sym] for sym in symbols}
     return [traced, {sym: v + 1 for sym, v in traced.items()}]
+
+
+def _symbols(sizes) -> set:
+    """The symbols the symbolic ones of `sizes` are expressions of."""
+    return set().union(*(s.node.expr.free_symbols for s in sizes if isinstance(s, torch.SymInt)))
 
 
 def _size_at(size, binding: dict) -> int:
@@ -435,12 +440,12 @@ def _size_at(size, binding: dict) -> int:
 def _same_at(gm, members, region, binding: dict) -> bool:
     x, weights, heads, out = region
     xv = x.meta["val"]
+    shape = _shape_at(xv, binding)
     try:
-        shape = [_size_at(s, binding) for s in xv.shape]
         sizes = {a: _size_at(a.meta["val"], binding) for n in members for a in n.all_input_nodes if _is_size(a)}
     except ValueError:
         return False
-    if math.prod(shape) > _CHECK_ELEMENTS or not xv.dtype.is_floating_point:
+    if shape is None or math.prod(shape) > _CHECK_ELEMENTS or not xv.dtype.is_floating_point:
         return False
     values = {w: attr(gm, w).cpu() for w in weights} | sizes
     gen = torch.Generator().manual_seed(0)
@@ -477,13 +482,20 @@ def _sdpa_params(args, kwargs: dict) -> dict:
 
 
 def simplify_attention_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:
-    done = []
+    done, known = [], {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
         kwargs = _sdpa_options(node)
-        mask = kwargs.get("attn_mask")
-        kind = _known_mask(gm, node, mask, bool(kwargs.get("is_causal"))) if isinstance(mask, torch.fx.Node) else None
+        mask, causal = kwargs.get("attn_mask"), bool(kwargs.get("is_causal"))
+        if not isinstance(mask, torch.fx.Node):
+            continue
+        # every layer reads the one mask: evaluated once per (mask, q and k shapes), not per layer
+        key = (mask, causal, str([getattr(a.meta.get("val"), "shape", a) if isinstance(a, torch.fx.Node) else a
+                                  for a in node.args[:2]]))
+        if key not in known:
+            known[key] = _known_mask(gm, node, mask, causal)
+        kind = known[key]
         if kind is None:
             continue
         if kind == "mask causal":
@@ -538,7 +550,7 @@ def _every_binding(values) -> list[dict] | None:
     sizes = [s for v in values for s in (v.shape if isinstance(v, torch.Tensor) else (v,))
              if isinstance(s, torch.SymInt)]
     bindings: list[dict] = [{}]
-    for sym in sorted(set().union(*(s.node.expr.free_symbols for s in sizes)), key=str):
+    for sym in sorted(_symbols(sizes), key=str):
         ranges = sizes[0].node.shape_env.var_to_range.get(sym)
         upper = ranges.upper if ranges is not None and ranges.upper.is_Integer else None  # not int_oo
         if upper is None or len(bindings) * (int(upper) + 1) > _MAX_BINDINGS:

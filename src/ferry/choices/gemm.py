@@ -143,8 +143,8 @@ def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
             res = out.new_empty((rows, n))
             gemm = (call(gm, node, aten.mm.default, (flat, wt), res) if b is None
                     else call(gm, node, aten.addmm.default, (b, flat, wt), res))
-            lead = [] if xv.dim() == 2 else _view_sizes(gm, node, x, xv.shape[:-1])
-            y = gemm if xv.dim() == 2 else call(gm, node, aten.view.default, (gemm, [*lead, n]), out)
+            y = gemm if xv.dim() == 2 else call(gm, node, aten.view.default,
+                                                (gemm, [*_view_sizes(gm, node, x, xv.shape[:-1]), n]), out)
         node.replace_all_uses_with(y)
         gm.graph.erase_node(node)
         done.append(Rewrite("gemm", node.name))
