@@ -114,7 +114,7 @@ def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
     bias), what eager's linear computes for a contiguous input; the rows may be dynamic (a
     batch, a length), the width not. Not where a batched result is the delegate's own output
     (a view there would cost a copy)."""
-    done = []
+    done, read = [], {}  # read: the size nodes made so far (by expression), before every later linear
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue
@@ -144,7 +144,7 @@ def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
             gemm = (call(gm, node, aten.mm.default, (flat, wt), res) if b is None
                     else call(gm, node, aten.addmm.default, (b, flat, wt), res))
             y = gemm if xv.dim() == 2 else call(gm, node, aten.view.default,
-                                                (gemm, [*_view_sizes(gm, node, x, xv.shape[:-1]), n]), out)
+                                                (gemm, [*_view_sizes(gm, node, x, xv.shape[:-1], read), n]), out)
         node.replace_all_uses_with(y)
         gm.graph.erase_node(node)
         done.append(Rewrite("gemm", node.name))
@@ -157,12 +157,24 @@ def _inferred_if_symbolic(size):
     return size if type(size) is int else -1
 
 
-def _view_sizes(gm, like: torch.fx.Node, x: torch.fx.Node, sizes) -> list:
+def _view_sizes(gm, like: torch.fx.Node, x: torch.fx.Node, sizes, read: dict) -> list:
     """`sizes` (x's leading sizes) as a view's argument: ints as they are; one symbolic size
-    as -1; several each read from x (`sym_size`)."""
+    as -1; several each as a node (`_size_node`)."""
     if sum(type(s) is not int for s in sizes) <= 1:
         return [_inferred_if_symbolic(s) for s in sizes]
-    return [s if type(s) is int else call(gm, like, aten.sym_size.int, (x, i), s) for i, s in enumerate(sizes)]
+    return [s if type(s) is int else _size_node(gm, like, x, i, s, read) for i, s in enumerate(sizes)]
+
+
+def _size_node(gm, like: torch.fx.Node, x: torch.fx.Node, i: int, size, read: dict) -> torch.fx.Node:
+    """x's size `i` (symbolic) as a node: the graph's input of that size where it has one (a
+    delegate's size inputs), else the one an earlier linear read, else read from x here (the
+    graph runs in order, so a node made before an earlier linear is there for every later one)."""
+    expr = size.node.expr
+    if expr not in read:
+        inputs = (p for p in gm.graph.find_nodes(op="placeholder")
+                  if isinstance(p.meta.get("val"), torch.SymInt) and p.meta["val"].node.expr == expr)
+        read[expr] = next(inputs, None) or call(gm, like, aten.sym_size.int, (x, i), size)
+    return read[expr]
 
 
 PATTERNS = (linear_as_gemm,)
