@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ferry
 from ferry.aot.fuse import fuse_for_inference
@@ -1107,3 +1108,91 @@ def test_a_llama_with_a_dynamic_batch_and_length_runs_its_fixed_twins_kernels(em
         x = torch.randint(0, 128, (b, t))
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class _MaskedAttention(torch.nn.Module):
+    """Self-attention of width 32 over 4 heads whose boolean mask `mask_of(t, *extra)` makes."""
+
+    def __init__(self, mask_of):
+        super().__init__()
+        self.qkv, self.mask_of = torch.nn.Linear(32, 96), mask_of
+
+    def forward(self, x, *extra):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 4, 8).transpose(1, 2) for z in self.qkv(x).split(32, -1))
+        mask = self.mask_of(t, *extra)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, 32)
+
+
+def _causal_unless_negative(t, n):
+    ar = torch.arange(t)
+    return (ar[:, None] >= ar[None, :]) | ((ar[None, :] * 0 + n) < 0)
+
+
+def test_a_mask_of_an_int_input_stays_where_the_int_may_be_below_its_exported_range(emu):
+    """Export records [0, 3] for an int checked to be in [-3, 3] and checks no minimum as low as
+    that: causal at 0..3 says nothing of -1, where the mask attends everywhere."""
+    model = _MaskedAttention(_causal_unless_negative).eval()
+
+    def forward(x, n: int):
+        torch._check(n >= -3)
+        torch._check(n <= 3)
+        return model(x, n)
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, x, n: int):
+            return forward(x, n)
+
+    wrapped = Wrapped()
+    dims = ({0: torch.export.Dim("b", max=4), 1: torch.export.Dim("t", max=8)}, torch.export.Dim.DYNAMIC)
+    ep = torch.export.export(wrapped, (torch.randn(2, 6, 32), 2), dynamic_shapes=dims)
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0")))
+    for n in (2, -1, 0, -3, 3):
+        x = torch.randn(2, 5, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x, n), model(x, n), rtol=1e-4, atol=1e-5)
+
+
+def _causal_at_even_lengths(t):
+    ar = torch.arange(t)
+    return (ar[:, None] >= ar[None, :]) | ((ar * 0 + t) % 2 == 1)[None, :]
+
+
+def test_a_mask_over_a_derived_length_stays_where_a_call_may_pass_any_length(emu):
+    """A length exported as 2*s is checked against its bound only (as export's own module does):
+    a mask causal at every even length is all true at the odd ones a call may still pass."""
+    model = _MaskedAttention(_causal_at_even_lengths).eval()
+    s = torch.export.Dim("s", min=1, max=8)
+    ep = torch.export.export(model, (torch.randn(2, 8, 32),), dynamic_shapes=({0: torch.export.Dim("b", max=4), 1: 2 * s},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0")))
+    for t in (8, 7, 4, 5, 16, 15):
+        x = torch.randn(2, t, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class _RowAttention(torch.nn.Module):
+    """Causal attention along each row of a (b, t, t, 16) pair tensor: the query's batch is
+    (b*t*t)//t, a size divided by a size."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+
+    def forward(self, z):
+        b, t = z.shape[:2]
+        q, k, v = (a.permute(0, 1, 3, 2, 4).reshape(b * t, 4, t, 4) for a in self.proj(z).view(b, t, t, 3, 4, 4).unbind(3))
+        ar = torch.arange(t)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ar[:, None] >= ar[None, :])
+        return y.view(b, t, 4, t, 4).permute(0, 1, 3, 2, 4).reshape(b, t, t, 16)
+
+
+def test_a_mask_checked_at_a_size_that_divides_by_zero_compiles_and_equals_eager(emu):
+    model = _RowAttention().eval()
+    t = torch.export.Dim("t", max=10)
+    ep = torch.export.export(model, (torch.randn(2, 5, 5, 16),), dynamic_shapes=({0: torch.export.Dim("b", max=3), 1: t, 2: t},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0")))
+    for b, n in ((1, 1), (3, 10), (2, 5), (1, 2)):
+        z = torch.randn(b, n, n, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(module(z), model(z), rtol=1e-4, atol=1e-5)

@@ -40,6 +40,7 @@ from collections.abc import Callable
 import sympy
 import torch
 import torch.fx
+from torch._dynamo.source import TensorProperty, TensorPropertySource
 
 from ferry import node_meta as M
 from ferry.choices import timing
@@ -431,7 +432,10 @@ def _size_at(size, binding: dict) -> int:
     """A size (an int or a symbolic one) at the symbols' values in `binding`."""
     if not isinstance(size, torch.SymInt):
         return int(size)
-    value = sympy.sympify(size.node.expr.xreplace(binding))
+    try:
+        value = sympy.sympify(size.node.expr.xreplace(binding))
+    except ArithmeticError:  # a size divided by one that is 0 here
+        raise ValueError(f"size {size} has no value here") from None
     if not value.is_Integer:
         raise ValueError(f"size {size} has no value here")
     return int(value)
@@ -545,18 +549,30 @@ def _ancestors(node: torch.fx.Node) -> list:
 def _every_binding(values) -> list[dict] | None:
     """Every assignment of the sizes the symbolic `values` (tensors, sizes) depend on, each from 0
     to its upper bound (a call may pass any size up to the bound, below the exported minimum
-    too); [{}] where none is symbolic; None where one is unbounded or there would be more than
-    _MAX_BINDINGS."""
+    too); [{}] where none is symbolic; None where one is unbounded, is not a size each call
+    checks (`_checked_size`), or there would be more than _MAX_BINDINGS."""
     sizes = [s for v in values for s in (v.shape if isinstance(v, torch.Tensor) else (v,))
              if isinstance(s, torch.SymInt)]
     bindings: list[dict] = [{}]
     for sym in sorted(_symbols(sizes), key=str):
-        ranges = sizes[0].node.shape_env.var_to_range.get(sym)
+        env = sizes[0].node.shape_env
+        ranges = env.var_to_range.get(sym) if _checked_size(env, sym) else None
         upper = ranges.upper if ranges is not None and ranges.upper.is_Integer else None  # not int_oo
         if upper is None or len(bindings) * (int(upper) + 1) > _MAX_BINDINGS:
             return None
         bindings = [b | {sym: v} for b in bindings for v in range(int(upper) + 1)]
     return bindings
+
+
+def _checked_size(env, sym) -> bool:
+    """`sym` is an input tensor's size as it is, which a call can set only to a value from 0 to
+    its bound (checked each call). Not so an int input (export checks no minimum of 2 or less:
+    -1 passes a range of [0, 3]) nor a size only ever met in an expression (t = 2*s: a call may
+    pass an odd t, and a derived size is not checked against its root)."""
+    sources = env.var_to_sources.get(sym, ())
+    if not any(isinstance(s, TensorPropertySource) and s.prop is TensorProperty.SIZE for s in sources):
+        return False
+    return not any(sym in e.free_symbols and e != sym for e in env.replacements.values())
 
 
 def _shape_at(t: torch.Tensor, binding: dict) -> tuple[int, ...] | None:
