@@ -574,6 +574,65 @@ def test_a_file_naming_a_static_dim_as_one_dynamic_size_is_refused():
         ferry.load_program(program.to_bytes())
 
 
+class _LongOnly(torch.nn.Module):
+    """A graph traced at t >= 5 took the branch of long inputs: wrong at t = 3."""
+
+    def forward(self, x):
+        return x.cumsum(1) if x.shape[1] > 4 else x * 2
+
+
+def test_a_size_below_the_exported_minimum_is_an_input_error_as_in_export():
+    """export's module checks a minimum above 2 (none of 2 or less, which its 0/1 specialisation
+    assumes away); ferry checks the same, from the file, and stays usable."""
+    t = torch.export.Dim("t", min=5, max=16)
+    ep = torch.export.export(_LongOnly(), (torch.randn(2, 8),), dynamic_shapes=({1: t},))
+    program = ferry.load_program(ferry.compile(ep).to_bytes())
+    assert program.method("forward").size_minimums == [[0, 1, 5]]
+    module = ferry.Module(program)
+    for n in (3, 4):
+        with pytest.raises(ferry.InputError, match=rf"input 0 \('x'\) dim 1 of 'forward' is {n}, below 5"):
+            module(torch.randn(2, n))
+        with pytest.raises(AssertionError, match="Guard failed"):
+            ep.module()(torch.randn(2, n))  # export refuses it too
+    for n in (5, 16, 9):
+        x = torch.randn(2, n)
+        torch.testing.assert_close(module(x), _LongOnly()(x))
+
+
+class _Ramp(nn.Module):
+    def forward(self, x, n: int):
+        torch._check(n >= 4)
+        torch._check(n <= 6)
+        return torch.arange(n, dtype=x.dtype) * x.sum()
+
+
+def test_an_int_input_outside_its_exported_range_is_an_input_error():
+    """An int input is checked each call against the bound its memory is planned for and a minimum
+    above 2, as export's module checks them; within them the result equals eager."""
+    ep = torch.export.export(_Ramp(), (torch.randn(3), 5), dynamic_shapes=(None, torch.export.Dim.DYNAMIC))
+    program = ferry.load_program(ferry.compile(ep).to_bytes())
+    module = ferry.Module(program)
+    with pytest.raises(ferry.InputError, match=r"input 1 of 'forward' is 7, above 6"):
+        module(torch.randn(3), 7)
+    with pytest.raises(ferry.InputError, match=r"input 1 of 'forward' is 3, below 4"):
+        module(torch.randn(3), 3)
+    with pytest.raises(ferry.InputError, match=r"input 1 of 'forward' must be an int, got float"):
+        module(torch.randn(3), 5.0)
+    for n in (4, 6, 5):
+        x = torch.randn(3)
+        torch.testing.assert_close(module(x, n), _Ramp()(x, n))
+
+
+@pytest.mark.parametrize("entry, why", [([0, 0, 5], "not a dynamic size"), ([0, 1, 17], "outside 0..16"),
+                                        ([1, 1, 5], "not a dynamic size"), ([0, 1], "not a dynamic size")])
+def test_a_file_with_a_minimum_that_names_no_dynamic_size_or_exceeds_its_bound_is_refused(entry, why):
+    t = torch.export.Dim("t", min=5, max=16)
+    program = ferry.compile(torch.export.export(_LongOnly(), (torch.randn(2, 8),), dynamic_shapes=({1: t},)))
+    program.method("forward").size_minimums = [entry]
+    with pytest.raises(ferry.ProgramError, match=why):
+        ferry.load_program(program.to_bytes())
+
+
 def test_every_graph_of_a_set_shares_its_pool_and_capture_stream(emu_async):
     """One graph pool and one capture stream per device for all graphs of a set of planned
     memory (every shape's plan), another for each other set; shapes called in any order stay

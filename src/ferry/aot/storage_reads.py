@@ -18,7 +18,7 @@ from ferry.op_names import kernel_name
 from ferry.ops import is_copy_node
 from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_source
 
-__all__ = ["equal_sizes", "storage_inputs"]
+__all__ = ["equal_sizes", "size_minimums", "storage_inputs"]
 
 
 def equal_sizes(gm: torch.fx.GraphModule) -> list[list[list[int]]]:
@@ -34,6 +34,23 @@ def equal_sizes(gm: torch.fx.GraphModule) -> list[list[list[int]]]:
             if expr is not None and getattr(expr, "is_Symbol", False):
                 groups.setdefault(str(expr), []).append([i, d])
     return [g for g in groups.values() if len(g) > 1]
+
+
+def size_minimums(gm: torch.fx.GraphModule, range_constraints) -> list[list[int]]:
+    """[input position, dim (-1: an int input), minimum] for every dynamic size export recorded a
+    minimum above 2 for: what `ep.module()` checks each call (it checks none of 2 or less, the
+    sizes export's 0/1 specialisation assumes away), and so does ferry. A graph traced for t >= 5
+    may have taken a branch that is wrong at t = 3."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
+    found = []
+    for i, node in enumerate(inputs):
+        val = node.meta.get("val")
+        sizes = list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else [(-1, val)]
+        for d, size in sizes:
+            ranges = (range_constraints or {}).get(size.node.expr) if isinstance(size, torch.SymInt) else None
+            if ranges is not None and ranges.lower > 2:
+                found.append([i, d, int(ranges.lower)])
+    return found
 
 
 def storage_inputs(gm: torch.fx.GraphModule) -> list[int]:

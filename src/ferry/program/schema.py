@@ -353,6 +353,7 @@ class Method:
     # in this method or a delegate): a call must pass each as a tensor that is its whole storage
     storage_inputs: list[int] = field(default_factory=list)
     equal_sizes: list[list[list[int]]] = field(default_factory=list)  # [input, dim] pairs one dynamic size
+    size_minimums: list[list[int]] = field(default_factory=list)  # [input, dim (-1: an int input), minimum]
     quantized_weights: list[QuantizedWeight] = field(default_factory=list)  # facts for people, not read to run
     input_writes: list[InputWrite] = field(default_factory=list)  # inputs written in place, by output position
     signature: Signature | None = None  # the model's (args, kwargs) and result trees; None: flat tensors

@@ -108,6 +108,7 @@ class _MethodChecks:
             if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < len(m.inputs):
                 raise ProgramError(f"{self.pre} storage_inputs names input {x!r}; it has {len(m.inputs)} inputs")
         self.equal_sizes()
+        self.size_minimums()
         self.input_writes()
         self.io_storage()
         if m.signature is not None:
@@ -281,6 +282,22 @@ class _MethodChecks:
                 v = m.values[m.inputs[pair[0]]] if ok else None
                 if not (isinstance(v, TensorValue) and 0 <= pair[1] < len(v.dynamic) and v.dynamic[pair[1]]):
                     raise ProgramError(f"{self.pre} equal_sizes names {pair!r}, not a dynamic dim of a tensor input")
+
+    def size_minimums(self) -> None:
+        """Each [input, dim, minimum] of `size_minimums` names a dynamic dim of a tensor input, or an
+        int input (dim -1), and a minimum no larger than its bound."""
+        m = self.m
+        for entry in m.size_minimums:
+            ok = len(entry) == 3 and 0 <= entry[0] < len(m.inputs)
+            v = m.values[m.inputs[entry[0]]] if ok else None
+            if isinstance(v, TensorValue) and 0 <= entry[1] < len(v.dynamic) and v.dynamic[entry[1]]:
+                bound = v.shape[entry[1]]
+            elif isinstance(v, ConstValue) and v.kind == "symint" and entry[1] == -1:
+                bound = v.value
+            else:
+                raise ProgramError(f"{self.pre} size_minimums names {entry!r}, not a dynamic size of an input")
+            if not 0 <= entry[2] <= bound:
+                raise ProgramError(f"{self.pre} size_minimums gives {entry!r} a minimum outside 0..{bound}, its bound")
 
     def io_storage(self) -> None:
         """Caller-owned inputs are method inputs: nothing else could fill them."""

@@ -18,7 +18,7 @@ from ferry.backend_registry import NOT_CAPTURED, CallerPlan
 from ferry.device import CPU
 from ferry.errors import FerryError, InputError
 from ferry.layout import contiguous_strides, same_strides
-from ferry.program.schema import Method, TensorValue
+from ferry.program.schema import ConstValue, Method, TensorValue
 from ferry.runtime.devices.allocator import get_allocator
 from ferry.runtime.devices.streams import CopyStreams
 from ferry.runtime.devices.tensor import device_of
@@ -85,6 +85,9 @@ class LoadedMethod:
         self._inputs = [v if isinstance(v := method.values[i], TensorValue) else None for i in method.inputs]
         self._expected = [_expected_cuda_tensor(v) for v in self._inputs]
         self._storage_read = frozenset(method.storage_inputs)
+        # int inputs (sizes a caller passes) by position: the bound export recorded
+        self._int_bounds = {i: v.value for i, vid in enumerate(method.inputs)
+                            if isinstance(v := method.values[vid], ConstValue) and v.kind == "symint"}
         self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
                                for vid in method.outputs]
 
@@ -205,9 +208,11 @@ class LoadedMethod:
     def check_inputs(self, inputs) -> None:
         if len(inputs) != len(self._inputs):
             raise InputError(f"method {self.name!r} takes {len(self._inputs)} inputs, got {len(inputs)}")
+        for i, bound in self._int_bounds.items():
+            _check_int_input(self.name, i, inputs[i], bound)
         for i, (t, v, expected) in enumerate(zip(inputs, self._inputs, self._expected)):
             if v is None:
-                continue  # a size, computed by the caller
+                continue  # a size, computed by the caller (checked above)
             if expected is not None and _is_expected(t, *expected):
                 continue
             if not isinstance(t, torch.Tensor):
@@ -223,6 +228,12 @@ class LoadedMethod:
                 named = ", ".join(f"{_label(i, self._inputs[i])} dim {d} is {n}" for (i, d), n in zip(group, sizes))
                 raise InputError(f"inputs of {self.name!r} disagree on one dynamic size: {named}; the program was "
                                  "exported with these dims equal (one torch.export.Dim)")
+        for i, d, low in self.method.size_minimums:  # what ep.module() checks too
+            size = inputs[i] if d < 0 else inputs[i].shape[d]
+            if size < low:
+                what = _label(i, self._inputs[i]) + ("" if d < 0 else f" dim {d}")
+                raise InputError(f"{what} of {self.name!r} is {size}, below {low}, the minimum the program was "
+                                 "exported with (export it with a smaller torch.export.Dim min to call it there)")
 
     def execute(self, inputs, bind_outputs=None, graphs: bool = True, finish: bool = True, part: bool = False) -> list:
         """One call. `graphs=False`: a new shape gets a plan without CUDA graphs (a shape the
@@ -332,6 +343,15 @@ def _label(i: int, v) -> str:
     """An input as a message names it: its position, and its name at export where the file has it."""
     name = getattr(v, "name", "")
     return f"input {i} ({name!r})" if name else f"input {i}"
+
+
+def _check_int_input(name: str, i: int, n, bound: int) -> None:
+    """An int input: an int no larger than its bound (the memory of what it sizes is planned for it)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InputError(f"input {i} of {name!r} must be an int, got {type(n).__name__}")
+    if n > bound:
+        raise InputError(f"input {i} of {name!r} is {n}, above {bound}, the bound the program was exported with "
+                         "(export it with a larger bound, e.g. torch._check(n <= ...), to call it there)")
 
 
 def _check_input(name: str, i: int, t: torch.Tensor, v: TensorValue) -> None:
