@@ -4,6 +4,7 @@ eager with fresh inputs."""
 
 import collections
 import copy
+import warnings
 
 import pytest
 import torch
@@ -776,6 +777,43 @@ def test_linears_of_one_input_run_as_one_gemm_and_equal_eager(emu, bias, shape):
     assert len(_linears(program)) == 4
     assert len(_linears(compile_on(model, (torch.randn(shape),), fuse=False))) == 7
     assert_matches_eager(program, model, lambda: (torch.randn(shape),))
+
+
+class _FlatAndRows(torch.nn.Module):
+    """Two projections of one input: one's rows regrouped (b*t, 24), the other's result flattened
+    whole (`reshape(-1)`, which exports as a view of the contiguous result)."""
+
+    def __init__(self, flat: bool):
+        super().__init__()
+        self.a, self.b, self.flat = torch.nn.Linear(16, 24), torch.nn.Linear(16, 24), flat
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        other = self.b(x).reshape(-1)[:5] if self.flat else self.b(x).view(b, t, 4, 6)[..., :5].flatten(1)
+        return self.a(x).view(b * t, 24).sum(0) + other.sum()
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flattened whole", "rows and columns apart"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_projection_read_by_a_view_a_slice_cannot_take_is_not_merged(emu, flat, dynamic):
+    """A merged projection's result is a slice of the wider product's columns: a view that merges
+    its rows with its columns does not fit one (the static program failed to load, the dynamic
+    one ran without per-shape plans), so those projections stay apart; views that keep rows and
+    columns apart still merge."""
+    torch.manual_seed(0)
+    model = _FlatAndRows(flat).eval()
+    dims = ({0: torch.export.Dim("b", max=4), 1: torch.export.Dim("t", max=12)},) if dynamic else None
+    program = ferry.compile(torch.export.export(model, (torch.randn(2, 6, 16),), dynamic_shapes=dims),
+                            ferry.OpSupportPartitioner("emu:0"))
+    assert len(_linears(program)) == (2 if flat else 1)
+    module = ferry.Module(program)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for shape in ([(2, 6, 16), (3, 5, 16), (1, 1, 16), (3, 5, 16)] if dynamic else [(2, 6, 16)] * 2):
+            x = torch.randn(shape)
+            with torch.no_grad():
+                torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-4)
+    assert not [w for w in caught if "without a plan of their own" in str(w.message)]
 
 
 def test_merged_weights_are_stored_once_for_every_method(emu):

@@ -29,6 +29,7 @@ from torch._guards import detect_fake_mode
 
 from ferry import node_meta as M
 from ferry.choices.graph_edits import Rewrite, attr, call, constant
+from ferry.ops.aliasing import is_view
 
 __all__ = ["INT4_PRODUCTS", "merge_projections"]
 
@@ -62,6 +63,43 @@ def _returned(node) -> bool:
     return any(u.op == "output" for u in node.users)  # a view as the delegate's result would be copied out
 
 
+_STRICT_VIEWS = (aten.view.default, aten._unsafe_view.default)  # they need strides that allow them
+_SAME_LAYOUT = (aten.alias.default, aten.detach.default)  # views with their input's sizes and strides
+
+
+def _columns_serve(node, width: int, direct: bool = True) -> bool:
+    """A slice of `width` columns of a wider product can stand in for `node`'s result: every
+    view of it that needs strides that allow it reads it directly (or through such views) and
+    keeps its rows apart from its columns. `x.reshape(-1)` of a projection, exported as
+    `view(-1)` from a contiguous trace, does not fit a slice."""
+    for u in node.users:
+        if u.op != "call_function":
+            continue
+        if u.target in _STRICT_VIEWS:
+            if not (direct and _rows_apart(u, width) and _columns_serve(u, width)):
+                return False
+        elif u.target in _SAME_LAYOUT:
+            if not _columns_serve(u, width, direct):
+                return False
+        elif (not isinstance(u.target, torch._ops.OpOverload) or is_view(u.target)) and not _columns_serve(u, width, False):
+            return False  # another alias of it (transpose, split): no strict view below
+    return True
+
+
+def _rows_apart(view, width: int) -> bool:
+    """`view`'s last sizes hold exactly one row of `width` columns (static), the ones before the
+    rows: it regroups the rows (row-major over the wider product's row stride) and the columns
+    (contiguous), never one with the other."""
+    val, size = view.meta.get("val"), 1
+    for s in reversed(val.shape if isinstance(val, torch.Tensor) else ()):
+        if type(s) is not int:
+            return False
+        size *= s
+        if size >= width:
+            return size == width
+    return False
+
+
 def _linear_key(gm, node):
     """What linears must share to be merged (None: not a mergeable projection): input itself,
     2-D constant weights of one dtype, device and width, biases all or none."""
@@ -73,6 +111,8 @@ def _linear_key(gm, node):
     if w is None or w.dim() != 2 or (b is not None and (bias is None or bias.shape != w.shape[:1])):
         return None
     if not isinstance(node.meta.get("val"), torch.Tensor) or M.get_device(node.args[1]) != M.get_device(node):
+        return None
+    if not _columns_serve(node, w.shape[0]):
         return None
     return "linear", node.args[0], w.dtype, w.device, w.shape[1], b is None
 
@@ -87,6 +127,8 @@ def _int4_key(gm, node):
     if p is None or s is None or not isinstance(val, torch.Tensor) or s.dim() != 3 or s.shape[1] != val.shape[-1]:
         return None
     if M.get_device(packed) != M.get_device(node) or M.get_device(scales) != M.get_device(node):
+        return None
+    if not _columns_serve(node, val.shape[-1]):
         return None
     return "int4", node.target, _source(x), group, p.dtype, p.device, tuple(p.shape[1:]), s.dtype, s.shape[0], s.shape[2]
 
@@ -135,6 +177,8 @@ def _int8_key(gm, node):
     if not (isinstance(mv, torch.Tensor) and isinstance(pv, torch.Tensor) and mv.shape == pv.shape
             and M.get_device(q) == M.get_device(scale) == M.get_device(node)):
         return None  # (a scale that broadcasts the product to another shape is not a per-column one)
+    if not _columns_serve(mul, w.shape[0]):
+        return None
     return ("int8", _source(x), w.device, w.shape[1], _kwargs_key(cast), sv.dtype, sv.dim(),
             tuple(_kwargs_key(c) for c in casts))
 
