@@ -114,7 +114,8 @@ def linear_as_gemm(gm: torch.fx.GraphModule) -> list[Rewrite]:
     bias), what eager's linear computes for a contiguous input; the rows may be dynamic (a
     batch, a length), the width not. Not where a batched result is the delegate's own output
     (a view there would cost a copy)."""
-    done, read = [], {}  # read: the size nodes made so far (by expression), before every later linear
+    done: list[Rewrite] = []
+    read: dict = {}  # the size nodes made so far (by expression), before every later linear
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue

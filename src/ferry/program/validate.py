@@ -293,7 +293,7 @@ class _MethodChecks:
             if isinstance(v, TensorValue) and 0 <= entry[1] < len(v.dynamic) and v.dynamic[entry[1]]:
                 bound = v.shape[entry[1]]
             elif isinstance(v, ConstValue) and v.kind == "symint" and entry[1] == -1:
-                bound = v.value
+                bound = cast(int, v.value)
             else:
                 raise ProgramError(f"{self.pre} size_minimums names {entry!r}, not a dynamic size of an input")
             if not 0 <= entry[2] <= bound:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from typing import cast
 
 import torch
 
@@ -86,7 +87,7 @@ class LoadedMethod:
         self._expected = [_expected_cuda_tensor(v) for v in self._inputs]
         self._storage_read = frozenset(method.storage_inputs)
         # int inputs (sizes a caller passes) by position: the bound export recorded
-        self._int_bounds = {i: v.value for i, vid in enumerate(method.inputs)
+        self._int_bounds: dict[int, int] = {i: cast(int, v.value) for i, vid in enumerate(method.inputs)
                             if isinstance(v := method.values[vid], ConstValue) and v.kind == "symint"}
         self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
                                for vid in method.outputs]
