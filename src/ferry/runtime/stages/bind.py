@@ -202,7 +202,15 @@ class _Binder(KernelSteps):
             step = self.step(index, "delegate", f"delegate {ins.delegate}", ins, run)
             return dataclasses.replace(step, makes=frozenset(outs[i] for i in made))
         if run is None:
+            # dynamic outputs at their bound or another call's size: emptied first, so that the
+            # delegate's kernels size them (PyTorch warns when an out= kernel resizes a tensor
+            # with elements; a delegate's plan bound at this call's shape writes them as they come)
+            stale = [o for o in outs if self.m.tensor(o).storage in ("planned", "output") and self.dynamic(self.m.tensor(o))]
+
             def run():
+                for o in stale:
+                    if slots[o] is not None:
+                        slots[o].resize_(0)
                 handle.execute([slots[a] for a in args], [slots[o] for o in outs])
         return self.step(index, "delegate", f"delegate {ins.delegate}", ins, run)
 
