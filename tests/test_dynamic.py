@@ -8,6 +8,7 @@ import random
 import tempfile
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -647,6 +648,56 @@ def test_an_int_input_outside_its_exported_range_is_an_input_error():
     for n in (4, 6, 5):
         x = torch.randn(3)
         torch.testing.assert_close(module(x, n), _Ramp()(x, n))
+
+
+class _Rows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.proj(x).relu()
+
+
+def _rows_from_four():
+    torch.manual_seed(0)
+    model = _Rows().eval()
+    ep = torch.export.export(model, (torch.randn(6, 8),), dynamic_shapes=({0: torch.export.Dim("b", min=4, max=16)},))
+    return model, ferry.compile(ep)
+
+
+def test_a_minimum_is_checked_against_the_batch_a_call_runs_at():
+    """Padded to a shape bucket, a call of fewer rows than the minimum runs at the bucket, which
+    meets it; split into micro-batches, a part below it is refused before any part runs."""
+    model, program = _rows_from_four()
+    module = ferry.Module(program, shape_buckets=[4, 8, 16])
+    for b in (8, 3, 1, 5):
+        x = torch.randn(b, 8)
+        torch.testing.assert_close(module(x), model(x))
+    split = ferry.Module(program, microbatches=3)
+    with pytest.raises(ferry.InputError, match="is 2, below 4"):
+        split(torch.randn(10, 8))  # parts of 4, 4 and 2
+    x = torch.randn(16, 8)
+    torch.testing.assert_close(split(x), model(x))
+
+
+def test_an_int_input_may_be_any_integer_and_must_equal_the_size_it_was_traced_as():
+    """NumPy and 0-dim tensor integers pass for an int input as they do in eager; an int input
+    export traced as one size with a tensor's dim is checked equal to it, as export's module
+    checks it (before, a branch taken at n == t ran at n != t)."""
+
+    class Pick(nn.Module):
+        def forward(self, x, n: int):
+            return x * 2 if n == x.shape[1] else x * 3
+
+    ep = torch.export.export(Pick(), (torch.randn(2, 5), 5),
+                             dynamic_shapes=({1: torch.export.Dim("t", max=8)}, torch.export.Dim.DYNAMIC))
+    module = ferry.Module(ferry.load_program(ferry.compile(ep).to_bytes()))
+    with pytest.raises(ferry.InputError, match=r"input 0 \('x'\) dim 1 is 5, input 1 is 4"):
+        module(torch.randn(2, 5), 4)
+    for n in (5, np.int64(5), torch.tensor(5)):
+        x = torch.randn(2, 5)
+        torch.testing.assert_close(module(x, n), Pick()(x, 5))
 
 
 @pytest.mark.parametrize("entry, why", [([0, 0, 5], "not a dynamic size"), ([0, 1, 17], "outside 0..16"),

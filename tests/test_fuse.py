@@ -816,6 +816,36 @@ def test_a_projection_read_by_a_view_a_slice_cannot_take_is_not_merged(emu, flat
     assert not [w for w in caught if "without a plan of their own" in str(w.message)]
 
 
+class _LatentAttentionInputs(torch.nn.Module):
+    """DeepSeek's attention's first projections: the compressed KV split along its columns, one
+    piece viewed with a head dim inserted; the query viewed as heads and transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_a, self.kv_a = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 40, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        k_pass, k_rot = torch.split(self.kv_a(x), [32, 8], dim=-1)
+        q = self.q_a(x).view(b, t, 4, 8).transpose(1, 2)
+        return q.sum((1, 3)) + k_pass.sum(-1) + (k_rot.view(b, 1, t, 8) * 2).sum((1, 3))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_projections_whose_column_pieces_are_viewed_apart_from_their_rows_still_merge(emu, dynamic):
+    torch.manual_seed(0)
+    model = _LatentAttentionInputs().eval()
+    dims = ({0: torch.export.Dim("b", max=4), 1: torch.export.Dim("t", max=12)},) if dynamic else None
+    program = ferry.compile(torch.export.export(model, (torch.randn(2, 6, 64),), dynamic_shapes=dims),
+                            ferry.OpSupportPartitioner("emu:0"))
+    assert len(_linears(program)) == 1
+    module = ferry.Module(program)
+    for shape in [(2, 6, 64), (3, 5, 64), (1, 1, 64)] if dynamic else [(2, 6, 64)]:
+        x = torch.randn(shape)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-4)
+
+
 def test_merged_weights_are_stored_once_for_every_method(emu):
     torch.manual_seed(0)
     model = Projections().eval()
@@ -1234,3 +1264,23 @@ def test_a_mask_checked_at_a_size_that_divides_by_zero_compiles_and_equals_eager
         z = torch.randn(b, n, n, 16)
         with torch.no_grad():
             torch.testing.assert_close(module(z), model(z), rtol=1e-4, atol=1e-5)
+
+
+def test_a_program_from_torch_export_load_has_its_masks_simplified_as_the_one_exported(emu, tmp_path):
+    """A loaded ExportedProgram keeps no record of where its sizes came from: what each call
+    checks is read from the program's inputs, so its causal mask still becomes is_causal."""
+    from ferry.views.text import program_json
+
+    model = _MaskedAttention(lambda t: (lambda ar: ar[:, None] >= ar[None, :])(torch.arange(t))).eval()
+    ep = torch.export.export(model, (torch.randn(2, 6, 32),),
+                             dynamic_shapes=({0: torch.export.Dim("b", max=4), 1: torch.export.Dim("t", max=8)},))
+    torch.export.save(ep, tmp_path / "model.pt2")
+    for exported in (ep, torch.export.load(tmp_path / "model.pt2")):
+        program = ferry.compile(exported, ferry.OpSupportPartitioner("emu:0"))
+        notes = [d["kernel_choices"].get(SDPA, "") for d in program_json(program)["delegates"]]
+        assert any("1 lower-triangular (is_causal=True)" in n for n in notes), notes
+        module = ferry.Module(program)
+        for shape in ((2, 6, 32), (1, 1, 32), (4, 8, 32)):
+            x = torch.randn(shape)
+            with torch.no_grad():
+                torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)

@@ -19,10 +19,11 @@ from ferry.aot.lifted_state import refuse_stale_views
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
 from ferry.aot.signature import signature_of, warn_merged_inputs
-from ferry.aot.storage_reads import equal_sizes, size_minimums, storage_inputs
+from ferry.aot.storage_reads import checked_sizes, equal_sizes, size_minimums, storage_inputs
 from ferry.aot.subclass_weights import quantized_weights
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import ProgramData
+from ferry.choices.attention import CHECKED_SIZES
 from ferry.device import CPU as CPU_DEVICE
 from ferry.device import Device
 from ferry.errors import CompileError, ConfigError, ProgramError
@@ -127,8 +128,12 @@ def _compile(eps, partitioner, options, budgets, done: Callable[[int, int], obje
     _place_shared_state(eps, partitioner, options, placed_methods)
     for name, placed in placed_methods.items():
         fallbacks = kernel_fallbacks(placed.graph_module, name)
-        method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
-                             placed.range_constraints)
+        checked = CHECKED_SIZES.set(checked_sizes(placed.graph_module))  # what rewrites may assume of sizes
+        try:
+            method = emit_method(name, placed.graph_module, placed.constants, builder, options[name],
+                                 placed.range_constraints)
+        finally:
+            CHECKED_SIZES.reset(checked)
         method.kernel_choices.update(fallbacks)
         method.quantized_weights = quantized_weights(eps[name], placed.weights)
         method.signature = signature_of(eps[name], name)

@@ -18,22 +18,41 @@ from ferry.op_names import kernel_name
 from ferry.ops import is_copy_node
 from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_source
 
-__all__ = ["equal_sizes", "size_minimums", "storage_inputs"]
+__all__ = ["checked_sizes", "equal_sizes", "size_minimums", "storage_inputs"]
 
 
 def equal_sizes(gm: torch.fx.GraphModule) -> list[list[list[int]]]:
     """Groups of [input position, dim] that export traced as one dynamic size (one symbol): a
-    call must give them equal sizes. Only groups of two or more; a dim that is an expression of
-    a size (2 * s0) is not listed."""
+    call must give them equal sizes. Dim -1 is an int input of that size (a length passed beside
+    the tensor it measures). Only groups of two or more; a dim that is an expression of a size
+    (2 * s0) is not listed."""
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
     groups: dict[str, list[list[int]]] = {}
     for i, node in enumerate(inputs):
         val = node.meta.get("val")
-        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+        for d, size in (enumerate(val.shape) if isinstance(val, torch.Tensor) else [(-1, val)]):
             expr = size.node.expr if isinstance(size, torch.SymInt) else None
             if expr is not None and getattr(expr, "is_Symbol", False):
                 groups.setdefault(str(expr), []).append([i, d])
     return [g for g in groups.values() if len(g) > 1]
+
+
+def checked_sizes(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """The symbols a call can set only to a value from 0 to their bound, each checked per call:
+    the dims of user-input tensors that are a symbol as it is, and no other input's size is an
+    expression of (t = 2*s: any t up to the bound passes, and a derived size is not checked
+    against its root). An int input's symbol is one only where a tensor's dim is it too (the
+    two are checked equal, `equal_sizes`)."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
+    bare: set[str] = set()
+    derived: set[str] = set()
+    for node in inputs:
+        val = node.meta.get("val")
+        for size in val.shape if isinstance(val, torch.Tensor) else ():
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is not None:
+                (bare if expr.is_Symbol else derived).update(map(str, expr.free_symbols))
+    return frozenset(bare - derived)
 
 
 def size_minimums(gm: torch.fx.GraphModule, range_constraints) -> list[list[int]]:

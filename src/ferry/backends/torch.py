@@ -180,6 +180,8 @@ class _Handle(DelegateHandle):
         results = self.method.execute([t.to(dev) for t in inputs])
         for out, r in zip(outputs, results):
             if out is not None:
+                if out.shape != r.shape:  # a dynamic output the caller emptied first
+                    out.resize_(r.shape)
                 out.copy_(r)
         return [r if out is None else out for out, r in zip(outputs, results)]
 

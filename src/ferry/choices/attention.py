@@ -33,6 +33,7 @@ rewrites its graph before Inductor compiles it (`split_kv_rewrites`).
 
 from __future__ import annotations
 
+import contextvars
 import math
 import operator
 from collections.abc import Callable
@@ -59,6 +60,9 @@ MHA = aten._native_multi_head_attention.default
 OPS = frozenset({SDPA, MHA})
 FORMS = ("fused", "GEMMs and a softmax")
 _CHECK_ELEMENTS = 1 << 22  # the largest activation a numerical check materialises
+# the symbols of sizes each call checks (names; aot/storage_reads.py `checked_sizes`), set while a
+# program compiles; None: read from the shape environment's sources instead (`_checked_size`)
+CHECKED_SIZES: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("CHECKED_SIZES", default=None)
 _MAX_BINDINGS = 512  # the most values of a mask's dynamic sizes it is computed at, at compile time
 # what the traced ops of one nn.MultiheadAttention (self-attention, packed projections) may be
 _MHA_OPS = frozenset({aten.linear.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -566,9 +570,12 @@ def _every_binding(values) -> list[dict] | None:
 
 def _checked_size(env, sym) -> bool:
     """`sym` is an input tensor's size as it is, which a call can set only to a value from 0 to
-    its bound (checked each call). Not so an int input (export checks no minimum of 2 or less:
-    -1 passes a range of [0, 3]) nor a size only ever met in an expression (t = 2*s: a call may
-    pass an odd t, and a derived size is not checked against its root)."""
+    its bound (checked each call). Not so an int input alone (export records an int checked to
+    be in [-3, 3] as [0, 3], and checks no minimum of 2 or less, so -1 reaches the program) nor
+    a size only ever met in an expression (t = 2*s: a call may pass an odd t)."""
+    checked = CHECKED_SIZES.get()
+    if checked is not None:  # from the program's inputs (a program from torch.export.load has no sources)
+        return str(sym) in checked
     sources = env.var_to_sources.get(sym, ())
     if not any(isinstance(s, TensorPropertySource) and s.prop is TensorProperty.SIZE for s in sources):
         return False

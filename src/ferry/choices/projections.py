@@ -22,6 +22,7 @@ decode store and upload them once).
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.fx
@@ -65,6 +66,7 @@ def _returned(node) -> bool:
 
 _STRICT_VIEWS = (aten.view.default, aten._unsafe_view.default)  # they need strides that allow them
 _SAME_LAYOUT = (aten.alias.default, aten.detach.default)  # views with their input's sizes and strides
+_PIECES = (aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default)  # of the last dim: columns
 
 
 def _columns_serve(node, width: int, direct: bool = True) -> bool:
@@ -75,15 +77,37 @@ def _columns_serve(node, width: int, direct: bool = True) -> bool:
     for u in node.users:
         if u.op != "call_function":
             continue
+        if u.target is aten.as_strided.default:
+            return False  # reads memory by strides of its own: a slice's would differ
         if u.target in _STRICT_VIEWS:
             if not (direct and _rows_apart(u, width) and _columns_serve(u, width)):
                 return False
         elif u.target in _SAME_LAYOUT:
             if not _columns_serve(u, width, direct):
                 return False
+        elif (pieces := _last_dim_pieces(u)) is not None:  # columns of columns: each piece's rows apart
+            if not all(_columns_serve(piece, cols, direct) for piece, cols in pieces):
+                return False
         elif (not isinstance(u.target, torch._ops.OpOverload) or is_view(u.target)) and not _columns_serve(u, width, False):
             return False  # another alias of it (transpose, split): no strict view below
     return True
+
+
+def _last_dim_pieces(node) -> list | None:
+    """(piece node, its static width) for a slice or split of the last dim, else None."""
+    val = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or node.target not in _PIECES:
+        return None
+    at = 1 if node.target is aten.slice.Tensor else 2  # slice(x, dim, start, end, step), split(x, sizes, dim)
+    dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
+    step = node.args[4] if node.target is aten.slice.Tensor and len(node.args) > 4 else node.kwargs.get("step", 1)
+    if not isinstance(dim, int) or dim % val.dim() != val.dim() - 1 or step != 1:
+        return None
+    pieces = [node] if node.target is aten.slice.Tensor else list(node.users)
+    if not all(p.target is operator.getitem or p is node for p in pieces):
+        return None
+    widths = [p.meta.get("val").shape[-1] if isinstance(p.meta.get("val"), torch.Tensor) else None for p in pieces]
+    return None if any(type(w) is not int for w in widths) else list(zip(pieces, widths))
 
 
 def _rows_apart(view, width: int) -> bool:

@@ -280,7 +280,7 @@ METHOD = Record(Method, (
     ("inputs", Seq(ID)), ("outputs", Seq(ID)), ("buffers", Seq(BUFFER)), ("mutable_buffers", Seq(MUTABLE_BUFFER)),
     ("lower_bounds", StrKeyed(Int())), ("runtime_allocating_ops", Seq(Str())), ("kernel_choices", StrKeyed(Str())),
     ("device_map", StrKeyed(Str())), ("max_memory", StrKeyed(Int())), ("storage_inputs", Seq(ID)),
-    ("equal_sizes", Seq(Seq(Seq(Int(), max_len=2), max_len=MAX_RANK * 1024), max_len=1 << 16)),
+    ("equal_sizes", Seq(Seq(Seq(Int(lo=-1), max_len=2), max_len=MAX_RANK * 1024), max_len=1 << 16)),
     ("size_minimums", Seq(Seq(Int(lo=-1), max_len=3), max_len=1 << 16)),  # dim -1: an int input
     ("quantized_weights", Seq(QUANTIZED_WEIGHT)), ("input_writes", Seq(INPUT_WRITE)), ("signature", Opt(SIGNATURE)),
 ), optional=("device_map", "max_memory", "storage_inputs", "equal_sizes", "size_minimums", "quantized_weights",

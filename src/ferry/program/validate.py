@@ -274,14 +274,16 @@ class _MethodChecks:
                                    f"written into input {w.input} ({x.dtype}{list(x.shape)} on {x.device})")
 
     def equal_sizes(self) -> None:
-        """Each [input, dim] of `equal_sizes` names a dynamic dim of a tensor input."""
+        """Each [input, dim] of `equal_sizes` names a dynamic dim of a tensor input, or an int input (dim -1)."""
         m = self.m
         for group in m.equal_sizes:
             for pair in group:
                 ok = len(pair) == 2 and 0 <= pair[0] < len(m.inputs)
                 v = m.values[m.inputs[pair[0]]] if ok else None
-                if not (isinstance(v, TensorValue) and 0 <= pair[1] < len(v.dynamic) and v.dynamic[pair[1]]):
-                    raise ProgramError(f"{self.pre} equal_sizes names {pair!r}, not a dynamic dim of a tensor input")
+                if not (isinstance(v, TensorValue) and 0 <= pair[1] < len(v.dynamic) and v.dynamic[pair[1]]
+                        or isinstance(v, ConstValue) and v.kind == "symint" and pair[1] == -1):
+                    raise ProgramError(f"{self.pre} equal_sizes names {pair!r}, not a dynamic dim of a tensor input "
+                                       "or an int input")
 
     def size_minimums(self) -> None:
         """Each [input, dim, minimum] of `size_minimums` names a dynamic dim of a tensor input, or an

@@ -83,9 +83,13 @@ class MicroBatches:
         size = self._part_size(rows)
         first = size if self.static else min(size, rows)  # the first part's shape, as a call makes it (a view)
         self.method.check_inputs([t[:1].expand(first, *t.shape[1:]) for t in inputs])
+        last = rows - (-(-rows // size) - 1) * size
+        if last != first and not (self.static or self.graphs):  # run at its own rows: checked before any part runs
+            self.method.check_inputs([t[:1].expand(last, *t.shape[1:]) for t in inputs])
         return -(-rows // size)
 
     def __call__(self, inputs: list) -> list:
+        self.count(inputs)  # the first and last parts' shapes checked before any part runs
         rows = self._rows(inputs)
         size = self._part_size(rows)
         parts = [_Part(a, min(size, rows - a)) for a in range(0, rows, size)]

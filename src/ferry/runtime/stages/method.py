@@ -9,6 +9,7 @@ a method with dynamic sizes binds per shape (and micro-batches' plans).
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections import OrderedDict
 from typing import cast
@@ -87,8 +88,9 @@ class LoadedMethod:
         self._expected = [_expected_cuda_tensor(v) for v in self._inputs]
         self._storage_read = frozenset(method.storage_inputs)
         # int inputs (sizes a caller passes) by position: the bound export recorded
-        self._int_bounds: dict[int, int] = {i: cast(int, v.value) for i, vid in enumerate(method.inputs)
-                            if isinstance(v := method.values[vid], ConstValue) and v.kind == "symint"}
+        self._int_bounds: dict[int, int] = {
+            i: cast(int, v.value) for i, vid in enumerate(method.inputs)
+            if isinstance(v := method.values[vid], ConstValue) and v.kind == "symint"}
         self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
                                for vid in method.outputs]
 
@@ -206,7 +208,9 @@ class LoadedMethod:
         copy_back = [(t, vid) for vid, t in zip(m.outputs, outputs) if not (fixed[vid] and _writes_into(slots[vid], t))]
         return lambda: plan.run_bound(copy_back)
 
-    def check_inputs(self, inputs) -> None:
+    def check_inputs(self, inputs, rows: int | None = None) -> None:
+        """What a call on `inputs` must meet; `rows`: the batch the call runs at (padded to a
+        shape bucket), which the minimums of dim 0 are checked against."""
         if len(inputs) != len(self._inputs):
             raise InputError(f"method {self.name!r} takes {len(self._inputs)} inputs, got {len(inputs)}")
         for i, bound in self._int_bounds.items():
@@ -224,13 +228,14 @@ class LoadedMethod:
                                  "offset), which counts from the start of the tensor: pass a contiguous tensor that "
                                  "owns its storage (x.contiguous().clone()), not a view into a larger one")
         for group in self.method.equal_sizes:  # dims export traced as one dynamic size
-            sizes = [inputs[i].shape[d] for i, d in group]
+            sizes = [_size_of(inputs[i], d) for i, d in group]
             if len(set(sizes)) > 1:
-                named = ", ".join(f"{_label(i, self._inputs[i])} dim {d} is {n}" for (i, d), n in zip(group, sizes))
+                named = ", ".join(f"{_label(i, self._inputs[i])}{'' if d < 0 else f' dim {d}'} is {n}"
+                                  for (i, d), n in zip(group, sizes))
                 raise InputError(f"inputs of {self.name!r} disagree on one dynamic size: {named}; the program was "
                                  "exported with these dims equal (one torch.export.Dim)")
         for i, d, low in self.method.size_minimums:  # what ep.module() checks too
-            size = inputs[i] if d < 0 else inputs[i].shape[d]
+            size = rows if rows is not None and d == 0 else _size_of(inputs[i], d)
             if size < low:
                 what = _label(i, self._inputs[i]) + ("" if d < 0 else f" dim {d}")
                 raise InputError(f"{what} of {self.name!r} is {size}, below {low}, the minimum the program was "
@@ -346,10 +351,18 @@ def _label(i: int, v) -> str:
     return f"input {i} ({name!r})" if name else f"input {i}"
 
 
+def _size_of(x, d: int) -> int:
+    """Dim `d` of a tensor input, or an int input's value (d = -1)."""
+    return operator.index(x) if d < 0 else x.shape[d]
+
+
 def _check_int_input(name: str, i: int, n, bound: int) -> None:
-    """An int input: an int no larger than its bound (the memory of what it sizes is planned for it)."""
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise InputError(f"input {i} of {name!r} must be an int, got {type(n).__name__}")
+    """An int input: an integer (a Python, NumPy or 0-dim tensor one) no larger than its bound
+    (the memory of what it sizes is planned for it)."""
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise InputError(f"input {i} of {name!r} must be an int, got {type(n).__name__}") from None
     if n > bound:
         raise InputError(f"input {i} of {name!r} is {n}, above {bound}, the bound the program was exported with "
                          "(export it with a larger bound, e.g. torch._check(n <= ...), to call it there)")

@@ -389,7 +389,7 @@ class Module:
         are padded first (the first call at the bucket, or inputs it binds in place). A fresh
         output the caller owns (or any, with outputs="view") is returned as a view of those
         rows; the rest are copied: they are planned memory or the padded inputs reused."""
-        m.check_inputs(inputs)
+        m.check_inputs(inputs, rows=bucket)
         outs = m.execute_padded(inputs, bucket)
         if outs is None:
             outs = m.execute(buckets.pad(inputs, bucket))
