@@ -13,6 +13,7 @@ multinomial).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import re
@@ -485,3 +486,17 @@ def test_a_dynamic_prompt_compiled_by_inductor_generates_as_transformers(emu_asy
         prompt = token_ids((1, length), seed)
         got = ferry.generate(module, prompt, NEW)
         assert got.tokens.tolist() == reference("qwen2", prompt, NEW).tolist()
+
+
+def test_a_dynamic_prefill_refuses_up_front_a_prompt_whose_last_call_is_below_its_minimum():
+    """A prompt is fed in calls of the bound: one whose last call falls below the minimum the
+    method was exported with is refused before any call writes the cache."""
+    from ferry.runtime.decoder import TokenStep, check_prefill
+
+    first = TokenStep("prefill", 0, None, None, None, None, 8, False, least=4)
+    for length in (4, 8, 12, 16, 5):
+        check_prefill(first, length)
+    for length, last in ((10, 2), (3, 3), (17, 1)):
+        with pytest.raises(ferry.InputError, match=f"ends with a call of {last}"):
+            check_prefill(first, length)
+    check_prefill(dataclasses.replace(first, least=0), 17)  # no minimum: any length

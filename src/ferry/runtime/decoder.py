@@ -34,7 +34,8 @@ _KEY_CACHE = re.compile(r"(?:^|[._])(?:key|k)_cache(?:$|[._0-9])")
 @dataclass(frozen=True)
 class TokenStep:
     """How one method takes tokens. `width`: tokens per call when fixed, None when dynamic (up to
-    `bound`). `start_only`: the position input is the first position ([1]), not one per token."""
+    `bound`, and at least `least`: the minimum above 2 it was exported with, else 0).
+    `start_only`: the position input is the first position ([1]), not one per token."""
 
     name: str
     ids_at: int
@@ -44,6 +45,7 @@ class TokenStep:
     width: int | None
     bound: int
     start_only: bool
+    least: int = 0
 
     @property
     def vocab(self) -> int:
@@ -86,7 +88,10 @@ def read_token_step(module, name: str) -> TokenStep:
     if not (per_token or start_only):
         raise ConfigError(f"method {name!r}: cache_position must have one entry per token of input_ids (or be the "
                           f"start position, [1]): {got}. {_HINT}")
-    return TokenStep(name, ids_at, ids, pos, out, None if dynamic else n, n, start_only)
+    program = getattr(module, "program", None)  # (a stand-in for a Module may have none: no minimum known)
+    minimums = program.method(name).size_minimums if program is not None else []
+    least = max((low for i, d, low in minimums if i == ids_at and d == 1), default=0)
+    return TokenStep(name, ids_at, ids, pos, out, None if dynamic else n, n, start_only, least)
 
 
 def plan_methods(module, method: str | None, prefill: str, decode: str) -> tuple[TokenStep, TokenStep]:
@@ -158,8 +163,14 @@ def check_fits(prompt_len: int, max_new_tokens: int, capacity: tuple[int, str] |
 
 
 def check_prefill(first: TokenStep, prompt_len: int) -> None:
-    """A method of fixed width > 1 takes the prompt in whole calls only."""
+    """A method of fixed width > 1 takes the prompt in whole calls only; a dynamic one, in calls
+    of `bound` tokens, none of them below its minimum (refused before any writes the cache)."""
     if first.width not in (None, 1) and prompt_len % first.width:
         raise InputError(f"method {first.name!r} takes exactly {first.width} tokens per call and the prompt has "
                          f"{prompt_len}: pass a prompt of a multiple of {first.width} tokens, or export the prefill "
                          "method with a dynamic length (torch.export.Dim)")
+    last = prompt_len % first.bound or first.bound  # the prompt is fed in calls of `bound` tokens
+    if first.width is None and last < first.least:
+        raise InputError(f"method {first.name!r} takes at least {first.least} tokens per call (its export's minimum) "
+                         f"and a prompt of {prompt_len} fed {first.bound} at a time ends with a call of {last}: pass a "
+                         f"prompt whose length leaves no such call, or export the method with a smaller minimum")
