@@ -700,6 +700,36 @@ def test_an_int_input_may_be_any_integer_and_must_equal_the_size_it_was_traced_a
         torch.testing.assert_close(module(x, n), Pick()(x, 5))
 
 
+class _Pairs(nn.Module):
+    def forward(self, x, y):
+        return x.repeat(2, 1) + y
+
+
+def test_a_size_exported_as_an_expression_of_another_inputs_size_is_checked_against_it():
+    """y's rows exported as 2 * x's: a call where they are not is an InputError naming both, as
+    export's module refuses it; the file keeps the relation."""
+    b = torch.export.Dim("b", max=8)
+    ep = torch.export.export(_Pairs(), (torch.randn(3, 4), torch.randn(6, 4)), dynamic_shapes=({0: b}, {0: 2 * b}))
+    program = ferry.load_program(ferry.compile(ep).to_bytes())
+    assert program.method("forward").derived_sizes == [[1, 0, 2, 0, 0, 0]]
+    module = ferry.Module(program)
+    with pytest.raises(ferry.InputError, match=r"input 1 \('y'\) dim 0 of 'forward' is 5; .* 2 \* \(input 0 \('x'\) dim 0\)"):
+        module(torch.randn(3, 4), torch.randn(5, 4))
+    for n in (3, 1, 8):
+        x, y = torch.randn(n, 4), torch.randn(2 * n, 4)
+        torch.testing.assert_close(module(x, y), _Pairs()(x, y))
+
+
+@pytest.mark.parametrize("entry", [[0, 1, 2, 0, -1, 0], [1, 0, 0, 0, -1, 0], [1, 0, 2, 0, 0, 1], [1, 0, 2, 0]])
+def test_a_file_with_a_derived_size_that_names_no_dynamic_size_is_refused(entry):
+    b = torch.export.Dim("b", max=8)
+    program = ferry.compile(torch.export.export(_Pairs(), (torch.randn(3, 4), torch.randn(6, 4)),
+                                                dynamic_shapes=({0: b}, {0: 2 * b})))
+    program.method("forward").derived_sizes = [entry]
+    with pytest.raises(ferry.ProgramError, match="derived_sizes names"):
+        ferry.load_program(program.to_bytes())
+
+
 @pytest.mark.parametrize("entry, why", [([0, 0, 5], "not a dynamic size"), ([0, 1, 17], "outside 0..16"),
                                         ([1, 1, 5], "not a dynamic size"), ([0, 1], "not a dynamic size")])
 def test_a_file_with_a_minimum_that_names_no_dynamic_size_or_exceeds_its_bound_is_refused(entry, why):

@@ -1226,15 +1226,19 @@ def _causal_at_even_lengths(t):
     return (ar[:, None] >= ar[None, :]) | ((ar * 0 + t) % 2 == 1)[None, :]
 
 
-def test_a_mask_over_a_derived_length_stays_where_a_call_may_pass_any_length(emu):
-    """A length exported as 2*s is checked against its bound only (as export's own module does):
-    a mask causal at every even length is all true at the odd ones a call may still pass."""
+def test_a_length_exported_as_twice_a_size_is_called_at_even_lengths_only(emu):
+    """A length exported as 2*s: an odd one is an InputError (a mask causal at every even length
+    is all true at the odd ones); the even ones equal eager, in any order."""
     model = _MaskedAttention(_causal_at_even_lengths).eval()
     s = torch.export.Dim("s", min=1, max=8)
     ep = torch.export.export(model, (torch.randn(2, 8, 32),), dynamic_shapes=({0: torch.export.Dim("b", max=4), 1: 2 * s},))
     module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0")))
-    for t in (8, 7, 4, 5, 16, 15):
+    for t in (8, 7, 4, 5, 16, 15, 2):
         x = torch.randn(2, t, 32)
+        if t % 2:
+            with pytest.raises(ferry.InputError, match=rf"dim 1 of 'forward' is {t}; .* 2 \* s \+ 0"):
+                module(x)
+            continue
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
 

@@ -18,7 +18,7 @@ from ferry.op_names import kernel_name
 from ferry.ops import is_copy_node
 from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_source
 
-__all__ = ["checked_sizes", "equal_sizes", "size_minimums", "storage_inputs"]
+__all__ = ["checked_sizes", "derived_sizes", "equal_sizes", "size_minimums", "storage_inputs"]
 
 
 def equal_sizes(gm: torch.fx.GraphModule) -> list[list[list[int]]]:
@@ -53,6 +53,31 @@ def checked_sizes(gm: torch.fx.GraphModule) -> frozenset[str]:
             if expr is not None:
                 (bare if expr.is_Symbol else derived).update(map(str, expr.free_symbols))
     return frozenset(bare - derived)
+
+
+def derived_sizes(gm: torch.fx.GraphModule) -> list[list[int]]:
+    """[input, dim, a, b, root input, root dim] for every input dim export traced as `a*s + b` of
+    one size `s` (a Dim's multiple or offset): a call must give it that value of the size where
+    another input's dim (or an int input, dim -1) is `s` itself (root input -1: none is, and the
+    size must still be one `a*s + b` can take). Other expressions are not listed."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
+    dims = [(i, d, size.node.expr) for i, node in enumerate(inputs)
+            for d, size in (enumerate(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor)
+                            else [(-1, node.meta.get("val"))])
+            if isinstance(size, torch.SymInt)]
+    roots = {}
+    for i, d, expr in dims:
+        if expr.is_Symbol:
+            roots.setdefault(expr, [i, d])
+    found = []
+    for i, d, expr in dims:
+        if expr.is_Symbol or len(expr.free_symbols) != 1:
+            continue
+        (sym,) = expr.free_symbols
+        a, b = expr.coeff(sym), expr.subs(sym, 0)
+        if a.is_Integer and b.is_Integer and a >= 1 and (a * sym + b - expr).expand() == 0 and d >= 0:
+            found.append([i, d, int(a), int(b), *roots.get(sym, [-1, 0])])
+    return found
 
 
 def size_minimums(gm: torch.fx.GraphModule, range_constraints) -> list[list[int]]:

@@ -109,6 +109,7 @@ class _MethodChecks:
                 raise ProgramError(f"{self.pre} storage_inputs names input {x!r}; it has {len(m.inputs)} inputs")
         self.equal_sizes()
         self.size_minimums()
+        self.derived_sizes()
         self.input_writes()
         self.io_storage()
         if m.signature is not None:
@@ -300,6 +301,22 @@ class _MethodChecks:
                 raise ProgramError(f"{self.pre} size_minimums names {entry!r}, not a dynamic size of an input")
             if not 0 <= entry[2] <= bound:
                 raise ProgramError(f"{self.pre} size_minimums gives {entry!r} a minimum outside 0..{bound}, its bound")
+
+    def _dynamic_size(self, i: int, d: int) -> bool:
+        """Input `i`'s dim `d` is dynamic (dim -1: input `i` is an int input)."""
+        m = self.m
+        v = m.values[m.inputs[i]] if 0 <= i < len(m.inputs) else None
+        return (isinstance(v, TensorValue) and 0 <= d < len(v.dynamic) and bool(v.dynamic[d])
+                or isinstance(v, ConstValue) and v.kind == "symint" and d == -1)
+
+    def derived_sizes(self) -> None:
+        """Each [input, dim, a, b, root input, root dim] of `derived_sizes` names a dynamic dim of a
+        tensor input, a >= 1, and a root that is a dynamic size of an input, or none (-1)."""
+        for entry in self.m.derived_sizes:
+            ok = len(entry) == 6 and entry[1] >= 0 and self._dynamic_size(entry[0], entry[1]) and entry[2] >= 1
+            if not ok or not (entry[4] == -1 or self._dynamic_size(entry[4], entry[5])):
+                raise ProgramError(f"{self.pre} derived_sizes names {entry!r}: not a dynamic dim of a tensor input "
+                                   "as a multiple (>= 1) of a size plus an offset, of an input's size or none (-1)")
 
     def io_storage(self) -> None:
         """Caller-owned inputs are method inputs: nothing else could fill them."""

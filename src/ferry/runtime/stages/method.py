@@ -234,12 +234,28 @@ class LoadedMethod:
                                   for (i, d), n in zip(group, sizes))
                 raise InputError(f"inputs of {self.name!r} disagree on one dynamic size: {named}; the program was "
                                  "exported with these dims equal (one torch.export.Dim)")
+        for i, d, a, b, root, root_dim in self.method.derived_sizes:  # a*s + b, as export traced the dim
+            self._check_derived(inputs, i, d, a, b, root, root_dim)
         for i, d, low in self.method.size_minimums:  # what ep.module() checks too
             size = rows if rows is not None and d == 0 else _size_of(inputs[i], d)
             if size < low:
                 what = _label(i, self._inputs[i]) + ("" if d < 0 else f" dim {d}")
                 raise InputError(f"{what} of {self.name!r} is {size}, below {low}, the minimum the program was "
                                  "exported with (export it with a smaller torch.export.Dim min to call it there)")
+
+    def _check_derived(self, inputs, i: int, d: int, a: int, b: int, root: int, root_dim: int) -> None:
+        """Input `i`'s dim `d`, exported as a*s + b: that value of the size s where input `root`'s dim
+        `root_dim` is s itself; else a value a*s + b takes for some integer s."""
+        size, what = inputs[i].shape[d], f"{_label(i, self._inputs[i])} dim {d} of {self.name!r}"
+        if root >= 0:
+            s = _size_of(inputs[root], root_dim)
+            if size != a * s + b:
+                where = _label(root, self._inputs[root]) + ("" if root_dim < 0 else f" dim {root_dim}")
+                raise InputError(f"{what} is {size}; the program was exported with it {a} * ({where}) + {b} = "
+                                 f"{a * s + b}")
+        elif (size - b) % a:
+            raise InputError(f"{what} is {size}; the program was exported with it {a} * s + {b} for a size s "
+                             f"(a torch.export.Dim expression): pass a size of that form")
 
     def execute(self, inputs, bind_outputs=None, graphs: bool = True, finish: bool = True, part: bool = False) -> list:
         """One call. `graphs=False`: a new shape gets a plan without CUDA graphs (a shape the
