@@ -65,7 +65,7 @@ def derived_sizes(gm: torch.fx.GraphModule) -> list[list[int]]:
             for d, size in (enumerate(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor)
                             else [(-1, node.meta.get("val"))])
             if isinstance(size, torch.SymInt)]
-    roots = {}
+    roots: dict = {}  # symbol -> the first [input, dim] that is it
     for i, d, expr in dims:
         if expr.is_Symbol:
             roots.setdefault(expr, [i, d])
