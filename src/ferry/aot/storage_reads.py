@@ -9,6 +9,8 @@ storage; the method records the inputs that must be one, and each call checks th
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx
 
@@ -26,15 +28,21 @@ def equal_sizes(gm: torch.fx.GraphModule) -> list[list[list[int]]]:
     call must give them equal sizes. Dim -1 is an int input of that size (a length passed beside
     the tensor it measures). Only groups of two or more; a dim that is an expression of a size
     (2 * s0) is not listed."""
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
     groups: dict[str, list[list[int]]] = {}
-    for i, node in enumerate(inputs):
-        val = node.meta.get("val")
-        for d, size in (enumerate(val.shape) if isinstance(val, torch.Tensor) else [(-1, val)]):
-            expr = size.node.expr if isinstance(size, torch.SymInt) else None
-            if expr is not None and getattr(expr, "is_Symbol", False):
-                groups.setdefault(str(expr), []).append([i, d])
+    for i, d, expr in _dynamic_sizes(gm):
+        if expr.is_Symbol:
+            groups.setdefault(str(expr), []).append([i, d])
     return [g for g in groups.values() if len(g) > 1]
+
+
+def _dynamic_sizes(gm: torch.fx.GraphModule) -> list[tuple[int, int, Any]]:
+    """(user input position, dim, expression) of every symbolic size of the user inputs: each
+    tensor dim, and each int input as dim -1."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
+    return [(i, d, size.node.expr) for i, node in enumerate(inputs)
+            for d, size in (enumerate(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor)
+                            else [(-1, node.meta.get("val"))])
+            if isinstance(size, torch.SymInt)]
 
 
 def checked_sizes(gm: torch.fx.GraphModule) -> frozenset[str]:
@@ -43,15 +51,11 @@ def checked_sizes(gm: torch.fx.GraphModule) -> frozenset[str]:
     expression of (t = 2*s: any t up to the bound passes, and a derived size is not checked
     against its root). An int input's symbol is one only where a tensor's dim is it too (the
     two are checked equal, `equal_sizes`)."""
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
     bare: set[str] = set()
     derived: set[str] = set()
-    for node in inputs:
-        val = node.meta.get("val")
-        for size in val.shape if isinstance(val, torch.Tensor) else ():
-            expr = size.node.expr if isinstance(size, torch.SymInt) else None
-            if expr is not None:
-                (bare if expr.is_Symbol else derived).update(map(str, expr.free_symbols))
+    for _, d, expr in _dynamic_sizes(gm):
+        if d >= 0:
+            (bare if expr.is_Symbol else derived).update(map(str, expr.free_symbols))
     return frozenset(bare - derived)
 
 
@@ -60,11 +64,7 @@ def derived_sizes(gm: torch.fx.GraphModule) -> list[list[int]]:
     one size `s` (a Dim's multiple or offset): a call must give it that value of the size where
     another input's dim (or an int input, dim -1) is `s` itself (root input -1: none is, and the
     size must still be one `a*s + b` can take). Other expressions are not listed."""
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
-    dims = [(i, d, size.node.expr) for i, node in enumerate(inputs)
-            for d, size in (enumerate(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor)
-                            else [(-1, node.meta.get("val"))])
-            if isinstance(size, torch.SymInt)]
+    dims = _dynamic_sizes(gm)
     roots: dict = {}  # symbol -> the first [input, dim] that is it
     for i, d, expr in dims:
         if expr.is_Symbol:
@@ -85,16 +85,8 @@ def size_minimums(gm: torch.fx.GraphModule, range_constraints) -> list[list[int]
     minimum above 2 for: what `ep.module()` checks each call (it checks none of 2 or less, the
     sizes export's 0/1 specialisation assumes away), and so does ferry. A graph traced for t >= 5
     may have taken a branch that is wrong at t = 3."""
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and M.input_info(n).kind == M.USER_INPUT]
-    found = []
-    for i, node in enumerate(inputs):
-        val = node.meta.get("val")
-        sizes = list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else [(-1, val)]
-        for d, size in sizes:
-            ranges = (range_constraints or {}).get(size.node.expr) if isinstance(size, torch.SymInt) else None
-            if ranges is not None and ranges.lower > 2:
-                found.append([i, d, int(ranges.lower)])
-    return found
+    ranges = [(i, d, (range_constraints or {}).get(expr)) for i, d, expr in _dynamic_sizes(gm)]
+    return [[i, d, int(r.lower)] for i, d, r in ranges if r is not None and r.lower > 2]
 
 
 def storage_inputs(gm: torch.fx.GraphModule) -> list[int]:

@@ -41,7 +41,6 @@ from collections.abc import Callable
 import sympy
 import torch
 import torch.fx
-from torch._dynamo.source import TensorProperty, TensorPropertySource
 
 from ferry import node_meta as M
 from ferry.choices import timing
@@ -61,7 +60,7 @@ OPS = frozenset({SDPA, MHA})
 FORMS = ("fused", "GEMMs and a softmax")
 _CHECK_ELEMENTS = 1 << 22  # the largest activation a numerical check materialises
 # the symbols of sizes each call checks (names; aot/storage_reads.py `checked_sizes`), set while a
-# program compiles; None: read from the shape environment's sources instead (`_checked_size`)
+# program compiles; None (a graph rewritten outside ferry.compile): none is
 CHECKED_SIZES: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("CHECKED_SIZES", default=None)
 _MAX_BINDINGS = 512  # the most values of a mask's dynamic sizes it is computed at, at compile time
 # what the traced ops of one nn.MultiheadAttention (self-attention, packed projections) may be
@@ -554,32 +553,19 @@ def _every_binding(values) -> list[dict] | None:
     """Every assignment of the sizes the symbolic `values` (tensors, sizes) depend on, each from 0
     to its upper bound (a call may pass any size up to the bound, below the exported minimum
     too); [{}] where none is symbolic; None where one is unbounded, is not a size each call
-    checks (`_checked_size`), or there would be more than _MAX_BINDINGS."""
+    checks (`CHECKED_SIZES`: an int input alone, or a size met only in an expression such as
+    2*s, may be called outside 0..bound), or there would be more than _MAX_BINDINGS."""
     sizes = [s for v in values for s in (v.shape if isinstance(v, torch.Tensor) else (v,))
              if isinstance(s, torch.SymInt)]
     bindings: list[dict] = [{}]
     for sym in sorted(_symbols(sizes), key=str):
-        env = sizes[0].node.shape_env
-        ranges = env.var_to_range.get(sym) if _checked_size(env, sym) else None
+        checked = str(sym) in (CHECKED_SIZES.get() or ())  # else a call may bring a value outside 0..bound
+        ranges = sizes[0].node.shape_env.var_to_range.get(sym) if checked else None
         upper = ranges.upper if ranges is not None and ranges.upper.is_Integer else None  # not int_oo
         if upper is None or len(bindings) * (int(upper) + 1) > _MAX_BINDINGS:
             return None
         bindings = [b | {sym: v} for b in bindings for v in range(int(upper) + 1)]
     return bindings
-
-
-def _checked_size(env, sym) -> bool:
-    """`sym` is an input tensor's size as it is, which a call can set only to a value from 0 to
-    its bound (checked each call). Not so an int input alone (export records an int checked to
-    be in [-3, 3] as [0, 3], and checks no minimum of 2 or less, so -1 reaches the program) nor
-    a size only ever met in an expression (t = 2*s: a call may pass an odd t)."""
-    checked = CHECKED_SIZES.get()
-    if checked is not None:  # from the program's inputs (a program from torch.export.load has no sources)
-        return str(sym) in checked
-    sources = env.var_to_sources.get(sym, ())
-    if not any(isinstance(s, TensorPropertySource) and s.prop is TensorProperty.SIZE for s in sources):
-        return False
-    return not any(sym in e.free_symbols and e != sym for e in env.replacements.values())
 
 
 def _shape_at(t: torch.Tensor, binding: dict) -> tuple[int, ...] | None:

@@ -276,13 +276,9 @@ class _MethodChecks:
 
     def equal_sizes(self) -> None:
         """Each [input, dim] of `equal_sizes` names a dynamic dim of a tensor input, or an int input (dim -1)."""
-        m = self.m
-        for group in m.equal_sizes:
+        for group in self.m.equal_sizes:
             for pair in group:
-                ok = len(pair) == 2 and 0 <= pair[0] < len(m.inputs)
-                v = m.values[m.inputs[pair[0]]] if ok else None
-                if not (isinstance(v, TensorValue) and 0 <= pair[1] < len(v.dynamic) and v.dynamic[pair[1]]
-                        or isinstance(v, ConstValue) and v.kind == "symint" and pair[1] == -1):
+                if not (len(pair) == 2 and self._dynamic_size(*pair)):
                     raise ProgramError(f"{self.pre} equal_sizes names {pair!r}, not a dynamic dim of a tensor input "
                                        "or an int input")
 
@@ -291,14 +287,10 @@ class _MethodChecks:
         int input (dim -1), and a minimum no larger than its bound."""
         m = self.m
         for entry in m.size_minimums:
-            ok = len(entry) == 3 and 0 <= entry[0] < len(m.inputs)
-            v = m.values[m.inputs[entry[0]]] if ok else None
-            if isinstance(v, TensorValue) and 0 <= entry[1] < len(v.dynamic) and v.dynamic[entry[1]]:
-                bound = v.shape[entry[1]]
-            elif isinstance(v, ConstValue) and v.kind == "symint" and entry[1] == -1:
-                bound = cast(int, v.value)
-            else:
+            if not (len(entry) == 3 and self._dynamic_size(entry[0], entry[1])):
                 raise ProgramError(f"{self.pre} size_minimums names {entry!r}, not a dynamic size of an input")
+            v = m.values[m.inputs[entry[0]]]
+            bound = v.shape[entry[1]] if isinstance(v, TensorValue) else cast(int, v.value)  # (an int input)
             if not 0 <= entry[2] <= bound:
                 raise ProgramError(f"{self.pre} size_minimums gives {entry!r} a minimum outside 0..{bound}, its bound")
 
