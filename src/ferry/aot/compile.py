@@ -15,11 +15,13 @@ from ferry.aot.config import CompileConfig, MethodOptions
 from ferry.aot.device_map import DeviceMapPartitioner
 from ferry.aot.emit import emit_method
 from ferry.aot.fallbacks import kernel_fallbacks
+from ferry.aot.input_guards import input_guards
+from ferry.aot.input_sizes import checked_sizes, derived_sizes, equal_sizes, size_minimums
 from ferry.aot.lifted_state import refuse_stale_views
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
 from ferry.aot.signature import signature_of, warn_merged_inputs
-from ferry.aot.storage_reads import checked_sizes, derived_sizes, equal_sizes, size_minimums, storage_inputs
+from ferry.aot.storage_reads import storage_inputs
 from ferry.aot.subclass_weights import quantized_weights
 from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import ProgramData
@@ -142,6 +144,7 @@ def _compile(eps, partitioner, options, budgets, done: Callable[[int, int], obje
         method.equal_sizes = equal_sizes(placed.graph_module)
         method.size_minimums = size_minimums(placed.graph_module, placed.range_constraints)
         method.derived_sizes = derived_sizes(placed.graph_module)
+        method.input_guards = input_guards(eps[name], placed.graph_module, method)
         method.device_map = {path: str(d) for path, d in placed.device_map.items()}
         method.max_memory = {str(d): n for d, n in (budgets or {}).items()}
         methods[name] = method

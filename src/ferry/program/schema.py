@@ -355,6 +355,7 @@ class Method:
     equal_sizes: list[list[list[int]]] = field(default_factory=list)  # [input, dim] pairs one dynamic size
     size_minimums: list[list[int]] = field(default_factory=list)  # [input, dim (-1: an int input), minimum]
     derived_sizes: list[list[int]] = field(default_factory=list)  # [input, dim, a, b, root input, root dim]
+    input_guards: list[str] = field(default_factory=list)  # what export checked of input sizes (program/guards.py)
     quantized_weights: list[QuantizedWeight] = field(default_factory=list)  # facts for people, not read to run
     input_writes: list[InputWrite] = field(default_factory=list)  # inputs written in place, by output position
     signature: Signature | None = None  # the model's (args, kwargs) and result trees; None: flat tensors

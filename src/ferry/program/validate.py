@@ -13,7 +13,7 @@ from typing import cast
 
 from ferry.errors import ProgramError
 from ferry.layout import is_dense
-from ferry.program import codec, fields
+from ferry.program import codec, fields, guards
 from ferry.program.dataflow import check_dataflow
 from ferry.program.schema import (
     CONST_KIND_TABLE,
@@ -110,6 +110,7 @@ class _MethodChecks:
         self.equal_sizes()
         self.size_minimums()
         self.derived_sizes()
+        self.input_guards()
         self.input_writes()
         self.io_storage()
         if m.signature is not None:
@@ -309,6 +310,19 @@ class _MethodChecks:
             if not ok or not (entry[4] == -1 or self._dynamic_size(entry[4], entry[5])):
                 raise ProgramError(f"{self.pre} derived_sizes names {entry!r}: not a dynamic dim of a tensor input "
                                    "as a multiple (>= 1) of a size plus an offset, of an input's size or none (-1)")
+
+    def input_guards(self) -> None:
+        """Each of `input_guards` is of ferry's guard language, and reads only dynamic sizes of the
+        method's inputs."""
+        for text in self.m.input_guards:
+            try:
+                tree = guards.parse(text)
+            except guards.GuardError as e:
+                raise ProgramError(f"{self.pre} input_guards: {e}") from None
+            bad = [leaf for leaf in guards.leaves(tree) if not self._dynamic_size(*leaf)]
+            if bad:
+                raise ProgramError(f"{self.pre} input guard {text!r} reads {bad[0]!r}, not a dynamic dim of a tensor "
+                                   "input or an int input")
 
     def io_storage(self) -> None:
         """Caller-owned inputs are method inputs: nothing else could fill them."""

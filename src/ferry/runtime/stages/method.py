@@ -20,6 +20,7 @@ from ferry.backend_registry import NOT_CAPTURED, CallerPlan
 from ferry.device import CPU
 from ferry.errors import FerryError, InputError
 from ferry.layout import contiguous_strides, same_strides
+from ferry.program import guards
 from ferry.program.schema import ConstValue, Method, TensorValue
 from ferry.runtime.devices.allocator import get_allocator
 from ferry.runtime.devices.streams import CopyStreams
@@ -93,6 +94,7 @@ class LoadedMethod:
             if isinstance(v := method.values[vid], ConstValue) and v.kind == "symint"}
         self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
                                for vid in method.outputs]
+        self._guards = [guards.parse(text) for text in method.input_guards]  # (validated on load)
 
     def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset(), shapes: dict | None = None,
               record: tuple[int, ...] = (), measure: bool = False, caller: CallerPlan | None = None) -> Plan:
@@ -242,6 +244,25 @@ class LoadedMethod:
                 what = _label(i, self._inputs[i]) + ("" if d < 0 else f" dim {d}")
                 raise InputError(f"{what} of {self.name!r} is {size}, below {low}, the minimum the program was "
                                  "exported with (export it with a smaller torch.export.Dim min to call it there)")
+        if self._guards:
+            self._check_guards(inputs, rows)
+
+    def _check_guards(self, inputs, rows: int | None) -> None:
+        """What export checked of the input sizes beyond their ranges (`torch._check`, a branch on a
+        size): the graph is right only where each holds, so ep.module() refuses a call where one
+        fails, and so does ferry."""
+        def size_of(i: int, d: int) -> int:
+            return rows if rows is not None and d == 0 else _size_of(inputs[i], d)
+
+        for tree in self._guards:
+            if not guards.evaluate(tree, size_of):
+                named = guards.render(tree, lambda i, d: _label(i, self._inputs[i]) + ("" if d < 0 else f".shape[{d}]"))
+                named = named[1:-1] if named.startswith("(") and named.endswith(")") else named
+                sizes = ", ".join(sorted({f"{_label(i, self._inputs[i])}{'' if d < 0 else f' dim {d}'} is {size_of(i, d)}"
+                                          for i, d in guards.leaves(tree)}))
+                raise InputError(f"inputs of {self.name!r} fail a check the program was exported under: {named} "
+                                 f"({sizes}); the graph export traced is right only where it holds (export at sizes "
+                                 "that meet it, or without the check in the model)")
 
     def _check_derived(self, inputs, i: int, d: int, a: int, b: int, root: int, root_dim: int) -> None:
         """Input `i`'s dim `d`, exported as a*s + b: that value of the size s where input `root`'s dim

@@ -1,0 +1,164 @@
+"""The checks export recorded on a method's input sizes (`torch._check(n >= 1)`, a branch taken on
+`x.shape[0] % 2 == 0`), in a small expression language of ferry's own.
+
+`ExportedProgram.module()` runs such guards as generated Python before every call; ferry's file is
+data, so it holds them as text in this language: written by `ferry.compile`, parsed (and its
+leaves checked against the method's inputs) when a file loads, evaluated on every call from the
+parsed tree. Nothing in it is handed to Python's `eval`.
+
+    guard := number | leaf | op "(" guard ("," guard)* ")"
+    leaf  := size(i, d)   dim d of tensor input i      | arg(i)   int input i
+    op    := add mul floordiv mod truediv pow max min abs floor ceil trunc float
+             eq ne lt le gt ge and or not
+    number:= an integer, or a decimal (2.5)
+
+Arithmetic is Python's, as in the guard code export writes: floor division and modulo round
+toward minus infinity, `truediv` is `/` (a float).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Callable
+from functools import reduce
+
+__all__ = ["GuardError", "MAX_DEPTH", "MAX_TEXT", "evaluate", "leaves", "parse", "render"]
+
+MAX_TEXT = 4096  # characters in one guard
+MAX_DEPTH = 48  # nesting of one guard
+
+
+class GuardError(ValueError):
+    """A guard's text is not of the language (a malformed or edited file)."""
+
+
+def _nary(fn) -> Callable:
+    return lambda *xs: reduce(fn, xs)
+
+
+# op -> (fewest arguments, most (None: any), function)
+OPS: dict[str, tuple[int, int | None, Callable]] = {
+    "add": (2, None, _nary(operator.add)), "mul": (2, None, _nary(operator.mul)),
+    "floordiv": (2, 2, operator.floordiv), "mod": (2, 2, operator.mod), "truediv": (2, 2, operator.truediv),
+    "pow": (2, 2, operator.pow), "max": (2, None, max), "min": (2, None, min), "abs": (1, 1, abs),
+    "floor": (1, 1, math.floor), "ceil": (1, 1, math.ceil), "trunc": (1, 1, math.trunc), "float": (1, 1, float),
+    "eq": (2, 2, operator.eq), "ne": (2, 2, operator.ne), "lt": (2, 2, operator.lt), "le": (2, 2, operator.le),
+    "gt": (2, 2, operator.gt), "ge": (2, 2, operator.ge),
+    "and": (2, None, lambda *xs: all(xs)), "or": (2, None, lambda *xs: any(xs)), "not": (1, 1, operator.not_),
+}
+INFIX = {"add": "+", "mul": "*", "floordiv": "//", "mod": "%", "truediv": "/", "pow": "**", "eq": "==",
+         "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "and": "and", "or": "or"}
+
+_TOKEN = re.compile(r"\s*(?:(-?\d+(?:\.\d*(?:e[-+]?\d+)?|e[-+]?\d+))|(-?\d+)|([a-z]+)|([(),]))")
+
+
+def parse(text: str):
+    """The tree of `text`: a number, ("size", i, d), ("arg", i), or (op, *arguments). Raises
+    GuardError on anything else."""
+    if not isinstance(text, str) or len(text) > MAX_TEXT:
+        raise GuardError(f"a guard is a string of at most {MAX_TEXT} characters")
+    tokens = _tokens(text)
+    tree, at = _parse(tokens, 0, 0)
+    if at != len(tokens):
+        raise GuardError(f"guard {text!r}: unexpected {tokens[at][1]!r} after a whole expression")
+    return tree
+
+
+def _tokens(text: str) -> list[tuple[str, object]]:
+    out, at = [], 0
+    text = text.rstrip()
+    while at < len(text):
+        m = _TOKEN.match(text, at)
+        if m is None or m.end() == at:
+            raise GuardError(f"guard {text!r}: cannot read {text[at:at + 12]!r}")
+        dec, num, name, punct = m.groups()
+        out.append(("number", float(dec)) if dec else ("number", int(num)) if num else
+                   ("name", name) if name else ("punct", punct))
+        at = m.end()
+    return out
+
+
+def _parse(tokens, at: int, depth: int):
+    if depth > MAX_DEPTH:
+        raise GuardError(f"a guard nests deeper than {MAX_DEPTH}")
+    if at >= len(tokens):
+        raise GuardError("a guard ends where an expression should be")
+    kind, value = tokens[at]
+    if kind == "number":
+        return value, at + 1
+    if kind != "name" or at + 1 >= len(tokens) or tokens[at + 1] != ("punct", "("):
+        raise GuardError(f"a guard has {value!r} where a number or a call should be")
+    args, at = [], at + 2
+    while True:
+        arg, at = _parse(tokens, at, depth + 1)
+        args.append(arg)
+        if at < len(tokens) and tokens[at] == ("punct", ","):
+            at += 1
+            continue
+        if at < len(tokens) and tokens[at] == ("punct", ")"):
+            return _node(str(value), args), at + 1
+        raise GuardError(f"a guard's call of {value!r} is not closed")
+
+
+def _node(name: str, args: list):
+    if name in ("size", "arg"):
+        want = 1 if name == "arg" else 2
+        if len(args) != want or not all(type(a) is int for a in args):
+            raise GuardError(f"{name}() takes {want} integer literal(s), got {args!r}")
+        if args[0] < 0 or (name == "size" and args[1] < 0):
+            raise GuardError(f"{name}() of a negative position: {args!r}")
+        return (name, *args)
+    if name not in OPS:
+        raise GuardError(f"a guard calls {name!r}, not an operation of the language ({', '.join(OPS)})")
+    low, high, _ = OPS[name]
+    if len(args) < low or (high is not None and len(args) > high):
+        raise GuardError(f"{name}() takes {low}{'' if high == low else ' or more' if high is None else f'..{high}'} "
+                         f"arguments, got {len(args)}")
+    if name == "pow" and not (type(args[1]) is int and 0 <= args[1] <= 64):
+        raise GuardError("pow() takes an integer literal exponent from 0 to 64")
+    return (name, *args)
+
+
+def leaves(tree) -> list[tuple[int, int]]:
+    """[(input, dim)] a guard reads: dim -1 for an int input (arg)."""
+    if not isinstance(tree, tuple):
+        return []
+    if tree[0] == "size":
+        return [(tree[1], tree[2])]
+    if tree[0] == "arg":
+        return [(tree[1], -1)]
+    return [leaf for a in tree[1:] for leaf in leaves(a)]
+
+
+def evaluate(tree, size_of: Callable[[int, int], int]) -> bool:
+    """Whether the guard holds where `size_of(input, dim)` gives the call's sizes (dim -1: an int
+    input's value). A guard that cannot be evaluated there (a division by a size of 0) fails."""
+    try:
+        return bool(_value(tree, size_of))
+    except (ZeroDivisionError, OverflowError, ValueError):
+        return False
+
+
+def _value(tree, size_of):
+    if not isinstance(tree, tuple):
+        return tree
+    if tree[0] == "size":
+        return size_of(tree[1], tree[2])
+    if tree[0] == "arg":
+        return size_of(tree[1], -1)
+    return OPS[tree[0]][2](*(_value(a, size_of) for a in tree[1:]))
+
+
+def render(tree, name_of: Callable[[int, int], str]) -> str:
+    """The guard as people read it: infix, with each leaf named by `name_of(input, dim)`."""
+    if not isinstance(tree, tuple):
+        return repr(tree)
+    op, args = tree[0], tree[1:]
+    if op in ("size", "arg"):
+        return name_of(tree[1], tree[2] if op == "size" else -1)
+    parts = [render(a, name_of) for a in args]
+    if op in INFIX:
+        return "(" + f" {INFIX[op]} ".join(parts) + ")"
+    return ("not " + parts[0]) if op == "not" else f"{op}({', '.join(parts)})"

@@ -1,0 +1,201 @@
+"""What export checked of the input sizes (`torch._check`, branches on sizes, a size traced as a
+product of others) is checked on every call, as `ExportedProgram.module()` checks it: a graph
+traced where a guard held may be wrong where it does not. Each case is called at sizes where
+its guards hold and where they fail; ferry must refuse exactly the calls ep.module() refuses and
+answer the rest as ep.module() does."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.export import Dim
+
+import ferry
+from ferry import InputError, ProgramError
+from ferry.aot import input_guards as input_guards_module
+from ferry.program import guards
+
+pytestmark = pytest.mark.filterwarnings("error::UserWarning")
+
+
+class IntAtLeastOne(nn.Module):
+    def forward(self, x, n: int):
+        torch._check(n >= 1)
+        torch._check(n <= 4)
+        return x * n if n > 0 else x - 1  # traced at n = 2: the graph is wrong at n <= 0
+
+
+class EvenLength(nn.Module):
+    def forward(self, x):
+        torch._check(x.shape[0] % 2 == 0)
+        return x.reshape(-1, 2).sum(1)
+
+
+class NotFive(nn.Module):
+    def forward(self, x):
+        return x - 1 if x.shape[0] == 5 else x + 1
+
+
+class BigArea(nn.Module):
+    def forward(self, x, y):
+        return x.sum() + y.sum() if x.shape[0] * x.shape[1] > 20 else x.sum() - y.sum()
+
+
+class Flattened(nn.Module):
+    def forward(self, x, y):
+        return x.reshape(-1) + y  # y's length is traced as x0 * x1
+
+
+class LongerOfTwo(nn.Module):
+    def forward(self, x, y):
+        return x.sum() * 2 if max(x.shape[0], y.shape[0]) > 6 else x.sum()
+
+
+class ThirdAbove(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.shape[0] / 3 > 2.5 else x
+
+
+class Prefix(nn.Module):
+    def forward(self, x, n: int):
+        torch._check(n >= 2)
+        return x[:n] * 2
+
+
+def _r(*shape):
+    return torch.randn(*shape)
+
+
+AUTO = Dim.AUTO(max=64)
+CASES = {  # model, example, dynamic shapes, calls (some failing a guard)
+    "int at least one": (IntAtLeastOne(), (_r(3), 2), {"x": None, "n": Dim.DYNAMIC},
+                         [(_r(3), n) for n in (2, 0, -1, 1, 4)]),
+    "even length": (EvenLength(), (_r(8),), {"x": {0: AUTO}}, [(_r(n),) for n in (8, 6, 7, 4, 9, 64)]),
+    "not five": (NotFive(), (_r(8),), {"x": {0: AUTO}}, [(_r(n),) for n in (8, 5, 1, 0, 64)]),
+    "big area": (BigArea(), (_r(5, 5), _r(3)), {"x": {0: AUTO, 1: AUTO}, "y": None},
+                 [(_r(5, 5), _r(3)), (_r(2, 3), _r(3)), (_r(3, 7), _r(3)), (_r(4, 5), _r(3))]),
+    "flattened": (Flattened(), (_r(3, 3), _r(9)), {"x": {0: AUTO, 1: AUTO}, "y": {0: Dim.AUTO(max=4096)}},
+                  [(_r(3, 3), _r(9)), (_r(4, 4), _r(16)), (_r(4, 4), _r(15)), (_r(2, 8), _r(16)), (_r(2, 8), _r(17))]),
+    "longer of two": (LongerOfTwo(), (_r(8), _r(3)), {"x": {0: AUTO}, "y": {0: AUTO}},
+                      [(_r(8), _r(3)), (_r(3), _r(8)), (_r(3), _r(3)), (_r(7), _r(7))]),
+    "a third above": (ThirdAbove(), (_r(10),), {"x": {0: AUTO}}, [(_r(n),) for n in (10, 8, 7, 9, 2)]),
+    "prefix": (Prefix(), (_r(8), 3), {"x": {0: Dim("s", max=16)}, "n": Dim.DYNAMIC},
+               [(_r(8), 3), (_r(8), 1), (_r(8), 0), (_r(8), 8), (_r(8), 9), (_r(16), 12)]),
+}
+
+
+def _runs(fn, args):
+    try:
+        return True, fn(*args)
+    except Exception as e:  # noqa: BLE001 (either side may refuse a call its own way)
+        return False, e
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_call_is_refused_exactly_where_export_refuses_it_and_answers_as_eager_elsewhere(case, emu):
+    model, example, dims, calls = CASES[case]
+    ep = torch.export.export(model, example, dynamic_shapes=dims)
+    reference = ep.module()
+    for device in ("cpu", "emu:0"):
+        partitioner = ferry.OpSupportPartitioner(device) if device != "cpu" else None
+        module = ferry.Module(ferry.load_program(ferry.compile(ep, partitioner).to_bytes()))
+        refused = 0
+        for args in calls:
+            ok, expected = _runs(reference, args)
+            if not ok:
+                with pytest.raises(InputError, match="fail a check the program was exported under|bound|minimum"):
+                    module(*args)
+                refused += 1
+            else:
+                got = module(*args)
+                torch.testing.assert_close(got, expected)
+        assert 0 < refused < len(calls)  # the case calls both sides of its guards
+
+
+def test_the_file_holds_the_guards_export_recorded_in_ferrys_language():
+    ep = torch.export.export(EvenLength(), (_r(8),), dynamic_shapes={"x": {0: AUTO}})
+    assert ferry.load_program(ferry.compile(ep).to_bytes()).method("forward").input_guards == [
+        "eq(mod(size(0, 0), 2), 0)"]
+
+
+def test_a_guard_that_ferrys_own_checks_imply_is_left_out():
+    """`n <= 16` of a Dim with max 16 is the bound ferry checks anyway; an equality of two sizes
+    is one of equal_sizes. Neither costs a call anything."""
+    class Checked(nn.Module):
+        def forward(self, x, y):
+            torch._check(x.shape[0] <= 16)
+            return x + y
+
+    s = Dim("s", max=16)
+    ep = torch.export.export(Checked(), (_r(8), _r(8)), dynamic_shapes=({0: s}, {0: s}))
+    assert ferry.compile(ep).method("forward").input_guards == []
+
+
+def test_guards_of_ferrys_own_retracing_are_not_checked():
+    """Retracing the program with symbolic inputs (as ferry.compile's passes do) records guards of
+    its own: evaluating max(x, y) guards x > y. Export asked only max(x, y) > 6 of a call, so a
+    call with y the longer runs."""
+    ep = torch.export.export(LongerOfTwo(), (_r(8), _r(3)), dynamic_shapes={"x": {0: AUTO}, "y": {0: AUTO}})
+    program = ferry.compile(ep)
+    assert program.method("forward").input_guards == ["gt(max(size(1, 0), size(0, 0)), 6)"]
+    x, y = _r(3), _r(8)
+    torch.testing.assert_close(ferry.Module(program)(x, y), LongerOfTwo()(x, y))
+
+
+def test_the_error_names_the_check_and_the_sizes_that_fail_it():
+    ep = torch.export.export(EvenLength(), (_r(8),), dynamic_shapes={"x": {0: AUTO}})
+    module = ferry.Module(ferry.compile(ep))
+    with pytest.raises(InputError, match=r"\(input 0 \('x'\)\.shape\[0\] % 2\) == 0 \(input 0 \('x'\) dim 0 is 7\)"):
+        module(_r(7))
+    x = _r(6)
+    torch.testing.assert_close(module(x), EvenLength()(x))  # the module is still usable
+
+
+def test_a_guard_ferry_cannot_write_is_warned_about_by_name():
+    ep = torch.export.export(EvenLength(), (_r(8),), dynamic_shapes={"x": {0: AUTO}})
+    method = ferry.compile(ep).method("forward")
+    ep._guards_code = ["L['x'].stride()[0] == 1", "L['y'].size()[0] == 1"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert input_guards_module.input_guards(ep, ep.graph_module, method) == []
+    said = [str(w.message) for w in caught]
+    assert len(said) == 2 and "`L['x'].stride()[0] == 1`" in said[0] and "cannot write" in said[0]
+    assert "`L['y']` is no tensor input" in said[1]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("eval(1)", "not an operation"), ("__import__(1)", "cannot read"), ("add(1)", "takes 2 or more"),
+    ("eq(size(0, 0), 2", "not closed"), ("size(0)", "takes 2 integer"), ("size(0, -1)", "negative"),
+    ("pow(size(0, 0), size(0, 0))", "exponent"), ("1 2", "unexpected"), ("not(" * 60 + "1" + ")" * 60, "deeper"),
+    ("eq(1, 1)" + " " * 5000, "at most 4096"), ("", "ends where"), ("lambda: 0", "cannot read"),
+])
+def test_text_outside_the_guard_language_is_refused(text, message):
+    with pytest.raises(guards.GuardError, match=message):
+        guards.parse(text)
+
+
+def test_the_language_evaluates_as_python_does():
+    sizes = {(0, 0): 7, (0, 1): 3, (1, -1): -5}
+    cases = {"eq(mod(size(0, 0), 2), 1)": True, "eq(floordiv(arg(1), 2), -3)": True, "eq(mod(arg(1), 3), 1)": True,
+             "gt(truediv(size(0, 0), 3), 2.3)": True, "le(max(size(0, 0), size(0, 1), 9), 8)": False,
+             "and(ne(size(0, 1), 3), 1)": False, "or(not(eq(0, 0)), lt(arg(1), 0))": True,
+             "eq(pow(size(0, 1), 3), 27)": True, "eq(trunc(truediv(arg(1), 2)), -2)": True,
+             "eq(floor(truediv(arg(1), 2)), -3)": True, "ge(floordiv(size(0, 0), add(size(0, 1), -3)), 0)": False}
+    for text, want in cases.items():
+        assert guards.evaluate(guards.parse(text), lambda i, d: sizes[(i, d)]) is want, text
+
+
+@pytest.mark.parametrize("guard, message", [
+    ("eq(size(0, 1), 2)", "reads \\(0, 1\\), not a dynamic dim"), ("ge(arg(0), 1)", "reads \\(0, -1\\)"),
+    ("eq(size(3, 0), 1)", "reads \\(3, 0\\)"), ("eq(size(0, 0)", "not closed"), ("exec(1)", "not an operation"),
+])
+def test_a_file_whose_guard_is_malformed_or_reads_no_dynamic_size_is_refused(guard, message):
+    ep = torch.export.export(EvenLength(), (_r(8, 2),), dynamic_shapes={"x": {0: AUTO, 1: None}})
+    program = ferry.compile(ep)
+    program.method("forward").input_guards = [guard]
+    with pytest.raises(ProgramError, match=message):
+        ferry.load_program(program.to_bytes())
+
