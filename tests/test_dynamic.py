@@ -666,16 +666,20 @@ def _rows_from_four():
     return model, ferry.compile(ep)
 
 
-def test_a_minimum_is_checked_against_the_batch_a_call_runs_at():
-    """Padded to a shape bucket, a call of fewer rows than the minimum runs at the bucket, which
-    meets it; split into micro-batches, a part below it is refused before any part runs."""
+def test_a_minimum_is_checked_at_the_callers_batch_and_at_the_batch_the_call_runs_at():
+    """A call below the minimum is refused as ep.module() refuses it, even where a shape bucket
+    would pad it above (the model may branch on the batch: eager would answer it otherwise);
+    split into micro-batches, a part below it is refused before any part runs."""
     model, program = _rows_from_four()
     module = ferry.Module(program, shape_buckets=[4, 8, 16])
-    for b in (8, 3, 1, 5):
+    for b in (3, 1):
+        with pytest.raises(ferry.InputError, match=f"is {b}, below 4"):
+            module(torch.randn(b, 8))
+    for b in (8, 5, 4):
         x = torch.randn(b, 8)
         torch.testing.assert_close(module(x), model(x))
     split = ferry.Module(program, microbatches=3)
-    with pytest.raises(ferry.InputError, match="is 2, below 4"):
+    with pytest.raises(ferry.InputError, match=r"is 2 \(a micro-batch of 2 rows of a call of 10\), below 4"):
         split(torch.randn(10, 8))  # parts of 4, 4 and 2
     x = torch.randn(16, 8)
     torch.testing.assert_close(split(x), model(x))

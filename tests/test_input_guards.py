@@ -6,7 +6,7 @@ answer the rest as ep.module() does."""
 
 from __future__ import annotations
 
-import warnings
+import math
 
 import pytest
 import torch
@@ -59,6 +59,28 @@ class ThirdAbove(nn.Module):
         return x * 2 if x.shape[0] / 3 > 2.5 else x
 
 
+class NotThree(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.shape[0] != 3 else x - 1
+
+
+class Parity(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.shape[0] & 1 == 0 else x - 1
+
+
+class FloatScaled(nn.Module):
+    def forward(self, x):
+        return x * 2 if math.floor(x.shape[0] * 0.75) > 4 else x - 1
+
+
+class Either(nn.Module):
+    def forward(self, x, n: int):
+        torch._check(n == 0 or 12 // n > 2)  # Python skips the division where n is 0
+        torch._check(n <= 8)
+        return x * n
+
+
 class Prefix(nn.Module):
     def forward(self, x, n: int):
         torch._check(n >= 2)
@@ -82,6 +104,9 @@ CASES = {  # model, example, dynamic shapes, calls (some failing a guard)
     "longer of two": (LongerOfTwo(), (_r(8), _r(3)), {"x": {0: AUTO}, "y": {0: AUTO}},
                       [(_r(8), _r(3)), (_r(3), _r(8)), (_r(3), _r(3)), (_r(7), _r(7))]),
     "a third above": (ThirdAbove(), (_r(10),), {"x": {0: AUTO}}, [(_r(n),) for n in (10, 8, 7, 9, 2)]),
+    "parity": (Parity(), (_r(8),), {"x": {0: AUTO}}, [(_r(n),) for n in (8, 7, 2, 63)]),
+    "a float product": (FloatScaled(), (_r(8),), {"x": {0: AUTO}}, [(_r(n),) for n in (8, 6, 7, 64)]),
+    "either": (Either(), (_r(3), 2), {"x": None, "n": Dim.DYNAMIC}, [(_r(3), n) for n in (2, 0, 4, 3, -5)]),
     "prefix": (Prefix(), (_r(8), 3), {"x": {0: Dim("s", max=16)}, "n": Dim.DYNAMIC},
                [(_r(8), 3), (_r(8), 1), (_r(8), 0), (_r(8), 8), (_r(8), 9), (_r(16), 12)]),
 }
@@ -154,22 +179,56 @@ def test_the_error_names_the_check_and_the_sizes_that_fail_it():
     torch.testing.assert_close(module(x), EvenLength()(x))  # the module is still usable
 
 
-def test_a_guard_ferry_cannot_write_is_warned_about_by_name():
+def test_a_guard_ferry_cannot_check_is_a_compile_error_naming_it():
+    """Never a program whose calls go unchecked: a guard outside the language (a stride) or of no
+    input stops the compile, naming it."""
     ep = torch.export.export(EvenLength(), (_r(8),), dynamic_shapes={"x": {0: AUTO}})
     method = ferry.compile(ep).method("forward")
-    ep._guards_code = ["L['x'].stride()[0] == 1", "L['y'].size()[0] == 1"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert input_guards_module.input_guards(ep, ep.graph_module, method) == []
-    said = [str(w.message) for w in caught]
-    assert len(said) == 2 and "`L['x'].stride()[0] == 1`" in said[0] and "cannot write" in said[0]
-    assert "`L['y']` is no tensor input" in said[1]
+    for code, why in [("L['x'].stride()[0] == 1", r"`L\['x'\]\.stride\(\)\[0\]` is no int input"),
+                      ("L['y'].size()[0] == 1", r"`L\['y'\]` is no tensor input")]:
+        ep._guards_code = [code]
+        with pytest.raises(ferry.CompileError, match=why + ".*cannot check on each call"):
+            input_guards_module.input_guards(ep, ep.graph_module, method)
+
+
+def test_a_bound_a_guard_rules_out_is_a_compile_error_naming_the_largest_that_meets_it():
+    class Triples(nn.Module):
+        def forward(self, x):
+            torch._check(x.shape[0] % 3 == 0)
+            return x.reshape(-1, 3).sum(1)
+
+    ep = torch.export.export(Triples(), (_r(9),), dynamic_shapes={"x": {0: Dim.AUTO(max=64)}})
+    with pytest.raises(ferry.CompileError, match=r"x\.shape\[0\]'s bound 64 fails .*largest that meets it is 63"):
+        ferry.compile(ep)
+    ep = torch.export.export(Triples(), (_r(9),), dynamic_shapes={"x": {0: Dim.AUTO(max=63)}})
+    module = ferry.Module(ferry.compile(ep))
+    for n in (63, 6, 9):
+        x = _r(n)
+        torch.testing.assert_close(module(x), Triples()(x))
+
+
+@pytest.mark.parametrize("buckets", [None, [4, 16]])
+def test_buckets_and_micro_batches_check_the_callers_batch_and_the_batch_each_graph_runs_at(buckets):
+    """A shape bucket pads a call of 3 rows to 4, where `!= 3` holds: the call is refused all the
+    same, as ep.module() refuses it (eager would take the other branch). Micro-batches of 3 rows
+    of a call of 6 would run the graph where it does not hold: refused, saying so."""
+    ep = torch.export.export(NotThree(), (_r(8, 2),), dynamic_shapes={"x": {0: Dim.AUTO(max=16)}})
+    program = ferry.compile(ep)
+    module = ferry.Module(program, shape_buckets=buckets) if buckets else ferry.Module(program, microbatches=2)
+    with pytest.raises(InputError, match=r"input 0 \('x'\)\.shape\[0\] != 3 \(input 0 \('x'\) dim 0 is 3\)"):
+        module(_r(3, 2))
+    if buckets is None:
+        with pytest.raises(InputError, match="dim 0 is 3; a micro-batch of 3 rows of a call of 6"):
+            module(_r(6, 2))
+    for n in (8, 4, 2) if buckets is None else (8, 4, 5, 2):
+        x = _r(n, 2)
+        torch.testing.assert_close(module(x), NotThree()(x))
 
 
 @pytest.mark.parametrize("text, message", [
     ("eval(1)", "not an operation"), ("__import__(1)", "cannot read"), ("add(1)", "takes 2 or more"),
     ("eq(size(0, 0), 2", "not closed"), ("size(0)", "takes 2 integer"), ("size(0, -1)", "negative"),
-    ("pow(size(0, 0), size(0, 0))", "exponent"), ("1 2", "unexpected"), ("not(" * 60 + "1" + ")" * 60, "deeper"),
+("1 2", "unexpected"), ("not(" * 60 + "1" + ")" * 60, "deeper"),
     ("eq(1, 1)" + " " * 5000, "at most 4096"), ("", "ends where"), ("lambda: 0", "cannot read"),
 ])
 def test_text_outside_the_guard_language_is_refused(text, message):
@@ -183,7 +242,11 @@ def test_the_language_evaluates_as_python_does():
              "gt(truediv(size(0, 0), 3), 2.3)": True, "le(max(size(0, 0), size(0, 1), 9), 8)": False,
              "and(ne(size(0, 1), 3), 1)": False, "or(not(eq(0, 0)), lt(arg(1), 0))": True,
              "eq(pow(size(0, 1), 3), 27)": True, "eq(trunc(truediv(arg(1), 2)), -2)": True,
-             "eq(floor(truediv(arg(1), 2)), -3)": True, "ge(floordiv(size(0, 0), add(size(0, 1), -3)), 0)": False}
+             "eq(floor(truediv(arg(1), 2)), -3)": True, "ge(floordiv(size(0, 0), add(size(0, 1), -3)), 0)": False,
+             "or(eq(add(size(0, 1), -3), 0), gt(floordiv(7, add(size(0, 1), -3)), 2))": True,
+             "eq(bitand(size(0, 0), 1), 1)": True, "eq(bitxor(size(0, 0), 3), 4)": True, "eq(lshift(1, size(0, 1)), 8)": True,
+             "eq(round(truediv(size(0, 0), 2)), 4)": True, "eq(ifelse(lt(arg(1), 0), 1, floordiv(1, 0)), 1)": True,
+             "gt(pow(2, pow(2, 30)), 0)": False, "gt(sqrt(size(0, 0)), 2.6)": True}
     for text, want in cases.items():
         assert guards.evaluate(guards.parse(text), lambda i, d: sizes[(i, d)]) is want, text
 

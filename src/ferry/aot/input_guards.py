@@ -16,9 +16,9 @@ guards `a > b`), which export never asked of a call.
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import re
-import warnings
 from typing import cast
 
 import sympy
@@ -30,6 +30,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from ferry import node_meta as M
 from ferry.aot.input_sizes import dynamic_sizes
+from ferry.errors import CompileError
 from ferry.program import guards
 from ferry.program.schema import ConstValue, Method, TensorValue
 
@@ -40,10 +41,13 @@ __all__ = ["input_guards"]
 ENUMERATED = 4096
 
 _BINARY = {ast.Add: "add", ast.Mult: "mul", ast.FloorDiv: "floordiv", ast.Mod: "mod", ast.Div: "truediv",
-           ast.Pow: "pow"}
+           ast.Pow: "pow", ast.BitAnd: "bitand", ast.BitOr: "bitor", ast.BitXor: "bitxor", ast.LShift: "lshift",
+           ast.RShift: "rshift"}
 _COMPARE = {ast.Eq: "eq", ast.NotEq: "ne", ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge"}
-_CALLS = {"max": "max", "min": "min", "abs": "abs", "float": "float", "int": "trunc", "math.floor": "floor",
-          "math.ceil": "ceil", "math.trunc": "trunc", "torch.sym_max": "max", "torch.sym_min": "min"}
+_CALLS = {"max": "max", "min": "min", "abs": "abs", "float": "float", "int": "trunc", "round": "round",
+          "math.floor": "floor", "math.ceil": "ceil", "math.trunc": "trunc", "torch.sym_max": "max",
+          "torch.sym_min": "min", "torch.sym_float": "float", "torch.sym_int": "trunc", "torch._sym_sqrt": "sqrt",
+          **{f"math.{fn}": fn for fn in guards.MATH}}
 
 
 class _Untranslatable(Exception):
@@ -52,27 +56,55 @@ class _Untranslatable(Exception):
 
 def input_guards(ep: torch.export.ExportedProgram, gm: torch.fx.GraphModule, method: Method) -> list[str]:
     """The guards on the user-input sizes of `ep` (placed as `gm`, emitted as `method`: its bounds
-    and minimums are checked already), in ferry's guard language. A guard ferry cannot write (an
-    operation outside the language, a source that is no input's size) is warned about, naming it."""
+    and minimums are checked already), in ferry's guard language, each once. A guard ferry cannot
+    write or check, and a bound a guard rules out, are CompileErrors: a program whose calls are
+    not checked as export's are could answer unlike the model."""
     position = _positions(ep, gm)
     sources = _sources(ep, position)
-    structural = _nonlinear_sizes(gm)
-    ranges, found = _ranges(method), []
-    for code in list(getattr(ep, "_guards_code", None) or []) + structural:
+    ranges, name = _ranges(method), method.name
+    found: dict[str, tuple] = {}
+    for code in list(getattr(ep, "_guards_code", None) or []) + _nonlinear_sizes(gm):
         try:
-            text = _translate(code, sources)
-            tree = guards.parse(text)
+            tree = guards.parse(_translate(code, sources, method))
         except (_Untranslatable, SyntaxError, guards.GuardError) as e:
-            warnings.warn(f"method {method.name!r}: export checks its inputs with `{code}` ({e}), which ferry cannot "
-                          "write into the file: a call where it fails is not refused, and may answer unlike the model",
-                          stacklevel=3)
-            continue
+            raise CompileError(f"method {name!r}: export checks its inputs with `{code}` ({e}), which ferry cannot "
+                               "check on each call; a call where it fails would run a graph traced where it held "
+                               "(re-export without the check in the model, or with the sizes it reads static)") from None
         if not _holds_at_export(tree, ep, position):
-            warnings.warn(f"method {method.name!r}: export's input check `{code}` fails at the inputs it was traced "
-                          "with, as ferry reads it; it is left out", stacklevel=3)
-        elif text not in found and not _implied(tree, ranges, method.equal_sizes):
-            found.append(text)
-    return found
+            raise CompileError(f"method {name!r}: ferry reads export's input check `{code}` as "
+                               f"{guards.render(tree, _namer(method))}, which fails at the inputs export traced: a misreading "
+                               "that would refuse good calls (please report it)")
+        found.setdefault(guards.canonical(tree), tree)
+    kept = [t for t in found.values() if not _implied(t, ranges, method)]
+    _check_bounds(kept, ranges, method)
+    return [guards.text(t) for t in kept]
+
+
+def _namer(method: Method):
+    """How a message names a leaf: the input's name where the file keeps it (x.shape[0])."""
+    def name_of(i: int, d: int) -> str:
+        name = getattr(method.values[method.inputs[i]], "name", "") or f"input {i}"
+        return name + ("" if d < 0 else f".shape[{d}]")
+    return name_of
+
+
+def _check_bounds(kept: list, ranges: dict, method: Method) -> None:
+    """Memory is planned at each size's bound: a guard of that size alone that fails there (a
+    `% 3 == 0` length with a Dim max of 64) would make the plan a shape no call may bring."""
+    for tree in kept:
+        read = set(guards.leaves(tree))
+        if len(read) != 1 or next(iter(read))[1] < 0:
+            continue
+        (leaf,) = read
+        low, high = ranges[leaf]
+        if not guards.evaluate(tree, _constant(high)):
+            meets = [v for v in range(high - 1, max(low or 0, high - ENUMERATED) - 1, -1)
+                     if all(guards.evaluate(t, _constant(v)) for t in kept if set(guards.leaves(t)) == read)]
+            hint = f"the largest that meets it is {meets[0]}" if meets else "none up to it meets it"
+            named = _namer(method)
+            raise CompileError(f"method {method.name!r}: {named(*leaf)}'s bound {high} fails export's check "
+                               f"{guards.render(tree, named)}; memory is planned at the bound, so export with a "
+                               f"torch.export.Dim max that meets it ({hint})")
 
 
 def _positions(ep: torch.export.ExportedProgram, gm: torch.fx.GraphModule) -> dict[int, int]:
@@ -83,9 +115,10 @@ def _positions(ep: torch.export.ExportedProgram, gm: torch.fx.GraphModule) -> di
     return {k: placed.index(name) for k, name in enumerate(names) if name in placed}
 
 
-def _sources(ep: torch.export.ExportedProgram, position: dict[int, int]) -> dict[str, int]:
+def _sources(ep: torch.export.ExportedProgram, position: dict[int, int]) -> dict[str, int | str]:
     """The source text guard code names each user input by (L['x'], L['z']['a'], L['flat_args'][2])
-    -> its position among the method's inputs."""
+    -> its position among the method's inputs, or for an argument export fixed (a float, an int
+    without a Dim) its value as a literal of the language: every call is checked to pass it."""
     spec = ep.call_spec.in_spec
     if spec is None:
         return {}
@@ -95,15 +128,27 @@ def _sources(ep: torch.export.ExportedProgram, position: dict[int, int]) -> dict
     names = list(sig.forward_arg_names) if sig is not None and sig.forward_arg_names else []
     bound = dict(zip(names, args)) if len(names) >= len(args) else {f"args_{i}": a for i, a in enumerate(args)}
     bound.update(kwargs)
-    sources: dict[str, int] = {f"L['flat_args'][{k}]": position[k] for k in range(count) if k in position}
+    fixed = _fixed_arguments(ep)
+    where: dict[int, int | str] = {**fixed, **position}
+    sources: dict[str, int | str] = {f"L['flat_args'][{k}]": w for k, w in where.items()}
     for path, k in pytree.tree_leaves_with_path(bound):
-        if k not in position:
-            continue
-        sources["L" + pytree.keystr(path)] = position[k]
-        vararg = re.fullmatch(r"\[(['\"])(.+)_(\d+)\1\](.*)", pytree.keystr(path))
-        if vararg:  # *args: forward_arg_names has args_0, the guard code may say L['args'][0]
-            sources[f"L['{vararg.group(2)}'][{vararg.group(3)}]{vararg.group(4)}"] = position[k]
+        if k in where:
+            key = pytree.keystr(path)
+            sources["L" + key] = where[k]
+            vararg = re.fullmatch(r"\[(['\"])(.+)_(\d+)\1\](.*)", key)
+            if vararg:  # *args: forward_arg_names has args_0, the guard code may say L['args'][0]
+                sources[f"L['{vararg.group(2)}'][{vararg.group(3)}]{vararg.group(4)}"] = where[k]
     return sources
+
+
+def _fixed_arguments(ep: torch.export.ExportedProgram) -> dict[int, str]:
+    """Flat argument -> its value as a literal, for each number export fixed (a constant input)."""
+    out = {}
+    for k, spec in enumerate(s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT):
+        value = getattr(spec.arg, "value", None)
+        if type(value) in (int, bool) or (type(value) is float and math.isfinite(value)):
+            out[k] = repr(int(value)) if type(value) is bool else repr(value)
+    return out
 
 
 def _nonlinear_sizes(gm: torch.fx.GraphModule) -> list[str]:
@@ -123,59 +168,73 @@ def _nonlinear_sizes(gm: torch.fx.GraphModule) -> list[str]:
     return out
 
 
-def _translate(code: str, sources: dict[str, int]) -> str:
+def _translate(code: str, sources: dict[str, int | str], method: Method) -> str:
     """Guard code (a Python expression) in ferry's guard language; raises _Untranslatable."""
-    return _node(ast.parse(code.strip(), mode="eval").body, sources)
+    return _Translator(sources, method).node(ast.parse(code.strip(), mode="eval").body)
 
 
-def _node(n: ast.expr, sources: dict[str, int]) -> str:
-    leaf = _leaf(n, sources)
-    if leaf is not None:
-        return leaf
-    if isinstance(n, ast.Constant) and type(n.value) in (int, bool):
-        return str(int(n.value)) if type(n.value) is int else ("eq(0, 0)" if n.value else "eq(0, 1)")
-    if isinstance(n, ast.Constant) and type(n.value) is float and math.isfinite(n.value):
-        return repr(n.value)
-    if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd, ast.Not)):
-        inner = _node(n.operand, sources)
-        if isinstance(n.op, ast.Not):
-            return f"not({inner})"
-        return inner if isinstance(n.op, ast.UAdd) else f"mul(-1, {inner})"
-    if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub):
-        return f"add({_node(n.left, sources)}, mul(-1, {_node(n.right, sources)}))"
-    if isinstance(n, ast.BinOp) and type(n.op) in _BINARY:
-        return f"{_BINARY[type(n.op)]}({_node(n.left, sources)}, {_node(n.right, sources)})"
-    if isinstance(n, ast.BoolOp):
-        return f"{'and' if isinstance(n.op, ast.And) else 'or'}({', '.join(_node(v, sources) for v in n.values)})"
-    if isinstance(n, ast.Compare) and all(type(op) in _COMPARE for op in n.ops):
-        sides = [n.left, *n.comparators]
-        parts = [f"{_COMPARE[type(op)]}({_node(a, sources)}, {_node(b, sources)})"
-                 for op, a, b in zip(n.ops, sides, sides[1:])]
-        return parts[0] if len(parts) == 1 else f"and({', '.join(parts)})"
-    if isinstance(n, ast.Call) and not n.keywords and ast.unparse(n.func) in _CALLS and n.args:
-        return f"{_CALLS[ast.unparse(n.func)]}({', '.join(_node(a, sources) for a in n.args)})"
-    raise _Untranslatable(f"`{ast.unparse(n)}` is not a size, a number or an operation ferry checks")
+class _Translator:
+    """Guard code's syntax tree -> the guard language. A static dim of an input and an argument
+    export fixed become their values (each call is checked to bring them)."""
 
+    def __init__(self, sources: dict[str, int | str], method: Method):
+        self.sources, self.method = sources, method
 
-def _leaf(n: ast.expr, sources: dict[str, int]) -> str | None:
-    """`n` as a leaf: a tensor input's `.size()[d]`, an int input, or a structural name."""
-    if isinstance(n, ast.Name):
-        m = re.fullmatch(r"size_(\d+)_(\d+)|arg_(\d+)", n.id)
-        if m is None:
-            return None
-        return f"arg({m.group(3)})" if m.group(3) else f"size({m.group(1)}, {m.group(2)})"
-    if (isinstance(n, ast.Subscript) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Attribute)
-            and n.value.func.attr == "size" and not n.value.args and isinstance(n.slice, ast.Constant)
-            and type(n.slice.value) is int):
-        where = ast.unparse(n.value.func.value)
-        if where in sources:
-            return f"size({sources[where]}, {n.slice.value})"
-        raise _Untranslatable(f"`{where}` is no tensor input of the method")
-    if isinstance(n, ast.Subscript) and ast.unparse(n).startswith("L["):
-        if ast.unparse(n) in sources:
-            return f"arg({sources[ast.unparse(n)]})"
-        raise _Untranslatable(f"`{ast.unparse(n)}` is no input of the method")
-    return None
+    def node(self, n: ast.expr) -> str:
+        leaf = self.leaf(n)
+        if leaf is not None:
+            return leaf
+        if isinstance(n, ast.Constant) and isinstance(n.value, int):  # (a bool too)
+            return str(int(n.value))
+        if isinstance(n, ast.Constant) and type(n.value) is float and math.isfinite(n.value):
+            return repr(n.value)
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd, ast.Not)):
+            inner = self.node(n.operand)
+            if isinstance(n.op, ast.Not):
+                return f"not({inner})"
+            return inner if isinstance(n.op, ast.UAdd) else f"mul(-1, {inner})"
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub):
+            return f"add({self.node(n.left)}, mul(-1, {self.node(n.right)}))"
+        if isinstance(n, ast.BinOp) and type(n.op) in _BINARY:
+            return f"{_BINARY[type(n.op)]}({self.node(n.left)}, {self.node(n.right)})"
+        if isinstance(n, ast.IfExp):
+            return f"ifelse({self.node(n.test)}, {self.node(n.body)}, {self.node(n.orelse)})"
+        if isinstance(n, ast.BoolOp):
+            return f"{'and' if isinstance(n.op, ast.And) else 'or'}({', '.join(self.node(v) for v in n.values)})"
+        if isinstance(n, ast.Compare) and all(type(op) in _COMPARE for op in n.ops):
+            sides = [n.left, *n.comparators]
+            parts = [f"{_COMPARE[type(op)]}({self.node(a)}, {self.node(b)})" for op, a, b in zip(n.ops, sides, sides[1:])]
+            return parts[0] if len(parts) == 1 else f"and({', '.join(parts)})"
+        if isinstance(n, ast.Call) and not n.keywords and ast.unparse(n.func) in _CALLS and n.args:
+            return f"{_CALLS[ast.unparse(n.func)]}({', '.join(self.node(a) for a in n.args)})"
+        raise _Untranslatable(f"`{ast.unparse(n)}` is not a size, a number or an operation ferry checks")
+
+    def leaf(self, n: ast.expr) -> str | None:
+        """`n` as a leaf: a tensor input's `.size()[d]`, an int input, or a structural name."""
+        if isinstance(n, ast.Name):
+            m = re.fullmatch(r"size_(\d+)_(\d+)|arg_(\d+)", n.id)
+            if m is None:
+                return None
+            return f"arg({m.group(3)})" if m.group(3) else f"size({m.group(1)}, {m.group(2)})"
+        if (isinstance(n, ast.Subscript) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Attribute)
+                and n.value.func.attr == "size" and not n.value.args and isinstance(n.slice, ast.Constant)
+                and type(n.slice.value) is int):
+            i = self.sources.get(ast.unparse(n.value.func.value))
+            v = self.method.values[self.method.inputs[i]] if isinstance(i, int) else None
+            if not isinstance(v, TensorValue) or not -len(v.shape) <= n.slice.value < len(v.shape):
+                raise _Untranslatable(f"`{ast.unparse(n.value.func.value)}` is no tensor input of the method with "
+                                      f"a dim {n.slice.value}")
+            d = n.slice.value % len(v.shape)
+            return f"size({i}, {d})" if v.dynamic and v.dynamic[d] else str(v.shape[d])
+        if isinstance(n, ast.Subscript) and ast.unparse(n).startswith("L["):
+            i = self.sources.get(ast.unparse(n))
+            if isinstance(i, str):
+                return i  # an argument export fixed: its value
+            v = self.method.values[self.method.inputs[i]] if isinstance(i, int) else None
+            if not (isinstance(v, ConstValue) and v.kind == "symint"):
+                raise _Untranslatable(f"`{ast.unparse(n)}` is no int input of the method")
+            return f"arg({i})"
+        return None
 
 
 def _holds_at_export(tree, ep: torch.export.ExportedProgram, position: dict[int, int]) -> bool:
@@ -212,19 +271,47 @@ def _ranges(method: Method) -> dict[tuple[int, int], tuple[int | None, int]]:
     return ranges
 
 
-def _implied(tree, ranges: dict, equal_sizes: list) -> bool:
-    """Whether a call meeting ferry's other checks meets the guard anyway: two sizes checked equal
-    (`equal_sizes`), or a guard of one size that holds at every size its range lets a call bring
-    (a range of at most ENUMERATED values: each is tried)."""
-    read = set(guards.leaves(tree))
-    if tree[0] == "eq" and len(read) == 2 and all(isinstance(a, tuple) and a[0] in ("size", "arg") for a in tree[1:]):
-        return any(read <= {tuple(pair) for pair in group} for group in equal_sizes)
-    if len(read) != 1:
+def _implied(tree, ranges: dict, method: Method) -> bool:
+    """Whether every call ferry's other checks let through meets the guard anyway (a bound, a
+    minimum, sizes checked equal or `a*s + b` of another), found by trying each combination of the
+    sizes it reads (at most ENUMERATED * 16 of them); a guard of no size held at export."""
+    read = sorted(set(guards.leaves(tree)))
+    if not read:
+        return True  # of static sizes and fixed arguments only: it held where export traced them
+    if len(read) == 1 and tree[0] in ("le", "lt") and type(tree[2]) in (int, float) and tree[1] == _leaf_of(read[0]):
+        return guards.evaluate(tree, _constant(ranges[read[0]][1]))  # below the bound checked anyway
+    spans = [ranges.get(leaf, (None, None)) for leaf in read]
+    if any(low is None for low, _ in spans) or math.prod(high - low + 1 for low, high in spans) > 16 * ENUMERATED:
         return False
-    low, high = ranges.get(next(iter(read)), (None, None))
-    if low is None or high is None or high - low >= ENUMERATED:
-        return False
-    return all(guards.evaluate(tree, _constant(v)) for v in range(low, high + 1))
+    for values in itertools.product(*(range(low, high + 1) for low, high in spans)):
+        sizes = dict(zip(read, values))
+        if _consistent(sizes, method) and not guards.evaluate(tree, _lookup(sizes)):
+            return False
+    return True
+
+
+def _leaf_of(key: tuple[int, int]):
+    return ("arg", key[0]) if key[1] < 0 else ("size", *key)
+
+
+def _consistent(sizes: dict, method: Method) -> bool:
+    """Whether sizes of some inputs pass ferry's checks of equal and derived sizes among them."""
+    for group in method.equal_sizes:
+        if len({sizes[k] for pair in group if (k := (pair[0], pair[1])) in sizes}) > 1:
+            return False
+    for i, d, a, b, root, root_dim in method.derived_sizes:
+        size = sizes.get((i, d))
+        if size is None:
+            continue
+        if (root, root_dim) in sizes and size != a * sizes[(root, root_dim)] + b:
+            return False
+        if root < 0 and (size - b) % a:
+            return False
+    return True
+
+
+def _lookup(sizes: dict):
+    return lambda i, d: sizes[(i, d)]
 
 
 def _constant(v: int):

@@ -8,12 +8,15 @@ parsed tree. Nothing in it is handed to Python's `eval`.
 
     guard := number | leaf | op "(" guard ("," guard)* ")"
     leaf  := size(i, d)   dim d of tensor input i      | arg(i)   int input i
-    op    := add mul floordiv mod truediv pow max min abs floor ceil trunc float
-             eq ne lt le gt ge and or not
+    op    := add mul floordiv mod truediv pow max min abs floor ceil trunc round float
+             bitand bitor bitxor lshift rshift sqrt exp log log2 sin cos tan asin acos atan
+             sinh cosh tanh eq ne lt le gt ge and or not ifelse
     number:= an integer, or a decimal (2.5)
 
 Arithmetic is Python's, as in the guard code export writes: floor division and modulo round
-toward minus infinity, `truediv` is `/` (a float).
+toward minus infinity, `truediv` is `/` (a float), `round` rounds half to even; `and`, `or` and
+`ifelse(c, a, b)` (Python's `a if c else b`) evaluate only what Python would. A power or shift
+past 2**20 bits, like a division by zero, makes the guard false.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import re
 from collections.abc import Callable
 from functools import reduce
 
-__all__ = ["GuardError", "MAX_DEPTH", "MAX_TEXT", "evaluate", "leaves", "parse", "render"]
+__all__ = ["GuardError", "MATH", "MAX_DEPTH", "MAX_TEXT", "canonical", "evaluate", "leaves", "parse", "render", "text"]
 
 MAX_TEXT = 4096  # characters in one guard
 MAX_DEPTH = 48  # nesting of one guard
@@ -38,20 +41,43 @@ def _nary(fn) -> Callable:
     return lambda *xs: reduce(fn, xs)
 
 
+BITS = 1 << 20  # the largest power or shift a guard may make, in bits
+
+
+def _power(a, b):
+    if isinstance(b, int) and isinstance(a, int) and abs(a) > 1 and b * max(a.bit_length(), 1) > BITS:
+        raise OverflowError("a guard's power is too large")
+    return a ** b
+
+
+def _lshift(a, b):
+    if b > BITS:
+        raise OverflowError("a guard's shift is too large")
+    return a << b
+
+
+MATH = ("sqrt", "exp", "log", "log2", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh")
+
+
 # op -> (fewest arguments, most (None: any), function)
-OPS: dict[str, tuple[int, int | None, Callable]] = {
+OPS: dict[str, tuple[int, int | None, Callable | None]] = {
     "add": (2, None, _nary(operator.add)), "mul": (2, None, _nary(operator.mul)),
     "floordiv": (2, 2, operator.floordiv), "mod": (2, 2, operator.mod), "truediv": (2, 2, operator.truediv),
-    "pow": (2, 2, operator.pow), "max": (2, None, max), "min": (2, None, min), "abs": (1, 1, abs),
+    "pow": (2, 2, _power), "max": (2, None, max), "min": (2, None, min), "abs": (1, 1, abs),
     "floor": (1, 1, math.floor), "ceil": (1, 1, math.ceil), "trunc": (1, 1, math.trunc), "float": (1, 1, float),
+    "round": (1, 2, round), "bitand": (2, None, _nary(operator.and_)), "bitor": (2, None, _nary(operator.or_)),
+    "bitxor": (2, None, _nary(operator.xor)), "lshift": (2, 2, _lshift), "rshift": (2, 2, operator.rshift),
+    **{name: (1, 1, getattr(math, name)) for name in MATH},
     "eq": (2, 2, operator.eq), "ne": (2, 2, operator.ne), "lt": (2, 2, operator.lt), "le": (2, 2, operator.le),
-    "gt": (2, 2, operator.gt), "ge": (2, 2, operator.ge),
-    "and": (2, None, lambda *xs: all(xs)), "or": (2, None, lambda *xs: any(xs)), "not": (1, 1, operator.not_),
+    "gt": (2, 2, operator.gt), "ge": (2, 2, operator.ge), "not": (1, 1, operator.not_),
+    # evaluated lazily, as Python does (_value): an operand Python skips may not divide by zero
+    "and": (2, None, None), "or": (2, None, None), "ifelse": (3, 3, None),
 }
 INFIX = {"add": "+", "mul": "*", "floordiv": "//", "mod": "%", "truediv": "/", "pow": "**", "eq": "==",
-         "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "and": "and", "or": "or"}
+         "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "and": "and", "or": "or", "bitand": "&",
+         "bitor": "|", "bitxor": "^", "lshift": "<<", "rshift": ">>"}
 
-_TOKEN = re.compile(r"\s*(?:(-?\d+(?:\.\d*(?:e[-+]?\d+)?|e[-+]?\d+))|(-?\d+)|([a-z]+)|([(),]))")
+_TOKEN = re.compile(r"\s*(?:(-?\d+(?:\.\d*(?:e[-+]?\d+)?|e[-+]?\d+))|(-?\d+)|([a-z][a-z0-9]*)|([(),]))")
 
 
 def parse(text: str):
@@ -116,9 +142,48 @@ def _node(name: str, args: list):
     if len(args) < low or (high is not None and len(args) > high):
         raise GuardError(f"{name}() takes {low}{'' if high == low else ' or more' if high is None else f'..{high}'} "
                          f"arguments, got {len(args)}")
-    if name == "pow" and not (type(args[1]) is int and 0 <= args[1] <= 64):
-        raise GuardError("pow() takes an integer literal exponent from 0 to 64")
     return (name, *args)
+
+
+COMMUTATIVE = frozenset({"add", "mul", "max", "min", "eq", "ne", "bitand", "bitor", "bitxor"})
+_FLIPPED = {"gt": "lt", "ge": "le"}
+
+
+def text(tree) -> str:
+    """The guard's text in the language (what `parse` reads back as `tree`)."""
+    if not isinstance(tree, tuple):
+        return repr(tree)
+    return f"{tree[0]}({', '.join(str(a) if type(a) is int else text(a) for a in tree[1:])})"
+
+
+def canonical(tree) -> str:
+    """One text for guards that differ only in the order of a commutative operation's operands
+    or in the side a comparison is written from (x > y is y < x): one check of each."""
+    if not isinstance(tree, tuple) or tree[0] in ("size", "arg"):
+        return text(tree)
+    op, args = tree[0], [canonical(a) for a in tree[1:]]
+    if op in _FLIPPED:
+        op, args = _FLIPPED[op], args[::-1]
+    if op in COMMUTATIVE:  # (and/or keep their order: Python may skip a later operand)
+        if op in ASSOCIATIVE:  # a * (b * c) is a * b * c
+            args = [a for x in args for a in (_operands(x) if x.startswith(op + "(") else [x])]
+        args = sorted(args)
+    return f"{op}({', '.join(args)})"
+
+
+ASSOCIATIVE = frozenset({"add", "mul", "max", "min", "bitand", "bitor", "bitxor"})
+
+
+def _operands(canonical_text: str) -> list[str]:
+    """The top-level operands of a canonical text `op(a, b, ...)`."""
+    inner, depth, start, out = canonical_text[canonical_text.index("(") + 1:-1], 0, 0, []
+    for at, ch in enumerate(inner):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            out.append(inner[start:at].strip())
+            start = at + 1
+    return [*out, inner[start:].strip()]
 
 
 def leaves(tree) -> list[tuple[int, int]]:
@@ -137,7 +202,7 @@ def evaluate(tree, size_of: Callable[[int, int], int]) -> bool:
     input's value). A guard that cannot be evaluated there (a division by a size of 0) fails."""
     try:
         return bool(_value(tree, size_of))
-    except (ZeroDivisionError, OverflowError, ValueError):
+    except (ZeroDivisionError, OverflowError, ValueError, TypeError):
         return False
 
 
@@ -146,9 +211,20 @@ def _value(tree, size_of):
         return tree
     if tree[0] == "size":
         return size_of(tree[1], tree[2])
-    if tree[0] == "arg":
+    op = tree[0]
+    if op == "arg":
         return size_of(tree[1], -1)
-    return OPS[tree[0]][2](*(_value(a, size_of) for a in tree[1:]))
+    if op == "and" or op == "or":  # Python's: the first operand that decides it, as it is
+        for a in tree[1:]:
+            v = _value(a, size_of)
+            if bool(v) == (op == "or"):
+                return v
+        return v
+    if op == "ifelse":
+        return _value(tree[2] if _value(tree[1], size_of) else tree[3], size_of)
+    fn = OPS[op][2]
+    assert fn is not None
+    return fn(*(_value(a, size_of) for a in tree[1:]))
 
 
 def render(tree, name_of: Callable[[int, int], str]) -> str:
@@ -158,7 +234,14 @@ def render(tree, name_of: Callable[[int, int], str]) -> str:
     op, args = tree[0], tree[1:]
     if op in ("size", "arg"):
         return name_of(tree[1], tree[2] if op == "size" else -1)
+    if op == "mul" and args[0] == -1:  # how the guard code's minus signs are kept
+        return "-" + render(args[1] if len(args) == 2 else ("mul", *args[1:]), name_of)
     parts = [render(a, name_of) for a in args]
+    if op == "add":
+        text = parts[0] + "".join(f" - {p[1:]}" if p.startswith("-") else f" + {p}" for p in parts[1:])
+        return f"({text})"
     if op in INFIX:
         return "(" + f" {INFIX[op]} ".join(parts) + ")"
+    if op == "ifelse":
+        return f"({parts[1]} if {parts[0]} else {parts[2]})"
     return ("not " + parts[0]) if op == "not" else f"{op}({', '.join(parts)})"

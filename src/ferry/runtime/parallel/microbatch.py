@@ -82,10 +82,12 @@ class MicroBatches:
         rows = self._rows(inputs)
         size = self._part_size(rows)
         first = size if self.static else min(size, rows)  # the first part's shape, as a call makes it (a view)
-        self.method.check_inputs([t[:1].expand(first, *t.shape[1:]) for t in inputs])
+        if not self.static:
+            self.method.check_sizes(inputs)  # the call as the caller made it, as ep.module() checks it
+        self.method.check_inputs([t[:1].expand(first, *t.shape[1:]) for t in inputs], part_of=rows)
         last = rows - (-(-rows // size) - 1) * size
         if last != first and not (self.static or self.graphs):  # run at its own rows: checked before any part runs
-            self.method.check_inputs([t[:1].expand(last, *t.shape[1:]) for t in inputs])
+            self.method.check_inputs([t[:1].expand(last, *t.shape[1:]) for t in inputs], part_of=rows)
         return -(-rows // size)
 
     def __call__(self, inputs: list) -> list:
@@ -101,9 +103,7 @@ class MicroBatches:
                 part_in = [t[p.start:p.start + p.rows] for t in inputs]
                 if p.rows < size and (self.static or self.graphs):  # one shape: the program's, or the graphs'
                     part_in = [self._host(pad_rows(t, size)) for t in part_in]
-                targets = self._targets(joined, p, part_in[0].shape[0], later)
-                if n == 0 or not self.static:
-                    self.method.check_inputs(part_in)
+                targets = self._targets(joined, p, part_in[0].shape[0], later)  # (checked by count)
                 self.method.execute(part_in, targets, finish=n == len(parts) - 1, part=True)
         except BaseException:
             self.method.finish()  # the earlier parts' copies: nothing stays in flight after an error

@@ -95,6 +95,8 @@ class LoadedMethod:
         self.output_devices = [v.device if isinstance(v := method.values[vid], TensorValue) else CPU
                                for vid in method.outputs]
         self._guards = [guards.parse(text) for text in method.input_guards]  # (validated on load)
+        self._guard_leaves = sorted({leaf for tree in self._guards for leaf in guards.leaves(tree)})
+        self._guards_met: dict[tuple, None] = {}  # the sizes the guards held at, recently (in call order)
 
     def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset(), shapes: dict | None = None,
               record: tuple[int, ...] = (), measure: bool = False, caller: CallerPlan | None = None) -> Plan:
@@ -210,9 +212,11 @@ class LoadedMethod:
         copy_back = [(t, vid) for vid, t in zip(m.outputs, outputs) if not (fixed[vid] and _writes_into(slots[vid], t))]
         return lambda: plan.run_bound(copy_back)
 
-    def check_inputs(self, inputs, rows: int | None = None) -> None:
+    def check_inputs(self, inputs, rows: int | None = None, part_of: int | None = None) -> None:
         """What a call on `inputs` must meet; `rows`: the batch the call runs at (padded to a
-        shape bucket), which the minimums of dim 0 are checked against."""
+        shape bucket), where the minimums and guards must hold as well as at the caller's.
+        `part_of`: `inputs` are one micro-batch of a call of that many rows (checked whole by the
+        caller: `check_sizes`)."""
         if len(inputs) != len(self._inputs):
             raise InputError(f"method {self.name!r} takes {len(self._inputs)} inputs, got {len(inputs)}")
         for i, bound in self._int_bounds.items():
@@ -238,31 +242,46 @@ class LoadedMethod:
                                  "exported with these dims equal (one torch.export.Dim)")
         for i, d, a, b, root, root_dim in self.method.derived_sizes:  # a*s + b, as export traced the dim
             self._check_derived(inputs, i, d, a, b, root, root_dim)
-        for i, d, low in self.method.size_minimums:  # what ep.module() checks too
-            size = rows if rows is not None and d == 0 else _size_of(inputs[i], d)
-            if size < low:
-                what = _label(i, self._inputs[i]) + ("" if d < 0 else f" dim {d}")
-                raise InputError(f"{what} of {self.name!r} is {size}, below {low}, the minimum the program was "
-                                 "exported with (export it with a smaller torch.export.Dim min to call it there)")
-        if self._guards:
-            self._check_guards(inputs, rows)
+        if part_of is not None:
+            self.check_sizes(inputs, None, f"a micro-batch of {_rows_of(inputs)} rows of a call of {part_of}")
+            return
+        self.check_sizes(inputs)  # as the caller made the call: as ep.module() checks it
+        if rows is not None and inputs and rows != _rows_of(inputs):  # and as it runs: padded to a bucket
+            self.check_sizes(inputs, rows, f"the call runs padded to the shape bucket of {rows} rows")
 
-    def _check_guards(self, inputs, rows: int | None) -> None:
-        """What export checked of the input sizes beyond their ranges (`torch._check`, a branch on a
-        size): the graph is right only where each holds, so ep.module() refuses a call where one
-        fails, and so does ferry."""
+    def check_sizes(self, inputs, rows: int | None = None, run_as: str = "") -> None:
+        """The minimums and guards export recorded (`torch._check`, a branch on a size): the graph
+        is right only where each holds, so ep.module() refuses a call where one fails, and so
+        does ferry. `rows`, `run_as`: the batch (dim 0) the graph runs at, where it is not the
+        caller's, and why (a bucket, a micro-batch)."""
         def size_of(i: int, d: int) -> int:
             return rows if rows is not None and d == 0 else _size_of(inputs[i], d)
 
+        def named(i: int, d: int) -> str:
+            return _label(i, self._inputs[i]) + ("" if d < 0 else f" dim {d}")
+
+        where = f" ({run_as})" if run_as else ""
+        for i, d, low in self.method.size_minimums:
+            if size_of(i, d) < low:
+                raise InputError(f"{named(i, d)} of {self.name!r} is {size_of(i, d)}{where}, below {low}, the minimum "
+                                 "the program was exported with (export it with a smaller torch.export.Dim min to call "
+                                 "it there)")
+        if not self._guards:
+            return
+        key = (rows, *(size_of(i, d) for i, d in self._guard_leaves))
+        if key in self._guards_met:
+            return
         for tree in self._guards:
             if not guards.evaluate(tree, size_of):
-                named = guards.render(tree, lambda i, d: _label(i, self._inputs[i]) + ("" if d < 0 else f".shape[{d}]"))
-                named = named[1:-1] if named.startswith("(") and named.endswith(")") else named
-                sizes = ", ".join(sorted({f"{_label(i, self._inputs[i])}{'' if d < 0 else f' dim {d}'} is {size_of(i, d)}"
-                                          for i, d in guards.leaves(tree)}))
-                raise InputError(f"inputs of {self.name!r} fail a check the program was exported under: {named} "
-                                 f"({sizes}); the graph export traced is right only where it holds (export at sizes "
-                                 "that meet it, or without the check in the model)")
+                text = guards.render(tree, lambda i, d: _label(i, self._inputs[i]) + ("" if d < 0 else f".shape[{d}]"))
+                text = text[1:-1] if text.startswith("(") and text.endswith(")") else text
+                sizes = ", ".join(sorted({f"{named(i, d)} is {size_of(i, d)}" for i, d in guards.leaves(tree)}))
+                raise InputError(f"inputs of {self.name!r} fail a check the program was exported under: {text} "
+                                 f"({sizes}{'; ' + run_as if run_as else ''}); the graph export traced is right only "
+                                 "where it holds (export at sizes that meet it, or without the check in the model)")
+        if len(self._guards_met) >= SHAPES_KEPT:
+            self._guards_met.pop(next(iter(self._guards_met)))
+        self._guards_met[key] = None
 
     def _check_derived(self, inputs, i: int, d: int, a: int, b: int, root: int, root_dim: int) -> None:
         """Input `i`'s dim `d`, exported as a*s + b: that value of the size s where input `root`'s dim
@@ -386,6 +405,11 @@ def _label(i: int, v) -> str:
     """An input as a message names it: its position, and its name at export where the file has it."""
     name = getattr(v, "name", "")
     return f"input {i} ({name!r})" if name else f"input {i}"
+
+
+def _rows_of(inputs) -> int | None:
+    """The batch (dim 0) of a call: its first tensor input's."""
+    return next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
 
 
 def _size_of(x, d: int) -> int:
