@@ -29,7 +29,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils._sympy.printers import PythonPrinter
 
 from ferry import node_meta as M
-from ferry.aot.input_sizes import dynamic_sizes
+from ferry.aot.input_sizes import dynamic_sizes, linear_form
 from ferry.errors import CompileError
 from ferry.program import guards
 from ferry.program.schema import ConstValue, Method, TensorValue
@@ -43,6 +43,7 @@ ENUMERATED = 4096
 _BINARY = {ast.Add: "add", ast.Mult: "mul", ast.FloorDiv: "floordiv", ast.Mod: "mod", ast.Div: "truediv",
            ast.Pow: "pow", ast.BitAnd: "bitand", ast.BitOr: "bitor", ast.BitXor: "bitxor", ast.LShift: "lshift",
            ast.RShift: "rshift"}
+_CHAINED = frozenset({"add", "mul", "bitand", "bitor", "bitxor"})  # n-ary in the language, applied left to right
 _COMPARE = {ast.Eq: "eq", ast.NotEq: "ne", ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge"}
 _CALLS = {"max": "max", "min": "min", "abs": "abs", "float": "float", "int": "trunc", "round": "round",
           "math.floor": "floor", "math.ceil": "ceil", "math.trunc": "trunc", "torch.sym_max": "max",
@@ -63,21 +64,36 @@ def input_guards(ep: torch.export.ExportedProgram, gm: torch.fx.GraphModule, met
     sources = _sources(ep, position)
     ranges, name = _ranges(method), method.name
     found: dict[str, tuple] = {}
-    for code in list(getattr(ep, "_guards_code", None) or []) + _nonlinear_sizes(gm):
+    for code in list(getattr(ep, "_guards_code", None) or []) + _expression_sizes(gm, name):
         try:
             tree = guards.parse(_translate(code, sources, method))
         except (_Untranslatable, SyntaxError, guards.GuardError) as e:
-            raise CompileError(f"method {name!r}: export checks its inputs with `{code}` ({e}), which ferry cannot "
+            raise CompileError(f"method {name!r}: export checks its inputs with `{_short(code)}` ({e}), which ferry cannot "
                                "check on each call; a call where it fails would run a graph traced where it held "
                                "(re-export without the check in the model, or with the sizes it reads static)") from None
         if not _holds_at_export(tree, ep, position):
-            raise CompileError(f"method {name!r}: ferry reads export's input check `{code}` as "
+            raise CompileError(f"method {name!r}: ferry reads export's input check `{_short(code)}` as "
                                f"{guards.render(tree, _namer(method))}, which fails at the inputs export traced: a misreading "
                                "that would refuse good calls (please report it)")
         found.setdefault(guards.canonical(tree), tree)
     kept = [t for t in found.values() if not _implied(t, ranges, method)]
-    _check_bounds(kept, ranges, method)
+    _check_bounds(kept, ranges, method, _sizing_memory(gm))
     return [guards.text(t) for t in kept]
+
+
+def _sizing_memory(gm: torch.fx.GraphModule) -> set[tuple[int, int]]:
+    """(input, dim) of each dynamic size a tensor of `gm` is sized by (dim -1: an int input)."""
+    used: set = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        for size in val.shape if isinstance(val, torch.Tensor) else ():
+            if isinstance(size, torch.SymInt):
+                used |= size.node.expr.free_symbols
+    return {(i, d) for i, d, expr in dynamic_sizes(gm) if d >= 0 or expr.free_symbols & used}
+
+
+def _short(code: str) -> str:
+    return code if len(code) <= 200 else code[:200] + "..."
 
 
 def _namer(method: Method):
@@ -88,12 +104,14 @@ def _namer(method: Method):
     return name_of
 
 
-def _check_bounds(kept: list, ranges: dict, method: Method) -> None:
+def _check_bounds(kept: list, ranges: dict, method: Method, sizing: set) -> None:
     """Memory is planned at each size's bound: a guard of that size alone that fails there (a
-    `% 3 == 0` length with a Dim max of 64) would make the plan a shape no call may bring."""
+    `% 3 == 0` length with a Dim max of 64) would make the plan a shape no call may bring.
+    `sizing`: the sizes (input, dim) some tensor of the method is sized by (an int input may size
+    none: `x * n`)."""
     for tree in kept:
         read = set(guards.leaves(tree))
-        if len(read) != 1 or next(iter(read))[1] < 0:
+        if len(read) != 1 or not read <= sizing:
             continue
         (leaf,) = read
         low, high = ranges[leaf]
@@ -151,10 +169,11 @@ def _fixed_arguments(ep: torch.export.ExportedProgram) -> dict[int, str]:
     return out
 
 
-def _nonlinear_sizes(gm: torch.fx.GraphModule) -> list[str]:
-    """Guard code for each input dim traced as a product or another non-linear expression of sizes:
-    it must equal that expression, as ep.module() checks by solving (ferry's derived sizes cover
-    the linear ones, a*s + b). Leaves are named size_<input>_<dim> and arg_<input>."""
+def _expression_sizes(gm: torch.fx.GraphModule, name: str) -> list[str]:
+    """Guard code for each input dim traced as an expression of sizes that ferry's derived sizes
+    (a*s + b, a >= 1) do not cover: a product, 10 - s. It must equal that expression, as
+    ep.module() checks by solving. Leaves are named size_<input>_<dim> and arg_<input>; a dim of
+    sizes no input has is a CompileError (its calls could not be checked)."""
     sizes = dynamic_sizes(gm)
     names = {}
     for i, d, expr in sizes:
@@ -162,9 +181,13 @@ def _nonlinear_sizes(gm: torch.fx.GraphModule) -> list[str]:
             names[expr] = sympy.Symbol(f"arg_{i}" if d < 0 else f"size_{i}_{d}", integer=True)
     out = []
     for i, d, expr in sizes:
-        linear = len(expr.free_symbols) == 1 and expr.is_polynomial() and sympy.degree(expr) == 1
-        if d >= 0 and not expr.is_Symbol and not linear and expr.free_symbols <= set(names):
-            out.append(f"size_{i}_{d} == {PythonPrinter().doprint(expr.xreplace(names))}")
+        if d < 0 or expr.is_Symbol or linear_form(expr) is not None:
+            continue
+        if not expr.free_symbols <= set(names):
+            raise CompileError(f"method {name!r}: dim {d} of input {i} was traced as {expr}, of sizes no input has: "
+                               "ferry cannot check a call against it (export that dim with a torch.export.Dim of "
+                               "its own, or static)")
+        out.append(f"size_{i}_{d} == {PythonPrinter().doprint(expr.xreplace(names))}")
     return out
 
 
@@ -193,10 +216,13 @@ class _Translator:
             if isinstance(n.op, ast.Not):
                 return f"not({inner})"
             return inner if isinstance(n.op, ast.UAdd) else f"mul(-1, {inner})"
-        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub):
-            return f"add({self.node(n.left)}, mul(-1, {self.node(n.right)}))"
-        if isinstance(n, ast.BinOp) and type(n.op) in _BINARY:
-            return f"{_BINARY[type(n.op)]}({self.node(n.left)}, {self.node(n.right)})"
+        if isinstance(n, ast.BinOp) and (isinstance(n.op, ast.Sub) or type(n.op) in _BINARY):
+            op = "add" if isinstance(n.op, ast.Sub) else _BINARY[type(n.op)]
+            right = f"mul(-1, {self.node(n.right)})" if isinstance(n.op, ast.Sub) else self.node(n.right)
+            left = self.node(n.left)
+            if op in _CHAINED and left.startswith(op + "("):  # a + b + c: one add of three, not nested
+                return f"{left[:-1]}, {right})"
+            return f"{op}({left}, {right})"
         if isinstance(n, ast.IfExp):
             return f"ifelse({self.node(n.test)}, {self.node(n.body)}, {self.node(n.orelse)})"
         if isinstance(n, ast.BoolOp):

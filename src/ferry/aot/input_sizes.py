@@ -13,7 +13,7 @@ import torch.fx
 
 from ferry import node_meta as M
 
-__all__ = ["checked_sizes", "derived_sizes", "dynamic_sizes", "equal_sizes", "size_minimums"]
+__all__ = ["checked_sizes", "derived_sizes", "dynamic_sizes", "equal_sizes", "linear_form", "size_minimums"]
 
 
 def equal_sizes(gm: torch.fx.GraphModule) -> list[list[list[int]]]:
@@ -64,13 +64,23 @@ def derived_sizes(gm: torch.fx.GraphModule) -> list[list[int]]:
             roots.setdefault(expr, [i, d])
     found = []
     for i, d, expr in dims:
-        if expr.is_Symbol or len(expr.free_symbols) != 1:
-            continue
-        (sym,) = expr.free_symbols
-        a, b = expr.coeff(sym), expr.subs(sym, 0)
-        if a.is_Integer and b.is_Integer and a >= 1 and (a * sym + b - expr).expand() == 0 and d >= 0:
-            found.append([i, d, int(a), int(b), *roots.get(sym, [-1, 0])])
+        form = linear_form(expr)
+        if form is not None and d >= 0:
+            sym, a, b = form
+            found.append([i, d, a, b, *roots.get(sym, [-1, 0])])
     return found
+
+
+def linear_form(expr) -> tuple[Any, int, int] | None:
+    """(s, a, b) where `expr` is a*s + b of one symbol s, integers a >= 1 and b, and not s itself:
+    the sizes `derived_sizes` lists."""
+    if expr.is_Symbol or len(expr.free_symbols) != 1:
+        return None
+    (sym,) = expr.free_symbols
+    a, b = expr.coeff(sym), expr.subs(sym, 0)
+    if a.is_Integer and b.is_Integer and a >= 1 and (a * sym + b - expr).expand() == 0:
+        return sym, int(a), int(b)
+    return None
 
 
 def size_minimums(gm: torch.fx.GraphModule, range_constraints) -> list[list[int]]:

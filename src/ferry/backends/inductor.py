@@ -437,7 +437,7 @@ class _Compiled(DelegateHandle):
         tensors = [inputs[i] for i in self.takes]
         args = [_as_compiled(t if t.device == d else t.to(d), s) for t, d, s in zip(tensors, self.devices, self.strides)]
         with torch.no_grad():
-            results = list(self.fn(*args))
+            results = [_materialized(r) for r in self.fn(*args)]
         if outputs is None:
             return results
         for out, r in zip(outputs, results):
@@ -460,6 +460,14 @@ def _example(v, integers: int = 0) -> torch.Tensor:
     if not isinstance(v, TensorValue):
         raise ProgramError("an inductor delegate takes tensors only")
     return _scratch(v.shape, v.layout_strides, v.torch_dtype, v.device.to_torch(), integers)
+
+
+def _materialized(r):
+    """A result as plain values: Inductor may return a lazy conjugate or negated view (ihfft on
+    the CPU, ifft on CUDA), which a copy to another device cannot read as bytes."""
+    if isinstance(r, torch.Tensor) and (r.is_conj() or r.is_neg()):
+        return r.resolve_conj().resolve_neg()
+    return r
 
 
 def _as_compiled(t: torch.Tensor, strides) -> torch.Tensor:

@@ -283,7 +283,7 @@ METHOD = Record(Method, (
     ("equal_sizes", Seq(Seq(Seq(Int(lo=-1), max_len=2), max_len=MAX_RANK * 1024), max_len=1 << 16)),
     ("size_minimums", Seq(Seq(Int(lo=-1), max_len=3), max_len=1 << 16)),  # dim -1: an int input
     ("derived_sizes", Seq(Seq(Int(lo=-(1 << 62), hi=1 << 62), max_len=6), max_len=1 << 16)),
-    ("input_guards", Seq(Str(), max_len=1 << 12)),
+    ("input_guards", Seq(Str(), max_len=256)),  # guards.MAX_GUARDS
     ("quantized_weights", Seq(QUANTIZED_WEIGHT)), ("input_writes", Seq(INPUT_WRITE)), ("signature", Opt(SIGNATURE)),
 ), optional=("device_map", "max_memory", "storage_inputs", "equal_sizes", "size_minimums", "derived_sizes", "input_guards",
              "quantized_weights", "input_writes", "signature"))

@@ -15,8 +15,9 @@ parsed tree. Nothing in it is handed to Python's `eval`.
 
 Arithmetic is Python's, as in the guard code export writes: floor division and modulo round
 toward minus infinity, `truediv` is `/` (a float), `round` rounds half to even; `and`, `or` and
-`ifelse(c, a, b)` (Python's `a if c else b`) evaluate only what Python would. A power or shift
-past 2**20 bits, like a division by zero, makes the guard false.
+`ifelse(c, a, b)` (Python's `a if c else b`) evaluate only what Python would. An integer of more
+than 4,096 bits anywhere in a guard (a power, a shift, a product, `round` to that many digits),
+like a division by zero, makes the guard false: a file cannot make a call compute for long.
 """
 
 from __future__ import annotations
@@ -27,25 +28,36 @@ import re
 from collections.abc import Callable
 from functools import reduce
 
-__all__ = ["GuardError", "MATH", "MAX_DEPTH", "MAX_TEXT", "canonical", "evaluate", "leaves", "parse", "render", "text"]
+__all__ = ["GuardError", "MATH", "MAX_DEPTH", "MAX_GUARDS", "MAX_TEXT", "canonical", "evaluate", "leaves", "parse",
+           "render", "text"]
 
 MAX_TEXT = 4096  # characters in one guard
 MAX_DEPTH = 48  # nesting of one guard
+MAX_GUARDS = 256  # guards of one method
+BITS = 4096  # the largest integer a guard may make, in bits (sizes are int64)
 
 
 class GuardError(ValueError):
     """A guard's text is not of the language (a malformed or edited file)."""
 
 
+class _Undefined(Exception):
+    """An operation of a guard has no value at a call's sizes (a division by zero)."""
+
+
 def _nary(fn) -> Callable:
-    return lambda *xs: reduce(fn, xs)
-
-
-BITS = 1 << 20  # the largest power or shift a guard may make, in bits
+    def apply(*xs):
+        def step(a, b):
+            out = fn(a, b)
+            if isinstance(out, int) and out.bit_length() > BITS:  # each step: a product of many stays small
+                raise OverflowError("a guard's integer is too large")
+            return out
+        return reduce(step, xs)
+    return apply
 
 
 def _power(a, b):
-    if isinstance(b, int) and isinstance(a, int) and abs(a) > 1 and b * max(a.bit_length(), 1) > BITS:
+    if isinstance(b, int) and isinstance(a, int) and abs(a) > 1 and b * a.bit_length() > BITS:
         raise OverflowError("a guard's power is too large")
     return a ** b
 
@@ -54,6 +66,12 @@ def _lshift(a, b):
     if b > BITS:
         raise OverflowError("a guard's shift is too large")
     return a << b
+
+
+def _round(x, digits=None):
+    if digits is not None and abs(digits) > 400:  # 10 ** digits: beyond any float's or int64's
+        raise OverflowError("a guard rounds to too many digits")
+    return round(x) if digits is None else round(x, digits)
 
 
 MATH = ("sqrt", "exp", "log", "log2", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh")
@@ -65,7 +83,7 @@ OPS: dict[str, tuple[int, int | None, Callable | None]] = {
     "floordiv": (2, 2, operator.floordiv), "mod": (2, 2, operator.mod), "truediv": (2, 2, operator.truediv),
     "pow": (2, 2, _power), "max": (2, None, max), "min": (2, None, min), "abs": (1, 1, abs),
     "floor": (1, 1, math.floor), "ceil": (1, 1, math.ceil), "trunc": (1, 1, math.trunc), "float": (1, 1, float),
-    "round": (1, 2, round), "bitand": (2, None, _nary(operator.and_)), "bitor": (2, None, _nary(operator.or_)),
+    "round": (1, 2, _round), "bitand": (2, None, _nary(operator.and_)), "bitor": (2, None, _nary(operator.or_)),
     "bitxor": (2, None, _nary(operator.xor)), "lshift": (2, 2, _lshift), "rshift": (2, 2, operator.rshift),
     **{name: (1, 1, getattr(math, name)) for name in MATH},
     "eq": (2, 2, operator.eq), "ne": (2, 2, operator.ne), "lt": (2, 2, operator.lt), "le": (2, 2, operator.le),
@@ -77,7 +95,7 @@ INFIX = {"add": "+", "mul": "*", "floordiv": "//", "mod": "%", "truediv": "/", "
          "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "and": "and", "or": "or", "bitand": "&",
          "bitor": "|", "bitxor": "^", "lshift": "<<", "rshift": ">>"}
 
-_TOKEN = re.compile(r"\s*(?:(-?\d+(?:\.\d*(?:e[-+]?\d+)?|e[-+]?\d+))|(-?\d+)|([a-z][a-z0-9]*)|([(),]))")
+_TOKEN = re.compile(r"\s*(?:(-?\d+(?:\.\d*(?:e[-+]?\d+)?|e[-+]?\d+))|(-?\d+)|([a-z][a-z0-9]*)|([(),]))", re.ASCII)
 
 
 def parse(text: str):
@@ -100,6 +118,8 @@ def _tokens(text: str) -> list[tuple[str, object]]:
         if m is None or m.end() == at:
             raise GuardError(f"guard {text!r}: cannot read {text[at:at + 12]!r}")
         dec, num, name, punct = m.groups()
+        if dec and not math.isfinite(float(dec)) or num and len(num) > BITS // 3:
+            raise GuardError(f"guard {text!r}: the number {(dec or num)[:20]!r} is out of range")
         out.append(("number", float(dec)) if dec else ("number", int(num)) if num else
                    ("name", name) if name else ("punct", punct))
         at = m.end()
@@ -146,6 +166,7 @@ def _node(name: str, args: list):
 
 
 COMMUTATIVE = frozenset({"add", "mul", "max", "min", "eq", "ne", "bitand", "bitor", "bitxor"})
+ASSOCIATIVE = frozenset({"add", "mul", "max", "min", "bitand", "bitor", "bitxor"})
 _FLIPPED = {"gt": "lt", "ge": "le"}
 
 
@@ -153,37 +174,26 @@ def text(tree) -> str:
     """The guard's text in the language (what `parse` reads back as `tree`)."""
     if not isinstance(tree, tuple):
         return repr(tree)
-    return f"{tree[0]}({', '.join(str(a) if type(a) is int else text(a) for a in tree[1:])})"
+    return f"{tree[0]}({', '.join(text(a) for a in tree[1:])})"
 
 
 def canonical(tree) -> str:
-    """One text for guards that differ only in the order of a commutative operation's operands
-    or in the side a comparison is written from (x > y is y < x): one check of each."""
+    """One text for guards that differ only in the order or grouping of a commutative
+    operation's operands or in the side a comparison is written from (x > y is y < x)."""
+    return text(_canonical(tree))
+
+
+def _canonical(tree):
     if not isinstance(tree, tuple) or tree[0] in ("size", "arg"):
-        return text(tree)
-    op, args = tree[0], [canonical(a) for a in tree[1:]]
+        return tree
+    op, args = tree[0], [_canonical(a) for a in tree[1:]]
     if op in _FLIPPED:
         op, args = _FLIPPED[op], args[::-1]
+    if op in ASSOCIATIVE:  # a * (b * c) is a * b * c
+        args = [a for x in args for a in (x[1:] if isinstance(x, tuple) and x[0] == op else [x])]
     if op in COMMUTATIVE:  # (and/or keep their order: Python may skip a later operand)
-        if op in ASSOCIATIVE:  # a * (b * c) is a * b * c
-            args = [a for x in args for a in (_operands(x) if x.startswith(op + "(") else [x])]
-        args = sorted(args)
-    return f"{op}({', '.join(args)})"
-
-
-ASSOCIATIVE = frozenset({"add", "mul", "max", "min", "bitand", "bitor", "bitxor"})
-
-
-def _operands(canonical_text: str) -> list[str]:
-    """The top-level operands of a canonical text `op(a, b, ...)`."""
-    inner, depth, start, out = canonical_text[canonical_text.index("(") + 1:-1], 0, 0, []
-    for at, ch in enumerate(inner):
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "," and depth == 0:
-            out.append(inner[start:at].strip())
-            start = at + 1
-    return [*out, inner[start:].strip()]
+        args = sorted(args, key=text)
+    return (op, *args)
 
 
 def leaves(tree) -> list[tuple[int, int]]:
@@ -202,7 +212,7 @@ def evaluate(tree, size_of: Callable[[int, int], int]) -> bool:
     input's value). A guard that cannot be evaluated there (a division by a size of 0) fails."""
     try:
         return bool(_value(tree, size_of))
-    except (ZeroDivisionError, OverflowError, ValueError, TypeError):
+    except _Undefined:
         return False
 
 
@@ -224,24 +234,36 @@ def _value(tree, size_of):
         return _value(tree[2] if _value(tree[1], size_of) else tree[3], size_of)
     fn = OPS[op][2]
     assert fn is not None
-    return fn(*(_value(a, size_of) for a in tree[1:]))
+    args = [_value(a, size_of) for a in tree[1:]]
+    try:
+        out = fn(*args)
+    except (ZeroDivisionError, OverflowError, ValueError, TypeError) as e:  # undefined there, as in Python
+        raise _Undefined from e
+    if isinstance(out, int) and out.bit_length() > BITS:
+        raise _Undefined
+    return out
 
 
 def render(tree, name_of: Callable[[int, int], str]) -> str:
-    """The guard as people read it: infix, with each leaf named by `name_of(input, dim)`."""
+    """The guard as people read it: Python's infix, every operation in parentheses but the
+    outermost, each leaf named by `name_of(input, dim)`."""
+    out = _render(tree, name_of)
+    return out[1:-1] if isinstance(tree, tuple) and tree[0] not in ("size", "arg") and out.startswith("(") else out
+
+
+def _render(tree, name_of) -> str:
     if not isinstance(tree, tuple):
         return repr(tree)
     op, args = tree[0], tree[1:]
     if op in ("size", "arg"):
         return name_of(tree[1], tree[2] if op == "size" else -1)
     if op == "mul" and args[0] == -1:  # how the guard code's minus signs are kept
-        return "-" + render(args[1] if len(args) == 2 else ("mul", *args[1:]), name_of)
-    parts = [render(a, name_of) for a in args]
+        return "(-" + _render(args[1] if len(args) == 2 else ("mul", *args[1:]), name_of) + ")"
+    parts = [_render(a, name_of) for a in args]
     if op == "add":
-        text = parts[0] + "".join(f" - {p[1:]}" if p.startswith("-") else f" + {p}" for p in parts[1:])
-        return f"({text})"
+        return "(" + parts[0] + "".join(f" - {p[2:-1]}" if p.startswith("(-") else f" + {p}" for p in parts[1:]) + ")"
     if op in INFIX:
         return "(" + f" {INFIX[op]} ".join(parts) + ")"
     if op == "ifelse":
         return f"({parts[1]} if {parts[0]} else {parts[2]})"
-    return ("not " + parts[0]) if op == "not" else f"{op}({', '.join(parts)})"
+    return f"(not {parts[0]})" if op == "not" else f"{op}({', '.join(parts)})"

@@ -96,7 +96,7 @@ class LoadedMethod:
                                for vid in method.outputs]
         self._guards = [guards.parse(text) for text in method.input_guards]  # (validated on load)
         self._guard_leaves = sorted({leaf for tree in self._guards for leaf in guards.leaves(tree)})
-        self._guards_met: dict[tuple, None] = {}  # the sizes the guards held at, recently (in call order)
+        self._guards_met: dict[tuple, None] = {}  # sizes the guards held at (the last SHAPES_KEPT, first in first out)
 
     def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset(), shapes: dict | None = None,
               record: tuple[int, ...] = (), measure: bool = False, caller: CallerPlan | None = None) -> Plan:
@@ -273,15 +273,19 @@ class LoadedMethod:
             return
         for tree in self._guards:
             if not guards.evaluate(tree, size_of):
-                text = guards.render(tree, lambda i, d: _label(i, self._inputs[i]) + ("" if d < 0 else f".shape[{d}]"))
-                text = text[1:-1] if text.startswith("(") and text.endswith(")") else text
-                sizes = ", ".join(sorted({f"{named(i, d)} is {size_of(i, d)}" for i, d in guards.leaves(tree)}))
+                text = guards.render(tree, self._leaf_name)
+                sizes = ", ".join(sorted({f"{self._leaf_name(i, d)} is {size_of(i, d)}" for i, d in guards.leaves(tree)}))
                 raise InputError(f"inputs of {self.name!r} fail a check the program was exported under: {text} "
                                  f"({sizes}{'; ' + run_as if run_as else ''}); the graph export traced is right only "
                                  "where it holds (export at sizes that meet it, or without the check in the model)")
-        if len(self._guards_met) >= SHAPES_KEPT:
-            self._guards_met.pop(next(iter(self._guards_met)))
+        if len(self._guards_met) >= SHAPES_KEPT:  # (another thread's check may have taken it out first)
+            self._guards_met.pop(next(iter(self._guards_met), ()), None)
         self._guards_met[key] = None
+
+    def _leaf_name(self, i: int, d: int) -> str:
+        """A size as a guard's message names it: x.shape[1], or an int input's position."""
+        name = getattr(self._inputs[i], "name", "") or f"input {i}"
+        return name if d < 0 else f"{name}.shape[{d}]"
 
     def _check_derived(self, inputs, i: int, d: int, a: int, b: int, root: int, root_dim: int) -> None:
         """Input `i`'s dim `d`, exported as a*s + b: that value of the size s where input `root`'s dim
