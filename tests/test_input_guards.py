@@ -82,6 +82,12 @@ class Either(nn.Module):
         return x * n
 
 
+class SquareOfHalf(nn.Module):
+    def forward(self, x, y):  # x exported as 2*s (s no input's size), y traced as s*s
+        half = x.reshape(2, -1)[0]
+        return torch.outer(half, half).reshape(-1) + y
+
+
 class Prefix(nn.Module):
     def forward(self, x, n: int):
         torch._check(n >= 2)
@@ -108,6 +114,9 @@ CASES = {  # model, example, dynamic shapes, calls (some failing a guard)
     "parity": (Parity(), (_r(8),), {"x": {0: AUTO}}, [(_r(n),) for n in (8, 7, 2, 63)]),
     "a float product": (FloatScaled(), (_r(8),), {"x": {0: AUTO}}, [(_r(n),) for n in (8, 6, 7, 64)]),
     "either": (Either(), (_r(3), 2), {"x": None, "n": Dim.DYNAMIC}, [(_r(3), n) for n in (2, 0, 4, 3, -5)]),
+    "square of a hidden size": (SquareOfHalf(), (_r(6), _r(9)),
+                                {"x": {0: 2 * Dim("s", min=2, max=8)}, "y": {0: Dim.AUTO(max=64)}},
+                                [(_r(a), _r(b)) for a, b in ((6, 9), (8, 16), (8, 9), (8, 1), (16, 64))]),
     "prefix": (Prefix(), (_r(8), 3), {"x": {0: Dim("s", max=16)}, "n": Dim.DYNAMIC},
                [(_r(8), 3), (_r(8), 1), (_r(8), 0), (_r(8), 8), (_r(8), 9), (_r(16), 12)]),
 }

@@ -26,6 +26,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
+from torch.utils._sympy import functions as F
 from torch.utils._sympy.printers import PythonPrinter
 
 from ferry import node_meta as M
@@ -175,10 +176,15 @@ def _expression_sizes(gm: torch.fx.GraphModule, name: str) -> list[str]:
     ep.module() checks by solving. Leaves are named size_<input>_<dim> and arg_<input>; a dim of
     sizes no input has is a CompileError (its calls could not be checked)."""
     sizes = dynamic_sizes(gm)
-    names = {}
+    names: dict = {}
     for i, d, expr in sizes:
         if expr.is_Symbol and expr not in names:
             names[expr] = sympy.Symbol(f"arg_{i}" if d < 0 else f"size_{i}_{d}", integer=True)
+    for i, d, expr in sizes:  # a size no input has, of which a dim is a*s + b: (dim - b) // a (checked exact)
+        form = linear_form(expr) if d >= 0 else None
+        if form is not None and form[0] not in names:
+            sym, a, b = form
+            names[sym] = F.FloorDiv(sympy.Symbol(f"size_{i}_{d}", integer=True) - b, a)
     out = []
     for i, d, expr in sizes:
         if d < 0 or expr.is_Symbol or linear_form(expr) is not None:

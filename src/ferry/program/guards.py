@@ -57,7 +57,7 @@ def _nary(fn) -> Callable:
 
 
 def _power(a, b):
-    if isinstance(b, int) and isinstance(a, int) and abs(a) > 1 and b * a.bit_length() > BITS:
+    if isinstance(b, int) and isinstance(a, int) and abs(a) > 1 and b * (abs(a).bit_length() - 1) > BITS:
         raise OverflowError("a guard's power is too large")
     return a ** b
 
