@@ -347,3 +347,10 @@ def test_inductors_lazy_conjugate_results_are_handed_on_as_plain_values():
         plain = _materialized(lazy)
         assert not plain.is_conj() and not plain.is_neg()
         torch.testing.assert_close(plain, lazy.resolve_conj().resolve_neg())
+
+
+def test_an_int_input_is_named_in_the_message_as_the_caller_passes_it():
+    ep = torch.export.export(IntAtLeastOne(), (_r(3), 2), dynamic_shapes={"x": None, "n": Dim.DYNAMIC})
+    module = ferry.Module(ferry.compile(ep))
+    with pytest.raises(InputError, match=r": n >= 1 \(n is 0\)"):
+        module(_r(3), 0)

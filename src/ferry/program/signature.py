@@ -141,6 +141,25 @@ def check_signature(sig: Signature, inputs: int, outputs: int, what: str) -> Non
                            f"outputs; the method has {inputs} and {outputs}")
 
 
+def value_names(sig: Signature) -> list[str]:
+    """Each value the call passes (the method's inputs, in order) named as the caller wrote it:
+    `n`, `ys[1]`, `z['a']`."""
+    names = sig.arg_names or tuple(f"arg{j}" for j in range(len(sig.args.items)))
+    out: list[str] = []
+
+    def walk(t: Tree, name: str) -> None:
+        if t.kind == "value":
+            out.append(name)
+        for j, item in enumerate(t.items):
+            walk(item, f"{name}[{t.keys[j]!r}]" if t.keys else f"{name}[{j}]")
+
+    for name, t in zip(names, sig.args.items):
+        walk(t, name)
+    for key, t in zip(sig.kwargs.keys, sig.kwargs.items):
+        walk(t, str(key))
+    return out
+
+
 def call_text(sig: Signature, method: str) -> str:
     """The call a method takes and what it returns, for people: `forward(x, ys: [T, T], *,
     mask: T) -> {'h': T}` (T: a tensor or other value the method takes or returns)."""
