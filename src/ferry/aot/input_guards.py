@@ -16,6 +16,7 @@ guards `a > b`), which export never asked of a call.
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import math
 import re
@@ -34,6 +35,7 @@ from ferry.aot.input_sizes import dynamic_sizes, linear_form
 from ferry.errors import CompileError
 from ferry.program import guards
 from ferry.program.schema import ConstValue, Method, TensorValue
+from ferry.program.signature import size_name
 
 __all__ = ["input_guards"]
 
@@ -98,11 +100,7 @@ def _short(code: str) -> str:
 
 
 def _namer(method: Method):
-    """How a message names a leaf: the input's name where the file keeps it (x.shape[0])."""
-    def name_of(i: int, d: int) -> str:
-        name = getattr(method.values[method.inputs[i]], "name", "") or f"input {i}"
-        return name + ("" if d < 0 else f".shape[{d}]")
-    return name_of
+    return functools.partial(size_name, method)
 
 
 def _check_bounds(kept: list, ranges: dict, method: Method, sizing: set) -> None:

@@ -160,6 +160,14 @@ def value_names(sig: Signature) -> list[str]:
     return out
 
 
+def size_name(method, i: int, d: int) -> str:
+    """Input `i`'s dim `d` (an int input: d = -1) as a message names it: `x.shape[1]`, `n`,
+    `z['a'].shape[0]` (the name the caller passes it by, else its position)."""
+    names = value_names(method.signature) if method.signature is not None else []
+    name = names[i] if i < len(names) else getattr(method.values[method.inputs[i]], "name", "") or f"input {i}"
+    return name if d < 0 else f"{name}.shape[{d}]"
+
+
 def call_text(sig: Signature, method: str) -> str:
     """The call a method takes and what it returns, for people: `forward(x, ys: [T, T], *,
     mask: T) -> {'h': T}` (T: a tensor or other value the method takes or returns)."""

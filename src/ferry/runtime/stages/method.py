@@ -22,7 +22,7 @@ from ferry.errors import FerryError, InputError
 from ferry.layout import contiguous_strides, same_strides
 from ferry.program import guards
 from ferry.program.schema import ConstValue, Method, TensorValue
-from ferry.program.signature import value_names
+from ferry.program.signature import size_name
 from ferry.runtime.devices.allocator import get_allocator
 from ferry.runtime.devices.streams import CopyStreams
 from ferry.runtime.devices.tensor import device_of
@@ -284,11 +284,7 @@ class LoadedMethod:
         self._guards_met[key] = None
 
     def _leaf_name(self, i: int, d: int) -> str:
-        """A size as a guard's message names it: x.shape[1], n (an int input)."""
-        sig = self.method.signature
-        names = value_names(sig) if sig is not None else []
-        name = names[i] if i < len(names) else getattr(self._inputs[i], "name", "") or f"input {i}"
-        return name if d < 0 else f"{name}.shape[{d}]"
+        return size_name(self.method, i, d)
 
     def _check_derived(self, inputs, i: int, d: int, a: int, b: int, root: int, root_dim: int) -> None:
         """Input `i`'s dim `d`, exported as a*s + b: that value of the size s where input `root`'s dim
