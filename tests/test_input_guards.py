@@ -18,6 +18,7 @@ import ferry
 from ferry import InputError, ProgramError
 from ferry.aot import input_guards as input_guards_module
 from ferry.program import guards
+from ferry.views.text import program_json, program_summary, size_checks
 
 pytestmark = pytest.mark.filterwarnings("error::UserWarning")
 
@@ -354,3 +355,18 @@ def test_an_int_input_is_named_in_the_message_as_the_caller_passes_it():
     module = ferry.Module(ferry.compile(ep))
     with pytest.raises(InputError, match=r": n >= 1 \(n is 0\)"):
         module(_r(3), 0)
+
+
+def test_ferry_inspect_lists_what_each_calls_sizes_must_meet():
+    class Checked(nn.Module):
+        def forward(self, x, y, n: int):
+            torch._check(n >= 1)
+            torch._check(n <= 9)
+            return (x.repeat(2) + y) * 2 if x.shape[0] != 5 else y, x * n
+
+    dims = {"x": {0: Dim.AUTO(min=2, max=16)}, "y": {0: Dim.AUTO(max=32)}, "n": Dim.DYNAMIC}
+    program = ferry.compile(torch.export.export(Checked(), (_r(4), _r(8), 2), dynamic_shapes=dims))
+    checks = size_checks(program.method("forward"))
+    assert checks == ["y.shape[0] >= 4", "y.shape[0] == 2 * x.shape[0]", "n >= 1", "x.shape[0] != 5"]
+    assert "each call's sizes are checked as export's module checks them: y.shape[0] >= 4;" in program_summary(program)
+    assert program_json(program)["methods"]["forward"]["size_checks"] == checks

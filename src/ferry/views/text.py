@@ -9,14 +9,14 @@ import math
 from types import MappingProxyType
 
 from ferry.errors import FerryError
-from ferry.program import Program, load_program
+from ferry.program import Program, guards, load_program
 from ferry.program.report import copy_report
 from ferry.program.schema import DEFAULT_ARG, ConstValue, DelegateCall, Method, TensorValue, element_size
-from ferry.program.signature import call_text
+from ferry.program.signature import call_text, size_name
 from ferry.program.states import program_states
 from ferry.views.facts import device_memory, fmt_bytes, owner, plan_of
 
-__all__ = ["program_json", "program_summary"]
+__all__ = ["program_json", "program_summary", "size_checks"]
 
 # the short tag an instruction listing shows per storage kind (planned values show their place)
 _SHORT = MappingProxyType({"constant": "const", "input": "caller", "output": "caller", "runtime": "run time",
@@ -90,6 +90,9 @@ def _method_lines(program: Program, name: str, m: Method, instructions: bool) ->
     if m.signature is not None:
         out.append(f"  called as {call_text(m.signature, name)}")
     out += [f"  input {i}: {_io_line(m, vid)}" for i, vid in enumerate(m.inputs)]
+    checks = size_checks(m)
+    if checks:
+        out.append("  each call's sizes are checked as export's module checks them: " + "; ".join(checks))
     out += [f"  output {i}: {_io_line(m, vid)}" + (f", written into input {writes[i]} after the call" if i in writes else "")
             for i, vid in enumerate(m.outputs)]
     if instructions:
@@ -102,6 +105,19 @@ def _method_lines(program: Program, name: str, m: Method, instructions: bool) ->
     out += [f"  {what}: {why}" for what, why in m.kernel_choices.items()
             if what.startswith(("delegate ", "on the CPU: ")) and what not in m.runtime_allocating_ops]
     return out + _quantized_lines(m)
+
+
+def size_checks(m: Method) -> list[str]:
+    """What each call's sizes must meet beyond their bounds, as people read it: sizes traced as
+    one, minimums, sizes traced as a*s + b of another, and export's guards."""
+    def name(i: int, d: int) -> str:
+        return size_name(m, i, d)
+
+    out = [" == ".join(name(i, d) for i, d in group) for group in m.equal_sizes]
+    out += [f"{name(i, d)} >= {low}" for i, d, low in m.size_minimums]
+    out += [f"{name(i, d)} == {'' if a == 1 else f'{a} * '}{name(r, rd) if r >= 0 else 's'}{f' + {b}' if b else ''}"
+            + ("" if r >= 0 else " for an integer s") for i, d, a, b, r, rd in m.derived_sizes]
+    return out + [guards.render(guards.parse(text), name) for text in m.input_guards]
 
 
 def _quantized_lines(m: Method) -> list[str]:
@@ -202,6 +218,7 @@ def _method_json(program: Program, name: str, m: Method) -> dict:
         "outputs": [_io_json(m, v) for v in m.outputs],
         "input_writes": [{"output": w.output, "input": w.input} for w in m.input_writes],
         "called_as": call_text(m.signature, name) if m.signature is not None else None,
+        "size_checks": size_checks(m),
         "instructions": [
             {
                 "index": i,
