@@ -80,6 +80,11 @@ def input_guards(ep: torch.export.ExportedProgram, gm: torch.fx.GraphModule, met
                                "that would refuse good calls (please report it)")
         found.setdefault(guards.canonical(tree), tree)
     kept = [t for t in found.values() if not _implied(t, ranges, method)]
+    # one implied by the others kept, the longest first (the message names the simplest): each
+    # removal leaves a set that implies it
+    for t in sorted(kept, key=lambda t: -len(guards.text(t))):
+        if _implied(t, ranges, method, tuple(u for u in kept if u is not t)):
+            kept.remove(t)
     _check_bounds(kept, ranges, method, _sizing_memory(gm))
     return [guards.text(t) for t in kept]
 
@@ -301,10 +306,11 @@ def _ranges(method: Method) -> dict[tuple[int, int], tuple[int | None, int]]:
     return ranges
 
 
-def _implied(tree, ranges: dict, method: Method) -> bool:
+def _implied(tree, ranges: dict, method: Method, given: tuple = ()) -> bool:
     """Whether every call ferry's other checks let through meets the guard anyway (a bound, a
-    minimum, sizes checked equal or `a*s + b` of another), found by trying each combination of the
-    sizes it reads (at most ENUMERATED * 16 of them); a guard of no size held at export."""
+    minimum, sizes checked equal or `a*s + b` of another, the `given` guards of no other sizes),
+    found by trying each combination of the sizes it reads (at most ENUMERATED * 16 of them); a
+    guard of no size held at export."""
     read = sorted(set(guards.leaves(tree)))
     if not read:
         return True  # of static sizes and fixed arguments only: it held where export traced them
@@ -313,9 +319,11 @@ def _implied(tree, ranges: dict, method: Method) -> bool:
     spans = [ranges.get(leaf, (None, None)) for leaf in read]
     if any(low is None for low, _ in spans) or math.prod(high - low + 1 for low, high in spans) > 16 * ENUMERATED:
         return False
+    given = tuple(g for g in given if set(guards.leaves(g)) <= set(read))
     for values in itertools.product(*(range(low, high + 1) for low, high in spans)):
         sizes = dict(zip(read, values))
-        if _consistent(sizes, method) and not guards.evaluate(tree, _lookup(sizes)):
+        if (_consistent(sizes, method) and all(guards.evaluate(g, _lookup(sizes)) for g in given)
+                and not guards.evaluate(tree, _lookup(sizes))):
             return False
     return True
 
