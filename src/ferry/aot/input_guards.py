@@ -86,6 +86,9 @@ def input_guards(ep: torch.export.ExportedProgram, gm: torch.fx.GraphModule, met
         if _implied(t, ranges, method, tuple(u for u in kept if u is not t)):
             kept.remove(t)
     _check_bounds(kept, ranges, method, _sizing_memory(gm))
+    if len(kept) > guards.MAX_GUARDS:
+        raise CompileError(f"method {name!r}: export checks its inputs with {len(kept)} distinct guards, more than the "
+                           f"{guards.MAX_GUARDS} a program file holds (export with fewer dynamic sizes)")
     return [guards.text(t) for t in kept]
 
 
@@ -158,8 +161,9 @@ def _sources(ep: torch.export.ExportedProgram, position: dict[int, int]) -> dict
             key = pytree.keystr(path)
             sources["L" + key] = where[k]
             vararg = re.fullmatch(r"\[(['\"])(.+)_(\d+)\1\](.*)", key)
-            if vararg:  # *args: forward_arg_names has args_0, the guard code may say L['args'][0]
-                sources[f"L['{vararg.group(2)}'][{vararg.group(3)}]{vararg.group(4)}"] = where[k]
+            if vararg:  # *args: forward_arg_names has args_0, the guard code may say L['args'][0] (never in
+                # place of a real input's own source: x[1] is not an argument named x_1)
+                sources.setdefault(f"L['{vararg.group(2)}'][{vararg.group(3)}]{vararg.group(4)}", where[k])
     return sources
 
 

@@ -103,7 +103,7 @@ class MicroBatches:
                 part_in = [t[p.start:p.start + p.rows] for t in inputs]
                 if p.rows < size and (self.static or self.graphs):  # one shape: the program's, or the graphs'
                     part_in = [self._host(pad_rows(t, size)) for t in part_in]
-                targets = self._targets(joined, p, part_in[0].shape[0], later)  # (checked by count)
+                targets = self._targets(joined, p, part_in[0].shape[0], later)  # (the parts: checked in count())
                 self.method.execute(part_in, targets, finish=n == len(parts) - 1, part=True)
         except BaseException:
             self.method.finish()  # the earlier parts' copies: nothing stays in flight after an error

@@ -279,8 +279,11 @@ class LoadedMethod:
                 raise InputError(f"inputs of {self.name!r} fail a check the program was exported under: {text} "
                                  f"({sizes}{'; ' + run_as if run_as else ''}); the graph export traced is right only "
                                  "where it holds (export at sizes that meet it, or without the check in the model)")
-        if len(self._guards_met) >= SHAPES_KEPT:  # (another thread's check may have taken it out first)
-            self._guards_met.pop(next(iter(self._guards_met), ()), None)
+        if len(self._guards_met) >= SHAPES_KEPT:
+            try:
+                self._guards_met.pop(next(iter(self._guards_met), ()), None)
+            except RuntimeError:  # another thread's check changed it meanwhile: a size is remembered, or not
+                pass
         self._guards_met[key] = None
 
     def _leaf_name(self, i: int, d: int) -> str:
