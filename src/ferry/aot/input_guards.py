@@ -42,6 +42,7 @@ __all__ = ["input_guards"]
 # how many values of one size are tried to see whether a guard of that size alone holds for every
 # size a call may bring anyway
 ENUMERATED = 4096
+GREEDY = 32  # guards tried against the others kept (each try makes at most 64 * ENUMERATED evaluations)
 
 _BINARY = {ast.Add: "add", ast.Mult: "mul", ast.FloorDiv: "floordiv", ast.Mod: "mod", ast.Div: "truediv",
            ast.Pow: "pow", ast.BitAnd: "bitand", ast.BitOr: "bitor", ast.BitXor: "bitxor", ast.LShift: "lshift",
@@ -81,8 +82,8 @@ def input_guards(ep: torch.export.ExportedProgram, gm: torch.fx.GraphModule, met
         found.setdefault(guards.canonical(tree), tree)
     kept = [t for t in found.values() if not _implied(t, ranges, method)]
     # one implied by the others kept, the longest first (the message names the simplest): each
-    # removal leaves a set that implies it
-    for t in sorted(kept, key=lambda t: -len(guards.text(t))):
+    # removal leaves a set that implies it; the first GREEDY tried (compile time stays bounded)
+    for t in sorted(kept, key=lambda t: -len(guards.text(t)))[:GREEDY]:
         if _implied(t, ranges, method, tuple(u for u in kept if u is not t)):
             kept.remove(t)
     _check_bounds(kept, ranges, method, _sizing_memory(gm))
@@ -313,7 +314,7 @@ def _ranges(method: Method) -> dict[tuple[int, int], tuple[int | None, int]]:
 def _implied(tree, ranges: dict, method: Method, given: tuple = ()) -> bool:
     """Whether every call ferry's other checks let through meets the guard anyway (a bound, a
     minimum, sizes checked equal or `a*s + b` of another, the `given` guards of no other sizes),
-    found by trying each combination of the sizes it reads (at most ENUMERATED * 16 of them); a
+    found by trying each combination of the sizes it reads (at most 64 * ENUMERATED evaluations); a
     guard of no size held at export."""
     read = sorted(set(guards.leaves(tree)))
     if not read:
@@ -321,9 +322,11 @@ def _implied(tree, ranges: dict, method: Method, given: tuple = ()) -> bool:
     if len(read) == 1 and tree[0] in ("le", "lt") and type(tree[2]) in (int, float) and tree[1] == _leaf_of(read[0]):
         return guards.evaluate(tree, _constant(ranges[read[0]][1]))  # below the bound checked anyway
     spans = [ranges.get(leaf, (None, None)) for leaf in read]
-    if any(low is None for low, _ in spans) or math.prod(high - low + 1 for low, high in spans) > 16 * ENUMERATED:
-        return False
     given = tuple(g for g in given if set(guards.leaves(g)) <= set(read))
+    if any(low is None for low, _ in spans):
+        return False
+    if math.prod(high - low + 1 for low, high in spans) * (1 + len(given)) > 64 * ENUMERATED:
+        return False
     for values in itertools.product(*(range(low, high + 1) for low, high in spans)):
         sizes = dict(zip(read, values))
         if (_consistent(sizes, method) and all(guards.evaluate(g, _lookup(sizes)) for g in given)

@@ -98,6 +98,7 @@ class LoadedMethod:
         self._guards = [guards.parse(text) for text in method.input_guards]  # (validated on load)
         self._guard_leaves = sorted({leaf for tree in self._guards for leaf in guards.leaves(tree)})
         self._guards_met: dict[tuple, None] = {}  # sizes the guards held at (the last SHAPES_KEPT, first in first out)
+        self._sizes_checked = bool(self._guards or method.size_minimums)  # (most methods: nothing to check per call)
 
     def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset(), shapes: dict | None = None,
               record: tuple[int, ...] = (), measure: bool = False, caller: CallerPlan | None = None) -> Plan:
@@ -243,6 +244,8 @@ class LoadedMethod:
                                  "exported with these dims equal (one torch.export.Dim)")
         for i, d, a, b, root, root_dim in self.method.derived_sizes:  # a*s + b, as export traced the dim
             self._check_derived(inputs, i, d, a, b, root, root_dim)
+        if not self._sizes_checked:
+            return
         if part_of is not None:
             self.check_sizes(inputs, None, f"a micro-batch of {_rows_of(inputs)} rows of a call of {part_of}")
             return
