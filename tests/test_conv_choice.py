@@ -347,3 +347,31 @@ def test_inductor_compiles_the_rewritten_convolution_to_eagers_result(conv, time
     y = torch.randn(1, 8, 11, 9)
     torch.testing.assert_close(compiled(y)[0], torch.nn.functional.conv2d(y, weight, bias, stride, padding, dilation),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_a_calls_memory_counts_the_patches_a_gemm_form_would_allocate(emu):
+    """A convolution of one CUDA image may run as one GEMM over its patches (a load-time choice
+    the file does not record), whose patches the call allocates: the memory a call needs
+    (program/footprint.py `call_bytes`, the room a captured call gets in the graph pool) counts
+    the largest, live with the convolution's own result; a 1x1 convolution has none, nor does a
+    batch of two."""
+    from ferry.program.footprint import call_bytes
+
+    class Convs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.d = torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.Conv2d(16, 16, 1)
+
+        def forward(self, x):
+            return torch.relu(self.d(torch.relu(self.c(x))))
+
+    def need(batch: int, device: str) -> int:
+        ep = torch.export.export(Convs().eval(), (torch.randn(batch, 8, 32, 32),))
+        program = ferry.compile(ep, ferry.OpSupportPartitioner(device))
+        (n,) = call_bytes(program, program.method("forward"), handed_out=False).values()
+        return n
+
+    result, patches = 16 * 32 * 32 * 4, 8 * 9 * 32 * 32 * 4  # per image; the 3x3's result is live at the 1x1
+    assert need(1, "cuda:0") == result + patches
+    assert need(1, "emu:0") == 2 * result  # the GEMM form is a CUDA choice
+    assert need(2, "cuda:0") == 2 * 2 * result  # two images: cuDNN's call stays

@@ -630,3 +630,39 @@ def test_graphs_of_every_shape_share_one_pool_and_stay_right(outputs):
         torch.testing.assert_close(got.cpu(), model(x), atol=1e-4, rtol=1e-4)
     graphs = [g.graph for g in loaded_method(module).graphs if g.graph is not None]
     assert len(graphs) >= len(shapes) and len({g.pool() for g in graphs}) == 1
+
+
+class _Convs(torch.nn.Module):
+    """Convolutions at 128 x 128: results of 2-4 MB that ATen allocates (no out variant), as
+    EfficientNet's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Conv2d(i, o, 3, padding=1) for i, o in ((8, 32), (32, 64), (64, 16)))
+        self.head = torch.nn.Linear(16, 1 << 16)  # 4 MiB of weights: the load's allocation is a large block
+
+    def forward(self, x):
+        return self.head(self.c(torch.relu(self.b(torch.relu(self.a(x))))).mean((2, 3)))
+
+
+def test_graph_results_fit_in_the_room_the_load_left_in_the_graph_pool():
+    """A load whose graphs will be captured makes its one allocation in the set's graph pool with
+    the call's run-time results' room behind it (runtime/devices/graphs.py: GraphMemory.home):
+    the captured convolutions' results fit there, where before they took a 20 MiB segment of
+    their own that held nothing between calls."""
+    model = _Convs().eval()
+    x = torch.randn(1, 8, 128, 128)
+    keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+    module = ferry.Module(_compile(model, (x,), config=keep), cuda_graphs=True)
+    for i in range(4):
+        x = torch.randn(1, 8, 128, 128, generator=torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            torch.testing.assert_close(module(x.cuda()).cpu(), model(x), atol=2e-4, rtol=2e-4)
+    graphs = [g.graph for g in loaded_method(module).graphs if g.graph is not None]
+    assert graphs, "nothing was captured"
+    pool = tuple(graphs[0].pool())
+    torch.cuda.synchronize()
+    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool]
+    large = [(s["total_size"], s["allocated_size"]) for s in segments if s["segment_type"] == "large"]
+    assert len(large) == 1 and large[0][1] >= 4 << 20, f"graph results took segments of their own: {large}"
+    module.close()

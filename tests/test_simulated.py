@@ -373,3 +373,47 @@ def test_pageable_host_memory_is_never_captured(emu_async, monkeypatch):
         torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
     graphs = loaded_method(module).graphs
     assert graphs and all("_copy" not in g.label for g in graphs)
+
+
+def test_the_load_and_the_calls_before_the_first_capture_allocate_in_the_graph_pool(emu_async, monkeypatch):
+    """With graphs, a load makes its one device allocation in the set's graph pool, with room
+    behind it for what a call allocates at run time (a block of both handed back, then the
+    slab from its front), and the calls before the first capture allocate there too; after it,
+    eager work allocates outside the pool (a replay would overwrite it there). Closing lets
+    the pool go."""
+    from ferry.runtime.devices.limits import call_bytes
+
+    api = emu_async.streams_api()
+    allocations, entered = [], []
+    allocate, allocating_in = type(emu_async)._allocate, SimulatedApi.allocating_in
+
+    def recorded(self, nbytes, index, alignment):
+        allocations.append((nbytes, api.allocating_to))
+        return allocate(self, nbytes, index, alignment)
+
+    def entering(self, pool, stream):
+        entered.append(pool)
+        return allocating_in(self, pool, stream)
+
+    monkeypatch.setattr(type(emu_async), "_allocate", recorded)
+    monkeypatch.setattr(SimulatedApi, "allocating_in", entering)
+    model, example, program = _block_program(exclude=())
+    tail = call_bytes(program, program.method("forward"), handed_out=False)[ferry.Device.parse("emu:0")]
+    assert tail > 0  # the block's functional kernels' results
+    module = ferry.Module(program, cuda_graphs=True)
+    module.load_method()
+    method = loaded_method(module)
+    pool = method.streams.capture_pool(0)
+    (both, first_pool), (slab, slab_pool) = allocations[:2]
+    assert both - slab == tail and first_pool is pool is slab_pool
+    assert method.streams.graph_memory.tail == {0: tail} and pool.holds == 1
+    per_call = []
+    for seed in range(5):
+        entered.clear()
+        (x,) = fresh_inputs(example, seed)
+        torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+        per_call.append(len(entered))
+    assert all(g.graph is not None for g in method.graphs) and all(g.graph.pool is pool for g in method.graphs)
+    assert per_call[0] > 0 and per_call[1] > 0 and per_call[3:] == [0, 0]  # first runs in the pool; replays
+    module.close()
+    assert pool.holds == 0

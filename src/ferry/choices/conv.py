@@ -45,7 +45,7 @@ from ferry.choices.graph_edits import Rewrite, attr, call, constant, single_use
 from ferry.ops import fused
 from ferry.ops.fused import CONV_ADD_RELU, CONV_RELU
 
-__all__ = ["OPS", "PATTERNS", "conv_as_gemm", "form", "gemm_rewrites"]
+__all__ = ["OPS", "PATTERNS", "conv_as_gemm", "form", "gemm_rewrites", "patch_bytes"]
 
 aten = torch.ops.aten
 OPS = frozenset({fused.CONV_RELU, fused.CONV_ADD_RELU})
@@ -80,6 +80,27 @@ def _gemm(x, weight, stride, padding, dilation) -> torch.Tensor:
     else:
         patches = torch.nn.functional.unfold(x, (kh, kw), dilation, padding, stride)[0]  # (ci*kh*kw, ho*wo)
     return torch.mm(weight.reshape(co, ci * kh * kw), patches)
+
+
+def patch_bytes(kernel: str, args: list) -> int:
+    """Bytes of the patches a fused convolution of one CUDA image allocates during a call if the
+    load picks its GEMM form (a choice the file does not record; `form`), else 0. `args`: the
+    call's values in schema order (a TensorValue's shape and dtype, a ConstValue's value). A
+    captured call's room in the graph pool counts them (runtime/stages/module.py)."""
+    if kernel.split(".")[0] not in ("ferry::conv_relu", "ferry::conv_add_relu") or len(args) < 7:
+        return 0
+    x, weight = args[0], args[1]
+    stride, padding, dilation, groups = (getattr(a, "value", None) for a in args[-4:])
+    shaped = all(hasattr(t, "shape") and len(t.shape) == 4 for t in (x, weight))
+    if not shaped or getattr(x, "device", None) is None or x.device.type != "cuda" or x.shape[0] != 1:
+        return 0
+    if groups != 1 or not all(isinstance(v, (list, tuple)) for v in (stride, padding, dilation)):
+        return 0
+    if _pointwise(weight, stride, padding):
+        return 0
+    out = fused.result_shape(x, weight, stride, padding, dilation)
+    n = math.prod(weight.shape[1:]) * out[2] * out[3]
+    return n * torch.empty((), dtype=x.torch_dtype).element_size() if n <= _MAX_PATCHES else 0
 
 
 def _pointwise(weight, stride, padding) -> bool:

@@ -161,6 +161,10 @@ def call_bytes(program, method: Method, handed_out: bool = True, data: ProgramDa
     for first, v in _fresh_views(method):  # a composite's result may be a copy: live while its base is
         live(v.device, v.nbytes, first, lifetimes.get(v.alias_of, (first, n))[1])  # type: ignore[arg-type]
     for i, ins in enumerate(method.instructions):
+        if isinstance(ins, KernelCall):  # what a kernel the load may choose allocates (conv patches)
+            extra = _chosen_kernel_bytes(method, ins)
+            if extra:
+                live(method.tensor(ins.outputs[0]).device, extra, i, i)
         if isinstance(ins, DelegateCall):
             d = program.delegates[ins.delegate]
             backend = get_backend(d.backend_id)
@@ -179,6 +183,16 @@ def call_bytes(program, method: Method, handed_out: bool = True, data: ProgramDa
             peak = max(peak, total)
         peaks[device] = peak
     return peaks
+
+
+def _chosen_kernel_bytes(method: Method, ins: KernelCall) -> int:
+    """Bytes a kernel call allocates during a call in a form the load may choose for it
+    (choices/conv.py `patch_bytes`), beyond its results."""
+    if not ins.kernel.startswith("ferry::conv"):
+        return 0
+    from ferry.choices.conv import patch_bytes  # torch operators: imported when needed
+
+    return patch_bytes(ins.kernel, [method.values[a] if a >= 0 else None for a in ins.args])
 
 
 def _fresh_views(method: Method) -> list[tuple[int, TensorValue]]:

@@ -73,10 +73,12 @@ class SimEvent:
 
 
 class SimPool:
-    """A graph memory pool's handle: which graphs share one (tests read `graph.pool`)."""
+    """A graph memory pool's handle: which graphs share one (tests read `graph.pool`), and how
+    often it was held open and let go."""
 
     def __init__(self, index: int):
         self.index = index
+        self.holds = 0
 
 
 class SimGraph:
@@ -105,6 +107,7 @@ class SimulatedApi:
         self._capturing: tuple[SimStream, SimGraph] | None = None
         self.launched = 0  # work items queued (kernels and copies)
         self.prepared: list[SimStream] = []  # the streams prepare_capture was called for, in order
+        self.allocating_to: SimPool | None = None  # the pool allocations go to now (allocating_in)
         # which stream's work runs first when several could: the oldest stream's by default; the
         # newest's in tests of a wait from an older stream to a newer (a missing one then shows)
         self.newest_first = False
@@ -160,6 +163,26 @@ class SimulatedApi:
         if not graph.work:
             warnings.warn("The CUDA Graph is empty (simulated: no work reached the capture stream)", UserWarning,
                           stacklevel=3)
+
+    @staticmethod
+    def hold_pool(pool: SimPool, index: int) -> None:
+        pool.holds += 1
+
+    @staticmethod
+    def release_pool(pool: SimPool, index: int) -> None:
+        pool.holds -= 1
+
+    @contextlib.contextmanager
+    def allocating_in(self, pool: SimPool, stream: SimStream):
+        """Allocations made meanwhile would come from `pool` (tests read `allocating_to`)."""
+        if pool.holds < 1:
+            raise RuntimeError("allocation into a graph pool nobody holds open")
+        before, self.allocating_to = self.allocating_to, pool
+        try:
+            with self.stream(stream):
+                yield
+        finally:
+            self.allocating_to = before
 
     def prepare_capture(self, stream: SimStream) -> None:
         """Nothing to make (CUDA makes cuBLAS's workspace here): recorded, for tests."""

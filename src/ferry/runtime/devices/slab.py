@@ -7,6 +7,10 @@ reserves, per device, one allocation of exactly the pieces it predicts (program/
 `load_pieces`), each rounded up to the allocator's default alignment, and hands them out front
 to back. A request the slab has no room for (a short prediction, a load after the seal) gets an
 allocation of its own: never an error, never wrong memory. Host memory is not reserved.
+
+A load whose graphs will be captured makes its slab inside the set's graph pool with room left
+free behind it (`MemoryReservation`'s `tails`): what the graphs' kernels allocate then fits in
+the slab's own segment instead of one of its own.
 """
 
 from __future__ import annotations
@@ -51,9 +55,18 @@ class Slab:
     freed once it is sealed and every piece it handed out is closed; pieces are never freed
     through the allocator one by one (it knows only the slab)."""
 
-    def __init__(self, device: Device, nbytes: int):
-        self.device = device
-        self._buffer: DeviceMemoryBuffer | None = DeviceMemoryBuffer.create(nbytes, device)
+    def __init__(self, device: Device, nbytes: int, tail: int = 0, home=None):
+        """`home`: a context whose allocations come from a graph pool; `tail`: bytes to leave
+        free there right behind the slab (made as one block of both, handed back, then the slab
+        taken from its front: the caching allocator splits the block, and the rest stays free in
+        the same segment)."""
+        self.device, self.tail = device, 0
+        with home if home is not None else contextlib.nullcontext():
+            if tail:
+                with contextlib.suppress(AllocationError):  # no room for both: the slab alone
+                    DeviceMemoryBuffer.create(nbytes + tail, device).close()
+                    self.tail = tail
+            self._buffer: DeviceMemoryBuffer | None = DeviceMemoryBuffer.create(nbytes, device)
         self.nbytes, self.alignment = nbytes, self._buffer.alignment
         self.used = 0  # bytes handed out, each piece's padding included
         self._pieces, self._sealed = 0, False
@@ -123,16 +136,20 @@ class MemoryReservation:
     alignment (a buffer compiled with `alignment=4096`) is given room for its padding wherever it
     lands. A device whose slab cannot be allocated in one piece (its free memory fragmented) gets
     each piece allocated on its own, as the load would without a reservation. Sealed when the load
-    is over."""
+    is over.
 
-    def __init__(self, pieces: Iterable[tuple]):
+    `tails` and `home` (graphs to be captured): per device, bytes to leave free behind its slab,
+    in the memory `home(device)` (a context) allocates from; `Slab.tail` says what was left."""
+
+    def __init__(self, pieces: Iterable[tuple], tails: dict[Device, int] | None = None, home=None):
         sizes = reserved_bytes(pieces)
         self.slabs: dict[Device, Slab] = {}
         try:
             for device, nbytes in sizes.items():
                 if nbytes:
+                    place = () if home is None else ((tails or {}).get(device, 0), home(device))
                     with contextlib.suppress(AllocationError):  # no room for it in one piece (memory
-                        self.slabs[device] = Slab(device, nbytes)  # fragmented): each piece allocated alone
+                        self.slabs[device] = Slab(device, nbytes, *place)  # fragmented): each piece alone
         except BaseException:
             self.seal()
             raise

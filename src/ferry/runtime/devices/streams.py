@@ -53,6 +53,31 @@ class CudaApi:
             yield graph
 
     @staticmethod
+    def hold_pool(pool, index: int) -> None:
+        """Make graph pool `pool` on device `index` and hold it open (torch's own graphs and
+        `use_mem_pool` each hold it while they use it) until `release_pool`."""
+        torch._C._cuda_beginAllocateCurrentThreadToPool(index, pool)
+        torch._C._cuda_endAllocateToPool(index, pool)
+
+    @staticmethod
+    def release_pool(pool, index: int) -> None:
+        torch._C._cuda_releasePool(index, pool)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def allocating_in(pool, stream):
+        """This thread's allocations on `stream`'s device come from `pool` (held open), on
+        `stream`, as `torch.cuda.use_mem_pool` routes them for a MemPool."""
+        index = stream.device_index
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            torch._C._cuda_beginAllocateCurrentThreadToPool(index, pool)
+            try:
+                yield
+            finally:
+                torch._C._cuda_endAllocateToPool(index, pool)
+                torch._C._cuda_releasePool(index, pool)
+
+    @staticmethod
     def prepare_capture(stream) -> None:
         """Before graphs are captured on `stream`: its cuBLAS workspace made
         where no module's closing can free it under a live graph (ferry/capture.py)."""
@@ -142,6 +167,10 @@ class CopyStreams:
     def capture_pool(self, index: int):
         """The memory pool graphs of device `index` allocate from: the set's (GraphMemory)."""
         return self.graph_memory.pool(self.api, index)
+
+    def first_run_memory(self, index: int):
+        """Where a segment's first, eager run on device `index` allocates (GraphMemory.first_run)."""
+        return self.graph_memory.first_run(self.api, index)
 
     def run(self, key, kernel, src: torch.Tensor, out: torch.Tensor, devices: tuple[Device, ...]):
         """A copy between tensors bound per call (the caller's, or sized per call)."""

@@ -140,9 +140,26 @@ class _Instance:
         mod = self.module
         method = mod.program.method(name)
         held = mod.uploads.keys() | {("state", s) for s in self.state.tensors} | {("delegate", i) for i in self.delegates}
-        stage_io = mod.cuda_graphs and streams_api_for(method) is not None  # as LoadedMethod stages I/O
+        api = streams_api_for(method)
+        stage_io = mod.cuda_graphs and api is not None  # as LoadedMethod stages I/O
         pieces = load_pieces(mod.program, method, stage_io, ProgramData(mod.program.segments, counted=held))
-        return MemoryReservation((p.device, p.nbytes, p.alignment) for p in pieces if p.reserved)
+        reserved = [(p.device, p.nbytes, p.alignment) for p in pieces if p.reserved]
+        if not stage_io:
+            return MemoryReservation(reserved)
+        tails = self._graph_tails(method, api)
+        reservation = MemoryReservation(reserved, tails, lambda device: self.graph_memory.home(api, device.index))
+        for device, slab in reservation.slabs.items():
+            self.graph_memory.tail[device.index] = self.graph_memory.tail.get(device.index, 0) + slab.tail
+        return reservation
+
+    def _graph_tails(self, method, api) -> dict:
+        """Per device, the room a call's graphs will allocate in (its run-time results and its
+        delegates' at the declared bounds, as eager frees them) beyond what this set's earlier
+        loads left free in its graph pool."""
+        need = call_bytes(self.module.program, method, handed_out=False)
+        held = self.graph_memory.tail
+        return {d.local: n - held.get(d.index, 0) for d, n in need.items()
+                if d.type == api.device_type and n > held.get(d.index, 0)}
 
     def _load(self, name: str, reservation: MemoryReservation) -> LoadedMethod:
         mod = self.module
@@ -186,6 +203,7 @@ class _Instance:
         for d in self.delegates.values():
             d.close()
         self.state.close()
+        self.graph_memory.close()
         self.methods.clear()
         self.microbatches.clear()
         self.buckets.clear()
