@@ -500,3 +500,47 @@ def test_a_dynamic_prefill_refuses_up_front_a_prompt_whose_last_call_is_below_it
         with pytest.raises(ferry.InputError, match=f"ends with a call of {last}"):
             check_prefill(first, length)
     check_prefill(dataclasses.replace(first, least=0), 17)  # no minimum: any length
+
+
+class _EvenChunks(nn.Module):
+    """A decoder whose prefill export holds only for an even number of tokens per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 4), nn.Linear(4, 16)
+        self.register_buffer("key_cache", torch.zeros(1, 32, 4))
+
+    def forward(self, input_ids, cache_position):
+        if input_ids.shape[1] > 1:
+            torch._check(input_ids.shape[1] % 2 == 0)
+        h = self.emb(input_ids)
+        self.key_cache.index_copy_(1, cache_position, h)
+        return self.head(h + self.key_cache.sum(1, keepdim=True))
+
+
+def test_a_prompt_whose_last_prefill_call_breaks_a_guard_is_refused_before_any_call():
+    """A prompt of 11 tokens fed 8 at a time ends with a call of 3, where the prefill's export
+    guard (an even length) fails: refused before the first call writes the cache, naming the
+    check; a prompt of 10 runs, its tokens those of eager's greedy loop."""
+    model = _EvenChunks().eval()
+    seq = torch.export.Dim.AUTO(min=2, max=8)
+    ids, pos = torch.randint(0, 16, (1, 4)), torch.arange(4)
+    prefill = torch.export.export(model, (ids, pos), dynamic_shapes=({1: seq}, {0: seq}))
+    decode = torch.export.export(model, (ids[:, :1], pos[:1]))
+    module = ferry.Module(ferry.compile({"prefill": prefill, "decode": decode}))
+    calls, run_method = [], module.run_method
+    module.run_method = lambda name, inputs: calls.append(name) or run_method(name, inputs)
+    with pytest.raises(ferry.InputError, match=r"% 2\) == 0 \(input_ids\.shape\[1\] is 3\)"):
+        ferry.generate(module, torch.randint(0, 16, (1, 11), generator=torch.Generator().manual_seed(0)), 3)
+    assert calls == []
+    prompt = torch.randint(0, 16, (1, 10), generator=torch.Generator().manual_seed(1))
+    got = ferry.generate(module, prompt, 3).tokens
+    expected = prompt
+    with torch.no_grad():
+        model.key_cache.zero_()
+        logits = torch.cat([model(prompt[:, s:s + 8], torch.arange(s, min(s + 8, 10))) for s in (0, 8)][-1:], 1)
+        for i in range(3):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, token], 1)
+            logits = model(token, torch.tensor([10 + i]))
+    assert torch.equal(got, expected)

@@ -370,3 +370,35 @@ def test_ferry_inspect_lists_what_each_calls_sizes_must_meet():
     assert checks == ["y.shape[0] >= 4", "y.shape[0] == 2 * x.shape[0]", "n >= 1", "x.shape[0] != 5"]
     assert "each call's sizes are checked as export's module checks them: y.shape[0] >= 4;" in program_summary(program)
     assert program_json(program)["methods"]["forward"]["size_checks"] == checks
+
+
+def test_a_call_runs_at_the_smallest_bucket_where_the_guards_hold(monkeypatch):
+    """A call of 2 rows under `!= 3` with buckets [3, 8] skips bucket 3, where the graph would
+    answer for the other branch, and runs padded to 8; with no bucket meeting the guards it runs
+    at its own shape, warning once. A call that breaks a guard itself is refused, as before."""
+    from ferry.runtime.stages.method import LoadedMethod
+
+    ran_at, execute_padded = [], LoadedMethod.execute_padded
+
+    def spied(self, inputs, rows):
+        ran_at.append(rows)
+        return execute_padded(self, inputs, rows)
+
+    monkeypatch.setattr(LoadedMethod, "execute_padded", spied)
+    ep = torch.export.export(NotThree(), (_r(8, 2),), dynamic_shapes={"x": {0: Dim.AUTO(max=16)}})
+    program = ferry.compile(ep)
+    module = ferry.Module(program, shape_buckets=[3, 8])
+    for n in (2, 1, 5, 2):
+        x = _r(n, 2)
+        torch.testing.assert_close(module(x), NotThree()(x))
+    assert ran_at == [8, 8, 8, 8]
+    with pytest.raises(InputError, match=r"x\.shape\[0\] != 3 \(x\.shape\[0\] is 3\)"):
+        module(_r(3, 2))
+    only_three = ferry.Module(program, shape_buckets=[3])
+    ran_at.clear()
+    with pytest.warns(RuntimeWarning, match=r"no shape bucket that holds it \(3\) meets the size checks"):
+        x = _r(2, 2)
+        torch.testing.assert_close(only_three(x), NotThree()(x))
+    x = _r(1, 2)
+    torch.testing.assert_close(only_three(x), NotThree()(x))  # (warned once)
+    assert ran_at == []

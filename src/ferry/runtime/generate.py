@@ -106,6 +106,7 @@ def generate(module, input_ids, max_new_tokens: int, *, method: str | None = Non
     capacity = (max_length, "max_length") if max_length is not None else cache_capacity(module, (first.name, step.name))
     check_fits(prompt.shape[1], max_new_tokens, capacity)
     check_prefill(first, prompt.shape[1])
+    _check_last_chunk(module, first, prompt)
     stops = _stop_ids(stop_tokens, first.vocab)
     if on_token is not None and not callable(on_token):
         raise ConfigError(f"on_token must be a callable taking each step's tokens, got {type(on_token).__name__}")
@@ -253,6 +254,19 @@ def _filled_only_by(module, encode: str, decoder: tuple[str, ...]) -> list[str]:
         return []
     return [s.name for s in program_states(module.program.methods).values()
             if encode in s.updated_by and set(decoder) & set(s.methods) and not set(decoder) & set(s.updated_by)]
+
+
+def _check_last_chunk(module, sig: TokenStep, prompt: torch.Tensor) -> None:
+    """A dynamic prefill takes a long prompt in calls of `bound` tokens and a shorter last one:
+    its inputs are checked (export's guards on the length, say an even one) before the first
+    call writes the cache, so a refused prompt leaves the cache as it was."""
+    length, parts = prompt.shape[1], getattr(module, "parts", None)
+    last = length % sig.bound
+    if sig.width is not None or length <= sig.bound or not last or parts is None:
+        return
+    start = length - last
+    ids = _place(prompt[:, start:].to(sig.ids.dtype), sig.ids.device)
+    parts(sig.name, sig.inputs(ids, _place(sig.positions(start, last), sig.pos.device)))
 
 
 def _place(t: torch.Tensor, device: Device) -> torch.Tensor:

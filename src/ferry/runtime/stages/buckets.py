@@ -4,9 +4,9 @@ captured once per bucket, as serving engines capture one per batch size.
 A method with a dynamic batch binds a plan per shape it meets (runtime/stages/method.py), and with
 CUDA graphs each such plan captures its own. Serving traffic brings every batch size up to
 the bound; buckets keep the number of shapes, captures and graph pools to `len(buckets)`: a
-call is padded up to the smallest bucket that holds it, runs at that shape, and its results
-are sliced back. A call beyond the largest bucket runs at its
-own shape without graphs, and says so once.
+call is padded up to the smallest bucket that holds it and meets the program's size checks,
+runs at that shape, and its results are sliced back. A call beyond the largest bucket (or with
+no bucket where the checks hold) runs at its own shape without graphs, and says so once.
 """
 
 from __future__ import annotations
@@ -59,12 +59,14 @@ class ShapeBuckets:
             raise ConfigError(f"method {m.name!r}: bucket {self.buckets[-1]} is larger than the batch the program "
                               f"was planned for ({bound}); the largest bucket can be {bound}")
         self.name, self.bound = m.name, bound
-        self.warned = False
+        self.warned = self.warned_checks = False
         self._padded: dict[tuple, torch.Tensor] = {}  # one tensor per input and bucket, reused
 
-    def bucket_for(self, inputs: list) -> int | None:
-        """The bucket a call runs at (its own rows when a bucket holds exactly them), or None:
-        beyond the buckets, the call runs at its own shape without graphs."""
+    def bucket_for(self, inputs: list, fits=lambda rows: True) -> int | None:
+        """The bucket a call runs at: the smallest that holds its rows and where `fits(bucket)`
+        (the program's size checks hold there: a graph padded to a bucket where a guard fails
+        would answer for another branch of the model), or None: the call runs at its own shape
+        without graphs (beyond the buckets, or no bucket meets the checks)."""
         if not inputs or not all(isinstance(t, torch.Tensor) and t.dim() for t in inputs):
             raise InputError(f"method {self.name!r} takes batched tensors (dim 0) with shape buckets")
         rows = inputs[0].shape[0]
@@ -73,8 +75,15 @@ class ShapeBuckets:
                              f"{', '.join(str(t.shape[0]) for t in inputs)})")
         if rows == 0:
             return 0
-        bucket = next((b for b in self.buckets if b >= rows), None)
-        if bucket is None and rows <= self.bound and not self.warned:  # beyond the bound: the input check says so
+        holding = [b for b in self.buckets if b >= rows]
+        bucket = next((b for b in holding if b == rows or fits(b)), None)
+        if bucket is None and holding and not self.warned_checks:
+            self.warned_checks = True
+            warnings.warn(f"method {self.name!r}: at a call of {rows} rows no shape bucket that holds it "
+                          f"({', '.join(map(str, holding))}) meets the size checks the program was exported under; "
+                          "such calls run at their own shape without CUDA graphs (this warning is shown once)",
+                          RuntimeWarning, stacklevel=4)
+        elif bucket is None and not holding and rows <= self.bound and not self.warned:  # beyond the bound: the input check says so
             self.warned = True
             warnings.warn(f"method {self.name!r}: a call of {rows} rows is beyond the largest shape bucket "
                           f"({self.buckets[-1]}); such calls run at their own shape without CUDA graphs "

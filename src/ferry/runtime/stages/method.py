@@ -289,6 +289,17 @@ class LoadedMethod:
                 pass
         self._guards_met[key] = None
 
+    def runs_at(self, inputs, rows: int) -> bool:
+        """Whether the minimums and guards hold with the batch (dim 0) at `rows`: whether a call
+        on `inputs` may run padded to a shape bucket of that many rows."""
+        if not self._sizes_checked:
+            return True
+        try:
+            self.check_sizes(inputs, rows)
+        except InputError:
+            return False
+        return True
+
     def _leaf_name(self, i: int, d: int) -> str:
         return size_name(self.method, i, d)
 

@@ -396,7 +396,8 @@ class Module:
         buckets = inst.buckets.get(name)
         if buckets is None:
             return self._run(inst.methods[name], inputs)
-        bucket = buckets.bucket_for(inputs)
+        method = inst.methods[name]
+        bucket = buckets.bucket_for(inputs, lambda rows: method.runs_at(inputs, rows))
         if bucket is None or bucket == inputs[0].shape[0]:
             return self._run(inst.methods[name], inputs, graphs=bucket is not None)
         return self._rows(inst.methods[name], buckets, inputs, bucket)
