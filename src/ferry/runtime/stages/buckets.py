@@ -83,7 +83,7 @@ class ShapeBuckets:
                           f"({', '.join(map(str, holding))}) meets the size checks the program was exported under; "
                           "such calls run at their own shape without CUDA graphs (this warning is shown once)",
                           RuntimeWarning, stacklevel=4)
-        elif bucket is None and not holding and rows <= self.bound and not self.warned:  # beyond the bound: the input check says so
+        elif bucket is None and not holding and rows <= self.bound and not self.warned:  # (past the bound: refused)
             self.warned = True
             warnings.warn(f"method {self.name!r}: a call of {rows} rows is beyond the largest shape bucket "
                           f"({self.buckets[-1]}); such calls run at their own shape without CUDA graphs "
