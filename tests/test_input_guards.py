@@ -221,17 +221,14 @@ def test_a_bound_a_guard_rules_out_is_a_compile_error_naming_the_largest_that_me
 @pytest.mark.parametrize("buckets", [None, [4, 16]])
 def test_buckets_and_micro_batches_check_the_callers_batch_and_the_batch_each_graph_runs_at(buckets):
     """A shape bucket pads a call of 3 rows to 4, where `!= 3` holds: the call is refused all the
-    same, as ep.module() refuses it (eager would take the other branch). Micro-batches of 3 rows
-    of a call of 6 would run the graph where it does not hold: refused, saying so."""
+    same, as ep.module() refuses it (eager would take the other branch). A call of 6 in two
+    micro-batches runs in parts of 4 and 2, not 3 and 3, where the graph does not hold."""
     ep = torch.export.export(NotThree(), (_r(8, 2),), dynamic_shapes={"x": {0: Dim.AUTO(max=16)}})
     program = ferry.compile(ep)
     module = ferry.Module(program, shape_buckets=buckets) if buckets else ferry.Module(program, microbatches=2)
     with pytest.raises(InputError, match=r": x\.shape\[0\] != 3 \(x\.shape\[0\] is 3\)"):
         module(_r(3, 2))
-    if buckets is None:
-        with pytest.raises(InputError, match=r"x\.shape\[0\] is 3; a micro-batch of 3 rows of a call of 6"):
-            module(_r(6, 2))
-    for n in (8, 4, 2) if buckets is None else (8, 4, 5, 2):
+    for n in (8, 4, 6, 2) if buckets is None else (8, 4, 5, 2):
         x = _r(n, 2)
         torch.testing.assert_close(module(x), NotThree()(x))
 
@@ -402,3 +399,26 @@ def test_a_call_runs_at_the_smallest_bucket_where_the_guards_hold(monkeypatch):
     x = _r(1, 2)
     torch.testing.assert_close(only_three(x), NotThree()(x))  # (warned once)
     assert ran_at == []
+
+
+@pytest.mark.parametrize("rows, parts", [(6, 2), (3 * 2, 3), (9, 2)])
+def test_micro_batches_take_the_smallest_parts_that_meet_the_guards(rows, parts):
+    """Parts of a call split evenly where the guards hold there; else the next size up whose
+    parts (the last one too) all meet them: 6 rows in 2 parts of 4 + 2, in 3 parts of 2 each,
+    9 rows in 2 parts of 5 + 4. The count a distributed rank 0 tells the others agrees."""
+    from ferry.runtime.stages.method import LoadedMethod
+
+    sizes, execute = [], LoadedMethod.execute
+
+    def spied(self, inputs, *args, **kwargs):
+        sizes.append(inputs[0].shape[0])
+        return execute(self, inputs, *args, **kwargs)
+
+    ep = torch.export.export(NotThree(), (_r(8, 2),), dynamic_shapes={"x": {0: Dim.AUTO(max=16)}})
+    module = ferry.Module(ferry.compile(ep), microbatches=parts)
+    x = _r(rows, 2)
+    count = module.parts("forward", [x])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LoadedMethod, "execute", spied)
+        torch.testing.assert_close(module(x), NotThree()(x))
+    assert 3 not in sizes and sum(sizes) == rows and len(sizes) == count

@@ -80,7 +80,7 @@ class MicroBatches:
     def count(self, inputs: list) -> int:
         """How many parts a call on `inputs` runs (the inputs checked as a call checks them)."""
         rows = self._rows(inputs)
-        size = self._part_size(rows)
+        size = self._part_size(rows, inputs)
         first = size if self.static else min(size, rows)  # the first part's shape, as a call makes it (a view)
         if not self.static:
             self.method.check_sizes(inputs)  # the call as the caller made it, as ep.module() checks it
@@ -93,7 +93,7 @@ class MicroBatches:
     def __call__(self, inputs: list) -> list:
         self.count(inputs)  # the first and last parts' shapes checked before any part runs
         rows = self._rows(inputs)
-        size = self._part_size(rows)
+        size = self._part_size(rows, inputs)
         parts = [_Part(a, min(size, rows - a)) for a in range(0, rows, size)]
         inputs = [self._host(t) for t in inputs]
         joined = [self._empty(v, d, rows) for v, d in zip(self.outputs, self.method.output_devices)]
@@ -129,15 +129,27 @@ class MicroBatches:
             raise InputError(f"method {name!r}: an empty batch (0 rows) has no micro-batches")
         return rows
 
-    def _part_size(self, rows: int) -> int:
-        """Rows per part: the program's batch when it is static, else the batch split evenly."""
+    def _part_size(self, rows: int, inputs: list) -> int:
+        """Rows per part: the program's batch when it is static, else the batch split evenly, or
+        the next size up whose parts meet export's size checks (6 rows under `!= 3` in parts of
+        4 and 2; at worst one part of them all); where none does, the even split, which the
+        check of the parts then refuses, naming the one that fails."""
         size = self.bound if self.static else -(-rows // self.parts)
         if size > self.bound or -(-rows // size) > self.parts:
             per = "of" if self.static else "of at most"
             raise InputError(f"method {self.method.name!r} takes at most {self.parts * self.bound} rows "
                              f"({self.parts} micro-batches {per} {self.bound}), got {rows}: split the batch, or "
                              "load the program with more micro-batches")
-        return size
+        if self.static or self._parts_fit(inputs, rows, size):
+            return size
+        return next((s for s in range(size + 1, min(self.bound, rows) + 1) if self._parts_fit(inputs, rows, s)), size)
+
+    def _parts_fit(self, inputs: list, rows: int, size: int) -> bool:
+        """Whether parts of `size` rows, and the last one (padded to `size` with graphs), meet the
+        program's size checks."""
+        last = rows - (-(-rows // size) - 1) * size
+        runs_at = self.method.runs_at
+        return runs_at(inputs, size) and (last == size or self.graphs or runs_at(inputs, last))
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         if self.pin and t.device.type == "cpu" and not t.is_pinned():
