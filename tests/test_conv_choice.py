@@ -131,7 +131,7 @@ def test_only_a_loading_method_times(timed, cudnn):
 
 
 def test_a_1x1_convolution_needs_no_patches_and_is_never_too_large(timed, cudnn, monkeypatch):
-    monkeypatch.setattr(conv_choice, "_MAX_PATCHES", 1)  # internal: the patch limit, lowered to reach it
+    monkeypatch.setattr(fused_kernels, "MAX_PATCHES", 1)  # internal: the patch limit, lowered to reach it
     args = conv_args()
     fn = chosen(CONV_RELU, args)
     assert fn is not None
@@ -170,7 +170,7 @@ def test_what_is_never_a_gemm(case, timed, monkeypatch):
         args[1] = args[1][:, :, :0]  # eager refuses a kernel of size 0
     if case == "too many patches":
         # internal: the patch limit, set one below what 8 channels x 3x3 x 3x2 pixels need
-        monkeypatch.setattr(conv_choice, "_MAX_PATCHES", 8 * 9 * 3 * 2 - 1)
+        monkeypatch.setattr(fused_kernels, "MAX_PATCHES", 8 * 9 * 3 * 2 - 1)
     if case == "groups":
         args[1], args[6] = args[1][:, :4].contiguous(), 2
     if case == "channels last":

@@ -45,7 +45,7 @@ from ferry.choices.graph_edits import Rewrite, attr, call, constant, single_use
 from ferry.ops import fused
 from ferry.ops.fused import CONV_ADD_RELU, CONV_RELU
 
-__all__ = ["OPS", "PATTERNS", "conv_as_gemm", "form", "gemm_rewrites", "patch_bytes"]
+__all__ = ["OPS", "PATTERNS", "conv_as_gemm", "form", "gemm_rewrites"]
 
 aten = torch.ops.aten
 OPS = frozenset({fused.CONV_RELU, fused.CONV_ADD_RELU})
@@ -54,7 +54,6 @@ FORMS = ("cuDNN", "one GEMM over patches")
 _CONVS = (aten.conv2d.default, aten.conv1d.default, aten.conv3d.default, aten.convolution.default)
 _BATCH_NORM = aten._native_batch_norm_legit_no_training.default
 _DTYPES = (torch.float32, torch.float64)
-_MAX_PATCHES = 1 << 24  # elements of the patches' matrix (64 MiB in fp32, 128 in fp64); a 1x1 one has none
 
 
 
@@ -75,36 +74,11 @@ def _gemm(x, weight, stride, padding, dilation) -> torch.Tensor:
     """The weight's (out, in x kernel) matrix times the image's patches: (out, pixels)."""
     co, ci, kh, kw = weight.shape
     ho, wo = fused.result_shape(x, weight, stride, padding, dilation)[2:]
-    if _pointwise(weight, stride, padding):
+    if fused.pointwise(weight, stride, padding):
         patches = x.reshape(ci, ho * wo)  # a view where the layout allows, as planned
     else:
         patches = torch.nn.functional.unfold(x, (kh, kw), dilation, padding, stride)[0]  # (ci*kh*kw, ho*wo)
     return torch.mm(weight.reshape(co, ci * kh * kw), patches)
-
-
-def patch_bytes(kernel: str, args: list) -> int:
-    """Bytes of the patches a fused convolution of one CUDA image allocates during a call if the
-    load picks its GEMM form (a choice the file does not record; `form`), else 0. `args`: the
-    call's values in schema order (a TensorValue's shape and dtype, a ConstValue's value). A
-    captured call's room in the graph pool counts them (runtime/stages/module.py)."""
-    if kernel.split(".")[0] not in ("ferry::conv_relu", "ferry::conv_add_relu") or len(args) < 7:
-        return 0
-    x, weight = args[0], args[1]
-    stride, padding, dilation, groups = (getattr(a, "value", None) for a in args[-4:])
-    shaped = all(hasattr(t, "shape") and len(t.shape) == 4 for t in (x, weight))
-    if not shaped or getattr(x, "device", None) is None or x.device.type != "cuda" or x.shape[0] != 1:
-        return 0
-    if groups != 1 or not all(isinstance(v, (list, tuple)) for v in (stride, padding, dilation)):
-        return 0
-    if _pointwise(weight, stride, padding):
-        return 0
-    out = fused.result_shape(x, weight, stride, padding, dilation)
-    n = math.prod(weight.shape[1:]) * out[2] * out[3]
-    return n * torch.empty((), dtype=x.torch_dtype).element_size() if n <= _MAX_PATCHES else 0
-
-
-def _pointwise(weight, stride, padding) -> bool:
-    return tuple(weight.shape[2:]) == (1, 1) and list(stride) == [1, 1] and list(padding) == [0, 0]
 
 
 def _relu_form(x, weight, bias, stride, padding, dilation, groups):
@@ -144,7 +118,7 @@ def _one_image(x, weight, bias, z, stride, padding, dilation, groups) -> bool:
     if not fused.args_fit(x, weight, bias, stride, padding, dilation, groups):
         return False  # eager refuses it: the GEMM must not answer it
     out = fused.result_shape(x, weight, stride, padding, dilation)
-    small = _pointwise(weight, stride, padding) or math.prod(weight.shape[1:]) * out[2] * out[3] <= _MAX_PATCHES
+    small = fused.pointwise(weight, stride, padding) or math.prod(weight.shape[1:]) * out[2] * out[3] <= fused.MAX_PATCHES
     full_precision = x.dtype in _DTYPES and (z is None or z.dtype == x.dtype) and not (
         torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32)  # GEMMs no less precise
     fits_z = z is None or tuple(z.shape) == out
@@ -262,7 +236,7 @@ def _as_gemm(gm: torch.fx.GraphModule, node: torch.fx.Node, args: tuple) -> None
     ho, wo = fused.result_shape(xv, w, stride, padding, dilation)[2:]
     g = gm.graph
     with g.inserting_before(node):
-        if _pointwise(w, stride, padding):  # (a reshape: Inductor may lay x out otherwise than the dry run did)
+        if fused.pointwise(w, stride, padding):  # (a reshape: Inductor may lay x out otherwise than the dry run did)
             patches = g.call_function(aten.reshape.default, (x, [ci, ho * wo]))
         else:
             cols = g.call_function(aten.im2col.default, (x, [kh, kw], list(dilation), list(padding), list(stride)))

@@ -21,13 +21,14 @@ Schemas (namespace `ferry`):
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 
 import torch
 
 from ferry.ops.library import NAMESPACE, new_fragment
 
-__all__ = ["CONV_ADD_RELU", "CONV_RELU"]
+__all__ = ["CONV_ADD_RELU", "CONV_RELU", "MAX_PATCHES", "patch_bytes", "pointwise"]
 
 _ARGS = "SymInt[] stride, SymInt[] padding, SymInt[] dilation, SymInt groups"
 _SCHEMAS = MappingProxyType({
@@ -57,6 +58,35 @@ def _check_z(shape, z, device) -> None:
     if tuple(z.shape) != tuple(shape) or z.device != device:
         raise ValueError(f"conv_add_relu: z has shape {tuple(z.shape)} on {z.device}, the convolution's result "
                          f"{tuple(shape)} on {device}")
+
+
+MAX_PATCHES = 1 << 24  # elements of a GEMM form's patches matrix (64 MiB in fp32, 128 in fp64; choices/conv.py)
+
+
+def pointwise(weight, stride, padding) -> bool:
+    """A 1x1 convolution of stride 1 and no padding: the image itself is its patches matrix."""
+    return tuple(weight.shape[2:]) == (1, 1) and list(stride) == [1, 1] and list(padding) == [0, 0]
+
+
+def patch_bytes(kernel: str, args: list) -> int:
+    """Bytes of the patches a fused convolution of one CUDA image allocates during a call if the
+    load runs it as one GEMM over them (a choice the file does not record: choices/conv.py
+    `form`), else 0. `args`: the call's values in schema order (a TensorValue's shape and dtype,
+    a ConstValue's value). The memory a call needs counts them (program/footprint.py)."""
+    if kernel.split(".")[0] not in ("ferry::conv_relu", "ferry::conv_add_relu") or len(args) < 7:
+        return 0
+    x, weight = args[0], args[1]
+    stride, padding, dilation, groups = (getattr(a, "value", None) for a in args[-4:])
+    shaped = all(hasattr(t, "shape") and len(t.shape) == 4 for t in (x, weight))
+    if not shaped or getattr(x, "device", None) is None or x.device.type != "cuda" or x.shape[0] != 1:
+        return 0
+    if groups != 1 or not all(isinstance(v, (list, tuple)) for v in (stride, padding, dilation)):
+        return 0
+    if pointwise(weight, stride, padding):
+        return 0
+    out = result_shape(x, weight, stride, padding, dilation)
+    n = math.prod(weight.shape[1:]) * out[2] * out[3]
+    return n * torch.empty((), dtype=x.torch_dtype).element_size() if n <= MAX_PATCHES else 0
 
 
 def result_shape(x, weight, stride, padding, dilation) -> tuple[int, ...]:

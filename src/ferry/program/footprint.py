@@ -187,10 +187,10 @@ def call_bytes(program, method: Method, handed_out: bool = True, data: ProgramDa
 
 def _chosen_kernel_bytes(method: Method, ins: KernelCall) -> int:
     """Bytes a kernel call allocates during a call in a form the load may choose for it
-    (choices/conv.py `patch_bytes`), beyond its results."""
+    (ops/fused.py `patch_bytes`), beyond its results."""
     if not ins.kernel.startswith("ferry::conv"):
         return 0
-    from ferry.choices.conv import patch_bytes  # torch operators: imported when needed
+    from ferry.ops.fused import patch_bytes  # torch operators: imported when needed
 
     return patch_bytes(ins.kernel, [method.values[a] if a >= 0 else None for a in ins.args])
 
