@@ -7,6 +7,7 @@ answer the rest as ep.module() does."""
 from __future__ import annotations
 
 import math
+import typing
 import time
 
 import pytest
@@ -422,3 +423,24 @@ def test_micro_batches_take_the_smallest_parts_that_meet_the_guards(rows, parts)
         mp.setattr(LoadedMethod, "execute", spied)
         torch.testing.assert_close(module(x), NotThree()(x))
     assert 3 not in sizes and sum(sizes) == rows and len(sizes) == count
+
+
+class _Pair(typing.NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def test_a_named_tuples_field_is_named_as_the_caller_reads_it():
+    """A failing check names a named tuple's field `p.x`, as the caller writes it."""
+    class Takes(nn.Module):
+        def forward(self, p: _Pair):
+            torch._check(p.x.shape[0] % 2 == 0)
+            return p.x.reshape(-1, 2).sum(1) + p.y.sum()
+
+    p = _Pair(_r(4), _r(3))
+    ep = torch.export.export(Takes(), (p,), dynamic_shapes=(_Pair({0: Dim.AUTO(max=16)}, None),))
+    module = ferry.Module(ferry.compile(ep))
+    with pytest.raises(InputError, match=r"\(p\.x\.shape\[0\] % 2\) == 0 \(p\.x\.shape\[0\] is 5\)"):
+        module(_Pair(_r(5), _r(3)))
+    q = _Pair(_r(6), _r(3))
+    torch.testing.assert_close(module(q), Takes()(q))

@@ -143,7 +143,7 @@ def check_signature(sig: Signature, inputs: int, outputs: int, what: str) -> Non
 
 def value_names(sig: Signature) -> list[str]:
     """Each value the call passes (the method's inputs, in order) named as the caller wrote it:
-    `n`, `ys[1]`, `z['a']`."""
+    `n`, `ys[1]`, `z['a']`, `p.scale` (a named tuple's field)."""
     names = sig.arg_names or tuple(f"arg{j}" for j in range(len(sig.args.items)))
     out: list[str] = []
 
@@ -151,7 +151,8 @@ def value_names(sig: Signature) -> list[str]:
         if t.kind == "value":
             out.append(name)
         for j, item in enumerate(t.items):
-            walk(item, f"{name}[{t.keys[j]!r}]" if t.keys else f"{name}[{j}]")
+            key = t.keys[j] if t.keys else j
+            walk(item, f"{name}.{key}" if t.kind == "namedtuple" else f"{name}[{key!r}]")
 
     for name, t in zip(names, sig.args.items):
         walk(t, name)
