@@ -7,8 +7,8 @@ answer the rest as ep.module() does."""
 from __future__ import annotations
 
 import math
-import typing
 import time
+import typing
 
 import pytest
 import torch
