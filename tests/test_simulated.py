@@ -417,3 +417,75 @@ def test_the_load_and_the_calls_before_the_first_capture_allocate_in_the_graph_p
     assert per_call[0] > 0 and per_call[1] > 0 and per_call[3:] == [0, 0]  # first runs in the pool; replays
     module.close()
     assert pool.holds == 0
+
+
+def test_a_module_closed_and_called_again_makes_a_new_graph_pool(emu_async):
+    """torch refuses to hold a pool again once it was let go: a set closed and loaded again makes
+    a new pool (and lets it go at the next close), its room counted afresh."""
+    model, example, program = _block_program(exclude=())
+    module = ferry.Module(program, cuda_graphs=True)
+    pools = []
+    for _ in range(3):
+        for seed in range(4):
+            (x,) = fresh_inputs(example, seed)
+            torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+        method = loaded_method(module)
+        pools.append(method.streams.capture_pool(0))
+        assert method.streams.graph_memory.tail.get(0, 0) > 0 and pools[-1].holds >= 1
+        module.close()
+        assert pools[-1].holds == 0
+    assert len({id(p) for p in pools}) == 3
+
+
+def test_a_method_loaded_after_a_capture_keeps_its_memory_out_of_the_graph_pool(emu_async, monkeypatch):
+    """Once a graph of the set was captured, its temporaries are free memory in the pool: a slab
+    allocated there later could be given it and a replay would overwrite its weights. A method
+    loaded then (decode after three prefills) allocates outside the pool, and both stay right."""
+    from test_shared_state import _call, _seeded, compiled
+
+    api = emu_async.streams_api()
+    allocations, allocate = [], type(emu_async)._allocate
+
+    def recorded(self, nbytes, index, alignment):
+        allocations.append(api.allocating_to)
+        return allocate(self, nbytes, index, alignment)
+
+    monkeypatch.setattr(type(emu_async), "_allocate", recorded)
+    program, reference = compiled("emu"), _seeded()
+    module = ferry.Module(program, cuda_graphs=True)
+
+    def both(i: int, name: str, positions: list[int]) -> None:
+        x, pos = torch.randn(len(positions), 64, generator=torch.Generator().manual_seed(i)), torch.tensor(positions)
+        got = _call(module, "emu", name, x, pos)
+        with torch.no_grad():
+            torch.testing.assert_close(got, reference.step(x, pos), atol=1e-5, rtol=1e-4)
+
+    for i in range(3):
+        both(i, "prefill", [0, 1, 2, 3])
+    assert any(g.graph is not None for g in loaded_method(module, "prefill").graphs)
+    allocations.clear()
+    module.load_method("decode")
+    assert allocations and not any(allocations)
+    for i, (name, positions) in enumerate([("decode", [4]), ("prefill", [5, 6, 7, 8]), ("decode", [9]),
+                                           ("decode", [10]), ("prefill", [0, 1, 2, 3]), ("decode", [4])]):
+        both(10 + i, name, positions)
+
+
+def test_a_failed_first_load_lets_the_graph_pool_go(emu_async, monkeypatch):
+    """A set whose first load fails holds no pool afterwards (its memory goes back with the
+    rest of the failed load's), and loads again with a new one."""
+    from ferry.backends.torch import TorchBackend
+
+    model, example, program = _block_program(exclude=())
+    module = ferry.Module(program, cuda_graphs=True)
+    pools, make_pool, init = [], SimulatedApi.new_pool, TorchBackend.init
+    monkeypatch.setattr(SimulatedApi, "new_pool", lambda self, index: pools.append(make_pool(self, index)) or pools[-1])
+    monkeypatch.setattr(TorchBackend, "init", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    with pytest.raises(Exception, match="no"):
+        module.load_method()
+    assert pools and all(p.holds == 0 for p in pools)
+    monkeypatch.setattr(TorchBackend, "init", init)
+    (x,) = fresh_inputs(example, 0)
+    torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    assert len(pools) == 2 and pools[-1].holds == 1
+    module.close()

@@ -78,7 +78,10 @@ def patch_bytes(kernel: str, args: list) -> int:
     x, weight = args[0], args[1]
     stride, padding, dilation, groups = (getattr(a, "value", None) for a in args[-4:])
     shaped = all(hasattr(t, "shape") and len(t.shape) == 4 for t in (x, weight))
-    if not shaped or getattr(x, "device", None) is None or x.device.type != "cuda" or x.shape[0] != 1:
+    if not shaped or getattr(x, "device", None) is None or x.device.type != "cuda":
+        return 0
+    one_image = x.shape[0] == 1 or bool(x.dynamic and x.dynamic[0])  # (a dynamic batch: its calls of one)
+    if not one_image or x.torch_dtype not in (torch.float32, torch.float64):  # the forms the GEMM takes
         return 0
     if groups != 1 or not all(isinstance(v, (list, tuple)) for v in (stride, padding, dilation)):
         return 0

@@ -134,6 +134,9 @@ class DeviceAllocator:
 
     device_type: str = ""
     default_alignment: int = default_alignment("device")
+    # memory freed is kept and handed out again, the front of a larger free block first (PyTorch's
+    # caching allocator): a slab then knows whether the room behind it is free (devices/slab.py)
+    caching: bool = False
 
     # ---- helpers
 

@@ -24,6 +24,7 @@ MIN_ALIGNMENT = default_alignment("cuda")  # what cudaMalloc guarantees
 class CudaAllocator(DeviceAllocator):
     device_type = "cuda"
     default_alignment = MIN_ALIGNMENT
+    caching = True
 
     def _normalize_index(self, index: int) -> int:
         if index == -1:

@@ -84,6 +84,16 @@ class GraphMemory:
             self._held.append((api, index, pool))
         return api.allocating_in(pool, stream)
 
+    def slab_home(self, api, device):
+        """Where a load's allocation on `device` goes: the graph pool while no graph of the device
+        was captured and no earlier load left room there (a later slab would be given that room
+        by the allocator's best fit, or, after a capture, memory a replay overwrites); else None
+        (the default pool, as without graphs)."""
+        taken = device.index in self._captured or self.tail.get(device.index)
+        if device.type != api.device_type or taken or not api.splits_blocks():
+            return None
+        return self.home(api, device.index)
+
     def first_run(self, api, index: int):
         """Where a segment's first, eager run allocates: the pool, until a graph of device `index`
         is captured (its temporaries are free memory there afterwards, which an eager result
@@ -94,8 +104,14 @@ class GraphMemory:
         self._captured.add(index)
 
     def close(self) -> None:
-        """The pools are let go (each freed once its graphs and the memory taken from it are)."""
+        """The pools are let go (each freed once its graphs and the memory taken from it are),
+        and forgotten: a set loaded again makes new ones (torch refuses to hold again a pool
+        it was let go)."""
         self._release()
+        self._sites.clear()
+        self.tail.clear()
+        self._captured.clear()
+        self._release = weakref.finalize(self, _release_pools, self._held)
 
 
 def _release_pools(held: list) -> None:

@@ -79,6 +79,7 @@ class SimPool:
     def __init__(self, index: int):
         self.index = index
         self.holds = 0
+        self.let_go = False
 
 
 class SimGraph:
@@ -165,12 +166,19 @@ class SimulatedApi:
                           stacklevel=3)
 
     @staticmethod
+    def splits_blocks() -> bool:
+        return True
+
+    @staticmethod
     def hold_pool(pool: SimPool, index: int) -> None:
+        if pool.let_go:  # as torch's allocator asserts (create_or_incref_pool)
+            raise RuntimeError("a graph pool held again after it was let go")
         pool.holds += 1
 
     @staticmethod
     def release_pool(pool: SimPool, index: int) -> None:
         pool.holds -= 1
+        pool.let_go = pool.holds == 0
 
     @contextlib.contextmanager
     def allocating_in(self, pool: SimPool, stream: SimStream):

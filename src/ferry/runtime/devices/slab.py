@@ -61,12 +61,17 @@ class Slab:
         taken from its front: the caching allocator splits the block, and the rest stays free in
         the same segment)."""
         self.device, self.tail = device, 0
+        probe = None
         with home if home is not None else contextlib.nullcontext():
-            if tail:
+            if tail and home is not None:
                 with contextlib.suppress(AllocationError):  # no room for both: the slab alone
-                    DeviceMemoryBuffer.create(nbytes + tail, device).close()
-                    self.tail = tail
+                    block = DeviceMemoryBuffer.create(nbytes + tail, device)
+                    probe = block.memory.data_ptr()
+                    block.close()
             self._buffer: DeviceMemoryBuffer | None = DeviceMemoryBuffer.create(nbytes, device)
+        caching = getattr(self._buffer.allocator, "caching", False)
+        if probe is not None and (self._buffer.memory.data_ptr() == probe or not caching):  # the block split:
+            self.tail = tail  # the room is free behind the slab (an emulated device keeps no such block)
         self.nbytes, self.alignment = nbytes, self._buffer.alignment
         self.used = 0  # bytes handed out, each piece's padding included
         self._pieces, self._sealed = 0, False

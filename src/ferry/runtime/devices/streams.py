@@ -17,6 +17,7 @@ memory a pending `_h2d_copy` still reads (the schedule says where: runtime/stage
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 
@@ -51,6 +52,14 @@ class CudaApi:
         with (shared_capture.random_state_kept_on_failure(stream.device),
               torch.cuda.graph(graph, pool=pool, stream=stream)):
             yield graph
+
+    @staticmethod
+    def splits_blocks() -> bool:
+        """Whether the caching allocator hands out the front of a larger free block and keeps the
+        rest free (GraphMemory's room behind a slab): not with `max_split_size_mb` (a large block
+        is never split) or expandable segments (one segment grows instead)."""
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+        return "max_split_size_mb" not in conf and "expandable_segments:true" not in conf.replace(" ", "").lower()
 
     @staticmethod
     def hold_pool(pool, index: int) -> None:

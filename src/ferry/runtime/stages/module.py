@@ -131,6 +131,11 @@ class _Instance:
         reservation = self._reserve(name)
         try:
             return self._load(name, reservation)
+        except BaseException:
+            reservation.seal()
+            if not self.methods:  # the set's first load: its graph pool goes too (nothing else is in it)
+                self.graph_memory.close()
+            raise
         finally:  # what no piece holds (a failed load's, a short-lived one's) is freed now
             reservation.seal()
 
@@ -146,20 +151,14 @@ class _Instance:
         reserved = [(p.device, p.nbytes, p.alignment) for p in pieces if p.reserved]
         if not stage_io:
             return MemoryReservation(reserved)
-        tails = self._graph_tails(method, api)
-        reservation = MemoryReservation(reserved, tails, lambda device: self.graph_memory.home(api, device.index))
+        graph_memory = self.graph_memory
+        need = call_bytes(mod.program, method, handed_out=False)  # what a call's graphs allocate
+        reservation = MemoryReservation(reserved, {d.local: n for d, n in need.items()},
+                                        lambda device: graph_memory.slab_home(api, device))
         for device, slab in reservation.slabs.items():
-            self.graph_memory.tail[device.index] = self.graph_memory.tail.get(device.index, 0) + slab.tail
+            if slab.tail:
+                graph_memory.tail[device.index] = slab.tail
         return reservation
-
-    def _graph_tails(self, method, api) -> dict:
-        """Per device, the room a call's graphs will allocate in (its run-time results and its
-        delegates' at the declared bounds, as eager frees them) beyond what this set's earlier
-        loads left free in its graph pool."""
-        need = call_bytes(self.module.program, method, handed_out=False)
-        held = self.graph_memory.tail
-        return {d.local: n - held.get(d.index, 0) for d, n in need.items()
-                if d.type == api.device_type and n > held.get(d.index, 0)}
 
     def _load(self, name: str, reservation: MemoryReservation) -> LoadedMethod:
         mod = self.module
