@@ -666,3 +666,22 @@ def test_graph_results_fit_in_the_room_the_load_left_in_the_graph_pool():
     large = [(s["total_size"], s["allocated_size"]) for s in segments if s["segment_type"] == "large"]
     assert len(large) == 1 and large[0][1] >= 4 << 20, f"graph results took segments of their own: {large}"
     module.close()
+
+
+def test_a_module_with_graphs_closed_and_called_again_reloads_into_a_new_pool():
+    """Closing lets the set's graph pool go; torch's allocator refuses to hold a pool again after
+    that (an internal assert), so the reload makes a new one. Results stay eager's throughout,
+    and a second method loaded after the first one's capture keeps its memory outside the pool."""
+    model = _Convs().eval()
+    x = torch.randn(1, 8, 128, 128)
+    keep = ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(True, True))
+    ep = torch.export.export(model, (x,))
+    module = ferry.Module(ferry.compile({"forward": ep, "again": ep}, ferry.OpSupportPartitioner("cuda:0"), keep),
+                          cuda_graphs=True)
+    for round_ in range(2):
+        for i, name in enumerate(["forward"] * 3 + ["again", "forward", "again", "again"]):
+            x = torch.randn(1, 8, 128, 128, generator=torch.Generator().manual_seed(10 * round_ + i))
+            with torch.no_grad():
+                got = module.call(name, x.cuda())
+                torch.testing.assert_close(got.cpu(), model(x), atol=2e-4, rtol=2e-4)
+        module.close()

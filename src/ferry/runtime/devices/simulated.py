@@ -165,6 +165,8 @@ class SimulatedApi:
             warnings.warn("The CUDA Graph is empty (simulated: no work reached the capture stream)", UserWarning,
                           stacklevel=3)
 
+    own_segment_from = 10 << 20  # as CUDA's caching allocator
+
     @staticmethod
     def splits_blocks() -> bool:
         return True

@@ -53,6 +53,10 @@ class CudaApi:
               torch.cuda.graph(graph, pool=pool, stream=stream)):
             yield graph
 
+    # a request this large gets a segment of its own size (rounded to 2 MiB); a smaller one of
+    # 1-10 MiB, a 20 MiB segment (PyTorch's caching allocator: kMinLargeAlloc, kLargeBuffer)
+    own_segment_from = 10 << 20
+
     @staticmethod
     def splits_blocks() -> bool:
         """Whether the caching allocator hands out the front of a larger free block and keeps the

@@ -133,6 +133,7 @@ class _Instance:
             return self._load(name, reservation)
         except BaseException:
             reservation.seal()
+            self.graph_memory.pending.clear()
             if not self.methods:  # the set's first load: its graph pool goes too (nothing else is in it)
                 self.graph_memory.close()
             raise
@@ -153,11 +154,14 @@ class _Instance:
             return MemoryReservation(reserved)
         graph_memory = self.graph_memory
         need = call_bytes(mod.program, method, handed_out=False)  # what a call's graphs allocate
-        reservation = MemoryReservation(reserved, {d.local: n for d, n in need.items()},
-                                        lambda device: graph_memory.slab_home(api, device))
+        behind = {d.local: n for d, n in need.items() if n < api.own_segment_from}
+        reservation = MemoryReservation(reserved, behind, lambda device: graph_memory.slab_home(api, device))
         for device, slab in reservation.slabs.items():
             if slab.tail:
                 graph_memory.tail[device.index] = slab.tail
+        for d, n in need.items():  # room of a segment of its own: made once the load is over (make_rooms)
+            if n >= api.own_segment_from and graph_memory.room_wanted(api, d.local):
+                graph_memory.pending[d.index] = (api, n)
         return reservation
 
     def _load(self, name: str, reservation: MemoryReservation) -> LoadedMethod:
@@ -332,9 +336,10 @@ class Module:
                 for note in loaded.notes:
                     warnings.warn(f"method {name!r}: {note}", RuntimeWarning, stacklevel=2)
             finally:
-                for inst in taken:
-                    self._free.put(inst)
                 _hand_back_cached_memory()
+                for inst in taken:
+                    inst.graph_memory.make_rooms()  # after the load's timing handed its memory back
+                    self._free.put(inst)
 
     def _init_delegate(self, index: int, memory: list, caller: CallerPlan, reservation=None):
         """`memory`: the delegate's working memory, planned in the method's arenas; `reservation`:
