@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 import typing
+import warnings
 
 import pytest
 import torch
@@ -402,11 +403,34 @@ def test_a_call_runs_at_the_smallest_bucket_where_the_guards_hold(monkeypatch):
     assert ran_at == []
 
 
-@pytest.mark.parametrize("rows, parts", [(6, 2), (3 * 2, 3), (9, 2)])
-def test_micro_batches_take_the_smallest_parts_that_meet_the_guards(rows, parts):
+class _EvenRows(nn.Module):
+    def forward(self, x):
+        torch._check(x.shape[1] % 2 == 0)
+        return x * 2
+
+
+def test_with_buckets_a_call_that_breaks_a_check_itself_is_refused_as_without_them():
+    """A call whose own sizes break a guard, or whose input lacks a dim, is refused by the call's
+    check with its InputError, and no warning about buckets; the module stays usable."""
+    dims = {0: Dim.AUTO(max=16), 1: Dim.AUTO(max=12)}
+    ep = torch.export.export(_EvenRows(), (_r(4, 6),), dynamic_shapes={"x": dims})
+    module = ferry.Module(ferry.compile(ep), shape_buckets=[4, 8])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InputError, match=r"x\.shape\[1\] % 2\) == 0 \(x\.shape\[1\] is 3\)"):
+            module(_r(2, 3))
+        with pytest.raises(InputError, match="shape"):
+            module(_r(2))
+        x = _r(3, 4)
+        torch.testing.assert_close(module(x), _EvenRows()(x))
+
+
+@pytest.mark.parametrize("rows, parts, expected", [(6, 2, [4, 2]), (7, 2, [5, 2]), (9, 3, [4, 4, 1]), (8, 2, [4, 4])])
+def test_micro_batches_take_the_smallest_parts_that_meet_the_guards(rows, parts, expected):
     """Parts of a call split evenly where the guards hold there; else the next size up whose
-    parts (the last one too) all meet them: 6 rows in 2 parts of 4 + 2, in 3 parts of 2 each,
-    9 rows in 2 parts of 5 + 4. The count a distributed rank 0 tells the others agrees."""
+    parts (the last one too) all meet them: under `!= 3`, 6 rows in 2 parts are 4 + 2, 7 are
+    5 + 2 (not 4 + 3), 9 in 3 parts are 4 + 4 + 1. The count a distributed rank 0 tells the
+    others agrees."""
     from ferry.runtime.stages.method import LoadedMethod
 
     sizes, execute = [], LoadedMethod.execute
@@ -422,7 +446,7 @@ def test_micro_batches_take_the_smallest_parts_that_meet_the_guards(rows, parts)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LoadedMethod, "execute", spied)
         torch.testing.assert_close(module(x), NotThree()(x))
-    assert 3 not in sizes and sum(sizes) == rows and len(sizes) == count
+    assert sizes == expected and len(sizes) == count
 
 
 class _Pair(typing.NamedTuple):

@@ -397,6 +397,7 @@ def test_the_load_and_the_calls_before_the_first_capture_allocate_in_the_graph_p
 
     monkeypatch.setattr(type(emu_async), "_allocate", recorded)
     monkeypatch.setattr(SimulatedApi, "allocating_in", entering)
+    monkeypatch.setattr(SimulatedApi, "splits_above", 0)  # (this block's room is smaller than CUDA's split limit)
     model, example, program = _block_program(exclude=())
     tail = call_bytes(program, program.method("forward"), handed_out=False)[ferry.Device.parse("emu:0")]
     assert tail > 0  # the block's functional kernels' results
@@ -419,9 +420,10 @@ def test_the_load_and_the_calls_before_the_first_capture_allocate_in_the_graph_p
     assert pool.holds == 0
 
 
-def test_a_module_closed_and_called_again_makes_a_new_graph_pool(emu_async):
+def test_a_module_closed_and_called_again_makes_a_new_graph_pool(emu_async, monkeypatch):
     """torch refuses to hold a pool again once it was let go: a set closed and loaded again makes
     a new pool (and lets it go at the next close), its room counted afresh."""
+    monkeypatch.setattr(SimulatedApi, "splits_above", 0)  # (this block's room is smaller than CUDA's split limit)
     model, example, program = _block_program(exclude=())
     module = ferry.Module(program, cuda_graphs=True)
     pools = []
@@ -518,4 +520,18 @@ def test_room_of_a_segment_of_its_own_is_made_once_the_load_is_over(emu_async, m
     for seed in range(4):
         (x,) = fresh_inputs(example, seed)
         torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    module.close()
+
+
+def test_room_the_allocator_would_not_split_off_is_not_asked_for(emu_async, monkeypatch):
+    """The caching allocator splits a free block only where more than 1 MiB is left: a room
+    of less (this block's) would stay inside the slab's own block, so none is asked for."""
+    api = emu_async.streams_api()
+    model, example, program = _block_program(exclude=())
+    module = ferry.Module(program, cuda_graphs=True)
+    module.load_method()
+    method = loaded_method(module)
+    assert method.streams.graph_memory.tail == {} and api.splits_above == 1 << 20
+    (x,) = fresh_inputs(example, 0)
+    torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
     module.close()

@@ -53,7 +53,8 @@ class GraphMemory:
     timing graphs allocate outside the pool, so no graph ever writes their memory."""
 
     def __init__(self) -> None:
-        self._sites: dict[tuple[str, int], tuple[object, object]] = {}
+        self._streams: dict[tuple[str, int], object] = {}
+        self._pools: dict[tuple[str, int], object] = {}
         self.tail: dict[int, int] = {}  # per device index: bytes a slab (or make_rooms) left free in the pool
         self.pending: dict[int, tuple[Any, int]] = {}  # per device index: (api, bytes) of room to make
         self._captured: set[int] = set()
@@ -62,10 +63,11 @@ class GraphMemory:
 
     def _site(self, api, index: int) -> tuple[object, object]:
         key = (api.device_type, index)
-        site = self._sites.get(key)
-        if site is None:
-            site = self._sites[key] = (api.Stream(index), api.new_pool(index))
-        return site
+        if key not in self._streams:
+            self._streams[key] = api.Stream(index)
+        if key not in self._pools:
+            self._pools[key] = api.new_pool(index)
+        return self._streams[key], self._pools[key]
 
     def stream(self, api, index: int):
         """The side stream graphs of device `index` are captured on (never the default one:
@@ -127,7 +129,7 @@ class GraphMemory:
         and forgotten: a set loaded again makes new ones (torch refuses to hold again a pool
         it was let go)."""
         self._release()
-        self._sites.clear()
+        self._pools.clear()  # (the streams stay: each new one would make a cuBLAS workspace kept for the process)
         self.tail.clear()
         self.pending.clear()
         self._captured.clear()

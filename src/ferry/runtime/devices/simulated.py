@@ -165,7 +165,7 @@ class SimulatedApi:
             warnings.warn("The CUDA Graph is empty (simulated: no work reached the capture stream)", UserWarning,
                           stacklevel=3)
 
-    own_segment_from = 10 << 20  # as CUDA's caching allocator
+    own_segment_from, splits_above = 10 << 20, 1 << 20  # as CUDA's caching allocator
 
     @staticmethod
     def splits_blocks() -> bool:

@@ -56,6 +56,9 @@ class CudaApi:
     # a request this large gets a segment of its own size (rounded to 2 MiB); a smaller one of
     # 1-10 MiB, a 20 MiB segment (PyTorch's caching allocator: kMinLargeAlloc, kLargeBuffer)
     own_segment_from = 10 << 20
+    # a free block is split only where more than this would be left (kSmallSize): room no larger
+    # stays inside the block of what was allocated in front of it
+    splits_above = 1 << 20
 
     @staticmethod
     def splits_blocks() -> bool:

@@ -26,6 +26,7 @@ the split legal, here as in every pipeline runner.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from ferry.errors import ConfigError, InputError
 from ferry.layout import contiguous_strides, dense_strides_like
 from ferry.program.schema import TensorValue
 from ferry.runtime.devices.tensor import pad_rows
+from ferry.runtime.stages.method import SHAPES_KEPT
 from ferry.runtime.stages.run import empty_on
 
 __all__ = ["MicroBatches", "batched_values"]
@@ -74,6 +76,7 @@ class MicroBatches:
         api = method.streams.api if method.streams is not None else None
         self.pin = api is not None and api.device_type == "cuda"  # a copy from pageable memory blocks the host
         self.graphs = graphs
+        self._chosen: dict[tuple, int] = {}  # the part size chosen per input shapes
 
     # ---- a call
 
@@ -140,9 +143,18 @@ class MicroBatches:
             raise InputError(f"method {self.method.name!r} takes at most {self.parts * self.bound} rows "
                              f"({self.parts} micro-batches {per} {self.bound}), got {rows}: split the batch, or "
                              "load the program with more micro-batches")
-        if self.static or self._parts_fit(inputs, rows, size):
+        if self.static:
             return size
-        return next((s for s in range(size + 1, min(self.bound, rows) + 1) if self._parts_fit(inputs, rows, s)), size)
+        key = tuple(tuple(t.shape) for t in inputs)  # (the choice is remembered per shape: checks cost once)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            fits = (s for s in range(size, min(self.bound, rows) + 1) if self._parts_fit(inputs, rows, s))
+            chosen = next(fits, size)
+            if len(self._chosen) >= SHAPES_KEPT:
+                with contextlib.suppress(RuntimeError, StopIteration, KeyError):  # (another thread's change)
+                    self._chosen.pop(next(iter(self._chosen)))
+            self._chosen[key] = chosen
+        return chosen
 
     def _parts_fit(self, inputs: list, rows: int, size: int) -> bool:
         """Whether parts of `size` rows, and the last one (padded to `size` with graphs), meet the

@@ -11,6 +11,7 @@ no bucket where the checks hold) runs at its own shape without graphs, and says 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from ferry.errors import ConfigError, InputError
 from ferry.runtime.devices.tensor import device_of, pad_rows
 from ferry.runtime.parallel.microbatch import batched_values
+from ferry.runtime.stages.method import SHAPES_KEPT
 from ferry.runtime.stages.run import empty_on
 
 __all__ = ["ShapeBuckets", "check_buckets"]
@@ -60,13 +62,16 @@ class ShapeBuckets:
                               f"was planned for ({bound}); the largest bucket can be {bound}")
         self.name, self.bound = m.name, bound
         self.warned = self.warned_checks = False
+        self._chosen: dict[tuple, int | None] = {}  # the bucket chosen per input shapes (where a guard decides)
         self._padded: dict[tuple, torch.Tensor] = {}  # one tensor per input and bucket, reused
 
-    def bucket_for(self, inputs: list, fits=lambda rows: True) -> int | None:
-        """The bucket a call runs at: the smallest that holds its rows and where `fits(bucket)`
-        (the program's size checks hold there: a graph padded to a bucket where a guard fails
-        would answer for another branch of the model), or None: the call runs at its own shape
-        without graphs (beyond the buckets, or no bucket meets the checks)."""
+    def bucket_for(self, inputs: list, fits=None) -> int | None:
+        """The bucket a call runs at: the smallest that holds its rows and where
+        `fits(inputs, bucket)` (the program's size checks hold there: a graph padded to a bucket
+        where a guard fails would answer for another branch of the model), or None: the call
+        runs at its own shape without graphs (beyond the buckets, or no bucket meets the checks;
+        a call that breaks a check itself is refused by the call's own check, without a word
+        here). The choice is remembered per shape: a bucket that fails costs its check once."""
         if not inputs or not all(isinstance(t, torch.Tensor) and t.dim() for t in inputs):
             raise InputError(f"method {self.name!r} takes batched tensors (dim 0) with shape buckets")
         rows = inputs[0].shape[0]
@@ -76,18 +81,27 @@ class ShapeBuckets:
         if rows == 0:
             return 0
         holding = [b for b in self.buckets if b >= rows]
-        bucket = next((b for b in holding if b == rows or fits(b)), None)
-        if bucket is None and holding and not self.warned_checks:
+        if not holding or holding[0] == rows or fits is None:
+            if not holding and rows <= self.bound and not self.warned:  # (past the bound: refused)
+                self.warned = True
+                warnings.warn(f"method {self.name!r}: a call of {rows} rows is beyond the largest shape bucket "
+                              f"({self.buckets[-1]}); such calls run at their own shape without CUDA graphs "
+                              "(this warning is shown once)", RuntimeWarning, stacklevel=4)
+            return holding[0] if holding else None
+        key = tuple(tuple(t.shape) for t in inputs)
+        if key in self._chosen:
+            return self._chosen[key]
+        bucket = next((b for b in holding if fits(inputs, b)), None)
+        if bucket is None and fits(inputs, None) and not self.warned_checks:
             self.warned_checks = True
             warnings.warn(f"method {self.name!r}: at a call of {rows} rows no shape bucket that holds it "
                           f"({', '.join(map(str, holding))}) meets the size checks the program was exported under; "
                           "such calls run at their own shape without CUDA graphs (this warning is shown once)",
                           RuntimeWarning, stacklevel=4)
-        elif bucket is None and not holding and rows <= self.bound and not self.warned:  # (past the bound: refused)
-            self.warned = True
-            warnings.warn(f"method {self.name!r}: a call of {rows} rows is beyond the largest shape bucket "
-                          f"({self.buckets[-1]}); such calls run at their own shape without CUDA graphs "
-                          "(this warning is shown once)", RuntimeWarning, stacklevel=4)
+        if len(self._chosen) >= SHAPES_KEPT:
+            with contextlib.suppress(RuntimeError, StopIteration, KeyError):  # (another thread's change)
+                self._chosen.pop(next(iter(self._chosen)))
+        self._chosen[key] = bucket
         return bucket
 
     def pad(self, inputs: list, bucket: int) -> list:

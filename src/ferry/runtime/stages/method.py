@@ -289,14 +289,16 @@ class LoadedMethod:
                 pass
         self._guards_met[key] = None
 
-    def runs_at(self, inputs, rows: int) -> bool:
-        """Whether the minimums and guards hold with the batch (dim 0) at `rows`: whether a call
-        on `inputs` may run padded to a shape bucket of that many rows."""
+    def runs_at(self, inputs, rows: int | None = None) -> bool:
+        """Whether the minimums and guards hold with the batch (dim 0) at `rows` (None: the
+        call's own): whether a call on `inputs` may run padded to a shape bucket, or split into
+        parts, of that many rows. False too for inputs the call's check will refuse anyway (a
+        missing dim)."""
         if not self._sizes_checked:
             return True
         try:
             self.check_sizes(inputs, rows)
-        except InputError:
+        except Exception:  # (InputError; an IndexError of a tensor of too few dims)
             return False
         return True
 

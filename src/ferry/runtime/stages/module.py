@@ -154,7 +154,7 @@ class _Instance:
             return MemoryReservation(reserved)
         graph_memory = self.graph_memory
         need = call_bytes(mod.program, method, handed_out=False)  # what a call's graphs allocate
-        behind = {d.local: n for d, n in need.items() if n < api.own_segment_from}
+        behind = {d.local: n for d, n in need.items() if api.splits_above < n < api.own_segment_from}
         reservation = MemoryReservation(reserved, behind, lambda device: graph_memory.slab_home(api, device))
         for device, slab in reservation.slabs.items():
             if slab.tail:
@@ -336,10 +336,13 @@ class Module:
                 for note in loaded.notes:
                     warnings.warn(f"method {name!r}: {note}", RuntimeWarning, stacklevel=2)
             finally:
-                _hand_back_cached_memory()
-                for inst in taken:
-                    inst.graph_memory.make_rooms()  # after the load's timing handed its memory back
-                    self._free.put(inst)
+                try:
+                    _hand_back_cached_memory()
+                    for inst in taken:
+                        inst.graph_memory.make_rooms()  # after the load's timing handed its memory back
+                finally:
+                    for inst in taken:
+                        self._free.put(inst)
 
     def _init_delegate(self, index: int, memory: list, caller: CallerPlan, reservation=None):
         """`memory`: the delegate's working memory, planned in the method's arenas; `reservation`:
@@ -401,7 +404,7 @@ class Module:
         if buckets is None:
             return self._run(inst.methods[name], inputs)
         method = inst.methods[name]
-        bucket = buckets.bucket_for(inputs, lambda rows: method.runs_at(inputs, rows))
+        bucket = buckets.bucket_for(inputs, method.runs_at)
         if bucket is None or bucket == inputs[0].shape[0]:
             return self._run(inst.methods[name], inputs, graphs=bucket is not None)
         return self._rows(inst.methods[name], buckets, inputs, bucket)
