@@ -669,7 +669,7 @@ def _rows_from_four():
 def test_a_minimum_is_checked_at_the_callers_batch_and_at_the_batch_the_call_runs_at():
     """A call below the minimum is refused as ep.module() refuses it, even where a shape bucket
     would pad it above (the model may branch on the batch: eager would answer it otherwise);
-    split into micro-batches, a part below it is refused before any part runs."""
+    split into micro-batches, no part is below it (10 rows in 3 parts: 5 + 5, not 4 + 4 + 2)."""
     model, program = _rows_from_four()
     module = ferry.Module(program, shape_buckets=[4, 8, 16])
     for b in (3, 1):
@@ -679,10 +679,12 @@ def test_a_minimum_is_checked_at_the_callers_batch_and_at_the_batch_the_call_run
         x = torch.randn(b, 8)
         torch.testing.assert_close(module(x), model(x))
     split = ferry.Module(program, microbatches=3)
-    with pytest.raises(ferry.InputError, match=r"is 2 \(a micro-batch of 2 rows of a call of 10\), below 4"):
-        split(torch.randn(10, 8))  # parts of 4, 4 and 2
-    x = torch.randn(16, 8)
-    torch.testing.assert_close(split(x), model(x))
+    assert split.parts("forward", [torch.randn(10, 8)]) == 2  # parts of 5 and 5
+    for b in (10, 16):
+        x = torch.randn(b, 8)
+        torch.testing.assert_close(split(x), model(x))
+    with pytest.raises(ferry.InputError, match="is 3, below 4"):
+        split(torch.randn(3, 8))
 
 
 def test_an_int_input_may_be_any_integer_and_must_equal_the_size_it_was_traced_as():
