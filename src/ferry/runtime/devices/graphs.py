@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ferry import capture as shared_capture
+from ferry.device import Device
+from ferry.runtime.devices.allocator import DeviceMemoryBuffer
 
 
 class _Graph(Protocol):
@@ -104,9 +106,6 @@ class GraphMemory:
         to a segment of its own, so no better behind the slab), made now, when the load's kernel
         timing has handed its memory back: made before it, it would add to the load's peak
         (ResNet-50: 188 MiB against eager's 176)."""
-        from ferry.device import Device
-        from ferry.runtime.devices.allocator import DeviceMemoryBuffer
-
         while self.pending:
             index, (api, nbytes) = self.pending.popitem()
             if index in self._captured or self.tail.get(index):

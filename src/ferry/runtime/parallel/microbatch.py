@@ -26,7 +26,6 @@ the split legal, here as in every pipeline runner.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,7 @@ from ferry.errors import ConfigError, InputError
 from ferry.layout import contiguous_strides, dense_strides_like
 from ferry.program.schema import TensorValue
 from ferry.runtime.devices.tensor import pad_rows
-from ferry.runtime.stages.method import SHAPES_KEPT
+from ferry.runtime.stages.method import remember
 from ferry.runtime.stages.run import empty_on
 
 __all__ = ["MicroBatches", "batched_values"]
@@ -143,17 +142,14 @@ class MicroBatches:
             raise InputError(f"method {self.method.name!r} takes at most {self.parts * self.bound} rows "
                              f"({self.parts} micro-batches {per} {self.bound}), got {rows}: split the batch, or "
                              "load the program with more micro-batches")
-        if self.static:
+        if self.static or not self.method.checks_sizes:
             return size
         key = tuple(tuple(t.shape) for t in inputs)  # (the choice is remembered per shape: checks cost once)
         chosen = self._chosen.get(key)
         if chosen is None:
             fits = (s for s in range(size, min(self.bound, rows) + 1) if self._parts_fit(inputs, rows, s))
             chosen = next(fits, size)
-            if len(self._chosen) >= SHAPES_KEPT:
-                with contextlib.suppress(RuntimeError, StopIteration, KeyError):  # (another thread's change)
-                    self._chosen.pop(next(iter(self._chosen)))
-            self._chosen[key] = chosen
+            remember(self._chosen, key, chosen)
         return chosen
 
     def _parts_fit(self, inputs: list, rows: int, size: int) -> bool:

@@ -11,7 +11,6 @@ no bucket where the checks hold) runs at its own shape without graphs, and says 
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from ferry.errors import ConfigError, InputError
 from ferry.runtime.devices.tensor import device_of, pad_rows
 from ferry.runtime.parallel.microbatch import batched_values
-from ferry.runtime.stages.method import SHAPES_KEPT
+from ferry.runtime.stages.method import remember
 from ferry.runtime.stages.run import empty_on
 
 __all__ = ["ShapeBuckets", "check_buckets"]
@@ -98,10 +97,7 @@ class ShapeBuckets:
                           f"({', '.join(map(str, holding))}) meets the size checks the program was exported under; "
                           "such calls run at their own shape without CUDA graphs (this warning is shown once)",
                           RuntimeWarning, stacklevel=4)
-        if len(self._chosen) >= SHAPES_KEPT:
-            with contextlib.suppress(RuntimeError, StopIteration, KeyError):  # (another thread's change)
-                self._chosen.pop(next(iter(self._chosen)))
-        self._chosen[key] = bucket
+        remember(self._chosen, key, bucket)
         return bucket
 
     def pad(self, inputs: list, bucket: int) -> list:

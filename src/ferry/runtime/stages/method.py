@@ -9,6 +9,7 @@ a method with dynamic sizes binds per shape (and micro-batches' plans).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 from collections import OrderedDict
@@ -32,9 +33,19 @@ from ferry.runtime.stages.load import load_memory
 from ferry.runtime.stages.run import Plan
 from ferry.runtime.stages.schedule import schedule
 
-__all__ = ["LoadedMethod", "SHAPES_KEPT", "streams_api_for"]
+__all__ = ["LoadedMethod", "SHAPES_KEPT", "remember", "streams_api_for"]
 
 SHAPES_KEPT = 64  # plans bound per shape a method keeps (least recently used go first)
+
+
+def remember(kept: dict, key, value) -> None:
+    """`kept[key] = value`, the oldest entry let go past SHAPES_KEPT: what a call decided for its
+    shapes (a guard met, a bucket, a part size), so the next call at them pays a lookup.
+    Tolerates another thread's change meanwhile (a decision is then remembered, or not)."""
+    if len(kept) >= SHAPES_KEPT:
+        with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+            kept.pop(next(iter(kept)))
+    kept[key] = value
 
 
 def streams_api_for(method: Method):
@@ -282,12 +293,12 @@ class LoadedMethod:
                 raise InputError(f"inputs of {self.name!r} fail a check the program was exported under: {text} "
                                  f"({sizes}{'; ' + run_as if run_as else ''}); the graph export traced is right only "
                                  "where it holds (export at sizes that meet it, or without the check in the model)")
-        if len(self._guards_met) >= SHAPES_KEPT:
-            try:
-                self._guards_met.pop(next(iter(self._guards_met), ()), None)
-            except RuntimeError:  # another thread's check changed it meanwhile: a size is remembered, or not
-                pass
-        self._guards_met[key] = None
+        remember(self._guards_met, key, None)
+
+    @property
+    def checks_sizes(self) -> bool:
+        """Whether a call's sizes have minimums or guards to meet (most methods: none)."""
+        return self._sizes_checked
 
     def runs_at(self, inputs, rows: int | None = None) -> bool:
         """Whether the minimums and guards hold with the batch (dim 0) at `rows` (None: the

@@ -404,7 +404,7 @@ class Module:
         if buckets is None:
             return self._run(inst.methods[name], inputs)
         method = inst.methods[name]
-        bucket = buckets.bucket_for(inputs, method.runs_at)
+        bucket = buckets.bucket_for(inputs, method.runs_at if method.checks_sizes else None)
         if bucket is None or bucket == inputs[0].shape[0]:
             return self._run(inst.methods[name], inputs, graphs=bucket is not None)
         return self._rows(inst.methods[name], buckets, inputs, bucket)
