@@ -1,7 +1,7 @@
 """Rewrites that give a delegate the fused kernels eager PyTorch runs at inference.
 
 Export traces what a module does in general; eager, at inference, takes shortcuts the trace
-does not show. Three of them cost ferry the most on real models (measured on an H200, batch 1):
+does not show. These cost ferry the most on real models (measured on an H200, batch 1):
 
 - `nn.MultiheadAttention` runs one fused op (`_native_multi_head_attention`) in eager under
   `no_grad`; its trace is ~25 ops (projections, views, transposes, a contiguous copy, SDPA).
@@ -16,6 +16,8 @@ does not show. Three of them cost ferry the most on real models (measured on an 
   ATen call per linear where the functional `linear` makes four or five (views, `t`, the GEMM),
   the views of planned tensors around it made once at load, and its result inside the plan
   (`linear.out` is a wrapper that computes into a temporary and copies).
+- A value computed from constants alone (Swin's window masks and position biases: ~150 kernels
+  per Swin-T call) is computed once at compile time and stored (aot/constant_fold.py).
 - A batch norm after a convolution, with fixed statistics, is a per-channel scale and shift:
   folded into the convolution's weights and bias, it costs nothing per call. Unfolded it is
   a kernel and, on CUDA, a host-side copy of its statistics per call (53 per ResNet-50 call).
@@ -35,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ferry.aot.constant_fold import fold_constants
 from ferry.choices import attention, conv, gemm, projections
 from ferry.choices.graph_edits import Rewrite
 
@@ -47,13 +50,14 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done.
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
     order they are tested in: copies dropped, convolutions, attention, projections of one input
-    merged, linears as GEMMs. `merged`: the program's stacked weights (projections.merge_projections)."""
+    merged, linears as GEMMs; then values computed from constants alone are folded (constant_fold.py). `merged`: the program's stacked weights (projections.merge_projections)."""
     done = _drop_copies(gm)
     for pattern in (*conv.PATTERNS, *attention.PATTERNS):
         done += pattern(gm)
     done += projections.merge_projections(gm, merged)
     for pattern in gemm.PATTERNS:
         done += pattern(gm)
+    done += fold_constants(gm)
     if done:
         tidy(gm)
     return done
@@ -121,6 +125,9 @@ _NOTES = {
                 "the patches (the input packed into rows once, addmm with the weight laid out at compile time)"),
     "gemm": ("aten::linear.default", "{n} run as eager's one GEMM over a 2-D view (addmm.out / mm.out into planned "
              "memory)"),
+    "constants folded": ("values computed from constants", "{n} value(s) computed from constants alone (a "
+                         "window mask, a position bias) computed at compile time and stored: their ops no longer run "
+                         "per call (aot/constant_fold.py)"),
     "fold": ("aten::_native_batch_norm_legit_no_training.default", "{n} folded into the convolution before each "
              "(weights and bias scaled at compile time)"),
     "attention": ("aten::_native_multi_head_attention.default", "{n} nn.MultiheadAttention traced as separate ops, "

@@ -38,7 +38,6 @@ import math
 import operator
 from collections.abc import Callable
 
-import sympy
 import torch
 import torch.fx
 
@@ -46,7 +45,7 @@ from ferry import node_meta as M
 from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision, Site
 from ferry.choices.gemm import biased_gemm, blas_settings
-from ferry.choices.graph_edits import Rewrite, attr, call
+from ferry.choices.graph_edits import Rewrite, attr, call, constant_value, shape_at, size_at
 from ferry.ops import split_kv
 from ferry.ops.split_kv import SPLIT_KV_ATTENTION
 
@@ -431,25 +430,12 @@ def _symbols(sizes) -> set:
     return set().union(*(s.node.expr.free_symbols for s in sizes if isinstance(s, torch.SymInt)))
 
 
-def _size_at(size, binding: dict) -> int:
-    """A size (an int or a symbolic one) at the symbols' values in `binding`."""
-    if not isinstance(size, torch.SymInt):
-        return int(size)
-    try:
-        value = sympy.sympify(size.node.expr.xreplace(binding))
-    except ArithmeticError:  # a size divided by one that is 0 here
-        raise ValueError(f"size {size} has no value here") from None
-    if not value.is_Integer:
-        raise ValueError(f"size {size} has no value here")
-    return int(value)
-
-
 def _same_at(gm, members, region, binding: dict) -> bool:
     x, weights, heads, out = region
     xv = x.meta["val"]
-    shape = _shape_at(xv, binding)
+    shape = shape_at(xv, binding)
     try:
-        sizes = {a: _size_at(a.meta["val"], binding) for n in members for a in n.all_input_nodes if _is_size(a)}
+        sizes = {a: size_at(a.meta["val"], binding) for n in members for a in n.all_input_nodes if _is_size(a)}
     except ValueError:
         return False
     if shape is None or math.prod(shape) > _CHECK_ELEMENTS or not xv.dtype.is_floating_point:
@@ -525,8 +511,8 @@ def _known_mask(gm, sdpa: torch.fx.Node, mask: torch.fx.Node, causal: bool) -> s
         return None
     kinds = {"mask dropped", "mask causal"}  # those that hold at every size so far
     for binding in bindings:
-        value = _constant_value(gm, mask, {}, binding)
-        qs, ks = _shape_at(q, binding), _shape_at(k, binding)
+        value = constant_value(gm, mask, {}, binding)
+        qs, ks = shape_at(q, binding), shape_at(k, binding)
         if value is None or qs is None or ks is None or value.dtype != torch.bool or not _mask_fits(value, qs, ks):
             return None
         if not bool(value.all()):
@@ -568,13 +554,6 @@ def _every_binding(values) -> list[dict] | None:
     return bindings
 
 
-def _shape_at(t: torch.Tensor, binding: dict) -> tuple[int, ...] | None:
-    try:
-        return tuple(_size_at(s, binding) for s in t.shape)
-    except ValueError:
-        return None
-
-
 def _is_causal(mask: torch.Tensor, q: tuple, k: tuple) -> bool:
     rows, cols = q[-2], k[-2]
     if rows != cols or mask.dim() < 2 or tuple(mask.shape[-2:]) != (rows, cols):
@@ -592,44 +571,6 @@ def _mask_fits(mask: torch.Tensor, qs: tuple, ks: tuple) -> bool:
         return torch.broadcast_shapes(tuple(mask.shape), weights) == weights
     except RuntimeError:
         return False
-
-
-def _constant_value(gm, node, memo: dict, binding: dict):
-    """The value of `node` when it depends on constants and sizes alone (evaluated on the CPU,
-    symbolic sizes at their values in `binding`), else None."""
-    if node in memo:
-        return memo[node]
-    memo[node] = None
-    val = node.meta.get("val")
-    if isinstance(val, torch.SymInt) or (type(val) is int and node.op == "placeholder"):
-        try:
-            memo[node] = _size_at(val, binding)
-        except ValueError:
-            memo[node] = None
-    elif node.op == "get_attr":
-        memo[node] = attr(gm, node)
-    elif (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-          and torch.Tag.nondeterministic_seeded not in node.target.tags and _small(val, binding)):
-        inputs = [_constant_value(gm, a, memo, binding) for a in node.all_input_nodes]
-        if all(v is not None for v in inputs):
-            values = dict(zip(node.all_input_nodes, inputs))
-            args = torch.fx.node.map_arg(node.args, values.__getitem__)
-            kwargs = dict(torch.fx.node.map_arg(node.kwargs, values.__getitem__))
-            if "device" in kwargs:
-                kwargs["device"] = torch.device("cpu")
-            try:
-                result = node.target(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - not computable here: left to run time
-                result = None
-            if isinstance(result, torch.Tensor) and result.numel() <= _CHECK_ELEMENTS:
-                memo[node] = result
-    return memo[node]
-
-
-def _small(val, binding: dict) -> bool:
-    """A traced tensor small enough to compute at compile time at the sizes of `binding`."""
-    shape = _shape_at(val, binding) if isinstance(val, torch.Tensor) else None
-    return shape is not None and math.prod(shape) <= _CHECK_ELEMENTS
 
 
 def additive_masks(gm: torch.fx.GraphModule) -> list[Rewrite]:

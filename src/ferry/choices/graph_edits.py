@@ -1,17 +1,25 @@
 """Editing a traced graph at compile time: the record of a rewrite and the few node helpers the
-op families' patterns share (choices/conv.py, attention.py, gemm.py; aot/fuse.py runs them)."""
+op families' patterns share (choices/conv.py, attention.py, gemm.py; aot/fuse.py runs them), and
+the value of a node computed from constants alone (attention masks, aot/constant_fold.py)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import NamedTuple
 
+import sympy
 import torch
 import torch.fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ferry import node_meta as M
 
-__all__ = ["Rewrite", "attr", "call", "constant", "single_use"]
+__all__ = ["Rewrite", "attr", "call", "constant", "constant_value", "reads_metadata_only", "shape_at", "single_use",
+           "size_at"]
+
+aten = torch.ops.aten
+CONSTANT_ELEMENTS = 1 << 22  # the largest tensor a value computed at compile time may have
 
 
 class Rewrite(NamedTuple):
@@ -57,3 +65,109 @@ def call(gm, like: torch.fx.Node, op, args, val, kwargs: dict | None = None) -> 
 
 def single_use(node) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and len(node.users) == 1
+
+
+def size_at(size, binding: dict) -> int:
+    """A size (an int or a symbolic one) at the symbols' values in `binding`; ValueError where it
+    has none."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    try:
+        value = sympy.sympify(size.node.expr.xreplace(binding))
+    except ArithmeticError:  # a size divided by one that is 0 here
+        raise ValueError(f"size {size} has no value here") from None
+    if not value.is_Integer:
+        raise ValueError(f"size {size} has no value here")
+    return int(value)
+
+
+def shape_at(t: torch.Tensor, binding: dict) -> tuple[int, ...] | None:
+    try:
+        return tuple(size_at(s, binding) for s in t.shape)
+    except ValueError:
+        return None
+
+
+# ops that read only the dtype and device of their first argument (new_*), or also its sizes and
+# strides (*_like): computed from constants whatever that argument holds
+_READS_DTYPE = frozenset({aten.new_zeros, aten.new_ones, aten.new_full})
+_READS_LAYOUT = frozenset({aten.zeros_like, aten.ones_like, aten.full_like})
+
+
+def _deterministic(node: torch.fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded not in node.target.tags
+
+
+def constant_value(gm, node, memo: dict, binding: dict, admit: Callable[[torch.fx.Node], bool] = _deterministic,
+                   limit: int = CONSTANT_ELEMENTS):
+    """The value of `node` where it depends on constants and sizes alone (computed on the CPU,
+    symbolic sizes at their values in `binding`; at most `limit` elements each), else None.
+    `admit`: whether a node's op may be computed here (by default, any that draws no random
+    numbers). `memo` keeps every node's value across calls."""
+    if node in memo:
+        return memo[node]
+    memo[node] = None
+    val = node.meta.get("val")
+    if isinstance(val, torch.SymInt) or (type(val) is int and node.op == "placeholder"):
+        try:
+            memo[node] = size_at(val, binding)
+        except ValueError:
+            memo[node] = None
+    elif node.op == "get_attr":
+        memo[node] = attr(gm, node)
+    elif (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and admit(node)
+          and _fits(val, binding, limit)):
+        values = _input_values(gm, node, memo, binding, admit, limit)
+        if values is not None:
+            args = torch.fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = dict(torch.fx.node.map_arg(node.kwargs, values.__getitem__))
+            if "device" in kwargs:
+                kwargs["device"] = torch.device("cpu")
+            try:
+                result = node.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - not computable here: left to run time
+                result = None
+            if isinstance(result, torch.Tensor) and result.numel() <= limit:
+                memo[node] = result
+    return memo[node]
+
+
+def _input_values(gm, node, memo, binding, admit, limit) -> dict | None:
+    """Each input node of `node` -> its value; the first argument of an op that reads only its
+    metadata -> an empty tensor of that metadata. None where one has no value here."""
+    values = {}
+    for a in node.all_input_nodes:
+        meta_only = reads_metadata_only(node, a)
+        value = _stand_in(a, node, binding) if meta_only else constant_value(gm, a, memo, binding, admit, limit)
+        if value is None:
+            return None
+        values[a] = value
+    return values
+
+
+def reads_metadata_only(node: torch.fx.Node, arg: torch.fx.Node) -> bool:
+    """`node`'s op reads nothing of `arg` but its dtype, device, sizes and strides."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet in _READS_DTYPE | _READS_LAYOUT and bool(node.args) and node.args[0] is arg
+
+
+def _stand_in(arg: torch.fx.Node, node: torch.fx.Node, binding: dict) -> torch.Tensor | None:
+    """An empty host tensor with what `node` reads of `arg`: its dtype (new_*), its sizes and
+    strides too (*_like)."""
+    val = arg.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    if node.target.overloadpacket in _READS_DTYPE:
+        return torch.empty(0, dtype=val.dtype)
+    shape = shape_at(val, binding)
+    try:
+        stride = tuple(size_at(s, binding) for s in val.stride())
+    except ValueError:
+        return None
+    return None if shape is None else torch.empty_strided(shape, stride, dtype=val.dtype)
+
+
+def _fits(val, binding: dict, limit: int) -> bool:
+    """A traced tensor of at most `limit` elements at the sizes of `binding`."""
+    shape = shape_at(val, binding) if isinstance(val, torch.Tensor) else None
+    return shape is not None and math.prod(shape) <= limit

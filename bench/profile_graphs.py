@@ -1,0 +1,104 @@
+"""Where a captured call's GPU time goes, for each runner that replays CUDA graphs.
+
+    python bench/profile_graphs.py --models efficientnet_b0,swin_t
+
+For every model (bench/models.py's list, batch 1, device I/O, TF32 off) and runner, in this
+process one after another: the median ms per call, and from single profiled calls the kernels
+a call launches, the GPU's busy time (the kernels' durations summed) and its idle time inside
+the call (first kernel's start to last kernel's end, less the busy time: the gaps between
+kernels that a graph's launches leave), then the kernels taking the most time. It says whether
+a runner is slower for its kernels' work or for their count. JSON: profile_graphs.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import table, time_host, write_json  # noqa: E402
+
+import models as bench_models  # noqa: E402
+
+RUNNERS = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-graphs")
+
+
+def kernels_of_one_call(call) -> list:
+    """The GPU kernels one call ran (memory copies and sets apart), as profiler events."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))]
+
+
+def breakdown(call, calls: int = 5, top: int = 12) -> dict:
+    """Kernels per call, busy and idle µs per call (medians over `calls` profiled calls), and
+    the `top` kernels by time per call."""
+    for _ in range(3):
+        call()
+    counts, busy, idle = [], [], []
+    per_kernel: dict = collections.defaultdict(lambda: [0, 0.0])
+    for _ in range(calls):
+        events = kernels_of_one_call(call)
+        spent = sum(e.time_range.elapsed_us() for e in events)
+        span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+        counts.append(len(events))
+        busy.append(spent)
+        idle.append(span - spent)
+        for e in events:
+            per_kernel[e.name][0] += 1
+            per_kernel[e.name][1] += e.time_range.elapsed_us()
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels": statistics.median(counts), "busy_us": statistics.median(busy),
+            "idle_us": statistics.median(idle),
+            "top": [{"kernel": k[:120], "calls": n / calls, "us": t / calls} for k, (n, t) in ranked]}
+
+
+def profile_runner(name: str, runner: str, device: torch.device) -> dict:
+    model, (x,) = bench_models.MODELS[name][0](1)
+    with torch.no_grad():
+        want = model.to(device)(x.to(device)).cpu()
+    row, call, module = bench_models._one_runner(name, 1, "device", runner, model.cpu(), x, want, device, {})
+    out = {"model": name, "runner": runner, "ms": time_host(call, repeat=60) * 1e3, "rel_err": row["rel_err"],
+           **breakdown(call)}
+    if module is not None:
+        module.close()
+    del call, module
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="efficientnet_b0,swin_t")
+    p.add_argument("--runners", default=",".join(RUNNERS))
+    p.add_argument("--out", default="profile_graphs")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_graphs: skipped: no CUDA device")
+        return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = torch.device("cuda:0")
+    rows = [profile_runner(m, r, device) for m in args.models.split(",") for r in args.runners.split(",")]
+    print(table("A captured call's GPU time (batch 1, device I/O; µs per call)",
+                ["model", "runner", "ms", "kernels", "busy µs", "idle µs"],
+                [[r["model"], r["runner"], r["ms"], int(r["kernels"]), r["busy_us"], r["idle_us"]] for r in rows]))
+    for r in rows:
+        print(f"\n{r['model']} / {r['runner']}:")
+        for k in r["top"]:
+            print(f"  {k['us']:8.1f} µs {k['calls']:5.0f}x  {k['kernel'][:100]}")
+    print("wrote", write_json(args.out, {"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
