@@ -254,23 +254,42 @@ def test_swins_folded_masks_on_cuda_with_graphs_equal_eager(full_fp32):
 
 
 class Widened(torch.nn.Module):
-    """An int8 weight cast to float and scaled on every call (a dequantization written out)."""
+    """An int8 weight cast to float and scaled on every call (torchao's int8 linear, written out)."""
 
-    def __init__(self, rows):
+    def __init__(self):
         super().__init__()
-        self.register_buffer("q", torch.randint(-127, 127, (rows, 1024), dtype=torch.int8))
-        self.register_buffer("scale", torch.rand(rows, 1) + 0.5)
+        self.register_buffer("q", torch.randint(-127, 127, (64, 256), dtype=torch.int8))
+        self.register_buffer("scale", torch.rand(64) + 0.5)
 
     def forward(self, x):
-        return x @ (self.q.to(torch.float32) * self.scale).t()
+        return (x @ self.q.to(torch.float32).t()) * self.scale
 
 
-@pytest.mark.parametrize(("rows", "folds"), [(64, True), (1024, False)])
-def test_a_weight_is_widened_into_a_constant_only_while_small(emu, rows, folds):
-    """64 rows: 256 KiB of floats from 64 KiB of int8 (under GROWTH_BYTES), folded; 1024 rows: 4 MiB
-    from 1 MiB, left to run per call, as the model wrote it."""
+def test_a_quantized_weight_cast_wider_is_not_folded(emu):
+    """Folded, the cast would store the int8 weight again as floats, four times its size."""
     torch.manual_seed(0)
-    model, x = Widened(rows).eval(), torch.randn(2, 1024)
+    model, x = Widened().eval(), torch.randn(2, 256)
+    program = compile_on(model, (x,))
+    assert not folded_note(program) and any("_to_copy" in k for k in kernels(program))
+    torch.testing.assert_close(ferry.Module(program)(x), model(x), rtol=0, atol=0)
+
+
+class Tiled(torch.nn.Module):
+    def __init__(self, times):
+        super().__init__()
+        self.times = times
+        self.row = torch.nn.Parameter(torch.randn(1, 1024))
+
+    def forward(self, x):
+        return x + self.row.repeat(self.times, 1)
+
+
+@pytest.mark.parametrize(("times", "folds"), [(64, True), (512, False)])
+def test_a_value_larger_than_what_it_reads_is_folded_only_while_small(emu, times, folds):
+    """A 4 KiB row tiled 64 times (256 KiB, under GROWTH_BYTES) is folded; 512 times (2 MiB) it is
+    computed per call, as the model wrote it."""
+    torch.manual_seed(0)
+    model, x = Tiled(times).eval(), torch.randn(times, 1024)
     program = compile_on(model, (x,))
     assert bool(folded_note(program)) == folds
     torch.testing.assert_close(ferry.Module(program)(x), model(x), rtol=0, atol=0)

@@ -468,3 +468,24 @@ def test_a_named_tuples_field_is_named_as_the_caller_reads_it():
         module(_Pair(_r(5), _r(3)))
     q = _Pair(_r(6), _r(3))
     torch.testing.assert_close(module(q), Takes()(q))
+
+
+class PairFlip(nn.Module):
+    """Rows come in pairs: the batch is exported as 2 * h, a derived size, not a guard."""
+
+    def forward(self, x):
+        return x.view(-1, 2, 4).flip(1).reshape(x.shape[0], 4) * 2
+
+
+@pytest.mark.parametrize("options", [{"shape_buckets": [3, 5, 16]}, {"microbatches": 2}, {"microbatches": 3}])
+def test_buckets_and_micro_batches_run_at_sizes_a_derived_batch_can_take(options):
+    """A batch exported as 2 * h: a call of 4 rows pads to 16, not to the odd bucket 5 (where
+    the reshape failed, then raised a bare RuntimeError on each later call); 10 rows in two
+    parts run as 6 + 4, not as 5 + 5 (refused). ep.module() answers every call, and so does ferry."""
+    ep = torch.export.export(PairFlip(), (_r(8, 4),), dynamic_shapes=({0: 2 * Dim("h", min=2, max=8)},))
+    module = ferry.Module(ferry.compile(ep), **options)
+    for n in (4, 4, 6, 10, 8, 16, 12, 4):
+        x = _r(n, 4)
+        torch.testing.assert_close(module(x), ep.module()(x), msg=f"{n} rows")
+    with pytest.raises(InputError, match=r"is 5; the program was exported with it 2 \* s \+ 0"):
+        module(_r(5, 4))

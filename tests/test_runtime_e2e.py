@@ -406,3 +406,33 @@ def test_a_zero_size_input_copies_nothing_and_equals_eager(emu):
         x = torch.randn(2, 5, 0)
         with torch.no_grad():
             torch.testing.assert_close(module(x), model(x))
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        return self.e(ids) * 2
+
+
+@pytest.mark.parametrize("placement", ["cpu", "emu"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_kernel_refusing_a_later_calls_values_is_a_program_error_and_the_module_stays_usable(emu, placement,
+                                                                                              dynamic):
+    """A token id out of range: on the first call at a shape the labelled first run said so as a
+    ProgramError; a later call ran the bare steps and let the kernel's IndexError out."""
+    torch.manual_seed(0)
+    model = TokenEmbedding().eval()
+    dims = ({0: torch.export.Dim("b", max=8)},) if dynamic else None
+    ep = torch.export.export(model, (torch.randint(0, 10, (4, 3)),), dynamic_shapes=dims)
+    module = ferry.Module(ferry.compile(ep, None if placement == "cpu" else ferry.OpSupportPartitioner("emu:0")))
+    for k in range(5):
+        ids = torch.randint(0, 10, (4, 3))
+        if k % 2:
+            ids[1, 1] = 12
+            with pytest.raises(ferry.ProgramError, match=r"aten::embedding.* refused the program's values: IndexError"):
+                module(ids)
+        else:
+            torch.testing.assert_close(module(ids), model(ids))

@@ -440,3 +440,93 @@ def test_a_reader_on_another_device_than_the_writer_gets_a_copy_of_the_state(emu
             x = torch.randn(1, DIM)
             (got,) = module.run_method("read", [x])
             torch.testing.assert_close(got, x @ eager.cache.T)
+
+
+class ReaderOfCore(nn.Module):
+    """Reads the cache through a wrapper that names the model `model`, not `core`."""
+
+    def __init__(self, core):
+        super().__init__()
+        self.model = core
+
+    def forward(self, x):
+        return x @ self.model.cache.T
+
+
+class ReaderOfTensor(nn.Module):
+    """Holds the cache's tensor as a plain attribute: export lifts it as a constant."""
+
+    def __init__(self, core):
+        super().__init__()
+        self.keys = core.cache
+
+    def forward(self, x):
+        return x @ self.keys.T
+
+
+class DecodeOfCore(nn.Module):
+    def __init__(self, core):
+        super().__init__()
+        self.model = core
+
+    def forward(self, x, pos):
+        return self.model.step(x, pos)
+
+
+@pytest.mark.parametrize("reader", [ReaderOfCore, ReaderOfTensor])
+@pytest.mark.parametrize("order", ["writer first", "reader first"])
+@pytest.mark.parametrize("placement", ["cpu", "emu"])
+def test_methods_that_name_one_buffer_differently_share_it_as_eager(emu, reader, order, placement):
+    """prefill exported from a wrapper calling the model `core`, a reader from one calling it
+    `model` (or holding the tensor itself): eager's methods read one tensor, and so do ferry's,
+    in either order of the methods (before, the reader kept the cache's value at export)."""
+    core, eager = _seeded(), _seeded()
+    prefill, _ = exported(core)
+    read = torch.export.export(reader(core), (torch.randn(1, DIM),))
+    methods = {"prefill": prefill, "read": read} if order == "writer first" else {"read": read, "prefill": prefill}
+    program = ferry.compile(methods, None if placement == "cpu" else ferry.OpSupportPartitioner("emu:0"))
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    assert len([s for s in module.state_names() if s.endswith("cache") or s == "keys"]) == 1
+    torch.manual_seed(1)
+    for name, pos in [("read", None), ("prefill", [0, 1, 2, 3]), ("read", None), ("prefill", [4, 5, 6, 7]),
+                      ("read", None)]:
+        if name == "prefill":
+            x, p = torch.randn(4, DIM), torch.tensor(pos)
+            torch.testing.assert_close(module.run_method("prefill", [x, p])[0], eager.step(x, p))
+        else:
+            x = torch.randn(1, DIM)
+            torch.testing.assert_close(module.run_method("read", [x])[0], x @ eager.cache.T, msg=f"after {pos}")
+
+
+def test_two_methods_writing_one_buffer_under_two_names_share_it_as_eager(emu):
+    core, eager = _seeded(), _seeded()
+    prefill, _ = exported(core)  # names it core.cache
+    decode = torch.export.export(DecodeOfCore(core), (torch.randn(1, DIM), torch.tensor([4])))  # model.cache
+    module = ferry.Module(ferry.compile({"prefill": prefill, "decode": decode}, ferry.OpSupportPartitioner("emu:0")))
+    assert sorted(module.state_names()) == ["core.cache", "core.seen"]
+    for k, (name, rows, pos) in enumerate(CALLS):
+        x, p = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(k)), torch.tensor(pos)
+        with torch.no_grad():
+            want = eager.step(x, p)
+        torch.testing.assert_close(module.run_method(name, [x, p])[0], want, msg=f"call {k} ({name})")
+
+
+class Clash(nn.Module):
+    """Holds the cache as `model.cache` and another tensor under the writer's name `core.cache`."""
+
+    def __init__(self, core):
+        super().__init__()
+        self.model = core
+        self.core = nn.Module()
+        self.core.register_buffer("cache", torch.ones(SLOTS, DIM))
+
+    def forward(self, x):
+        return x @ self.model.cache.T + x @ self.core.cache.T
+
+
+def test_a_method_holding_the_shared_buffer_and_another_under_its_name_is_refused():
+    core = _seeded()
+    prefill, _ = exported(core)
+    clash = torch.export.export(Clash(core), (torch.randn(1, DIM),))
+    with pytest.raises(CompileError, match="ferry shares state between methods by name"):
+        ferry.compile({"prefill": prefill, "read": clash})

@@ -17,7 +17,7 @@ from ferry.aot.emit import emit_method
 from ferry.aot.fallbacks import kernel_fallbacks
 from ferry.aot.input_guards import input_guards
 from ferry.aot.input_sizes import checked_sizes, derived_sizes, equal_sizes, size_minimums
-from ferry.aot.lifted_state import refuse_stale_views
+from ferry.aot.lifted_state import one_name_per_state, refuse_stale_views
 from ferry.aot.lower import LoweredProgram, to_backend
 from ferry.aot.place import PropagateDevicePass
 from ferry.aot.signature import signature_of, warn_merged_inputs
@@ -90,7 +90,7 @@ def compile(ep_or_dict, partitioner=None, config: CompileConfig | None = None, *
     elif no_split_module_classes is not None:
         raise ConfigError("no_split_module_classes goes with device_map='auto'")
     budgets = parse_budgets(max_memory) if max_memory is not None else getattr(partitioner, "budgets", None)
-    eps = _methods(ep_or_dict)
+    eps = one_name_per_state(_methods(ep_or_dict))
     options = (config or CompileConfig()).resolve(eps)
     auto = getattr(partitioner, "auto", False)
     for attempt in range(auto_attempts(budgets) if auto else 1):

@@ -14,8 +14,8 @@ function is left to run time, where its rounding is the device's own. Nothing ra
 of a dynamic size, nothing a method returns (its caller may write into it) is folded. A view
 read at run time is kept as a view of its folded base (an `expand` stays a view, not a copy).
 A folded value adds memory for the module's life where eager's lasted one call, so each is at
-most MAX_TENSOR_BYTES, no larger than the constants it reads unless it is at most GROWTH_BYTES (a
-quantized weight is never widened into a float copy), and all of a graph's at most
+most MAX_TENSOR_BYTES, no larger than the constants it reads unless it is at most GROWTH_BYTES, and
+never a weight cast to a wider dtype (a quantized weight stays quantized), and all of a graph's at most
 MAX_TOTAL_BYTES plus 1/16 of its constants; equal values are stored once.
 """
 
@@ -127,7 +127,8 @@ def _exact(node: torch.fx.Node) -> bool:
     """An op of EXACT whose arguments keep it exact: CUDA divides a tensor by a number as a
     multiplication by its reciprocal, sums `a + alpha * b` in one rounding where the CPU may
     take two, computes a float `arange` in other precision, and casts a float out of an
-    integer's range to another value."""
+    integer's range to another value. A cast to a wider dtype is not folded either: it would
+    store a weight the model keeps narrow (int8, bf16) at its wider size."""
     packet = getattr(node.target, "overloadpacket", None)
     if packet not in EXACT:
         return False
@@ -142,6 +143,10 @@ def _exact(node: torch.fx.Node) -> bool:
             not val.dtype.is_floating_point or (val.dtype in (torch.float32, torch.float64)
                                                 and max(map(abs, node.args), default=0) <= 1 << 24))
     if packet is aten._to_copy:
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(source, torch.Tensor) and isinstance(val, torch.Tensor) and val.element_size() > \
+                source.element_size():
+            return False  # widened: the model stores the narrow one (a quantized weight), so must ferry
         return not (isinstance(val, torch.Tensor) and not val.dtype.is_floating_point and _floating(node.args[0]))
     return True
 

@@ -50,7 +50,8 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done.
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
     order they are tested in: copies dropped, convolutions, attention, projections of one input
-    merged, linears as GEMMs; then values computed from constants alone are folded (constant_fold.py). `merged`: the program's stacked weights (projections.merge_projections)."""
+    merged, linears as GEMMs; then values computed from constants alone are folded
+    (constant_fold.py). `merged`: the program's stacked weights (projections.merge_projections)."""
     done = _drop_copies(gm)
     for pattern in (*conv.PATTERNS, *attention.PATTERNS):
         done += pattern(gm)

@@ -17,15 +17,16 @@ object), and the read must see what was written, not the value at export time.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.fx
-from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind
 
 from ferry.errors import CompileError
 from ferry.ops.aliasing import is_view, view_source
 
-__all__ = ["refuse_stale_views", "same_tensor", "written_constants_as_state"]
+__all__ = ["one_name_per_state", "refuse_stale_views", "same_tensor", "written_constants_as_state"]
 
 
 def written_constants_as_state(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -59,9 +60,102 @@ def written_constants_as_state(ep: torch.export.ExportedProgram) -> torch.export
         verifiers=ep.verifiers)
 
 
+def one_name_per_state(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.export.ExportedProgram]:
+    """Methods exported from different wrappers of one model may name one buffer differently
+    ('cache' in one, 'model.cache' in another); eager's methods share it all the same, and ferry
+    shares state by name. So a buffer some method updates takes, in every method, the name the
+    first method holding that tensor gives it (a read after another method's write sees it). A
+    constant another method updates (a plain attribute holding the buffer's tensor) becomes that
+    buffer too."""
+    if len(eps) < 2:
+        return eps
+    tensors = {name: _held_tensors(ep) for name, ep in eps.items()}
+    updated = [t for ep in eps.values() for t in _updated_tensors(ep)]
+    out, named = {}, []  # named: (first name, tensor, its method) of each updated tensor met so far
+    for method, ep in eps.items():
+        renames, buffers = {}, _buffer_tensors(ep)
+        for target, tensor in tensors[method].items():
+            if not any(same_tensor(tensor, u) for u in updated):
+                continue
+            first = next(((n, m) for n, t, m in named if same_tensor(t, tensor)), None)
+            if first is None:
+                named.append((target, tensor, method))
+            if target not in buffers and any(same_tensor(b, tensor) for _, b in buffers.values()):
+                continue  # a constant that is this method's own buffer: written_constants_as_state reads it so
+            name = first[0] if first is not None and first[1] != method else target
+            if name != target or target not in buffers:
+                renames[target] = name
+        out[method] = _renamed_buffers(ep, method, renames) if renames else ep
+    return out
+
+
+def _held_tensors(ep) -> dict[str, torch.Tensor]:
+    """Target -> tensor of each buffer and tensor constant of `ep`."""
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR) and spec.target is not None:
+            t = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
+            if isinstance(t, torch.Tensor):
+                out[spec.target] = t
+    return out
+
+
+def _updated_tensors(ep) -> list[torch.Tensor]:
+    """The tensors of the buffers and constants `ep` writes: its buffer mutations, and what its
+    ops write in place (a constant written through a cache object, not yet made state)."""
+    targets = {s.target for s in ep.graph_signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION}
+    written = _written_inputs(ep, (InputKind.BUFFER, InputKind.CONSTANT_TENSOR))
+    targets |= {s.target for s in ep.graph_signature.input_specs if s.arg.name in written}
+    found = [ep.state_dict.get(t, ep.constants.get(t)) for t in targets]
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def _renamed_buffers(ep, method: str, renames: dict[str, str]) -> torch.export.ExportedProgram:
+    taken = {s.target for s in ep.graph_signature.input_specs if s.target is not None} - set(renames)
+    clash = sorted(set(renames.values()) & taken)
+    if clash:
+        raise CompileError(f"method {method!r} holds the buffer another method names {clash[0]!r} under another name, "
+                           f"and a different tensor as {clash[0]!r}: ferry shares state between methods by name; "
+                           "export the methods from one model object, where each buffer has one name")
+
+    def spec(s):
+        if s.target not in renames or s.kind not in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR,
+                                                     OutputKind.BUFFER_MUTATION):
+            return s
+        if s.kind == InputKind.CONSTANT_TENSOR:  # a buffer now, kept where torch keeps non-persistent ones
+            return InputSpec(InputKind.BUFFER, s.arg, renames[s.target], persistent=False)
+        return dataclasses.replace(s, target=renames[s.target])
+
+    signature = ExportGraphSignature([spec(s) for s in ep.graph_signature.input_specs],
+                                     [spec(s) for s in ep.graph_signature.output_specs])
+    state = {renames.get(k, k): v for k, v in ep.state_dict.items()}
+    constants = {renames.get(k, k): v for k, v in ep.constants.items()}
+    graph = copy.deepcopy(ep.graph)  # the nodes copied, keeping their names; their meta shared
+    made = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR
+            and s.target in renames}
+    for node in graph.nodes:
+        if node.name in made:  # a buffer now, read as one: its trace has not written it (the constant's
+            node.meta = {**node.meta, "val": _unwritten(node.meta["val"])}  # fake counted the real one's writes)
+    return torch.export.ExportedProgram(
+        root=torch.fx.GraphModule(ep.graph_module, graph), graph=graph, graph_signature=signature, state_dict=state,
+        range_constraints=dict(ep.range_constraints), module_call_graph=list(ep.module_call_graph),
+        example_inputs=ep.example_inputs, constants=constants, verifiers=ep.verifiers)
+
+
+def _unwritten(val: torch.Tensor) -> torch.Tensor:
+    """A fake tensor like `val` whose version counter has seen no write."""
+    with val.fake_mode:
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+
+
 def _written_constants(ep) -> set[str]:
     """Placeholder names of the constant tensors an op writes, directly or through a view."""
-    constant = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
+    return _written_inputs(ep, (InputKind.CONSTANT_TENSOR,))
+
+
+def _written_inputs(ep, kinds: tuple) -> set[str]:
+    """Placeholder names of the inputs of `kinds` an op writes, directly or through a view."""
+    constant = {s.arg.name for s in ep.graph_signature.input_specs if s.kind in kinds}
     found = set()
     for node in ep.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):

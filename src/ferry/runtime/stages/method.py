@@ -109,7 +109,8 @@ class LoadedMethod:
         self._guards = [guards.parse(text) for text in method.input_guards]  # (validated on load)
         self._guard_leaves = sorted({leaf for tree in self._guards for leaf in guards.leaves(tree)})
         self._guards_met: dict[tuple, None] = {}  # sizes the guards held at (the last SHAPES_KEPT, first in first out)
-        self._sizes_checked = bool(self._guards or method.size_minimums)  # (most methods: nothing to check per call)
+        # (most methods: nothing to check per call)
+        self._sizes_checked = bool(self._guards or method.size_minimums or method.derived_sizes)
 
     def _plan(self, io, graphs: bool, per_call: frozenset[int] = frozenset(), shapes: dict | None = None,
               record: tuple[int, ...] = (), measure: bool = False, caller: CallerPlan | None = None) -> Plan:
@@ -253,8 +254,6 @@ class LoadedMethod:
                                   for (i, d), n in zip(group, sizes))
                 raise InputError(f"inputs of {self.name!r} disagree on one dynamic size: {named}; the program was "
                                  "exported with these dims equal (one torch.export.Dim)")
-        for i, d, a, b, root, root_dim in self.method.derived_sizes:  # a*s + b, as export traced the dim
-            self._check_derived(inputs, i, d, a, b, root, root_dim)
         if not self._sizes_checked:
             return
         if part_of is not None:
@@ -276,6 +275,8 @@ class LoadedMethod:
             return _label(i, self._inputs[i]) + ("" if d < 0 else f" dim {d}")
 
         where = f" ({run_as})" if run_as else ""
+        for i, d, a, b, root, root_dim in self.method.derived_sizes:  # a*s + b, as export traced the dim
+            self._check_derived(size_of, where, i, d, a, b, root, root_dim)
         for i, d, low in self.method.size_minimums:
             if size_of(i, d) < low:
                 raise InputError(f"{named(i, d)} of {self.name!r} is {size_of(i, d)}{where}, below {low}, the minimum "
@@ -316,18 +317,19 @@ class LoadedMethod:
     def _leaf_name(self, i: int, d: int) -> str:
         return size_name(self.method, i, d)
 
-    def _check_derived(self, inputs, i: int, d: int, a: int, b: int, root: int, root_dim: int) -> None:
+    def _check_derived(self, size_of, run_as: str, i: int, d: int, a: int, b: int, root: int, root_dim: int) -> None:
         """Input `i`'s dim `d`, exported as a*s + b: that value of the size s where input `root`'s dim
-        `root_dim` is s itself; else a value a*s + b takes for some integer s."""
-        size, what = inputs[i].shape[d], f"{_label(i, self._inputs[i])} dim {d} of {self.name!r}"
+        `root_dim` is s itself; else a value a*s + b takes for some integer s. `size_of(i, d)`: the
+        sizes the graph runs at; `run_as`: why they are not the caller's."""
+        size, what = size_of(i, d), f"{_label(i, self._inputs[i])} dim {d} of {self.name!r}"
         if root >= 0:
-            s = _size_of(inputs[root], root_dim)
+            s = size_of(root, root_dim)
             if size != a * s + b:
                 where = _label(root, self._inputs[root]) + ("" if root_dim < 0 else f" dim {root_dim}")
-                raise InputError(f"{what} is {size}; the program was exported with it {a} * ({where}) + {b} = "
-                                 f"{a * s + b}")
+                raise InputError(f"{what} is {size}{run_as}; the program was exported with it {a} * ({where}) + {b} "
+                                 f"= {a * s + b}")
         elif (size - b) % a:
-            raise InputError(f"{what} is {size}; the program was exported with it {a} * s + {b} for a size s "
+            raise InputError(f"{what} is {size}{run_as}; the program was exported with it {a} * s + {b} for a size s "
                              f"(a torch.export.Dim expression): pass a size of that form")
 
     def execute(self, inputs, bind_outputs=None, graphs: bool = True, finish: bool = True, part: bool = False) -> list:

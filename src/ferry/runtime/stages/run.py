@@ -91,6 +91,7 @@ class Plan:
         self.graphs: list[GraphSegment] = []
         self._graph_calls: dict[Segment, Callable[[], object]] = {}
         self._key: tuple[tuple[int, ...], ...] | None = None  # input shapes, when graphs replay
+        self._labels: dict[int, str] = {}  # id of a step's call -> its label (what a refusal names)
         self.work = tuple(self._compile(sched, first_call=False))
         self.first_work = tuple(self._compile(first, first_call=True))
         # a micro-batch's: its copies are left in flight while the next one is issued (no host wait
@@ -137,6 +138,7 @@ class Plan:
 
     def _step_calls(self, step: Step, first_call: bool) -> list[Callable[[], object]]:
         calls = [self._launch(step) if not first_call else _labelled(self._launch(step), self.name, step)]
+        self._labels[id(calls[0])] = step.label
         fresh = [(vid, v) for vid, v in self.io.fresh_outputs if vid in step.reads | step.writes and vid not in step.makes]
         if fresh:  # made when first written, as eager allocates a result: not held through the whole call
             calls.insert(0, self._allocate(fresh))
@@ -195,8 +197,7 @@ class Plan:
             first = before_capture and not self.checked
             on_capture = self.stands_in or (tuple(g.index for g in self.graphs) if first else ())
             with self._on_capture_streams(on_capture) if on_capture else contextlib.nullcontext():
-                for call in self._work(part, finish):
-                    call()
+                self._run(self._work(part, finish))
             self._allocate_unwritten()
             self.checked = True
             if finish:
@@ -226,6 +227,17 @@ class Plan:
             for index in dict.fromkeys(indices):
                 stack.enter_context(on_capture_stream(self.streams, index))
             yield
+
+    def _run(self, work: tuple) -> None:
+        """Run `work`; a kernel that refuses a later call's values (a token id out of range) is a
+        ProgramError naming its step, as on the first call (whose steps are each labelled)."""
+        try:
+            for call in work:
+                call()
+        except (FerryError, MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - reported as what it is: the call does not run
+            raise refusal(self.name, self._labels.get(id(call), "a step"), e) from e
 
     def _work(self, part: bool, finish: bool) -> tuple:
         if not self.checked:
@@ -302,8 +314,7 @@ class Plan:
     def run_bound(self, copy_back: list[tuple[torch.Tensor, int]]) -> None:
         """Run with the tensors bound into the plan; `copy_back`: (caller tensor, value id) of
         outputs that are not written in place (views, inputs, run-time results)."""
-        for call in self.work if self.checked else self.first_work:
-            call()
+        self._run(self.work if self.checked else self.first_work)
         self.checked = True
         slots = self.bound.slots
         _copy_into([t for t, _ in copy_back], [slots[vid] for _, vid in copy_back])
@@ -320,10 +331,15 @@ def _labelled(call: Callable[[], object], method: str, step: Step) -> Callable[[
         except (FerryError, MemoryError, torch.OutOfMemoryError):
             raise
         except Exception as e:  # noqa: BLE001 - reported as what it is: the program does not run
-            raise ProgramError(f"method {method!r} {step.label}: the kernel refused the program's values: "
-                               f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+            raise refusal(method, step.label, e) from e
 
     return run
+
+
+def refusal(method: str, label: str, e: Exception) -> ProgramError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return ProgramError(f"method {method!r} {label}: the kernel refused the program's values: "
+                        f"{type(e).__name__}: {first}")
 
 
 def _copy_into(targets, results) -> None:
