@@ -436,3 +436,23 @@ def test_a_kernel_refusing_a_later_calls_values_is_a_program_error_and_the_modul
                 module(ids)
         else:
             torch.testing.assert_close(module(ids), model(ids))
+
+
+@pytest.mark.parametrize("options", [{}, {"cuda_graphs": True}, {"shape_buckets": [2, 8]}])
+def test_a_kernel_refusing_its_values_on_an_asynchronous_device_leaves_no_work_queued(emu_async, options):
+    """There the kernel raises when the host waits for it, mid-queue: the rest of the failed call's
+    work is dropped, so the next call does not run behind it (with buckets every later call failed)."""
+    torch.manual_seed(0)
+    model = TokenEmbedding().eval()
+    ep = torch.export.export(model, (torch.randint(0, 10, (4, 3)),),
+                             dynamic_shapes=({0: torch.export.Dim("b", max=8)},))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0")), **options)
+    for k, (n, bad) in enumerate([(3, False), (3, False), (5, True), (5, False), (3, False), (3, False)]):
+        ids = torch.randint(0, 10, (n, 3))
+        if bad:
+            ids[1, 1] = 12
+            with pytest.raises(ferry.ProgramError, match="refused the program's values: IndexError"):
+                module(ids)
+        else:
+            torch.testing.assert_close(module(ids), model(ids), msg=f"call {k}")
+        assert not [item for s in emu_async.streams_api()._streams for item in s.queue if item[0] == "run"]

@@ -259,6 +259,18 @@ class SimulatedApi:
             if not self._step():
                 raise RuntimeError("simulated streams deadlocked: every stream waits on a mark never recorded")
 
+    def _abandon(self, index: int) -> None:
+        """Device work that raised (a kernel refusing its values) ends the call: the rest of the
+        device's queued work is dropped, its marks reached, so the next call starts clean rather
+        than behind the failed call's leftovers (a real GPU's fault would end the process's use
+        of it; this device lets the module go on, as a host-side refusal does)."""
+        for s in self._streams:
+            if s.index == index:
+                for item in s.queue:
+                    if item[0] == "mark":
+                        item[1].reached = True
+                s.queue.clear()
+
     def _step(self) -> bool:
         """Run the first runnable item of any stream; False when none can run."""
         for s in (reversed(self._streams) if self.newest_first else self._streams):
@@ -269,7 +281,11 @@ class SimulatedApi:
                 continue
             s.queue.pop(0)
             if item[0] == "run":
-                item[1]()
+                try:
+                    item[1]()
+                except BaseException:
+                    self._abandon(s.index)
+                    raise
             elif item[0] == "mark":
                 item[1].reached = True
             return True
