@@ -1291,3 +1291,55 @@ def test_a_program_from_torch_export_load_has_its_masks_simplified_as_the_one_ex
             x = torch.randn(shape)
             with torch.no_grad():
                 torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+class SqueezeExcite(torch.nn.Module):
+    """EfficientNet's and MobileNetV3's squeeze-excitation: a pool to one value per channel."""
+
+    def __init__(self, size=1, three_d=False):
+        super().__init__()
+        pool, conv = (torch.nn.AdaptiveAvgPool3d, torch.nn.Conv3d) if three_d else (torch.nn.AdaptiveAvgPool2d,
+                                                                                    torch.nn.Conv2d)
+        self.pool, self.fc = pool(size), conv(8, 8, 1)
+
+    def forward(self, x):
+        s = torch.sigmoid(self.fc(self.pool(x)))
+        return x * s if s.shape[-1] == 1 else s
+
+
+@pytest.mark.parametrize(("size", "three_d", "rewritten"), [(1, False, True), (1, True, True), (2, False, False)])
+def test_a_pool_to_one_value_per_channel_runs_as_eagers_mean(emu, size, three_d, rewritten):
+    torch.manual_seed(0)
+    model = SqueezeExcite(size, three_d).eval()
+    shape = (1, 8, 6, 12, 12) if three_d else (1, 8, 12, 12)
+    program = compile_on(model, (torch.randn(shape),))
+    ran = delegate_kernels(program)
+    assert any("mean" in k for k in ran) == rewritten and any("adaptive_avg_pool" in k for k in ran) != rewritten
+    module = ferry.Module(program)
+    for _ in range(2):
+        x = torch.randn(shape)
+        torch.testing.assert_close(module(x), model(x), rtol=0, atol=0)  # eager runs that very mean
+
+
+def test_a_pool_to_one_value_at_dynamic_sizes_equals_eager(emu):
+    torch.manual_seed(0)
+    model, dims = SqueezeExcite().eval(), {0: torch.export.Dim("b", max=4), 2: torch.export.Dim("h", min=2, max=32)}
+    ep = torch.export.export(model, (torch.randn(2, 8, 12, 12),), dynamic_shapes=(dims,))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0")))
+    for b, h in ((2, 12), (1, 5), (4, 32)):
+        x = torch.randn(b, 8, h, 12)
+        torch.testing.assert_close(module(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_pool_to_one_value_per_channel_on_cuda_equals_eager(full_fp32):
+    torch.manual_seed(0)
+    model, x = SqueezeExcite().eval(), torch.randn(1, 8, 112, 112)
+    module = ferry.Module(compile_on(model, (x,), device="cuda:0"), cuda_graphs=True)
+    model = model.cuda()
+    for _ in range(3):
+        x = torch.randn(1, 8, 112, 112)
+        with torch.no_grad():
+            want = model(x.cuda()).cpu()
+        torch.testing.assert_close(module(x), want, rtol=1e-6, atol=1e-6)
