@@ -293,3 +293,41 @@ def test_a_value_larger_than_what_it_reads_is_folded_only_while_small(emu, times
     program = compile_on(model, (x,))
     assert bool(folded_note(program)) == folds
     torch.testing.assert_close(ferry.Module(program)(x), model(x), rtol=0, atol=0)
+
+
+class HalfArithmetic(torch.nn.Module):
+    """Half-precision arithmetic with a number or a 0-dim float: CUDA and the CPU round it
+    differently (the number kept as a float by one, cast to half first by the other)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64).to(dtype))
+        self.v = torch.nn.Parameter(torch.randn(64, 64).to(dtype))
+        self.register_buffer("scale", torch.tensor(0.3))
+
+    def forward(self, x):
+        return x * (self.w + 0.1), x * (self.w * self.scale), x * (self.w - 1 / 3), x * (self.w * self.v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_arithmetic_with_a_number_is_left_to_the_device_and_between_tensors_folded(emu, dtype):
+    torch.manual_seed(0)
+    model, x = HalfArithmetic(dtype).eval(), torch.randn(64, 64).to(dtype)
+    program = compile_on(model, (x,))
+    assert folded_note(program).startswith("1 value(s)")  # w * v alone
+    for got, want in zip(ferry.Module(program)(x), model(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_folded_half_arithmetic_on_cuda_keeps_eagers_bits(dtype):
+    torch.manual_seed(0)
+    model, x = HalfArithmetic(dtype).eval(), torch.randn(64, 64).to(dtype)
+    module = ferry.Module(compile_on(model, (x,), device="cuda:0"))
+    model = model.cuda()
+    with torch.no_grad():
+        want = model(x.cuda())
+    for got, w in zip(module(x), want):
+        torch.testing.assert_close(got, w.cpu(), rtol=0, atol=0)

@@ -133,8 +133,8 @@ def _exact(node: torch.fx.Node) -> bool:
     if packet not in EXACT:
         return False
     val = node.meta.get("val")
-    if packet in (aten.add, aten.sub):
-        return node.kwargs.get("alpha", 1) == 1
+    if packet in _ARITHMETIC:
+        return node.kwargs.get("alpha", 1) == 1 and _same_rounding(node, val)
     if packet is aten.div:
         return node.kwargs.get("rounding_mode") is not None and isinstance(val, torch.Tensor) and not (
             val.dtype.is_floating_point or any(_floating(a) for a in node.all_input_nodes))
@@ -149,6 +149,24 @@ def _exact(node: torch.fx.Node) -> bool:
             return False  # widened: the model stores the narrow one (a quantized weight), so must ferry
         return not (isinstance(val, torch.Tensor) and not val.dtype.is_floating_point and _floating(node.args[0]))
     return True
+
+
+_ARITHMETIC = frozenset({aten.add, aten.sub, aten.mul, aten.abs, aten.sign})
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _same_rounding(node: torch.fx.Node, val) -> bool:
+    """Arithmetic the CPU rounds as CUDA does. Not complex (CUDA contracts a*c - b*d into one
+    fused multiply-add); in half precision only between tensors of the result's dtype: CUDA
+    computes `w + 0.1` with 0.1 as a float, the CPU rounds it to the half type first, and a 0-dim
+    float buffer is a float scalar to the CPU but a half-cast tensor to CUDA."""
+    if not isinstance(val, torch.Tensor) or val.dtype.is_complex:
+        return False
+    if val.dtype not in _HALF:
+        return True
+    operands = [a for a in node.args if not isinstance(a, (list, tuple))]
+    return all(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+               and a.meta["val"].dtype == val.dtype and a.meta["val"].dim() > 0 for a in operands)
 
 
 def _floating(node) -> bool:
