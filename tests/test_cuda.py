@@ -633,12 +633,13 @@ def test_graphs_of_every_shape_share_one_pool_and_stay_right(outputs):
 
 
 class _Convs(torch.nn.Module):
-    """Convolutions at 128 x 128: results of 2-4 MB that ATen allocates (no out variant), as
-    EfficientNet's do."""
+    """1x1 convolutions at 128 x 128: results of 1-4 MB that ATen allocates (no out variant), as
+    EfficientNet's do, and no patches (a 3x3 one's, up to 38 MB here, would make the room 10 MiB or
+    more: a segment of its own, made after the load)."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.c = (torch.nn.Conv2d(i, o, 3, padding=1) for i, o in ((8, 32), (32, 64), (64, 16)))
+        self.a, self.b, self.c = (torch.nn.Conv2d(i, o, 1) for i, o in ((8, 32), (32, 64), (64, 16)))
         self.head = torch.nn.Linear(16, 1 << 16)  # 4 MiB of weights: the load's allocation is a large block
 
     def forward(self, x):
