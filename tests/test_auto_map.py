@@ -450,7 +450,8 @@ def test_an_unknown_no_split_class_is_told(emu):
 
 def test_a_tied_head_goes_beside_its_embedding_when_that_saves_a_copy(emu8):
     """GPT-2's lm_head reads wte's weight: placed beside wte, the weight is held once, and the
-    program holds exactly the model's weights (a tied weight counted once)."""
+    program holds exactly the model's weights (a tied weight counted once), and the position ids
+    it computes from constants alone (aot/constant_fold.py)."""
     model, example, _ = causal_lm("gpt2", 6, 128, 1000)
     ep = torch.export.export(model, (example,))
     budget = int(weight_bytes(model) * 0.33)  # on 4 devices: a second copy of wte fits nowhere
@@ -458,7 +459,10 @@ def test_a_tied_head_goes_beside_its_embedding_when_that_saves_a_copy(emu8):
     chosen = program.methods["forward"].device_map
     assert chosen["m.lm_head"] == chosen["m.transformer.wte"]
     devices = program_json(program)["methods"]["forward"]["devices"]
-    assert sum(d["weights"] for d in devices.values()) == weight_bytes(model)
+    folded = {v.constant: len(program.segments[v.constant]) for d in program.delegates  # the positions, made at
+              for v in ferry.load_program(program.segments[d.payload], segments=program.segments)  # compile time
+              .method("forward").values if getattr(v, "constant", None) is not None and "_folded_" in v.name}
+    assert folded and sum(d["weights"] for d in devices.values()) == weight_bytes(model) + sum(folded.values())
 
 
 def test_errors_after_retries_quote_the_callers_budgets(emu, lm, monkeypatch):
