@@ -138,6 +138,8 @@ def _exact(node: torch.fx.Node) -> bool:
     if packet is aten.div:
         return node.kwargs.get("rounding_mode") is not None and isinstance(val, torch.Tensor) and not (
             val.dtype.is_floating_point or any(_floating(a) for a in node.all_input_nodes))
+    if packet is aten.round:
+        return node.kwargs.get("decimals", 0) == 0 and len(node.args) == 1  # decimals: scaled, rounded, scaled back
     if packet is aten.arange:
         return all(type(a) is int for a in node.args) and isinstance(val, torch.Tensor) and (
             not val.dtype.is_floating_point or (val.dtype in (torch.float32, torch.float64)
