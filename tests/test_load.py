@@ -159,13 +159,16 @@ def test_delegates_work_in_one_arena_per_device(emu):
     assert arena < own + sum(m.tensor(v).nbytes for v in range(len(m.values)) if isinstance(m.values[v], TensorValue)
                              and m.tensor(v).device.type == "emu" and m.tensor(v).storage == "planned" and v not in scratch)
     # a weight two delegates read (GPT-2's tied embedding and head) is uploaded once
-    weights = sum({upload_key(v): v.nbytes for d in program.delegates
-                   for v in ferry.load_program(program.segments[d.payload], segments=program.segments).method("forward").values
-                   if isinstance(v, TensorValue) and v.storage == "constant"}.values())
+    uploads = {upload_key(v): v.nbytes for d in program.delegates
+               for v in ferry.load_program(program.segments[d.payload], segments=program.segments).method("forward").values
+               if isinstance(v, TensorValue) and v.storage == "constant"}
+    weights = sum(uploads.values())
     emu.reset_counters()
     module = ferry.Module(program)
     module.load_method()
-    assert emu.live_bytes == arena + weights  # nothing else: no buffer of a delegate's own
+    # nothing else (no buffer of a delegate's own) but each weight's alignment (256 bytes on emu:
+    # the position ids folded at compile time are a few bytes)
+    assert arena + weights <= emu.live_bytes < arena + weights + 256 * len(uploads)
     ids = torch.randint(0, 256, example[0].shape)
     with torch.no_grad():
         torch.testing.assert_close(module(ids), model(ids), atol=1e-4, rtol=1e-4)

@@ -134,16 +134,17 @@ def _exact(node: torch.fx.Node) -> bool:
         return False
     val = node.meta.get("val")
     if packet in _ARITHMETIC:
-        return node.kwargs.get("alpha", 1) == 1 and _same_rounding(node, val)
+        return bool(node.kwargs.get("alpha", 1) == 1) and _same_rounding(node, val)
     if packet is aten.div:
         return node.kwargs.get("rounding_mode") is not None and isinstance(val, torch.Tensor) and not (
-            val.dtype.is_floating_point or any(_floating(a) for a in node.all_input_nodes))
+            val.dtype.is_floating_point or any(_floating(a) for a in node.all_input_nodes))  # type: ignore[return-value]
     if packet is aten.round:
-        return node.kwargs.get("decimals", 0) == 0 and len(node.args) == 1  # decimals: scaled, rounded, scaled back
+        return bool(node.kwargs.get("decimals", 0) == 0) and len(node.args) == 1  # decimals: scaled, rounded, back
     if packet is aten.arange:
-        return all(type(a) is int for a in node.args) and isinstance(val, torch.Tensor) and (
+        ints = [a for a in node.args if type(a) is int]
+        return len(ints) == len(node.args) and isinstance(val, torch.Tensor) and (
             not val.dtype.is_floating_point or (val.dtype in (torch.float32, torch.float64)
-                                                and max(map(abs, node.args), default=0) <= 1 << 24))
+                                                and max((abs(a) for a in ints), default=0) <= 1 << 24))
     if packet is aten._to_copy:
         source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
         if isinstance(source, torch.Tensor) and isinstance(val, torch.Tensor) and val.element_size() > \
@@ -179,7 +180,7 @@ def _floating(node) -> bool:
 def _bases(folded: set) -> list[torch.fx.Node]:
     """The nodes to store, in graph order: each folded value a node outside the fold reads, or
     where it is a view of another folded value, the first of its chain that is not a view."""
-    bases = {}
+    bases: dict[torch.fx.Node, None] = {}
     for node in folded:
         if all(u in folded for u in node.users):
             continue

@@ -71,7 +71,8 @@ def one_name_per_state(eps: dict[str, torch.export.ExportedProgram]) -> dict[str
         return eps
     tensors = {name: _held_tensors(ep) for name, ep in eps.items()}
     updated = [t for ep in eps.values() for t in _updated_tensors(ep)]
-    out, named = {}, []  # named: (first name, tensor, its method) of each updated tensor met so far
+    out: dict[str, torch.export.ExportedProgram] = {}
+    named: list[tuple[str, torch.Tensor, str]] = []  # (first name, tensor, its method) of each updated tensor
     for method, ep in eps.items():
         renames, buffers = {}, _buffer_tensors(ep)
         for target, tensor in tensors[method].items():
@@ -144,7 +145,7 @@ def _renamed_buffers(ep, method: str, renames: dict[str, str]) -> torch.export.E
 
 def _unwritten(val: torch.Tensor) -> torch.Tensor:
     """A fake tensor like `val` whose version counter has seen no write."""
-    with val.fake_mode:
+    with val.fake_mode:  # type: ignore[attr-defined]
         return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
 

@@ -95,7 +95,7 @@ _READS_LAYOUT = frozenset({aten.zeros_like, aten.ones_like, aten.full_like})
 
 
 def _deterministic(node: torch.fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded not in node.target.tags
+    return torch.Tag.nondeterministic_seeded not in node.target.tags  # type: ignore[union-attr]
 
 
 def constant_value(gm, node, memo: dict, binding: dict, admit: Callable[[torch.fx.Node], bool] = _deterministic,
@@ -157,7 +157,7 @@ def _stand_in(arg: torch.fx.Node, node: torch.fx.Node, binding: dict) -> torch.T
     val = arg.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return None
-    if node.target.overloadpacket in _READS_DTYPE:
+    if node.target.overloadpacket in _READS_DTYPE:  # type: ignore[union-attr]
         return torch.empty(0, dtype=val.dtype)
     shape = shape_at(val, binding)
     try:
