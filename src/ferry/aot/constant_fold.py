@@ -26,6 +26,7 @@ import torch.fx
 
 from ferry import node_meta as M
 from ferry.choices.graph_edits import Rewrite, attr, constant, constant_value, reads_metadata_only
+from ferry.ops.aliasing import is_view, view_source
 
 __all__ = ["EXACT", "GROWTH_BYTES", "MAX_TENSOR_BYTES", "MAX_TOTAL_BYTES", "fold_constants"]
 
@@ -114,8 +115,8 @@ def _returned(gm) -> set:
         for v in node.all_input_nodes:
             while isinstance(v, torch.fx.Node) and v not in out:
                 out.add(v)
-                is_view = v.op == "call_function" and getattr(v.target, "overloadpacket", None) in _VIEWS
-                v = v.args[0] if is_view else None
+                viewed = v.op == "call_function" and isinstance(v.target, torch._ops.OpOverload) and is_view(v.target)
+                v = v.args[view_source(v.target)] if viewed else None
     return out
 
 
