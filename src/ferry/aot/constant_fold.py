@@ -115,8 +115,8 @@ def _returned(gm) -> set:
         for v in node.all_input_nodes:
             while isinstance(v, torch.fx.Node) and v not in out:
                 out.add(v)
-                viewed = v.op == "call_function" and isinstance(v.target, torch._ops.OpOverload) and is_view(v.target)
-                v = v.args[view_source(v.target)] if viewed else None
+                op = v.target if v.op == "call_function" and isinstance(v.target, torch._ops.OpOverload) else None
+                v = v.args[view_source(op)] if op is not None and is_view(op) else None
     return out
 
 
