@@ -28,6 +28,8 @@ from ferry.ops.aliasing import is_view, view_source
 
 __all__ = ["one_name_per_state", "refuse_stale_views", "same_tensor", "written_constants_as_state"]
 
+_HELD = (InputKind.BUFFER, InputKind.CONSTANT_TENSOR)  # what one tensor may be held as, in some method
+
 
 def written_constants_as_state(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """`ep` with every constant it writes in place, or that is a buffer's tensor, made a buffer
@@ -69,7 +71,7 @@ def one_name_per_state(eps: dict[str, torch.export.ExportedProgram]) -> dict[str
     buffer too."""
     if len(eps) < 2:
         return eps
-    tensors = {name: _held_tensors(ep) for name, ep in eps.items()}
+    tensors = {name: {target: t for target, (_, t) in _buffer_tensors(ep, _HELD).items()} for name, ep in eps.items()}
     updated = [t for ep in eps.values() for t in _updated_tensors(ep)]
     out: dict[str, torch.export.ExportedProgram] = {}
     named: list[tuple[str, torch.Tensor, str]] = []  # (first name, tensor, its method) of each updated tensor
@@ -87,17 +89,6 @@ def one_name_per_state(eps: dict[str, torch.export.ExportedProgram]) -> dict[str
             if name != target or target not in buffers:
                 renames[target] = name
         out[method] = _renamed_buffers(ep, method, renames) if renames else ep
-    return out
-
-
-def _held_tensors(ep) -> dict[str, torch.Tensor]:
-    """Target -> tensor of each buffer and tensor constant of `ep`."""
-    out = {}
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR) and spec.target is not None:
-            t = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
-            if isinstance(t, torch.Tensor):
-                out[spec.target] = t
     return out
 
 
@@ -205,11 +196,12 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _buffer_tensors(ep) -> dict[str, tuple[str, torch.Tensor]]:
-    """Buffer target -> (its placeholder's name, its tensor)."""
+def _buffer_tensors(ep, kinds=(InputKind.BUFFER,)) -> dict[str, tuple[str, torch.Tensor]]:
+    """Target -> (its placeholder's name, its tensor) of each input of `ep` of those kinds
+    (buffers; with CONSTANT_TENSOR, the constants export lifted too)."""
     out = {}
     for spec in ep.graph_signature.input_specs:
-        if spec.kind == InputKind.BUFFER and spec.target is not None:
+        if spec.kind in kinds and spec.target is not None:
             tensor = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
             if isinstance(tensor, torch.Tensor):
                 out[spec.target] = (spec.arg.name, tensor)
