@@ -28,13 +28,11 @@ if "--interpret" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, table, write_json  # noqa: E402
-
 from gemv_kernels import COLD_BYTES, SHAPES, time_graph, variants  # noqa: E402
 
 SWEEP = {"BN": (2, 4, 8, 16), "BK": (256, 512, 1024), "SPLIT": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (1, 3)}

@@ -103,7 +103,7 @@ class _MethodEmitter:
             s, dyn = upper_bound(d, self.rc, f"dimension {i} of {node.name!r}")
             shape.append(s)
             dynamic.append(dyn)
-        strides = () if any(dynamic) or "constant" in kw else eager_strides(val)
+        strides = () if any(dynamic) else eager_strides(val)  # a constant's too: tensor_bytes keeps that order
         v = TensorValue(dtype_name(val.dtype), tuple(shape), device, dynamic=tuple(dynamic) if any(dynamic) else (),
                         name=node.name, strides=strides, **kw)
         self.values.append(v)

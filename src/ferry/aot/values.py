@@ -66,8 +66,11 @@ class ProgramBuilder:
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The tensor's elements as raw bytes, in row-major order (no numpy needed)."""
-    t = t.detach().cpu().contiguous()
+    """The tensor's elements as raw bytes (no numpy needed), in the memory order of the layout it
+    is recorded with (`eager_strides`: a dense permutation such as a transposed weight keeps its
+    layout, so `as_strided` and `view` read it as eager does), else row-major."""
+    t, strides = t.detach().cpu(), eager_strides(t)
+    t = torch.empty_strided(t.shape, strides, dtype=t.dtype).copy_(t) if strides else t.contiguous()
     if t.numel() == 0:
         return b""
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())

@@ -245,8 +245,8 @@ def _materialise(x, cap=None, hints: bool = False):
         shape = dims if cap is None else tuple(min(s, cap) for s in dims)
         if cap is None and math.prod(shape) > _MEASURE_ELEMENTS:
             raise _TooLarge()
-        if x.is_floating_point() or x.is_complex():
-            return torch.randn(shape, dtype=x.dtype)
+        if x.is_floating_point() or x.is_complex():  # (float8: drawn in float32, then rounded)
+            return torch.randn(shape, dtype=x.dtype if x.element_size() > 1 else torch.float32).to(x.dtype)
         return torch.zeros(shape, dtype=x.dtype)  # indices: zeros are in range
     return x
 

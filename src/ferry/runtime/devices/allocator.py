@@ -31,6 +31,7 @@ __all__ = [
     "allocate_aligned",
     "as_bytes",
     "get_allocator",
+    "memory_bytes",
     "register_allocator",
     "registered_allocators",
     "registered_device_types",
@@ -77,6 +78,14 @@ def as_bytes(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     if tensor.is_conj() or tensor.is_neg():
         raise ValueError(f"{name} is a lazy conjugate/negative view; call .resolve_conj().resolve_neg() first")
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def memory_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's bytes as they lie in memory (contiguous, or a permuted layout): what a
+    byte copy between two tensors of one layout moves."""
+    if t.is_contiguous() or t.numel() == 0:
+        return as_bytes(t)
+    return as_bytes(torch.as_strided(t, (t.numel(),), (1,), t.storage_offset()))
 
 
 def _exact_slice(base: torch.Tensor, nbytes: int, alignment: int) -> torch.Tensor:

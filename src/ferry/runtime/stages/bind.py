@@ -167,11 +167,13 @@ class _Binder(KernelSteps):
         kind = next(k for k, is_kind in STEP_KINDS.items() if is_kind(ins))
         return getattr(self, f"{kind}_step")(index, ins)
 
-    def step(self, index: int, kind: str, name: str, ins, call, *, extra_devices=(), check=None) -> Step:
+    def step(self, index: int, kind: str, name: str, ins, call, *, extra_devices=(), check=None,
+             also_reads=()) -> Step:
+        """`also_reads`: values the call reads besides its arguments (a view's memory owner)."""
         m = self.m
         devs = {m.tensor(o).device for o in ins.outputs if isinstance(m.values[o], TensorValue)}
         devs |= set(extra_devices)
-        args = [t for a in ins.args if a != DEFAULT_ARG for t in [a, *members(m, a)]]
+        args = [t for a in ins.args if a != DEFAULT_ARG for t in [a, *members(m, a)]] + list(also_reads)
         reads = frozenset(a for a in args if not self.fixed[a])  # per call: must come from the same segment
         writes = frozenset(o for o in ins.outputs if not self.fixed[o] and o not in ins.args)
         ids = [a for a in args if self.fixed[a]] + [o for o in ins.outputs if self.fixed[o]]

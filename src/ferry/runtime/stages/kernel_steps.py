@@ -65,7 +65,7 @@ class KernelSteps:
         check_call(op, ins.args, ins.outputs, m.values, f"method {m.name!r} instruction {index}")
         pos, kw = bind_aten(op, ins.args, self.ref)
         sized = self._sized(op, pos, kw, ins, index)  # before anything of it runs, here or in a call
-        pos, op = self._storage_offset_in_arena(op, ins, pos, index)
+        pos, op, owner = self._storage_offset_in_arena(op, ins, pos, index)
         op = self._runnable_here(op, ins)
         writes_out = bool(ins.outputs) and all(o in ins.args for o in ins.outputs)
         if writes_out:
@@ -101,7 +101,7 @@ class KernelSteps:
             call = self._run_functional(op, pos, kw, ins.outputs, ins)
         if sized is not None:
             call = _after(sized, call)
-        return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins))
+        return self.step(index, "kernel", ins.kernel, ins, call, check=self._shape_check(ins), also_reads=owner)
 
     def _sized(self, op, pos, kw, ins: KernelCall, index: int):
         """The kernel makes what the program declares (runtime/stages/sizes.py): checked here when
@@ -119,10 +119,11 @@ class KernelSteps:
         """`as_strided`'s storage offset counts from the start of its input's memory, as in eager,
         where that memory is a tensor of its own: ferry's memory may lie inside an arena (planned
         memory, or a caller's planned tensor handed to a delegate), so the offset is moved by
-        where the memory owner starts. Returns (arguments, the op to call)."""
+        where the memory owner starts. Returns (arguments, the op to call, the owners it reads
+        each call: a result of this call, which must live until then)."""
         at = STORAGE_OFFSET_AT.get(ins.kernel)
         if at is None or at >= len(pos) or (isinstance(pos[at], Fixed) and pos[at].value is None) or not ins.args:
-            return pos, op
+            return pos, op, ()
         owner = memory_owner(self.m.values, ins.args[0])
         itemsize = self.m.tensor(ins.args[0]).torch_dtype.itemsize
         offset = pos[at].value if isinstance(pos[at], Fixed) else None
@@ -135,7 +136,7 @@ class KernelSteps:
             if start % itemsize:
                 raise ProgramError(f"method {self.m.name!r} instruction {index} ({ins.kernel}): its input starts "
                                    f"at byte {start}, not at a multiple of its element size")
-            return [*pos[:at], Fixed(offset + start // itemsize), *pos[at + 1:]], op
+            return [*pos[:at], Fixed(offset + start // itemsize), *pos[at + 1:]], op, ()
         slots = self.slots
 
         def shifted(*args, **kwargs):  # the owner is a tensor of this call: where it starts, per call
@@ -144,7 +145,7 @@ class KernelSteps:
             args[at] += base.storage_offset() * base.element_size() // itemsize
             return op(*args, **kwargs)
 
-        return pos, shifted
+        return pos, shifted, (owner,)
 
     def _runnable_here(self, op, ins: KernelCall):
         """An out kernel its device has no kernel for (`narrow_copy.out` on CUDA; a program may be

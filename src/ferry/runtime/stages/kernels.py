@@ -15,7 +15,7 @@ from ferry.device import Device
 from ferry.errors import DeviceError, InputError, ProgramError
 from ferry.layout import is_dense, same_strides
 from ferry.program.schema import DEFAULT_ARG
-from ferry.runtime.devices.allocator import as_bytes, require_allocator
+from ferry.runtime.devices.allocator import memory_bytes, require_allocator
 from ferry.runtime.stages.refs import Fixed
 
 
@@ -29,14 +29,6 @@ def copy_direction_check(direction: str, src: Device, dst: Device) -> None:
         need = {"h2d": "a CPU source and a non-CPU destination", "d2h": "a non-CPU source and a CPU destination",
                 "d2d": "two different non-CPU devices"}[direction]
         raise DeviceError(f"_{direction}_copy needs {need}, but the program moves {src} -> {dst}")
-
-
-def memory_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's bytes as they lie in memory (contiguous, or a permuted layout): what a
-    byte copy between two tensors of one layout moves."""
-    if t.is_contiguous() or t.numel() == 0:
-        return as_bytes(t)
-    return as_bytes(torch.as_strided(t, (t.numel(),), (1,), t.storage_offset()))
 
 
 class CopyKernel:

@@ -19,7 +19,7 @@ import torch
 from ferry.program.schema import TensorValue, upload_key
 from ferry.program.states import program_states
 from ferry.progress import Progress, tell
-from ferry.runtime.devices.allocator import HeldMemory, as_bytes, require_allocator
+from ferry.runtime.devices.allocator import HeldMemory, memory_bytes, require_allocator
 from ferry.runtime.devices.slab import MemoryReservation, allocate
 from ferry.runtime.devices.tensor import make_tensor
 
@@ -33,7 +33,7 @@ def constant_tensor(segment, v: TensorValue) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only mapping: ferry never writes constants
         raw = torch.frombuffer(segment, dtype=torch.uint8, count=v.nbytes)
-    return raw.view(v.torch_dtype).view(v.shape)
+    return raw.view(v.torch_dtype).as_strided(v.shape, v.layout_strides)  # (the bytes are in that memory order)
 
 
 def upload(dst: torch.Tensor, segment, v: TensorValue) -> None:
@@ -42,7 +42,7 @@ def upload(dst: torch.Tensor, segment, v: TensorValue) -> None:
     if v.device.is_cpu:
         dst.copy_(src)
     elif v.nbytes:
-        require_allocator(v.device).copy_host_to_device(as_bytes(dst), as_bytes(src), v.nbytes, v.device.index)
+        require_allocator(v.device).copy_host_to_device(memory_bytes(dst), memory_bytes(src), v.nbytes, v.device.index)
 
 
 def _filled(v: TensorValue, segments, owned: list, pin: bool = False,

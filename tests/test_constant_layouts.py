@@ -1,0 +1,104 @@
+"""Constants and state keep the layout eager gives them: a transposed weight, a folded value that
+kept its operand's memory order, a buffer updated in place. Ops that read memory rather than
+values (`as_strided`, `view`) then see what eager sees; before, the bytes were stored row-major
+under the traced strides, and `as_strided` read other elements (or `view` was refused)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ferry
+from test_constant_fold import folded_note
+
+PLACEMENTS = ("cpu", "emu:0")
+
+
+def run_saved(model, inputs, placement, tmp_path, calls=2):
+    """Export, compile for `placement`, save, load; each call's results against eager's, bit for
+    bit, with fresh inputs each call (the model may update its buffers: eager runs a twin)."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    ep = torch.export.export(model, inputs)
+    program = ferry.compile(ep) if placement == "cpu" else ferry.compile(ep, ferry.OpSupportPartitioner(placement))
+    path = tmp_path / "m.ferry"
+    program.save(path)
+    module = ferry.Module(path)
+    for _ in range(calls):
+        fresh = [torch.randn_like(t) for t in inputs]
+        got, want = module(*fresh), twin(*fresh)
+        assert torch.equal(got.cpu(), want), (got, want)
+    return program
+
+
+class TransposedWeight(torch.nn.Module):
+    """A buffer held transposed, read by value (matmul), through its memory (as_strided) and
+    through a view that only its layout allows (`.t().view(-1)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.randn(4, 8).t())  # (8, 4), strides (1, 8)
+
+    def forward(self, x):
+        return x @ self.w + self.w.as_strided((4,), (2,), 3) + self.w.t().reshape(-1)[5:9]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_transposed_constant_is_read_through_its_memory_as_eager_reads_it(placement, emu, tmp_path):
+    run_saved(TransposedWeight().eval(), (torch.randn(2, 8),), placement, tmp_path)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_folded_value_keeps_the_memory_order_of_what_it_was_computed_from(placement, emu, tmp_path):
+    class Folded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", torch.randn(4, 8))
+
+        def forward(self, x):
+            y = self.w.t() * 2  # (8, 4) in w's memory order: strides (1, 8)
+            return x + y.as_strided((8,), (1,), 3) + y.t().view(-1)[3:11]
+
+    program = run_saved(Folded().eval(), (torch.randn(8),), placement, tmp_path)
+    if placement != "cpu":  # (a program without a partitioner is not rewritten)
+        assert folded_note(program), "the product was expected to be folded"
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_state_held_transposed_is_updated_in_place_and_read_through_its_memory(placement, emu, tmp_path):
+    class Transposed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("s", torch.randn(3, 5).t())
+
+        def forward(self, x):
+            self.s.add_(x)
+            return self.s.as_strided((5,), (3,), 1) * 1
+
+    run_saved(Transposed().eval(), (torch.randn(5, 3),), placement, tmp_path, calls=3)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_float8_constants_of_either_layout_compile_and_run(placement, emu, tmp_path):
+    class Float8(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("a", torch.randn(4, 8).to(torch.float8_e4m3fn))
+            self.register_buffer("b", torch.randn(8, 4).to(torch.float8_e5m2).t())
+
+        def forward(self, x):
+            return x + self.a.float()[1] + self.b.float()[2]
+
+    run_saved(Float8().eval(), (torch.randn(8),), placement, tmp_path)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_as_strided_over_a_view_of_a_result_of_the_call(placement, emu, tmp_path):
+    """The storage offset counts from the start of the result's memory, read when the call runs:
+    the result must still be held then, though only a view of it is the op's argument."""
+    class Unfolded(torch.nn.Module):
+        def forward(self, x, w):
+            return x + (w.t() * 1).unfold(0, 2, 2).as_strided((8,), (2,), 1)
+
+    run_saved(Unfolded(), (torch.randn(8), torch.randn(4, 8)), placement, tmp_path)
