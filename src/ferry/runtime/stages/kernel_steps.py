@@ -54,7 +54,8 @@ class KernelSteps:
 
         def ref(self, vid: int): ...
 
-        def step(self, index: int, kind: str, name: str, ins, call, *, extra_devices=(), check=None) -> Step: ...
+        def step(self, index: int, kind: str, name: str, ins, call, *, extra_devices=(), check=None,
+                 also_reads=()) -> Step: ...
 
     def kernel_step(self, index: int, ins: KernelCall) -> Step | None:
         m = self.m
