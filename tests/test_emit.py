@@ -354,6 +354,39 @@ def test_data_dependent_size_is_a_compile_error():
         ferry.compile(export(NonZero(), small((3, 4), n=1)))
 
 
+class ItemChecked(nn.Module):
+    """XLM's `assert lengths.max().item() <= slen`: a number read back, feeding only a check."""
+
+    def forward(self, ids, mask):
+        lengths = mask.sum(dim=1)
+        torch._check(lengths.max().item() <= ids.shape[1])  # (pytest rewrites a test module's `assert`)
+        return ids * 2 + lengths[:, None]
+
+
+class ItemScaled(nn.Module):
+    def forward(self, x, s):
+        return x * s.max().item()
+
+
+class ItemSized(nn.Module):
+    def forward(self, x, n):
+        return x.new_zeros(n.max().item()) + 1
+
+
+@pytest.mark.parametrize("model, inputs, said", [
+    (ItemChecked(), (torch.randint(0, 9, (2, 6)), torch.ones(2, 6, dtype=torch.long)),
+     r"aten.item.default \(node 'item', at test_emit.py:\d+\) reads a tensor's value back to the host .*used by le"),
+    (ItemScaled(), (torch.randn(2, 3), torch.randn(4)), r"reads a tensor's value back to the host .*used by aten.mul"),
+    (ItemSized(), (torch.randn(3), torch.tensor([3])), r"makes a size that depends on the data"),
+])
+def test_a_number_read_from_the_data_is_refused_saying_what_it_is_used_for(model, inputs, said):
+    """A number read back to the host is refused as a size where it sizes a tensor, and as a
+    number read back (named with its source line and its users) where it feeds a check or a
+    scalar argument: not called a size it is not."""
+    with pytest.raises(ferry.CompileError, match=said):
+        ferry.compile(torch.export.export(model, inputs, strict=False))
+
+
 def test_dynamic_sizes_in_reshapes_are_computed_each_call(emu):
     """reshape(b, t, heads, d // heads) reads the batch size: a size computed every call."""
     model, (x,) = transformer_block()

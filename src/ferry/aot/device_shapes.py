@@ -96,15 +96,43 @@ def check_symbolic_shapes(gm: torch.fx.GraphModule) -> None:
 
 
 def _refuse_data_dependent(gm: torch.fx.GraphModule) -> None:
+    """A value only the data decides: a size (`nonzero`), or a number read back to the host
+    (`.item()`) that feeds only host checks or scalar arguments; ferry plans and places neither."""
+    in_shapes = set().union(*(_unbacked(_shapes(n.meta.get("val"))) for n in gm.graph.nodes))
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         made = _unbacked(node.meta.get("val")) - set().union(*(_unbacked(a.meta.get("val")) for a in node.all_input_nodes))
+        if made & in_shapes:
+            raise CompileError(f"{node.target} (node {node.name!r}{_source(node)}) makes a size that depends on the "
+                               f"data ({', '.join(sorted(made))}); ferry plans memory ahead of time and needs static "
+                               "or bounded shapes: keep ops like nonzero, unique, masked_select and .item() out of "
+                               "the program")
         if made:
-            raise CompileError(f"{node.target} (node {node.name!r}) makes a size that depends on the data "
-                               f"({', '.join(sorted(made))}); ferry plans memory ahead of time and needs static or "
-                               "bounded shapes: keep ops like nonzero, unique, masked_select and .item() out of the "
-                               "program")
+            users = sorted({getattr(u.target, '__name__', '') if callable(u.target) and not isinstance(
+                u.target, torch._ops.OpOverload) else str(u.target) for u in node.users})
+            raise CompileError(f"{node.target} (node {node.name!r}{_source(node)}) reads a tensor's value back to the "
+                               f"host ({', '.join(sorted(made))}: `.item()`, `.tolist()`, `int(t)`), used by "
+                               f"{', '.join(users) or 'nothing'}; ferry does not yet run a program whose ops take "
+                               "numbers read from its tensors (a check such as `assert t.max().item() <= n`, or a "
+                               "scalar factor): compute the number outside the exported module and pass it as a "
+                               "tensor, or export without the check")
+
+
+def _shapes(val) -> list:
+    """The sizes and strides of the tensors in a traced value (what memory is planned from)."""
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return [d for v in vals if isinstance(v, torch.Tensor) for d in (*v.shape, *v.stride())]
+
+
+def _source(node: torch.fx.Node) -> str:
+    """`, at file:line` of the model's code that made the node, where export recorded it."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip().startswith("File")]
+    if not lines:
+        return ""
+    where = lines[-1].split('"')
+    line = lines[-1].split("line ")[-1].split(",")[0]
+    return f", at {where[1].rsplit('/', 1)[-1]}:{line}" if len(where) > 2 else ""
 
 
 def _unbacked(val) -> set[str]:

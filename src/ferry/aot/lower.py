@@ -26,7 +26,8 @@ from ferry.aot.lifted_state import written_constants_as_state
 from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
 from ferry.device import Device
 from ferry.errors import CompileError, InputError
-from ferry.ops.aliasing import is_view
+from ferry.op_names import kernel_name
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_source
 
 
 class LoweredBackendModule(torch.nn.Module):
@@ -138,6 +139,7 @@ def functional_aten(ep: torch.export.ExportedProgram, shared_state=frozenset()) 
     ep = written_constants_as_state(ep)
     exported_state = {s.target for s in ep.graph_signature.input_specs if s.target}
     reshaped = _shape_writes(ep)
+    _refuse_storage_reads_of_written_views(ep)
     try:
         with warnings.catch_warnings():
             # torch >= 2.13 deep-copies the program's call signature here, and copying its
@@ -171,6 +173,48 @@ def _shape_writes(ep) -> str:
     return (f"{', '.join(ops)} changes a tensor's sizes or strides in place; a ferry program writes values into "
             "the caller's tensors but never changes their shape: use the op that returns a new view "
             "(x = x.t() for x.t_()) and return it")
+
+
+def _refuse_storage_reads_of_written_views(ep) -> None:
+    """`as_strided` reads memory, not values. Where an op wrote in place, through a view (or into a
+    tensor) laid out otherwise than row-major (`w.t().masked_fill_(m, v)`), the memory it reads, torch's
+    functional form of the program computes the write into a new tensor laid out as that op lays
+    out its result, and an `as_strided` over the written memory then reads other elements than
+    eager's (torch's own `run_decompositions()` program does too). Refused, naming both ops."""
+    written: dict[torch.fx.Node, str] = {}  # memory (its root node) -> the op that wrote it through such a view
+    for node in ep.graph.nodes:
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        if kernel_name(op) in STORAGE_OFFSET_AT and _memory_of(node.args[0]) in written:
+            raise CompileError(
+                f"{kernel_name(op)} (node {node.name!r}) reads the memory that {written[_memory_of(node.args[0])]} "
+                "wrote in place through a transposed or permuted view (or tensor): ferry runs the functional form of a program, "
+                "where that write makes a tensor laid out otherwise, so the read would give other elements than "
+                "eager's. Index the values instead (slicing, unfold), or write into a contiguous tensor")
+        for arg, value in zip(op._schema.arguments, node.args):
+            val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(val, torch.Tensor) and not (
+                    M.surely(val.is_contiguous())):
+                written.setdefault(_memory_of(value), f"{kernel_name(op)} (node {node.name!r})")
+
+
+def _memory_of(node):
+    """The node whose memory `node` is, through views and the results of in-place ops (`x.add_(y)`
+    returns x)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and isinstance(
+            node.target, torch._ops.OpOverload):
+        op = node.target
+        returned = op._schema.returns[0].alias_info if len(op._schema.returns) == 1 else None
+        written = [i for i, a in enumerate(op._schema.arguments) if returned is not None and returned.is_write
+                   and a.alias_info is not None and set(a.alias_info.before_set) & set(returned.before_set)]
+        if is_view(op):
+            node = node.args[view_source(op)]
+        elif written and written[0] < len(node.args):
+            node = node.args[written[0]]
+        else:
+            break
+    return node
 
 
 def _without_hidden_mutations(ep, exported_state: set[str], reshaped: str = "") -> torch.export.ExportedProgram:
