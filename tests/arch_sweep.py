@@ -4,10 +4,9 @@ compiled for emu-io (all on emu:0, skip flags), cpu and emu (CPU inputs and outp
 and called three times (the export inputs, fresh ones, a right-padded mask). Not run by CI (about
 75 minutes on 2 cores); its 2026-12-06 run: 230 architectures equal, 0 wrong (README).
 
-    PYTHONPATH=src:tests python tests/arch_sweep.py [names...]
+    PYTHONPATH=src:tests python tests/arch_sweep.py [names...]   (default: every name in SPECS;
+    results merged into arch_results.json in the working directory)
 
-
-usage: arch_sweep.py [names...]   (default: every name in SPECS; results merged into arch_results.json)
 env: SWEEP_TIMEOUT (s per model, default 180), SWEEP_REDO=1 (rerun names already in the json)
 """
 
