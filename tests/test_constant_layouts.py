@@ -136,8 +136,50 @@ def test_as_strided_over_memory_written_in_a_transposed_layout_is_refused_naming
     """torch's functional form computes the write into a tensor of another layout, where
     `as_strided` reads other elements than eager's (torch's own decomposed program does so)."""
     ep = torch.export.export(WrittenThenRead(written, read_memory=True), written_inputs())
-    with pytest.raises(ferry.CompileError, match=r"as_strided.*masked_fill_.*transposed or permuted view"):
+    with pytest.raises(ferry.CompileError, match=r"as_strided.*masked_fill_.*not laid out row-major"):
         ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
+
+
+class OutInto(torch.nn.Module):
+    """`torch.mul(x, 2, out=self.s)` into a transposed buffer: its functional twin lays `x * 2` out
+    as x is laid out, so a read of s's memory would see other elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("s", torch.randn(4, 6).t())
+
+    def forward(self, x):
+        torch.mul(x, 2, out=self.s)
+        return self.s.as_strided((5,), (3,), 2) * 1
+
+
+def test_as_strided_over_an_out_argument_laid_out_otherwise_is_refused(emu):
+    ep = torch.export.export(OutInto(), (torch.randn(6, 4),))
+    with pytest.raises(ferry.CompileError, match=r"as_strided.*mul.out.*not laid out row-major"):
+        ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
+
+
+class LayoutKeepingWrite(torch.nn.Module):
+    """Pointwise writes, copies and fills keep the layout they write into: a column slice
+    scaled in place, a transposed view copied into, a transposed buffer clamped."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.randn(5, 4))
+        self.register_buffer("c", torch.randn(4, 5).t())
+
+    def forward(self, x):
+        cols = self.b[:, 1:3]
+        cols.mul_(2)
+        self.b.t().copy_(x.t())
+        self.c.clamp_(-0.5, 0.5)
+        memory = [t.as_strided(t.size(), t.stride(), t.storage_offset()) for t in (cols, self.b, self.c)]
+        return torch.cat([m.reshape(-1) for m in memory]) * 1
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_pointwise_write_a_copy_or_a_fill_through_any_view_is_read_through_its_memory(placement, emu, tmp_path):
+    run_saved(LayoutKeepingWrite().eval(), (torch.randn(5, 4),), placement, tmp_path, calls=3)
 
 
 @pytest.mark.parametrize("written, read_memory", [("row slice", True), ("transposed view", False)])

@@ -330,7 +330,7 @@ def test_layout_matches_the_spec():
     data = program_to_bytes(prog)
     magic, version, flags, meta_len, area = header_of(data)
     assert magic == b"FERRY\x00PG" == ser.MAGIC
-    assert (version, flags) == (2, ser.FLAG_CHECKSUMS)
+    assert (version, flags) == (3, ser.FLAG_CHECKSUMS)
     assert area % 64 == 0 and 32 + meta_len + 32 <= area < 32 + meta_len + 32 + 64
     assert data[32 + meta_len : 64 + meta_len] == hashlib.sha256(data[32 : 32 + meta_len]).digest()
     assert data[64 + meta_len : area] == bytes(area - 64 - meta_len)
@@ -356,19 +356,27 @@ def test_empty_program_round_trips():
 # ------------------------------------------------------------------ versions and headers
 
 
-@pytest.mark.parametrize("version", [3, 7, 2**32 - 1])
+@pytest.mark.parametrize("version", [4, 7, 2**32 - 1])
 def test_newer_version_is_refused(version):
     data = bytearray(program_to_bytes(cpu_program()))
     struct.pack_into("<I", data, 8, version)
-    with pytest.raises(ProgramError, match=rf"format version {version} is newer than this ferry supports \(2\); upgrade ferry"):
+    with pytest.raises(ProgramError, match=rf"format version {version} is newer than this ferry supports \(3\); upgrade ferry"):
         load_program(bytes(data))
+
+
+def test_a_version_2_file_reads_as_it_did():
+    """Version 3 stores a constant's bytes in the memory order of its strides; version 2 stored
+    every constant row-major and recorded none, which reads the same under version 3's rule."""
+    data = bytearray(program_to_bytes(cpu_program()))
+    struct.pack_into("<I", data, 8, 2)
+    assert_same_program(load_program(bytes(data)), cpu_program())
 
 
 def test_newer_version_is_refused_from_file(tmp_path):
     data = bytearray(program_to_bytes(cpu_program()))
-    struct.pack_into("<I", data, 8, 3)
+    struct.pack_into("<I", data, 8, 4)
     (tmp_path / "new.ferry").write_bytes(data)
-    with pytest.raises(ProgramError, match=r"new\.ferry.*format version 3 is newer .*\(2\); upgrade ferry"):
+    with pytest.raises(ProgramError, match=r"new\.ferry.*format version 4 is newer .*\(3\); upgrade ferry"):
         load_program(tmp_path / "new.ferry")
 
 

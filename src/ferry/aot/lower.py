@@ -176,12 +176,15 @@ def _shape_writes(ep) -> str:
 
 
 def _refuse_storage_reads_of_written_views(ep) -> None:
-    """`as_strided` reads memory, not values. Where an op wrote in place, through a view (or into a
-    tensor) laid out otherwise than row-major (`w.t().masked_fill_(m, v)`), the memory it reads, torch's
-    functional form of the program computes the write into a new tensor laid out as that op lays
-    out its result, and an `as_strided` over the written memory then reads other elements than
-    eager's (torch's own `run_decompositions()` program does too). Refused, naming both ops."""
-    written: dict[torch.fx.Node, str] = {}  # memory (its root node) -> the op that wrote it through such a view
+    """`as_strided` reads memory, not values. Where an op wrote in place into a tensor laid out
+    otherwise than row-major (a transposed view, a column slice, a transposed buffer), torch's
+    functional form of the program computes the write into a new tensor laid out as the op's
+    functional twin lays out its result, and an `as_strided` over that memory reads other elements
+    than eager's (torch's own `run_decompositions()` program does too). Pointwise ops, copies and
+    fills keep the layout they write (checked on OpInfo's samples, tests/test_constants_sweep.py);
+    indexed writes (`masked_fill_`, `scatter_`, `index_copy_`, ...) and `out=` results do not:
+    those are refused, naming both ops."""
+    written: dict[torch.fx.Node, str] = {}  # memory (its root node) -> the op that wrote it so
     for node in ep.graph.nodes:
         op = node.target
         if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
@@ -189,14 +192,29 @@ def _refuse_storage_reads_of_written_views(ep) -> None:
         if kernel_name(op) in STORAGE_OFFSET_AT and _memory_of(node.args[0]) in written:
             raise CompileError(
                 f"{kernel_name(op)} (node {node.name!r}) reads the memory that {written[_memory_of(node.args[0])]} "
-                "wrote in place through a transposed or permuted view (or tensor): ferry runs the functional form of a program, "
-                "where that write makes a tensor laid out otherwise, so the read would give other elements than "
-                "eager's. Index the values instead (slicing, unfold), or write into a contiguous tensor")
-        for arg, value in zip(op._schema.arguments, node.args):
-            val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(val, torch.Tensor) and not (
-                    M.surely(val.is_contiguous())):
+                "wrote in place into a tensor not laid out row-major (a transposed view, a column slice): ferry "
+                "runs the functional form of a program, where that write makes a tensor laid out otherwise, so the "
+                "read would give other elements than eager's. Index the values instead (slicing, unfold), or write "
+                "into a contiguous tensor")
+        for arg, value in _written_arguments(op, node):
+            val = value.meta.get("val")
+            keeps_layout = not arg.kwarg_only and (torch.Tag.pointwise in op.tags or op in _LAYOUT_KEEPING_WRITES)
+            if isinstance(val, torch.Tensor) and not keeps_layout and not M.surely(val.is_contiguous()):
                 written.setdefault(_memory_of(value), f"{kernel_name(op)} (node {node.name!r})")
+
+
+_LAYOUT_KEEPING_WRITES = frozenset({torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar,
+                                    torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default})
+
+
+def _written_arguments(op: torch._ops.OpOverload, node: torch.fx.Node) -> list:
+    """(schema argument, node) of each tensor `node` writes in place, positional or keyword (`out=`)."""
+    out = []
+    for i, arg in enumerate(op._schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
+            out.append((arg, value))
+    return out
 
 
 def _memory_of(node):
@@ -210,8 +228,9 @@ def _memory_of(node):
                    and a.alias_info is not None and set(a.alias_info.before_set) & set(returned.before_set)]
         if is_view(op):
             node = node.args[view_source(op)]
-        elif written and written[0] < len(node.args):
-            node = node.args[written[0]]
+        elif written:
+            at = written[0]
+            node = node.args[at] if at < len(node.args) else node.kwargs.get(op._schema.arguments[at].name)
         else:
             break
     return node

@@ -22,7 +22,7 @@ from ferry.program import codec
 from ferry.program.schema import Method
 
 MAGIC = b"FERRY\x00PG"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: a constant's bytes in the memory order of its strides (2 read the same: none had strides)
 SEGMENT_ALIGNMENT = 64
 _HEADER = struct.Struct("<8sIIQQ")  # magic, version, flags, metadata length, segment-area offset
 HEADER_SIZE = _HEADER.size  # 32
@@ -30,7 +30,7 @@ MAX_JSON_DEPTH = 32  # deepest nesting of JSON arrays/objects accepted in the me
 MAX_RANK = codec.MAX_RANK
 _MAX_INT_DIGITS = 24  # a JSON integer literal longer than this is refused before int()
 _TOP_KEYS = ("methods", "delegates", "segments", "segment_sha256")
-# header flag: a SHA-256 of the metadata follows it (version 2 writers always set it)
+# header flag: a SHA-256 of the metadata follows it (version 2 and later writers always set it)
 FLAG_CHECKSUMS = 1
 _DIGEST = 32
 _OLD_VERSIONS = MappingProxyType({1: "it predates storage kinds and buffer alignment in the file"})

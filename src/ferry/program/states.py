@@ -80,4 +80,5 @@ def program_states(methods) -> dict[str, State]:
 
 
 def _show(v: TensorValue) -> str:
-    return f"a {v.dtype}{list(v.shape)} tensor on {v.device} (initial value: segment {v.constant})"
+    laid = f" laid out with strides {list(v.strides)}" if v.strides else ""
+    return f"a {v.dtype}{list(v.shape)} tensor{laid} on {v.device} (initial value: segment {v.constant})"
