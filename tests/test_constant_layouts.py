@@ -196,3 +196,23 @@ def test_a_write_through_a_view_runs_where_nothing_reads_memory_it_laid_out_othe
     for _ in range(3):
         x, mask = written_inputs()
         assert torch.equal(module(x, mask).cpu(), twin(x, mask))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_the_inductor_backend_reads_a_constant_through_its_memory_as_eager(transposed, emu):
+    """Inductor's code reads a constant uploaded into a slab, which starts inside it: `as_strided`'s
+    storage offset counts from the constant's own start (before, from the slab's)."""
+    class Strided(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", torch.randn(4, 6).t() if transposed else torch.randn(6, 4))
+
+        def forward(self, x):
+            return x + self.w.as_strided((6,), (4,), 1)
+
+    model = Strided().eval()
+    ep = torch.export.export(model, (torch.randn(6),))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("emu:0", backend_id="inductor")))
+    for _ in range(2):
+        x = torch.randn(6)
+        torch.testing.assert_close(module(x).cpu(), model(x), rtol=0, atol=0)

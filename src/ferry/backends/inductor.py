@@ -49,11 +49,12 @@ from ferry.choices.decisions import Site
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
+from ferry.ops.aliasing import STORAGE_OFFSET_AT
 from ferry.ops.strings import safe_text
 from ferry.program import Program, program_to_bytes
 from ferry.program.dataflow import in_place_outputs
 from ferry.program.ranks import localized
-from ferry.program.schema import CONST_KIND_TABLE, LIST_KINDS, ConstValue, KernelCall, Method, TensorValue
+from ferry.program.schema import CONST_KIND_TABLE, LIST_KINDS, ConstValue, KernelCall, Method, TensorValue, memory_owner
 from ferry.runtime.stages.kernels import bind_aten, check_call, returns_list
 from ferry.runtime.stages.load import Memory, load_memory
 from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, NoMeta, PerCall, Ref, ref
@@ -502,6 +503,25 @@ def texts_for_codegen(method: Method) -> dict[tuple[int, int], str]:
     return texts
 
 
+def _offset_in_slab(method: Method, memory: Memory, ins: KernelCall, pos: list) -> list:
+    """`as_strided`'s storage offset counts from the start of its input's memory, as in eager: a
+    constant uploaded into a slab starts inside it, so the offset moves by where it starts (the
+    torch backend does the same, runtime/stages/kernel_steps.py)."""
+    at = STORAGE_OFFSET_AT.get(ins.kernel)
+    if at is None or at >= len(pos) or not ins.args or not isinstance(pos[at], Fixed):
+        return pos
+    owner = memory_owner(method.values, ins.args[0])
+    base = memory.slots[owner] if memory.fixed[owner] else None
+    if not isinstance(base, torch.Tensor) or not isinstance(pos[at].value, int) or not base.storage_offset():
+        return pos
+    itemsize = method.tensor(ins.args[0]).torch_dtype.itemsize
+    start = base.storage_offset() * base.element_size()
+    if start % itemsize:
+        raise ProgramError(f"method {method.name!r}: {ins.kernel} reads a constant that starts at byte {start} "
+                           "of its memory, not at a multiple of its element size")
+    return [*pos[:at], Fixed(pos[at].value + start // itemsize), *pos[at + 1:]]
+
+
 def graph_of(method: Method, memory: Memory, overwrites: dict[int, int] | None = None) -> torch.fx.GraphModule:
     """The method as a torch.fx graph: inputs are placeholders, constants buffers of the module,
     each instruction one call of its (checked) operator. `overwrites` {result: input}: the result
@@ -542,6 +562,7 @@ def graph_of(method: Method, memory: Memory, overwrites: dict[int, int] | None =
         pos, kw = bind_aten(op, ins.args, lambda vid, index=index: Fixed(texts[index, vid]) if (index, vid) in texts
                             else ref(vid))
         target = torch.ops.aten.reshape.default if op in LAYOUT_VIEWS else op  # bind.py's LAYOUT_VIEWS: why
+        pos = _offset_in_slab(method, memory, ins, pos)
         node = graph.call_function(target, tuple(resolve(r) for r in pos), {k: resolve(r) for k, r in kw.items()})
         if len(ins.outputs) == 1 and not returns_list(op):  # check_call: one output per returned value
             env[ins.outputs[0]] = node
