@@ -12,7 +12,8 @@ over one of SPLIT stretches of K; with SPLIT > 1 the last program of each block 
 finish (an atomic count, left zero again) sums the stretches' partials in a fixed order, so the
 result is deterministic and one launch. Swept: BN x BK x SPLIT x warps x stages, against cuBLAS's
 `linear` and Inductor's tuned reduction (bench/gemv_kernels.py's), weights cold (rotated through
-more copies than L2 holds), in CUDA graphs.
+more copies than L2 holds), in CUDA graphs. Not yet run on a GPU: its one run (2026-12-06, an
+H200) had 80 s, too few for the sweep's compiles; checked under the interpreter only.
 """
 
 from __future__ import annotations
