@@ -14,7 +14,7 @@ import torch
 
 import ferry
 import ferry.examples
-from ferry.aot.values import tensor_bytes
+from ferry.aot.values import eager_strides, tensor_bytes
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -41,12 +41,15 @@ def test_compile_save_load_and_run_without_numpy(tmp_path):
 
 
 def test_tensor_bytes_matches_the_elements():
+    """The elements as they lie in memory: row-major, or in the memory order of a dense layout
+    (a transposed weight), which the program records as the constant's strides."""
     for t in (torch.randn(3, 5), torch.randn(4, 6).t(), torch.arange(7, dtype=torch.int64)[::2],
               torch.randn(5).to(torch.bfloat16), torch.tensor(3.5), torch.zeros(0, 3)):
         raw = tensor_bytes(t)
         assert len(raw) == t.numel() * t.element_size()
         if t.numel():
-            back = torch.frombuffer(bytearray(raw), dtype=t.dtype).reshape(t.shape)
+            strides = eager_strides(t) or torch.empty(t.shape).stride()
+            back = torch.frombuffer(bytearray(raw), dtype=t.dtype).as_strided(t.shape, strides)
             assert torch.equal(back, t)
 
 
