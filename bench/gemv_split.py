@@ -37,6 +37,7 @@ from common import machine, table, write_json  # noqa: E402
 from gemv_kernels import COLD_BYTES, SHAPES, time_graph, variants  # noqa: E402
 
 SWEEP = {"BN": (2, 4, 8, 16), "BK": (256, 512, 1024), "SPLIT": (1, 2, 4, 8), "num_warps": (4, 8), "num_stages": (1, 3)}
+QUICK = {"BN": (2, 4, 8, 16), "BK": (256, 512), "SPLIT": (1, 2, 4), "num_warps": (4, 8), "num_stages": (1,)}
 
 
 @triton.jit
@@ -109,6 +110,8 @@ def main():
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--interpret", action="store_true")
     p.add_argument("--out", default="gemv_split")
+    p.add_argument("--shapes", default="", help="comma-separated linears of the model (default: all but the head)")
+    p.add_argument("--quick", action="store_true", help="a smaller sweep (one stage count, BK up to 512)")
     args = p.parse_args()
     if args.interpret:
         interpret()
@@ -116,7 +119,7 @@ def main():
     torch.manual_seed(0)
     rows, out = [], []
     for name, (k, n) in SHAPES[args.model].items():
-        if name == "lm_head":
+        if name == "lm_head" if not args.shapes else name not in args.shapes.split(","):
             continue
         ws = _cold(n, k, torch.bfloat16)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -127,7 +130,7 @@ def main():
             us = time_graph(base[form], x, ws, [w.t() for w in ws])
             found[form] = (us, "")
         best = (math.inf, "")
-        for bn, bk, split, warps, stages in itertools.product(*SWEEP.values()):
+        for bn, bk, split, warps, stages in itertools.product(*(QUICK if args.quick else SWEEP).values()):
             if bk * split > 2 * k or bn * bk > 8192:
                 continue
             fn = lambda x_, w_, wt_: split_gemv(x_[0], w_, bn, bk, split, warps, stages)  # noqa: E731
@@ -147,6 +150,7 @@ def main():
             tbps = n * k * 2 / (us * 1e-6) / 1e12
             rows.append([name, f"{k} -> {n}", form, round(us, 2), round(tbps, 2), note])
             out.append({"linear": name, "in": k, "out": n, "form": form, "us": us, "tbps": tbps, "setting": note})
+            print(f"{name} {k} -> {n}: {form} {us:.2f} µs ({tbps:.2f} TB/s) {note}", flush=True)
         del ws
         torch.cuda.empty_cache()
     print(table(f"one-row products, {args.model}", ["linear", "shape", "form", "µs", "TB/s", "best setting"], rows))

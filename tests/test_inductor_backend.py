@@ -232,6 +232,33 @@ def test_kernels_that_check_values_load_whatever_the_scratch_values_are(emu):
             torch.testing.assert_close(ferry.runtime.clone_to(g, "cpu"), want)
 
 
+class PivotsAndRows(torch.nn.Module):
+    """LAPACK's pivots (count from 1) beside an index into a one-row table (only 0 is in range)."""
+
+    def forward(self, lu, pivots, rows, table):
+        return (*torch.lu_unpack(lu, pivots), torch.nn.functional.embedding(rows, table) * 2)
+
+
+@pytest.mark.parametrize("one_try", [False, True], ids=["second try allowed", "one try, as on CUDA"])
+def test_scratch_integers_are_in_range_for_each_input_at_the_first_try(emu, monkeypatch, one_try):
+    """The load runs the graph on scratch values; on CUDA a kernel's check of its integers is a
+    device-side assert that ends the process's CUDA context (lu_unpack on zero pivots did, and
+    every later CUDA test failed), so the scratch integers must suit every input at once: pivots
+    1, indices 0."""
+    from ferry.backends import inductor
+    if one_try:
+        monkeypatch.setattr(inductor, "ASSERTS_ON_DEVICE", inductor.ASSERTS_ON_DEVICE | {"emu"})
+    torch.manual_seed(0)
+    module = None
+    for _ in range(2):
+        lu, pivots = torch.linalg.lu_factor(torch.randn(4, 4))
+        args = (lu, pivots, torch.zeros(3, dtype=torch.long), torch.randn(1, 5))
+        module = module or _on_emu_with_device_io(PivotsAndRows(), *args)
+        got = module(*(ferry.runtime.clone_to(t, "emu:0") for t in args))
+        for g, want in zip(got, PivotsAndRows()(*args)):
+            torch.testing.assert_close(ferry.runtime.clone_to(g, "cpu"), want)
+
+
 class Cholesky(torch.nn.Module):
     def forward(self, a):
         return torch.linalg.cholesky(a).reshape(-1) * 2

@@ -49,7 +49,7 @@ from ferry.choices.decisions import Site
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
-from ferry.ops.aliasing import STORAGE_OFFSET_AT
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view
 from ferry.ops.strings import safe_text
 from ferry.program import Program, program_to_bytes
 from ferry.program.dataflow import in_place_outputs
@@ -68,7 +68,14 @@ __all__ = ["COMBO_KERNELS", "InductorBackend", "graph_of"]
 # Pointwise kernels only, and not at all with an Inductor that cannot say so: a combined persistent
 # reduction (Qwen3's q and k norms with their rotary) ran 12.9 µs where its parts took 4.8.
 # Inductor's other combo settings (how many kernels a combination takes, ...) are its defaults.
+aten = torch.ops.aten
 COMBO_KERNELS = True
+# device types where a kernel's check of its values is a device-side assert, not an exception
+ASSERTS_ON_DEVICE = frozenset({"cuda"})
+# ops that read LAPACK's pivots (counting from 1), and which argument
+_PIVOTS_AT = {aten.lu_unpack.default: 1, aten.linalg_lu_solve.default: 1, aten.lu_solve.default: 2,
+              aten.linalg_ldl_solve.default: 1}
+_CASTS = (aten._to_copy.default, aten.clone.default, torch.ops.prims.convert_element_type.default)
 _COMBO_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": True, "benchmark_combo_kernel": False}
 
 
@@ -87,7 +94,7 @@ class InductorBackend(Backend):
 
     def preprocess(self, lowered, options, range_constraints=None, data: ProgramData | None = None) -> bytes:
         device = delegate_target_device(lowered) or CPU
-        if any(n.target is torch.ops.aten._int_mm.default for n in lowered.original_module.graph.nodes):
+        if any(n.target is aten._int_mm.default for n in lowered.original_module.graph.nodes):
             # torch 2.13, CPU: `_int_mm(x.to(int8).reshape(-1, k), w.t())` of a [1, 1, k] x (torchao's
             # int8 dynamic-activation linear at a decode step) compiled to wrong values (errors of 1e5);
             # and CUDA's kernel needs the rows ferry's own backend pads (aot/kernel_limits.py)
@@ -368,11 +375,20 @@ def _dry_run(gm: torch.fx.GraphModule, method: Method) -> tuple[dict[torch.fx.No
     checks what compiled code trusts (a view's bounds inside its storage, shapes that fit), so a
     payload that would read outside its tensors is refused here, before Inductor sees it.
     Returns a meta tensor of each node's tensor result, for the load-time kernel choices, and the
-    scratch inputs it ran on: integers 0 (indices in range), else 1 where a kernel checks its
-    integers' values (lu_unpack's pivots count from 1); a bound is broken at both."""
+    scratch inputs it ran on: integers 0 (indices in range), 1 where LAPACK's pivots are read
+    (they count from 1: lu_unpack's); off CUDA, all 1 if a kernel refused those. On CUDA a kernel's
+    check of its integers is a device-side assert, which ends the process's CUDA context: there
+    is no second try, so the first must be right (all 0, lu_unpack's pivots gathered row -1).
+    A bound is broken at both."""
     failure = None
-    for integers in (0, 1):
-        examples = [_example(method.values[v], integers) for v in tensor_inputs(method)]
+    inputs = [method.values[v] for v in tensor_inputs(method)]
+    ones = _pivot_inputs(gm)
+    fills = [[int(i in ones) for i in range(len(inputs))]]
+    device = _device(method)
+    if device is None or device.type not in ASSERTS_ON_DEVICE:
+        fills.append([1] * len(inputs))
+    for fill in fills:
+        examples = [_example(v, integers) for v, integers in zip(inputs, fill)]
         try:
             with torch.no_grad():
                 return _Shapes(gm).shapes(examples), examples
@@ -381,6 +397,22 @@ def _dry_run(gm: torch.fx.GraphModule, method: Method) -> tuple[dict[torch.fx.No
     text = str(failure).strip()
     raise ProgramError(f"an inductor delegate's graph fails on inputs of its own declared shapes: "
                        f"{type(failure).__name__}: {text.splitlines()[0] if text else ''}") from None
+
+
+def _pivot_inputs(gm: torch.fx.GraphModule) -> set[int]:
+    """Positions of the graph's inputs read, directly or through views and casts, as LAPACK's pivots."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = set()
+    for node in gm.graph.nodes:
+        at = _PIVOTS_AT.get(node.target)
+        source = node.args[at] if at is not None and len(node.args) > at else None
+        while isinstance(source, torch.fx.Node) and source.op == "call_function" and (
+                isinstance(source.target, torch._ops.OpOverload) and is_view(source.target)
+                or source.target in _CASTS) and source.args:
+            source = source.args[0]
+        if isinstance(source, torch.fx.Node) and source.op == "placeholder":
+            found.add(placeholders.index(source))
+    return found
 
 
 class _Shapes(torch.fx.Interpreter):
