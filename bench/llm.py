@@ -632,6 +632,10 @@ def parse_args():
                    help="a decode graph's independent pointwise kernels launched together by Inductor (on: ferry's "
                         "default, backends/inductor.py COMBO_KERNELS), each alone (off: for an A/B), or reductions "
                         "combined too where Inductor times a combination faster at compile (benchmarked: an experiment)")
+    p.add_argument("--fuse-norms", choices=("on", "off", "all"), default="on",
+                   help="a norm whose row only a one-row product reads computed inside that product's reduction "
+                        "(on: ferry's default, choices/gemv.py FUSE_NORMS, products of up to FUSED_NORM_OUTPUTS "
+                        "outputs; all: the head too), or in a kernel of its own (off)")
     p.add_argument("--split-slices", choices=("on", "off"), default="on",
                    help="a merged product read as equal slices (gate and up) as one reduction per slice, which Inductor "
                         "fuses with SiLU(gate) * up (on: ferry's default, choices/gemv.py SPLIT_EQUAL_SLICES), or one "
@@ -655,6 +659,8 @@ def main():
         setattr(torch._inductor.config, key, ast.literal_eval(value))
     set_combo_kernels(args.combo_kernels)
     gemv.SPLIT_EQUAL_SLICES = args.split_slices == "on"
+    gemv.FUSE_NORMS = args.fuse_norms != "off"
+    gemv.FUSED_NORM_OUTPUTS = 1 << 62 if args.fuse_norms == "all" else gemv.FUSED_NORM_OUTPUTS
     if args.split_kv == "off":
         split_kv.available = lambda: False  # the choice is then never offered: SDPA's kernels run
     if not args.tiny and not torch.cuda.is_available():
@@ -667,7 +673,7 @@ def main():
               quant=args.quant, last_position=args.last_position, torchao_tuning=args.torchao_inductor_config == "on")
     settings = {"last_position_only": env.last_position, "torchao_inductor_config": args.torchao_inductor_config,
                 "device": env.ferry_device, "inductor_config": args.inductor_config, "split_kv": args.split_kv,
-                "combo_kernels": args.combo_kernels, "split_slices": args.split_slices,
+                "combo_kernels": args.combo_kernels, "split_slices": args.split_slices, "fuse_norms": args.fuse_norms,
                 "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
                                          "directions for a static decode step with a one-row reduction or quantized "
                                          "product, otherwise none; the process's coordinate_descent_* keys ignored",

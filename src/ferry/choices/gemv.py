@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Any
 
 import torch
 import torch.fx
@@ -58,6 +59,14 @@ _CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.
 # H200, within the spread between loads); three equal q/k/v slices would be three reductions whose
 # fusion nobody has timed, where one reduction is what the load timed
 SPLIT_EQUAL_SLICES = True
+# a row a norm makes (RMSNorm: a mean of squares, pointwise ops) and only a reduction reads is
+# computed again inside that reduction's kernel, once per output (rewrite): the norm's own kernel,
+# ~1.5 µs and a launch gap in each of two norms a layer, goes (decode: a kernel fewer per norm)
+FUSE_NORMS = True
+# the most outputs a product recomputing its norm may have: each block of outputs reads the row
+# again for its sum (from L2), which a 128k-token head's thousands of blocks would do thousands of times
+FUSED_NORM_OUTPUTS = 16384
+_ROW_SUMS = frozenset({aten.mean.dim, aten.sum.dim_IntList})
 KEEP_IF_ABOVE = 0.97  # the reduction's time over cuBLAS's: above this, cuBLAS's kernel stays
 TIMED_ON = frozenset({"cuda"})  # device types whose products are timed (tests add the CPU, with a fake clock)
 _TIMES: dict[tuple, tuple[float, float] | None] = {}  # per product shape, dtype, device and BLAS settings
@@ -270,28 +279,105 @@ def _compiled(weight, bias):
 def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
             shapes: dict[torch.fx.Node, torch.Tensor] | None = None) -> None:
     """Replace the `linear` node by `by_reduction`'s ops, which Inductor fuses into one kernel, its
-    row read from memory as the timed kernel read it (`_realized`). A merged product read only as
-    two column slices of one width (an MLP's gate and up, choices/projections.py) becomes one reduction
-    per slice over its rows of the stacked weight (SPLIT_EQUAL_SLICES): reductions of one size over
-    one row fuse into one kernel, and so does what combines their results (SiLU(gate) * up), which
-    a single reduction's result, read at two offsets, keeps in a kernel of its own."""
+    row read from memory as the timed kernel read it (`_realized`), or, where a norm makes the row
+    and nothing else reads it, the norm computed inside that kernel (`_norm_of`). A merged product
+    read only as two column slices of one width (an MLP's gate and up, choices/projections.py)
+    becomes one reduction per slice over its rows of the stacked weight (SPLIT_EQUAL_SLICES):
+    reductions of one size over one row fuse into one kernel, and so does what combines their
+    results (SiLU(gate) * up), which a single reduction's result, read at two offsets, keeps in a
+    kernel of its own."""
     x, weight = node.args[:2]
     bias = node.args[2] if len(node.args) > 2 else None
     assert isinstance(x, torch.fx.Node)  # (candidates: a row the graph computes or takes)
     g = gm.graph
+    shapes = shapes or {}
     dtype = _weights(gm, node)[0].dtype
-    split = _equal_slices(node, shapes or {}) if SPLIT_EQUAL_SLICES else None
+    split = _equal_slices(node, shapes) if SPLIT_EQUAL_SLICES else None
     parts: list[tuple[torch.fx.Node, tuple[int, int] | None]] = [*split] if split else [(node, None)]
+    widest = max(rows[1] - rows[0] if rows else _weights(gm, node)[0].shape[0] for _, rows in parts)
+    norm = _norm_of(x, node, shapes) if FUSE_NORMS and widest <= FUSED_NORM_OUTPUTS else None
     with g.inserting_before(node):
-        row = _realized(g, x, (shapes or {}).get(x))
-        xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (row, -2)),),
-                             {"dtype": torch.float32})
+        if norm is None:
+            row = _realized(g, x, shapes.get(x))
+            xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (row, -2)),),
+                                 {"dtype": torch.float32})
         for user, rows in parts:
+            if norm is not None:
+                width = rows[1] - rows[0] if rows else _weights(gm, node)[0].shape[0]
+                xf = g.call_function(aten._to_copy.default, (_norm_per_output(g, norm, width, shapes),),
+                                     {"dtype": torch.float32})
             result = _reduction(g, xf, weight, bias, rows, dtype)
             user.replace_all_uses_with(result)
             if user is not node:
                 g.erase_node(user)
     g.erase_node(node)
+    for old in reversed(norm[0] if norm else []):
+        if not old.users:
+            g.erase_node(old)
+
+
+def _norm_of(x: torch.fx.Node, product: torch.fx.Node,
+             shapes: dict) -> tuple[list[torch.fx.Node], list[torch.fx.Node]] | None:
+    """The nodes that make the one row `x` from rows in memory through pointwise ops and at least
+    one sum or mean of a row over its last dim (RMSNorm's mean of squares), in graph order, and
+    the nodes they read (leaves); None where `x` is not made so, or where anything besides
+    `product` reads it or the nodes that make it (a norm's result read twice is stored once)."""
+    row = shapes.get(x)
+    if not isinstance(row, torch.Tensor) or row.dim() == 0 or math.prod(row.shape[:-1]) != 1 or set(x.users) != {product}:
+        return None
+    inner, leaves = {x}, set()
+    for n in reversed(x.graph.nodes):  # users before what they read
+        if n is x or not any(u in inner for u in n.users):
+            continue
+        if n.op == "call_function" and all(u in inner for u in n.users) and _norm_step(n, shapes):
+            inner.add(n)
+        else:
+            leaves.add(n)
+    made = [n for n in x.graph.nodes if n in inner]
+    if not all(_norm_step(n, shapes) for n in made) or not any(n.target in _ROW_SUMS for n in made):
+        return None
+    for leaf in leaves:  # rows in memory, or what broadcasts against one (a norm's weight, a scalar)
+        meta = shapes.get(leaf)
+        if not isinstance(meta, torch.Tensor) or meta.dim() > row.dim() or (
+                meta.dim() == row.dim() and tuple(meta.shape[:-1]) != tuple(row.shape[:-1])):
+            return None
+    return made, [n for n in x.graph.nodes if n in leaves]
+
+
+def _norm_step(n: torch.fx.Node, shapes: dict) -> bool:
+    """A pointwise op, a cast, or a sum/mean of a row over its last dim keeping it (a norm's)."""
+    op = n.target
+    if op in _ROW_SUMS:
+        meta = shapes.get(n.args[0])
+        dims = n.args[1] if len(n.args) > 1 else None
+        keep = (n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim")) is True
+        return (isinstance(meta, torch.Tensor) and meta.dim() > 0 and keep and isinstance(dims, (list, tuple))
+                and len(dims) == 1 and dims[0] in (-1, meta.dim() - 1) and set(n.kwargs) <= {"keepdim"})
+    if op is aten._to_copy.default:
+        return set(n.kwargs) <= {"dtype"}
+    return op is aten.alias.default or (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags)
+
+
+def _norm_per_output(g: torch.fx.Graph, norm: tuple[list[torch.fx.Node], list[torch.fx.Node]], width: int,
+                     shapes: dict) -> torch.fx.Node:
+    """The norm's ops again, each row sum taken over the row repeated once per output (`width`):
+    the sum then has the product's shape, so Inductor computes it in the product's own kernel, as
+    it computes a softmax's max and sum in one. The row comes out [..., width, K], each copy the
+    norm's result op for op (the same casts and roundings)."""
+    made, leaves = norm
+    env: dict[torch.fx.Node, Any] = {}
+    rank = shapes[made[-1]].dim()
+    for leaf in leaves:  # a row gains the outputs' dim; what broadcasts from the right stays
+        env[leaf] = g.call_function(aten.unsqueeze.default, (leaf, -2)) if shapes[leaf].dim() == rank else leaf
+    for n in made:
+        assert callable(n.target)  # (_norm_step: call_function nodes)
+        args = torch.fx.map_arg(n.args, lambda a: env[a])
+        if n.target in _ROW_SUMS:
+            meta = shapes[n.args[0]]
+            wide = [*meta.shape[:-1], width, meta.shape[-1]]
+            args = (g.call_function(aten.expand.default, (args[0], wide)), [-1], *args[2:])
+        env[n] = g.call_function(n.target, args, dict(n.kwargs))
+    return env[made[-1]]
 
 
 def _reduction(g: torch.fx.Graph, xf: torch.fx.Node, weight, bias, rows: tuple[int, int] | None,
