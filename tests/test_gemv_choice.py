@@ -402,6 +402,93 @@ def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, d
     assert torch.allclose(module(x).float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
 
 
+class NormedProduct(torch.nn.Module):
+    """A decoder's residual, its RMSNorm (transformers' form: fp32 inside, the weight times the
+    row cast back) and a projection of the normed row; `also_norm` returns the normed row too."""
+
+    def __init__(self, hidden: int = 256, out: int = 384, also_norm: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden))
+        self.proj = torch.nn.Linear(hidden, out, bias=False)
+        self.also_norm = also_norm
+
+    def forward(self, h, r):
+        h = h + r
+        x = h.float()
+        x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+        return (self.proj(x), h, x) if self.also_norm else (self.proj(x), h)
+
+
+def _compiled_graph(monkeypatch, model, device: str, *args):
+    """The module's program (inductor backend, every product a reduction) and the graph Inductor compiled."""
+    from ferry.backends import inductor
+
+    graphs = []
+    real_compile = inductor._inductor_compile
+    monkeypatch.setattr(inductor, "_inductor_compile",
+                        lambda gm, *a, **kw: graphs.append(gm) or real_compile(gm, *a, **kw))
+    monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(gemv, "measure", lambda w, b, reduction: (10.0, 1.0))
+    ep = torch.export.export(model, args)
+    program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0" if device == "cuda" else "cpu",
+                                                           backend_id="inductor"),
+                            ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+                                skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True)))
+    module = ferry.Module(program)
+    module.load_method()
+    (gm,) = graphs
+    return module, gm
+
+
+def _norms_in_products(gm) -> int:
+    """Means taken over a row repeated once per output: norms computed inside a product's reduction."""
+    return sum(n.target is torch.ops.aten.mean.dim and n.args[0].target is torch.ops.aten.expand.default
+               for n in gm.graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
+@pytest.mark.parametrize("case", ["fused", "norm read twice", "too many outputs", "off"])
+def test_a_norm_only_a_product_reads_is_computed_inside_its_reduction_and_equals_eager(monkeypatch, device, case):
+    """The norm's ops run again per output inside the product's kernel (its own kernel gone),
+    with eager's casts: results within bf16 rounding of eager's, every call. Not where the normed
+    row is read by something else (it is stored anyway), the product is wider than
+    FUSED_NORM_OUTPUTS, or FUSE_NORMS is off."""
+    torch.manual_seed(7)
+    monkeypatch.setattr(gemv, "FUSE_NORMS", case != "off")
+    if case == "too many outputs":
+        monkeypatch.setattr(gemv, "FUSED_NORM_OUTPUTS", 383)
+    model = NormedProduct(also_norm=case == "norm read twice").to(device=device, dtype=torch.bfloat16).eval()
+    h, r = (torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device) for _ in range(2))
+    module, gm = _compiled_graph(monkeypatch, model, device, h, r)
+    assert _norms_in_products(gm) == (case == "fused")
+    for _ in range(3):
+        h, r = (torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device) for _ in range(2))
+        got, want = module(h, r), model(h, r)
+        for g, w in zip(got, want):
+            assert torch.allclose(g.float(), w.float(), rtol=2 ** -6, atol=2 ** -6 * w.float().abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_a_norm_computed_inside_its_product_takes_one_kernel_fewer(monkeypatch):
+    """Inductor computes the repeated row's mean in the product's own kernel (as a softmax's max
+    and sum), not in a kernel of its own: the graph has one Triton kernel fewer than with the norm
+    apart."""
+    from torch._inductor.utils import run_and_get_code
+
+    kernels = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(gemv, "FUSE_NORMS", fuse)
+        model = NormedProduct(2048, 3072).to(device="cuda", dtype=torch.bfloat16).eval()
+        h = torch.randn(1, 1, 2048, dtype=torch.bfloat16, device="cuda")
+        with torch._inductor.config.patch(force_disable_caches=True):
+            (module, _), codes = run_and_get_code(lambda m=model, x=h: _compiled_graph(monkeypatch, m, "cuda", x, x))
+        kernels[fuse] = "\n".join(codes).count("@triton.jit")
+        monkeypatch.undo()
+    assert kernels[True] == kernels[False] - 1, kernels
+
+
 class LastToken(torch.nn.Module):
     """A prefill's head: a dynamic number of positions in, one product over the last one out."""
 
