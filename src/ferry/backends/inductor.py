@@ -55,6 +55,7 @@ from ferry.program import Program, program_to_bytes
 from ferry.program.dataflow import in_place_outputs
 from ferry.program.ranks import localized
 from ferry.program.schema import CONST_KIND_TABLE, LIST_KINDS, ConstValue, KernelCall, Method, TensorValue, memory_owner
+from ferry.runtime.stages.kernel_steps import offset_in_owner
 from ferry.runtime.stages.kernels import bind_aten, check_call, returns_list
 from ferry.runtime.stages.load import Memory, load_memory
 from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, NoMeta, PerCall, Ref, ref
@@ -544,14 +545,9 @@ def _offset_in_slab(method: Method, memory: Memory, ins: KernelCall, pos: list) 
         return pos
     owner = memory_owner(method.values, ins.args[0])
     base = memory.slots[owner] if memory.fixed[owner] else None
-    if not isinstance(base, torch.Tensor) or not isinstance(pos[at].value, int) or not base.storage_offset():
+    if not isinstance(base, torch.Tensor) or not isinstance(pos[at].value, int):
         return pos
-    itemsize = method.tensor(ins.args[0]).torch_dtype.itemsize
-    start = base.storage_offset() * base.element_size()
-    if start % itemsize:
-        raise ProgramError(f"method {method.name!r}: {ins.kernel} reads a constant that starts at byte {start} "
-                           "of its memory, not at a multiple of its element size")
-    return [*pos[:at], Fixed(pos[at].value + start // itemsize), *pos[at + 1:]]
+    return offset_in_owner(method, ins, pos, base, "an inductor delegate's graph")
 
 
 def graph_of(method: Method, memory: Memory, overwrites: dict[int, int] | None = None) -> torch.fx.GraphModule:

@@ -38,6 +38,20 @@ from ferry.runtime.stages.steps import Step
 __all__ = ["KernelSteps"]
 
 
+
+def offset_in_owner(method: Method, ins: KernelCall, pos: list, base: torch.Tensor, where: str) -> list:
+    """`as_strided`'s arguments `pos`, its storage offset moved by where `base`, the memory owner
+    of its input, starts in its storage (an arena, a slab of constants): eager counts the offset
+    from the start of the input's own memory. The torch backend's steps and the inductor
+    backend's graphs both call it."""
+    at = STORAGE_OFFSET_AT[ins.kernel]
+    itemsize = method.tensor(ins.args[0]).torch_dtype.itemsize
+    start = base.storage_offset() * base.element_size()
+    if start % itemsize:
+        raise ProgramError(f"method {method.name!r} {where} ({ins.kernel}): its input starts at byte {start} of "
+                           "its memory, not at a multiple of its element size")
+    return [*pos[:at], Fixed(pos[at].value + start // itemsize), *pos[at + 1:]]
+
 class KernelSteps:
     """The binder's ATen kernel steps (a mixin of runtime/stages/bind.py's binder, which holds
     the method, its slots and what is fixed)."""
@@ -132,12 +146,7 @@ class KernelSteps:
             raise ProgramError(f"method {self.m.name!r} instruction {index} ({ins.kernel}): its storage offset must "
                                "be a constant int")
         if self.fixed[owner]:
-            base = self.slots[owner]
-            start = base.storage_offset() * base.element_size()
-            if start % itemsize:
-                raise ProgramError(f"method {self.m.name!r} instruction {index} ({ins.kernel}): its input starts "
-                                   f"at byte {start}, not at a multiple of its element size")
-            return [*pos[:at], Fixed(offset + start // itemsize), *pos[at + 1:]], op, ()
+            return offset_in_owner(self.m, ins, pos, self.slots[owner], f"instruction {index}"), op, ()
         slots = self.slots
 
         def shifted(*args, **kwargs):  # the owner is a tensor of this call: where it starts, per call
