@@ -403,19 +403,33 @@ def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, d
 
 
 class NormedProduct(torch.nn.Module):
-    """A decoder's residual, its RMSNorm (transformers' form: fp32 inside, the weight times the
-    row cast back) and a projection of the normed row; `also_norm` returns the normed row too."""
+    """A decoder's residual, a norm of it and a projection of the normed row; `also_norm` returns
+    the normed row too. Norms: transformers' RMSNorm (fp32 inside, the weight times the row cast
+    back), Gemma's (times 1 + weight, in fp32), a LayerNorm written out (two means, the second of
+    what the first makes, and a bias), a sum over the row divided by its length, no weight."""
 
-    def __init__(self, hidden: int = 256, out: int = 384, also_norm: bool = False):
+    def __init__(self, hidden: int = 256, out: int = 384, also_norm: bool = False, norm: str = "rms"):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.randn(hidden))
+        self.bias = torch.nn.Parameter(torch.randn(hidden))
         self.proj = torch.nn.Linear(hidden, out, bias=False)
-        self.also_norm = also_norm
+        self.also_norm, self.norm = also_norm, norm
 
     def forward(self, h, r):
         h = h + r
         x = h.float()
-        x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+        if self.norm == "rms":
+            x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+        elif self.norm == "gemma":
+            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.weight.float())).type_as(h)
+        elif self.norm == "layer":
+            centred = x - x.mean(-1, keepdim=True)
+            x = (centred * torch.rsqrt((centred * centred).mean(-1, keepdim=True) + 1e-5)).to(h.dtype)
+            x = x * self.weight + self.bias
+        elif self.norm == "sum":
+            x = (x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) / x.shape[-1] + 1e-6)).to(h.dtype) * self.weight
+        else:  # no weight
+            x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
         return (self.proj(x), h, x) if self.also_norm else (self.proj(x), h)
 
 
@@ -442,28 +456,32 @@ def _compiled_graph(monkeypatch, model, device: str, *args):
 
 def _norms_in_products(gm) -> int:
     """Means taken over a row repeated once per output: norms computed inside a product's reduction."""
-    return sum(n.target is torch.ops.aten.mean.dim and n.args[0].target is torch.ops.aten.expand.default
+    sums = (torch.ops.aten.mean.dim, torch.ops.aten.sum.dim_IntList)
+    return sum(n.target in sums and n.args[0].target is torch.ops.aten.expand.default
                for n in gm.graph.nodes if n.op == "call_function")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
-@pytest.mark.parametrize("case", ["fused", "norm read twice", "too many outputs", "off"])
+@pytest.mark.parametrize("case", ["fused", "gemma", "layer", "sum", "unweighted", "float16", "norm read twice",
+                                  "too many outputs", "off"])
 def test_a_norm_only_a_product_reads_is_computed_inside_its_reduction_and_equals_eager(monkeypatch, device, case):
     """The norm's ops run again per output inside the product's kernel (its own kernel gone),
-    with eager's casts: results within bf16 rounding of eager's, every call. Not where the normed
-    row is read by something else (it is stored anyway), the product is wider than
+    with eager's casts: results within half-precision rounding of eager's, every call. Not where
+    the normed row is read by something else (it is stored anyway), the product is wider than
     FUSED_NORM_OUTPUTS, or FUSE_NORMS is off."""
     torch.manual_seed(7)
     monkeypatch.setattr(gemv, "FUSE_NORMS", case != "off")
     if case == "too many outputs":
         monkeypatch.setattr(gemv, "FUSED_NORM_OUTPUTS", 383)
-    model = NormedProduct(also_norm=case == "norm read twice").to(device=device, dtype=torch.bfloat16).eval()
-    h, r = (torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device) for _ in range(2))
+    dtype = torch.float16 if case == "float16" else torch.bfloat16
+    norm = case if case in ("gemma", "layer", "sum", "unweighted") else "rms"
+    model = NormedProduct(also_norm=case == "norm read twice", norm=norm).to(device=device, dtype=dtype).eval()
+    h, r = (torch.randn(1, 1, 256, dtype=dtype, device=device) for _ in range(2))
     module, gm = _compiled_graph(monkeypatch, model, device, h, r)
-    assert _norms_in_products(gm) == (case == "fused")
+    assert _norms_in_products(gm) == {"layer": 2, "norm read twice": 0, "too many outputs": 0, "off": 0}.get(case, 1)
     for _ in range(3):
-        h, r = (torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device) for _ in range(2))
+        h, r = (torch.randn(1, 1, 256, dtype=dtype, device=device) for _ in range(2))
         got, want = module(h, r), model(h, r)
         for g, w in zip(got, want):
             assert torch.allclose(g.float(), w.float(), rtol=2 ** -6, atol=2 ** -6 * w.float().abs().max().item())

@@ -355,7 +355,10 @@ def _norm_step(n: torch.fx.Node, shapes: dict) -> bool:
                 and len(dims) == 1 and dims[0] in (-1, meta.dim() - 1) and set(n.kwargs) <= {"keepdim"})
     if op is aten._to_copy.default:
         return set(n.kwargs) <= {"dtype"}
-    return op is aten.alias.default or (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags)
+    if op in (aten.type_as.default, aten.to.dtype):  # casts (type_as reads its second tensor's dtype only)
+        return len(n.args) == 2 and not n.kwargs
+    return op is aten.alias.default or (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
+                                        and not op._schema.is_mutable)  # (run once per output: no writes)
 
 
 def _norm_per_output(g: torch.fx.Graph, norm: tuple[list[torch.fx.Node], list[torch.fx.Node]], width: int,
