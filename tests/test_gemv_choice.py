@@ -487,6 +487,41 @@ def test_a_norm_only_a_product_reads_is_computed_inside_its_reduction_and_equals
             assert torch.allclose(g.float(), w.float(), rtol=2 ** -6, atol=2 ** -6 * w.float().abs().max().item())
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mistral"])
+def test_each_familys_bf16_decode_with_norms_inside_its_products_follows_eager_step_by_step(monkeypatch, family):
+    """Teacher forcing, a tiny random model of each family in bf16 through transformers' export
+    recipe (a hybrid cache where the config has sliding layers), every one-row product made a
+    reduction: its norms (Llama's, Gemma's 1 + weight, Qwen 3's beside q/k norms) go inside them,
+    and each step's logits agree with the recipe's own module run eagerly."""
+    import copy
+
+    pytest.importorskip("transformers")
+
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    from test_generate import follows_eager_step_by_step
+    from test_generate_families import FAMILY, GENERATE
+    from test_model_families import family_decoder
+
+    made = []
+    real = gemv._norm_of
+    monkeypatch.setattr(gemv, "_norm_of", lambda x, p, s: made.append(r := real(x, p, s)) or r)
+    monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(gemv, "measure", lambda w, b, reduction: (10.0, 1.0))
+    # transformers' own initializer (GENERATE's larger one makes bf16 logits drift past the
+    # tolerance by step 5 with or without the norms inside: Llama, the inductor backend, cuBLAS's products)
+    model = family_decoder(family, **{**GENERATE, "initializer_range": 0.02, **FAMILY[family]}).to(torch.bfloat16)
+    model.generation_config.cache_implementation = "static"
+    recipes = [TorchExportableModuleForDecoderOnlyLM(copy.deepcopy(model), batch_size=1, max_cache_len=32)
+               for _ in range(2)]
+    with torch.no_grad():
+        ep = recipes[0].export(input_ids=torch.zeros(1, 1, dtype=torch.long), cache_position=torch.tensor([0]))
+    module = ferry.Module(ferry.compile(ep, ferry.OpSupportPartitioner("cpu", backend_id="inductor")))
+    module.load_method()
+    assert sum(m is not None for m in made) >= 4  # two norms a layer, two layers
+    follows_eager_step_by_step(module, recipes[1].model, "cpu", steps=8)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_the_gpu_a_norm_computed_inside_its_product_takes_one_kernel_fewer(monkeypatch):
