@@ -49,7 +49,7 @@ from ferry.choices.decisions import Site
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
-from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_source
 from ferry.ops.strings import safe_text
 from ferry.program import Program, program_to_bytes
 from ferry.program.dataflow import in_place_outputs
@@ -76,7 +76,8 @@ ASSERTS_ON_DEVICE = frozenset({"cuda"})
 # ops that read LAPACK's pivots (counting from 1), and which argument
 _PIVOTS_AT = {aten.lu_unpack.default: 1, aten.linalg_lu_solve.default: 1, aten.lu_solve.default: 2,
               aten.linalg_ldl_solve.default: 1}
-_CASTS = (aten._to_copy.default, aten.clone.default, torch.ops.prims.convert_element_type.default)
+# what pivots may pass through on their way from an input (besides views): casts and copies
+_PIVOT_PASSES = (aten._to_copy.default, aten.clone.default, torch.ops.prims.convert_element_type.default)
 _COMBO_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": True, "benchmark_combo_kernel": False}
 
 
@@ -379,14 +380,13 @@ def _dry_run(gm: torch.fx.GraphModule, method: Method) -> tuple[dict[torch.fx.No
     scratch inputs it ran on: integers 0 (indices in range), 1 where LAPACK's pivots are read
     (they count from 1: lu_unpack's); off CUDA, all 1 if a kernel refused those. On CUDA a kernel's
     check of its integers is a device-side assert, which ends the process's CUDA context: there
-    is no second try, so the first must be right (all 0, lu_unpack's pivots gathered row -1).
-    A bound is broken at both."""
+    is no second try, so the first fill must suit every input (all 0 would have lu_unpack gather
+    row -1). A bound is broken at both."""
     failure = None
     inputs = [method.values[v] for v in tensor_inputs(method)]
     ones = _pivot_inputs(gm)
     fills = [[int(i in ones) for i in range(len(inputs))]]
-    device = _device(method)
-    if device is None or device.type not in ASSERTS_ON_DEVICE:
+    if not any(v.device.type in ASSERTS_ON_DEVICE for v in inputs if isinstance(v, TensorValue)):
         fills.append([1] * len(inputs))
     for fill in fills:
         examples = [_example(v, integers) for v, integers in zip(inputs, fill)]
@@ -407,10 +407,14 @@ def _pivot_inputs(gm: torch.fx.GraphModule) -> set[int]:
     for node in gm.graph.nodes:
         at = _PIVOTS_AT.get(node.target)
         source = node.args[at] if at is not None and len(node.args) > at else None
-        while isinstance(source, torch.fx.Node) and source.op == "call_function" and (
-                isinstance(source.target, torch._ops.OpOverload) and is_view(source.target)
-                or source.target in _CASTS) and source.args:
-            source = source.args[0]
+        while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.args:
+            op = source.target
+            if op in _PIVOT_PASSES:
+                source = source.args[0]
+            elif isinstance(op, torch._ops.OpOverload) and is_view(op):
+                source = source.args[view_source(op)]
+            else:
+                break
         if isinstance(source, torch.fx.Node) and source.op == "placeholder":
             found.add(placeholders.index(source))
     return found

@@ -333,8 +333,8 @@ def _norm_of(x: torch.fx.Node, product: torch.fx.Node,
             inner.add(n)
         else:
             leaves.add(n)
-    made = [n for n in x.graph.nodes if n in inner]
-    if not all(_norm_step(n, shapes) for n in made) or not any(n.target in _ROW_SUMS for n in made):
+    made = [n for n in x.graph.nodes if n in inner]  # (each but x passed _norm_step above)
+    if not _norm_step(x, shapes) or not any(n.target in _ROW_SUMS for n in made):
         return None
     for leaf in leaves:  # rows in memory, or what broadcasts against one (a norm's weight, a scalar)
         meta = shapes.get(leaf)
@@ -375,11 +375,12 @@ def _norm_per_output(g: torch.fx.Graph, norm: tuple[list[torch.fx.Node], list[to
     for n in made:
         assert callable(n.target)  # (_norm_step: call_function nodes)
         args = torch.fx.map_arg(n.args, lambda a: env[a])
+        kwargs = torch.fx.map_arg(dict(n.kwargs), lambda a: env[a])
         if n.target in _ROW_SUMS:
             meta = shapes[n.args[0]]
             wide = [*meta.shape[:-1], width, meta.shape[-1]]
             args = (g.call_function(aten.expand.default, (args[0], wide)), [-1], *args[2:])
-        env[n] = g.call_function(n.target, args, dict(n.kwargs))
+        env[n] = g.call_function(n.target, args, kwargs)
     return env[made[-1]]
 
 

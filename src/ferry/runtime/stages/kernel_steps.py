@@ -35,8 +35,7 @@ from ferry.runtime.stages.refs import (
 from ferry.runtime.stages.sizes import CPU_SIZES_DIFFER, call_check, check_kernel
 from ferry.runtime.stages.steps import Step
 
-__all__ = ["KernelSteps"]
-
+__all__ = ["KernelSteps", "offset_in_owner"]
 
 
 def offset_in_owner(method: Method, ins: KernelCall, pos: list, base: torch.Tensor, where: str) -> list:
@@ -48,9 +47,10 @@ def offset_in_owner(method: Method, ins: KernelCall, pos: list, base: torch.Tens
     itemsize = method.tensor(ins.args[0]).torch_dtype.itemsize
     start = base.storage_offset() * base.element_size()
     if start % itemsize:
-        raise ProgramError(f"method {method.name!r} {where} ({ins.kernel}): its input starts at byte {start} of "
+        raise ProgramError(f"method {method.name!r}, {where}, {ins.kernel}: its input starts at byte {start} of "
                            "its memory, not at a multiple of its element size")
     return [*pos[:at], Fixed(pos[at].value + start // itemsize), *pos[at + 1:]]
+
 
 class KernelSteps:
     """The binder's ATen kernel steps (a mixin of runtime/stages/bind.py's binder, which holds
