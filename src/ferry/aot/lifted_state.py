@@ -24,7 +24,7 @@ import torch.fx
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind
 
 from ferry.errors import CompileError
-from ferry.ops.aliasing import is_view, view_source
+from ferry.ops.aliasing import view_base
 
 __all__ = ["one_name_per_state", "refuse_stale_views", "same_tensor", "written_constants_as_state"]
 
@@ -155,7 +155,7 @@ def _written_inputs(ep, kinds: tuple) -> set[str]:
         for i, arg in enumerate(node.target._schema.arguments):
             value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
-                base = _base(value)  # (a write through an in-place op's result wrote its base already)
+                base = view_base(value)  # (a write through an in-place op's result wrote its base already)
                 if base.name in constant:
                     found.add(base.name)
     return found
@@ -184,16 +184,6 @@ def refuse_stale_views(ep, method: str, updated: frozenset[str]) -> None:
                 f"method {method!r} reads part of buffer {target!r}, which a method updates, through the constant "
                 f"{spec.target!r} that export captured with its value at export time: export it with strict=True "
                 "(torch.export.export(..., strict=True) sees that the tensor is the buffer's)")
-
-
-def _base(node: torch.fx.Node) -> torch.fx.Node:
-    """The node a chain of views starts from."""
-    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and is_view(node.target):
-        source = node.args[view_source(node.target)]
-        if not isinstance(source, torch.fx.Node):
-            break
-        node = source
-    return node
 
 
 def _buffer_tensors(ep, kinds=(InputKind.BUFFER,)) -> dict[str, tuple[str, torch.Tensor]]:

@@ -27,7 +27,7 @@ from ferry.aot.partition import TARGET_DEVICE, Partition, Partitioner
 from ferry.device import Device
 from ferry.errors import CompileError, InputError
 from ferry.op_names import kernel_name
-from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_source
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_base
 
 
 class LoweredBackendModule(torch.nn.Module):
@@ -220,20 +220,19 @@ def _written_arguments(op: torch._ops.OpOverload, node: torch.fx.Node) -> list:
 def _memory_of(node):
     """The node whose memory `node` is, through views and the results of in-place ops (`x.add_(y)`
     returns x)."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and isinstance(
-            node.target, torch._ops.OpOverload):
-        op = node.target
-        returned = op._schema.returns[0].alias_info if len(op._schema.returns) == 1 else None
-        written = [i for i, a in enumerate(op._schema.arguments) if returned is not None and returned.is_write
-                   and a.alias_info is not None and set(a.alias_info.before_set) & set(returned.before_set)]
-        if is_view(op):
-            node = node.args[view_source(op)]
-        elif written:
-            at = written[0]
-            node = node.args[at] if at < len(node.args) else node.kwargs.get(op._schema.arguments[at].name)
-        else:
-            break
-    return node
+    return view_base(node, _returned_input)
+
+
+def _returned_input(node: torch.fx.Node) -> int | None:
+    """The position of the argument an in-place op writes and returns, or None."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or len(op._schema.returns) != 1:
+        return None
+    returned = op._schema.returns[0].alias_info
+    if returned is None or not returned.is_write:
+        return None
+    return next((i for i, a in enumerate(op._schema.arguments)
+                 if a.alias_info is not None and set(a.alias_info.before_set) & set(returned.before_set)), None)
 
 
 def _without_hidden_mutations(ep, exported_state: set[str], reshaped: str = "") -> torch.export.ExportedProgram:

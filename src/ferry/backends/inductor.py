@@ -49,7 +49,7 @@ from ferry.choices.decisions import Site
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
 from ferry.op_names import resolve_kernel
-from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_source
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, view_base
 from ferry.ops.strings import safe_text
 from ferry.program import Program, program_to_bytes
 from ferry.program.dataflow import in_place_outputs
@@ -407,14 +407,7 @@ def _pivot_inputs(gm: torch.fx.GraphModule) -> set[int]:
     for node in gm.graph.nodes:
         at = _PIVOTS_AT.get(node.target)
         source = node.args[at] if at is not None and len(node.args) > at else None
-        while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.args:
-            op = source.target
-            if op in _PIVOT_PASSES:
-                source = source.args[0]
-            elif isinstance(op, torch._ops.OpOverload) and is_view(op):
-                source = source.args[view_source(op)]
-            else:
-                break
+        source = view_base(source, lambda n: 0 if n.target in _PIVOT_PASSES else None)
         if isinstance(source, torch.fx.Node) and source.op == "placeholder":
             found.add(placeholders.index(source))
     return found

@@ -294,16 +294,15 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
     dtype = _weights(gm, node)[0].dtype
     split = _equal_slices(node, shapes) if SPLIT_EQUAL_SLICES else None
     parts: list[tuple[torch.fx.Node, tuple[int, int] | None]] = [*split] if split else [(node, None)]
-    widest = max(rows[1] - rows[0] if rows else _weights(gm, node)[0].shape[0] for _, rows in parts)
-    norm = _norm_of(x, node, shapes) if FUSE_NORMS and widest <= FUSED_NORM_OUTPUTS else None
+    widths = [rows[1] - rows[0] if rows else _weights(gm, node)[0].shape[0] for _, rows in parts]
+    norm = _norm_of(x, node, shapes) if FUSE_NORMS and max(widths) <= FUSED_NORM_OUTPUTS else None
     with g.inserting_before(node):
         if norm is None:
             row = _realized(g, x, shapes.get(x))
             xf = g.call_function(aten._to_copy.default, (g.call_function(aten.unsqueeze.default, (row, -2)),),
                                  {"dtype": torch.float32})
-        for user, rows in parts:
+        for (user, rows), width in zip(parts, widths):
             if norm is not None:
-                width = rows[1] - rows[0] if rows else _weights(gm, node)[0].shape[0]
                 xf = g.call_function(aten._to_copy.default, (_norm_per_output(g, norm, width, shapes),),
                                      {"dtype": torch.float32})
             result = _reduction(g, xf, weight, bias, rows, dtype)

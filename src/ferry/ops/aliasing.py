@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "STORAGE_OFFSET_AT", "composite_results", "is_view", "overwrites_safely", "returns_inputs", "schema_alias", "traced_alias",
-    "unannotated", "view_source",
+    "unannotated", "view_base", "view_source",
 ]
 
 
@@ -64,6 +64,24 @@ def view_source(op: torch._ops.OpOverload) -> int:
     """The argument position a view op's results view (the first argument for `_unsafe_view`)."""
     pos = schema_alias(op)[0] if op._schema.returns else None
     return 0 if pos is None else pos
+
+
+def view_base(node, through=None):
+    """The node a chain of views of `node` starts from. `through(node)`: the argument position to
+    follow past a node that is not a view (a cast, an in-place op's returned input), or None to
+    stop there."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        op = node.target
+        at = view_source(op) if isinstance(op, torch._ops.OpOverload) and is_view(op) else (
+            through(node) if through is not None else None)
+        if at is None:
+            break
+        source = node.args[at] if at < len(node.args) else (
+            node.kwargs.get(op._schema.arguments[at].name) if isinstance(op, torch._ops.OpOverload) else None)
+        if not isinstance(source, torch.fx.Node):
+            break
+        node = source
+    return node
 
 
 # views whose schema does not say so (`reshape` of a fresh copy becomes `clone` + `_unsafe_view`):
