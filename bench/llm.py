@@ -636,6 +636,9 @@ def parse_args():
                    help="a norm whose row only a one-row product reads computed inside that product's reduction "
                         "(on: ferry's default, choices/gemv.py FUSE_NORMS, products of up to FUSED_NORM_OUTPUTS "
                         "outputs; all: the head too), or in a kernel of its own (off)")
+    p.add_argument("--time-regions", choices=("on", "off"), default="on",
+                   help="a one-row product timed with the norm before it and the pointwise ops after it that its "
+                        "reduction would take in (on: ferry's default, choices/gemv.py TIME_REGIONS), or alone (off)")
     p.add_argument("--split-slices", choices=("on", "off"), default="on",
                    help="a merged product read as equal slices (gate and up) as one reduction per slice, which Inductor "
                         "fuses with SiLU(gate) * up (on: ferry's default, choices/gemv.py SPLIT_EQUAL_SLICES), or one "
@@ -660,6 +663,7 @@ def main():
     set_combo_kernels(args.combo_kernels)
     gemv.SPLIT_EQUAL_SLICES = args.split_slices == "on"
     gemv.FUSE_NORMS = args.fuse_norms != "off"
+    gemv.TIME_REGIONS = args.time_regions == "on"
     gemv.FUSED_NORM_OUTPUTS = 1 << 62 if args.fuse_norms == "all" else gemv.FUSED_NORM_OUTPUTS
     if args.split_kv == "off":
         split_kv.available = lambda: False  # the choice is then never offered: SDPA's kernels run
@@ -674,6 +678,7 @@ def main():
     settings = {"last_position_only": env.last_position, "torchao_inductor_config": args.torchao_inductor_config,
                 "device": env.ferry_device, "inductor_config": args.inductor_config, "split_kv": args.split_kv,
                 "combo_kernels": args.combo_kernels, "split_slices": args.split_slices, "fuse_norms": args.fuse_norms,
+                "time_regions": args.time_regions,
                 "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
                                          "directions for a static decode step with a one-row reduction or quantized "
                                          "product, otherwise none; the process's coordinate_descent_* keys ignored",

@@ -30,7 +30,7 @@ def timed_on_cpu(monkeypatch):
     """Products on the CPU are 'timed' too, by a fake clock the test sets: {(out, in): (cuBLAS, reduction) µs}."""
     clock: dict = {}
     monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
-    monkeypatch.setattr(gemv, "measure", lambda w, b, reduction: clock[tuple(w.shape)])
+    monkeypatch.setattr(gemv, "measure", lambda w, b, *forms: clock[tuple(w.shape)])
     return clock
 
 
@@ -243,7 +243,7 @@ def test_an_inductor_program_with_its_products_as_reductions_equals_eager(timed_
         assert got.shape == want.shape
         assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item())
     gate_up, down = DECISIONS.values(timed=True)  # one per shape
-    assert (gate_up.shape, down.shape) == ("64->192 bfloat16", "96->64 +bias bfloat16")
+    assert (gate_up.shape, down.shape) == ("64->192 (+ silu, mul) bfloat16", "96->64 +bias bfloat16")
     assert gate_up.taken is prefer_reduction and not down.taken  # 2% saved: cuBLAS's stays
     assert gate_up.times_us == (10.0, faster) and down.times_us == (10.0, 9.8)
     # a graph with a product rewritten is compiled with the tuning the reduction was timed with;
@@ -288,7 +288,7 @@ def test_a_bf16_decoder_with_every_product_a_reduction_follows_eager_step_by_ste
     from test_generate import KEEP_ON_DEVICE, bf16_decode_step, follows_eager_step_by_step
 
     monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
-    monkeypatch.setattr(gemv, "measure", lambda w, b, reduction: (10.0, 1.0))
+    monkeypatch.setattr(gemv, "measure", lambda w, b, *forms: (10.0, 1.0))
     ep, eager = bf16_decode_step(device)
     program = ferry.compile(ep, ferry.OpSupportPartitioner(f"{device}:0" if device == "cuda" else device,
                                                            backend_id="inductor"),
@@ -378,7 +378,7 @@ def test_the_compiled_graph_runs_the_products_the_decision_picked(monkeypatch, d
 
     reduced = {"both": {"gate_up", "down"}, "neither": set(), "down only": {"down"}}[reductions]
     monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
-    monkeypatch.setattr(gemv, "measure", lambda w, b, reduction: (
+    monkeypatch.setattr(gemv, "measure", lambda w, b, *forms: (
         10.0, 1.0 if ("down" if b is not None else "gate_up") in reduced else 10.0))
     torch.manual_seed(6)
     model = Step(256, 512).to(device=device, dtype=torch.bfloat16).eval()
@@ -442,7 +442,7 @@ def _compiled_graph(monkeypatch, model, device: str, *args):
     monkeypatch.setattr(inductor, "_inductor_compile",
                         lambda gm, *a, **kw: graphs.append(gm) or real_compile(gm, *a, **kw))
     monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
-    monkeypatch.setattr(gemv, "measure", lambda w, b, reduction: (10.0, 1.0))
+    monkeypatch.setattr(gemv, "measure", lambda w, b, *forms: (10.0, 1.0))
     ep = torch.export.export(model, args)
     program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0" if device == "cuda" else "cpu",
                                                            backend_id="inductor"),
@@ -507,7 +507,7 @@ def test_each_familys_bf16_decode_with_norms_inside_its_products_follows_eager_s
     real = gemv._norm_of
     monkeypatch.setattr(gemv, "_norm_of", lambda x, p, s: made.append(r := real(x, p, s)) or r)
     monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
-    monkeypatch.setattr(gemv, "measure", lambda w, b, reduction: (10.0, 1.0))
+    monkeypatch.setattr(gemv, "measure", lambda w, b, *forms: (10.0, 1.0))
     # transformers' own initializer (GENERATE's larger one makes bf16 logits drift past the
     # tolerance by step 5 with or without the norms inside: Llama, the inductor backend, cuBLAS's products)
     model = family_decoder(family, **{**GENERATE, "initializer_range": 0.02, **FAMILY[family]}).to(torch.bfloat16)
@@ -540,6 +540,128 @@ def test_on_the_gpu_a_norm_computed_inside_its_product_takes_one_kernel_fewer(mo
         kernels[fuse] = "\n".join(codes).count("@triton.jit")
         monkeypatch.undo()
     assert kernels[True] == kernels[False] - 1, kernels
+
+
+class NormedMLP(torch.nn.Module):
+    """A decoder layer's second half: the residual, its RMSNorm, gate and up (merged by ferry into
+    one product), SiLU(gate) * up, the down projection and the residual again."""
+
+    def __init__(self, hidden: int = 64, inner: int = 96):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden))
+        self.gate = torch.nn.Linear(hidden, inner, bias=False)
+        self.up = torch.nn.Linear(hidden, inner, bias=False)
+        self.down = torch.nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, h, r):
+        h = h + r
+        x = h.float()
+        x = self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+        return self.down(F.silu(self.gate(x)) * self.up(x)) + h
+
+
+class TwoRows(torch.nn.Module):
+    """Two products of one weight shape, one of a normed row, one of a row as it comes."""
+
+    def __init__(self):
+        super().__init__()
+        self.normed = NormedProduct(64, 48)
+        self.plain = torch.nn.Linear(64, 48, bias=False)
+
+    def forward(self, h, r):
+        return self.normed(h, r)[0] + self.plain(r)
+
+
+def _regions(monkeypatch):
+    """Each product's region as `product_times` sees it (before the rewrite), with its two graphs."""
+    seen = []
+    real = gemv.product_times
+
+    def product_times(gm, node, region=None):
+        if region is not None and all(region is not r for _, r, *_ in seen):
+            seen.append((gm, region, region.graph(gm, fused=False), region.graph(gm, fused=True),
+                         gemv._weights(gm, node)[0], region._leaves()))
+        return real(gm, node, region)
+
+    monkeypatch.setattr(gemv, "product_times", product_times)
+    return seen
+
+
+@pytest.mark.parametrize("model, inside", [(NormedProduct(64, 48), ["norm"]), (Step(), ["silu, mul"]),
+                                           (NormedMLP(), ["norm, silu, mul"])])
+def test_a_products_region_takes_in_its_norm_and_the_ops_after_and_its_two_forms_equal_each_other(
+        monkeypatch, model, inside):
+    """What a reduction would take into its kernel (the norm before, SiLU(gate) * up after, not a
+    residual add that reads a row from outside) is timed as two graphs of the same values: the
+    original ops with cuBLAS's product (`library_linear`), and the rewrite, its norm inside the
+    reduction. Both, fed fresh random rows, agree within bf16 rounding, eagerly and compiled."""
+    seen = _regions(monkeypatch)
+    model = model.to(torch.bfloat16).eval()
+    args = [torch.randn(1, 1, 64, dtype=torch.bfloat16) for _ in range(1 if isinstance(model, Step) else 2)]
+    _compiled_graph(monkeypatch, model, "cpu", *args)
+    assert [region.inside for _, region, *_ in seen] == inside
+    for gm, region, library, fused, weight, leaves in seen:
+        targets = [{n.target for n in g.graph.nodes} for g in (library, fused)]
+        assert gemv.LIBRARY_LINEAR in targets[0] and gemv.LIBRARY_LINEAR not in targets[1]
+        assert torch.ops.aten.linear.default not in targets[0] | targets[1]
+        assert _norms_in_products(fused) == (region.norm is not None) * (1 if "silu" not in region.inside else 2)
+        for _ in range(2):
+            rows = [getattr(gm, n.target) if n.op == "get_attr" else torch.randn(region.shapes[n].shape,
+                                                                                   dtype=torch.bfloat16)
+                    for n in leaves]
+            want = library(*rows, weight)
+            for got in (fused(*rows, weight), torch._inductor.compile(fused, [*rows, weight])(*rows, weight)):
+                assert len(got) == len(want) == 1
+                assert torch.allclose(got[0].float(), want[0].float(), rtol=2 ** -6,
+                                      atol=2 ** -6 * want[0].float().abs().max().item())
+
+
+@pytest.mark.parametrize("regions", [True, False])
+def test_products_of_one_shape_with_and_without_a_norm_to_take_in_are_decided_apart(timed_on_cpu, monkeypatch,
+                                                                                    regions):
+    """The reduction of a normed row saves the norm's kernel, the other's does not: two decisions,
+    each named by what its reduction takes in (TIME_REGIONS off: one, each product timed alone)."""
+    monkeypatch.setattr(gemv, "TIME_REGIONS", regions)
+    timed_on_cpu[(48, 64)] = (10.0, 9.9)
+    _compiled_graph(monkeypatch, TwoRows().to(torch.bfloat16).eval(), "cpu",
+                    *(torch.randn(1, 1, 64, dtype=torch.bfloat16) for _ in range(2)))
+    assert sorted(d.shape for d in DECISIONS.values(timed=True)) == (
+        ["64->48 (+ norm) bfloat16", "64->48 bfloat16"] if regions else ["64->48 bfloat16"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_a_region_is_timed_as_its_two_compiled_forms_and_the_program_equals_eager(monkeypatch):
+    """A norm, gate/up and SiLU * up at Llama-1B's width: both forms compile with Inductor on the
+    GPU and agree, the decision is named by what the reduction takes in and carries both times,
+    and the program, whichever form won, follows eager call after call."""
+    outputs = []
+    real = gemv.Region.forms
+
+    def forms(self, gm, device):
+        made = real(self, gm, device)
+        weight, bias = gemv._weights(gm, self.product)
+        outputs.append([f(weight, bias) for f in made])
+        return made
+
+    monkeypatch.setattr(gemv.Region, "forms", forms)
+    torch.manual_seed(5)
+    model = NormedMLP(2048, 8192).to(device="cuda", dtype=torch.bfloat16).eval()
+    h, r = (torch.randn(1, 1, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    program = ferry.compile(torch.export.export(model, (h, r)),
+                            ferry.OpSupportPartitioner("cuda:0", backend_id="inductor"),
+                            ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
+                                skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True)))
+    module = ferry.Module(program, cuda_graphs=True)
+    for _ in range(3):
+        h, r = (torch.randn(1, 1, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        got, want = module(h, r), model(h, r)
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())
+    (library, fused), = outputs
+    assert torch.allclose(fused[0].float(), library[0].float(), rtol=2 ** -6,
+                          atol=2 ** -6 * library[0].float().abs().max().item())
+    (made,) = [d for d in DECISIONS.values(timed=True) if d.shape == "2048->16384 (+ norm, silu, mul) bfloat16"]
+    assert all(0 < t < 1e4 for t in made.times_us)
 
 
 class LastToken(torch.nn.Module):

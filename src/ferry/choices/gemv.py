@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from ferry.ops.aliasing import is_view, view_source
 from ferry.ops.library import new_fragment
 from ferry.ops.split_kv import SPLIT_KV_ATTENTION
 
-__all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "SPLIT_EQUAL_SLICES", "TIMED_ON", "TUNING", "UNTUNED", "apply",
+__all__ = ["FAMILY", "FORMS", "LIBRARY_LINEAR", "Region", "SPLIT_EQUAL_SLICES", "TIMED_ON", "TUNING", "UNTUNED", "apply",
            "by_reduction", "candidates", "cold_copies", "measure", "product_times", "rewrite", "settings"]
 
 aten = torch.ops.aten
@@ -148,14 +149,18 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], t
     or the graph is `tuned` anyway, it is compiled with TUNING, under which Inductor itself would
     turn every one-row `mm` into an untimed reduction: the products left to cuBLAS (slower, or not
     timed) are then called through `library_linear`, which it leaves alone (outside CUDA graphs:
-    a Python call per product and call). Other one-row products (fp32, a weight passed in, a
-    `bmm` of one query row) are not candidates and are left to Inductor. Returns the decisions."""
-    by_shape: dict[str, list[torch.fx.Node]] = {}
+    a Python call per product and call). A product whose reduction would take in the norm that
+    makes its row or the pointwise ops after it is timed with them (`_region`): the kernels each
+    form leaves, per shape and what is taken in. Other one-row products (fp32, a weight passed in,
+    a `bmm` of one query row) are not candidates and are left to Inductor. Returns the decisions."""
+    by_shape: dict[tuple[str, str], list[torch.fx.Node]] = {}
+    regions: dict[torch.fx.Node, Region | None] = {}
     for node in candidates(gm, shapes):
         if _weights(gm, node)[0].device.type in TIMED_ON:
-            by_shape.setdefault(_shape(*_weights(gm, node)), []).append(node)
-    decided = [(_decided(gm, group) if product_times(gm, group[0]) is not None else None, group)
-               for _, group in sorted(by_shape.items())]
+            region = regions[node] = _region(gm, node, shapes)
+            by_shape.setdefault((_shape(*_weights(gm, node)), region.key if region else ""), []).append(node)
+    decided = [(_decided(gm, group, regions[group[0]]) if product_times(gm, group[0], regions[group[0]]) is not None
+                else None, group) for _, group in sorted(by_shape.items())]
     if tuned or any(d is not None and d.taken for d, _ in decided):
         for d, group in decided:
             for node in group:
@@ -167,14 +172,15 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], t
     return [d for d, _ in decided if d is not None]
 
 
-def _decided(gm: torch.fx.GraphModule, group: list[torch.fx.Node]) -> Decision:
-    """The decision for the products of one shape (`group`), made once per process. One kernel
-    either way, so no launch to pay for: the reduction is kept where it saves 3% (what the timing
-    of one graph-captured kernel tells apart; the graph's own compile tunes it again)."""
+def _decided(gm: torch.fx.GraphModule, group: list[torch.fx.Node], region: Region | None) -> Decision:
+    """The decision for the products of one shape and region (`group`), made once per process.
+    The reduction never launches more kernels than cuBLAS's form, so no launch to pay for: it is
+    kept where it saves 3% (what the timing of one graph-captured kernel tells apart; the graph's
+    own compile tunes it again)."""
     weight, bias = _weights(gm, group[0])
-    times = product_times(gm, group[0])  # (measured already, by apply)
+    times = product_times(gm, group[0], region)  # (measured already, by apply)
     assert times is not None  # (apply: every product was timed)
-    name = _shape(weight, bias)
+    name = _shape(weight, bias) + (f" (+ {region.inside})" if region else "")
     key = (FAMILY, name, weight.dtype, str(weight.device), blas_settings())
     made = timing.decision(FAMILY, "aten.linear", name, weight.device, weight.dtype, FORMS, times,
                            min_saving_us=0, keep_if_above=KEEP_IF_ABOVE)
@@ -206,23 +212,149 @@ def candidates(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tenso
     return out
 
 
-def product_times(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[float, float] | None:
-    """(cuBLAS µs, tuned reduction µs) of this product's shape on its GPU, measured once per process;
-    None where it could not be timed. The reduction is compiled outside the capture lock (seconds,
+def product_times(gm: torch.fx.GraphModule, node: torch.fx.Node,
+                  region: Region | None = None) -> tuple[float, float] | None:
+    """(cuBLAS µs, tuned reduction µs) of this product on its GPU, with what its reduction would
+    take in (its `_region`, where it has one), measured once per process per shape and region;
+    None where it could not be timed. The forms are compiled outside the capture lock (seconds,
     with tuning); only the timing holds it."""
     weight, bias = _weights(gm, node)
-    key = (_shape(weight, bias), weight.dtype, str(weight.device), blas_settings())
+    key = (_shape(weight, bias), region.key if region else "", weight.dtype, str(weight.device), blas_settings())
     with LOCK:
         if key in _TIMES:
             return _TIMES[key]
     try:
-        reduction = _compiled(weight, bias) if weight.device.type == "cuda" else None
+        forms = (region.forms(gm, weight.device) if region else _product_forms(weight, bias)) \
+            if weight.device.type == "cuda" else None
     except Exception:  # noqa: BLE001 - Inductor could not build it: nothing is timed, cuBLAS stays
-        reduction = None
+        forms = None
     with LOCK:
         if key not in _TIMES and (weight.device.type != "cuda" or not timing.capturing(weight.device)):
-            _TIMES[key] = measure(weight, bias, reduction)
+            _TIMES[key] = measure(weight, bias, *(forms or (None, None)))
         return _TIMES.get(key)
+
+
+def _product_forms(weight: torch.Tensor, bias: torch.Tensor | None):
+    """cuBLAS's product and the compiled reduction of one row, each a function of (weight, bias)."""
+    reduction = _compiled(weight, bias)
+    with timing.on(weight.device):
+        x = torch.full((1, weight.shape[1]), 0.5, dtype=weight.dtype, device=weight.device)
+    return (lambda w, b: torch.nn.functional.linear(x, w, b)), (lambda w, b: reduction(x, w, b))
+
+
+# a product is timed with the norm and the pointwise ops its reduction would take in (`Region`);
+# off, each product alone, as if cuBLAS's form ran them in no kernels of their own
+TIME_REGIONS = True
+REGION_AFTER = 8  # the most pointwise ops after a product a region takes in (an MLP's SiLU and multiply: 2)
+
+
+@dataclass(eq=False)
+class Region:
+    """A product with what its reduction would take into its kernel, which cuBLAS's form leaves to
+    kernels of their own: the norm that makes its row (`norm`, as `_norm_of` gives it) and the
+    pointwise ops that read only its result (`after`, with its two slices where it is split: an
+    MLP's SiLU(gate) * up). Timed as two graphs of the same values (`forms`), so a choice counts
+    the kernels the reduction saves: Qwen3-0.6B's gate/up product alone took 7.0 µs against
+    cuBLAS's 7.1 on an H200, and cuBLAS's form also runs its norm and its SiLU * up apart."""
+
+    product: torch.fx.Node
+    norm: tuple[list[torch.fx.Node], list[torch.fx.Node]] | None
+    after: list[torch.fx.Node]
+    shapes: dict
+
+    @property
+    def inside(self) -> str:
+        """What the reduction takes in, in words ("norm, silu, mul")."""
+        ops = [n.target._overloadpacket.__name__ for n in self.after if n.target is not aten.slice.Tensor]  # type: ignore[union-attr]
+        return ", ".join((["norm"] if self.norm else []) + ops)
+
+    @property
+    def key(self) -> str:
+        """The ops taken in and the rows they read: regions of one key time alike."""
+        ops = [str(n.target) for n in (self.norm[0] if self.norm else []) + self.after]
+        return repr((ops, [(tuple(m.shape), m.dtype) for m in map(self.shapes.get, self._leaves())
+                           if isinstance(m, torch.Tensor)]))
+
+    def _leaves(self) -> list[torch.fx.Node]:
+        return self.norm[1] if self.norm else [self.product.args[0]]  # type: ignore[list-item]
+
+    def forms(self, gm: torch.fx.GraphModule, device: torch.device):
+        """cuBLAS's form (the norm, `library_linear`, the ops after, as Inductor compiles them) and
+        the reduction's (rewritten as the method's graph will be), each compiled with TUNING and a
+        function of (weight, bias); the rows they read are scratch, the constants the graph's."""
+        leaves, built = self._leaves(), [self.graph(gm, fused) for fused in (False, True)]
+        weight, bias = _weights(gm, self.product)
+        with timing.on(device):
+            inputs = [getattr(gm, str(n.target)) if n.op == "get_attr" else timing.scratch(self.shapes[n], device)
+                      for n in leaves]
+        tail = [weight] + ([bias] if bias is not None else [])
+        compiled = [torch._inductor.compile(g, inputs + tail, options=TUNING) for g in built]
+        return tuple((lambda w, b, f=f: f(*inputs, w, *([] if b is None else [b]))) for f in compiled)
+
+    def graph(self, gm: torch.fx.GraphModule, fused: bool) -> torch.fx.GraphModule:
+        """The region as a graph of (its leaves..., weight[, bias]) returning what is read outside
+        it: the product through `library_linear`, or (`fused`) rewritten as `apply` would."""
+        g, root, env, leaves = torch.fx.Graph(), torch.nn.Module(), {}, self._leaves()
+        for i, leaf in enumerate(leaves):
+            env[leaf] = g.placeholder(f"row{i}")
+        consts = [a for a in self.product.args[1:3] if isinstance(a, torch.fx.Node)]
+        for name, const in zip(("weight", "bias"), consts):
+            setattr(root, name, getattr(gm, str(const.target)))
+            env[const] = g.get_attr(name)
+        inner = (self.norm[0] if self.norm else []) + [self.product] + self.after
+        for n in inner:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        g.output(tuple(env[n] for n in inner if any(u not in inner for u in n.users)))
+        small = torch.fx.GraphModule(root, g)
+        shapes = {env[n]: self.shapes[n] for n in env if n in self.shapes}
+        if fused:
+            rewrite(small, env[self.product], shapes)
+        else:
+            env[self.product].target = LIBRARY_LINEAR
+        return _constants_as_inputs(small, len(leaves))
+
+
+def _constants_as_inputs(gm: torch.fx.GraphModule, after: int) -> torch.fx.GraphModule:
+    """`gm` with its constants (weight, bias) as inputs placed after its first `after` inputs:
+    the timing passes each copy of the weight in turn."""
+    g = gm.graph
+    last = [n for n in g.nodes if n.op == "placeholder"][after - 1]
+    for node in [n for n in g.nodes if n.op == "get_attr"]:
+        with g.inserting_after(last):
+            last = g.placeholder(str(node.target))
+        node.replace_all_uses_with(last)
+        g.erase_node(node)
+        delattr(gm, str(node.target))
+    gm.recompile()
+    return gm
+
+
+def _region(gm: torch.fx.GraphModule, node: torch.fx.Node, shapes: dict) -> Region | None:
+    """The product's region (what its reduction would take in), or None where it takes in nothing
+    (or TIME_REGIONS is off)."""
+    if not TIME_REGIONS:
+        return None
+    parts, widths = _parts(gm, node, shapes)
+    norm = _fused_norm(node, widths, shapes)
+    after = _after(node, [user for user, _ in parts if user is not node])
+    if norm is None and all(n.target is aten.slice.Tensor for n in after):
+        return None
+    return Region(node, norm, after, shapes)
+
+
+def _after(product: torch.fx.Node, slices: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The product's slices and the pointwise ops, in graph order, that read only the product, its
+    slices and each other (at most REGION_AFTER): what Inductor computes in the reduction's kernel."""
+    inside, after = {product, *slices}, list(slices)
+    node = product.next
+    while node.op != "output" and len(after) < len(slices) + REGION_AFTER:
+        reads = node.all_input_nodes
+        if node.op == "call_function" and node not in inside and reads and all(r in inside for r in reads) \
+                and _pointwise(node):
+            inside.add(node)
+            after.append(node)
+        node = node.next
+    return after
 
 
 def _shape(weight: torch.Tensor, bias: torch.Tensor | None) -> str:
@@ -236,18 +368,18 @@ def _weights(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.Tenso
     return got[0], got[1] if len(got) > 1 else None
 
 
-def measure(weight: torch.Tensor, bias: torch.Tensor | None, reduction) -> tuple[float, float] | None:
-    """(cuBLAS µs, reduction µs) on the weight's GPU, or None where nothing could be timed (no
+def measure(weight: torch.Tensor, bias: torch.Tensor | None, library, reduction) -> tuple[float, float] | None:
+    """(µs of the `library` form, µs of the `reduction`), each a function of (weight, bias), on the
+    weight's GPU, the weight rotated through copies past L2; None where nothing could be timed (no
     reduction was built, or out of memory): cuBLAS's kernel stays."""
     if reduction is None:
         return None
     device, copies = weight.device, [weight]
     try:
         with timing.on(device):
-            x = torch.full((1, weight.shape[1]), 0.5, dtype=weight.dtype, device=device)
             copies += [torch.full_like(weight, 0.5) for _ in range(cold_copies(weight) - 1)]
-            times = timing.time_both(lambda: [torch.nn.functional.linear(x, w, bias) for w in copies],
-                                     lambda: [reduction(x, w, bias) for w in copies])
+            times = timing.time_both(lambda: [library(w, bias) for w in copies],
+                                     lambda: [reduction(w, bias) for w in copies])
             return times[0] / len(copies), times[1] / len(copies)
     except Exception:  # noqa: BLE001 - a choice that cannot be timed is not made; the load goes on
         return None
@@ -292,10 +424,8 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
     g = gm.graph
     shapes = shapes or {}
     dtype = _weights(gm, node)[0].dtype
-    split = _equal_slices(node, shapes) if SPLIT_EQUAL_SLICES else None
-    parts: list[tuple[torch.fx.Node, tuple[int, int] | None]] = [*split] if split else [(node, None)]
-    widths = [rows[1] - rows[0] if rows else _weights(gm, node)[0].shape[0] for _, rows in parts]
-    norm = _norm_of(x, node, shapes) if FUSE_NORMS and max(widths) <= FUSED_NORM_OUTPUTS else None
+    parts, widths = _parts(gm, node, shapes)
+    norm = _fused_norm(node, widths, shapes)
     with g.inserting_before(node):
         if norm is None:
             row = _realized(g, x, shapes.get(x))
@@ -313,6 +443,22 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node,
     for old in reversed(norm[0] if norm else []):
         if not old.users:
             g.erase_node(old)
+
+
+def _parts(gm: torch.fx.GraphModule, node: torch.fx.Node,
+           shapes: dict) -> tuple[list[tuple[torch.fx.Node, tuple[int, int] | None]], list[int]]:
+    """What each reduction of the rewrite replaces, with the rows of the weight it reads (all:
+    None), and how many outputs each has: the product, or its two equal slices (`_equal_slices`)."""
+    split = _equal_slices(node, shapes) if SPLIT_EQUAL_SLICES else None
+    parts: list[tuple[torch.fx.Node, tuple[int, int] | None]] = [*split] if split else [(node, None)]
+    return parts, [rows[1] - rows[0] if rows else _weights(gm, node)[0].shape[0] for _, rows in parts]
+
+
+def _fused_norm(node: torch.fx.Node, widths: list[int], shapes: dict):
+    """The norm the rewrite computes inside the product's reductions (`_norm_of`), or None."""
+    x = node.args[0]
+    assert isinstance(x, torch.fx.Node)  # (candidates: a row the graph computes or takes)
+    return _norm_of(x, node, shapes) if FUSE_NORMS and max(widths) <= FUSED_NORM_OUTPUTS else None
 
 
 def _norm_of(x: torch.fx.Node, product: torch.fx.Node,
@@ -356,8 +502,13 @@ def _norm_step(n: torch.fx.Node, shapes: dict) -> bool:
         return set(n.kwargs) <= {"dtype"}
     if op in (aten.type_as.default, aten.to.dtype):  # casts (type_as reads its second tensor's dtype only)
         return len(n.args) == 2 and not n.kwargs
-    return op is aten.alias.default or (isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
-                                        and not op._schema.is_mutable)  # (run once per output: no writes)
+    return op is aten.alias.default or _pointwise(n)  # (run once per output: no writes)
+
+
+def _pointwise(n: torch.fx.Node) -> bool:
+    """A pointwise op that writes nothing."""
+    op = n.target
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags and not op._schema.is_mutable
 
 
 def _norm_per_output(g: torch.fx.Graph, norm: tuple[list[torch.fx.Node], list[torch.fx.Node]], width: int,
