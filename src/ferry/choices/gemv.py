@@ -36,7 +36,7 @@ from ferry.capture import LOCK
 from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision
 from ferry.choices.gemm import blas_settings
-from ferry.ops.aliasing import is_view, view_source
+from ferry.ops.aliasing import view_base
 from ferry.ops.library import new_fragment
 from ferry.ops.split_kv import SPLIT_KV_ATTENTION
 
@@ -131,19 +131,19 @@ def _quantized_one_row(gm: torch.fx.GraphModule, node: torch.fx.Node, shapes: di
 
 def _constant_read(gm: torch.fx.GraphModule, node) -> tuple[torch.Tensor | None, bool]:
     """The constant `node` reads through views and casts (None: something else), and whether it is cast."""
-    cast = False
-    while isinstance(node, torch.fx.Node) and node.op == "call_function":
-        op = node.target
-        if op in _CASTS:
-            node, cast = node.args[0], True
-        elif isinstance(op, torch._ops.OpOverload) and is_view(op):
-            node = node.args[view_source(op)]
-        else:
-            return None, cast
-    if not (isinstance(node, torch.fx.Node) and node.op == "get_attr"):
-        return None, cast
-    value = getattr(gm, str(node.target), None)
-    return (value if isinstance(value, torch.Tensor) else None), cast
+    casts: list[torch.fx.Node] = []
+
+    def past_casts(n: torch.fx.Node) -> int | None:
+        if n.target not in _CASTS:
+            return None
+        casts.append(n)
+        return 0
+
+    base = view_base(node, through=past_casts)
+    if not (isinstance(base, torch.fx.Node) and base.op == "get_attr"):
+        return None, bool(casts)
+    value = getattr(gm, str(base.target), None)
+    return (value if isinstance(value, torch.Tensor) else None), bool(casts)
 
 
 def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], tuned: bool = False) -> list[Decision]:
@@ -588,13 +588,7 @@ def _realized(g: torch.fx.Graph, x: torch.fx.Node, meta: torch.Tensor | None) ->
 def _in_memory(x: torch.fx.Node) -> bool:
     """`x` is (a view or an element of) an input, a constant or the result of an op Inductor leaves
     to a library (no Inductor kernel computes it: GEMMs, convolutions, attention)."""
-    while x.op == "call_function":
-        op = x.target
-        src = x.args[0] if op is operator.getitem else (
-            x.args[view_source(op)] if isinstance(op, torch._ops.OpOverload) and is_view(op) else None)
-        if not isinstance(src, torch.fx.Node):
-            break
-        x = src
+    x = view_base(x, through=lambda n: 0 if n.target is operator.getitem else None)
     return x.op != "call_function" or getattr(x.target, "_overloadpacket", None) in _LIBRARY
 
 
