@@ -150,3 +150,29 @@ def test_a_file_declaring_a_composite_result_a_view_of_no_argument_is_refused():
     edited = dataclasses.replace(program, methods={"forward": dataclasses.replace(m, values=values)})
     with pytest.raises(ProgramError, match="none of its arguments"):
         validate_program(edited)
+
+
+class ReadsStorage(nn.Module):
+    """`x` read through its storage (as_strided with an offset, past a view), `y` as it is."""
+
+    def forward(self, x, y):
+        return torch.as_strided(x.view(-1), (2, 2), (1, 2), 1) + y
+
+
+@pytest.mark.parametrize("where", ["cpu", "emu:0"])
+def test_an_input_read_through_its_storage_is_named_and_a_view_into_a_larger_one_is_refused(emu, where):
+    """Found through views and, on the device, through its copy there and into the delegate: the
+    input is listed, a call with a view into a larger storage (whose offset would count from the
+    wrong start) gets an InputError, and the module answers as eager afterwards."""
+    from ferry import InputError
+
+    x, y = torch.randn(3, 3), torch.randn(2, 2)
+    ep = torch.export.export(ReadsStorage(), (x, y))
+    program = ferry.compile(ep, ferry.OpSupportPartitioner(where) if where != "cpu" else None)
+    assert program.methods["forward"].storage_inputs == [0]
+    module = ferry.Module(program)
+    with pytest.raises(InputError, match="read through its storage"):
+        module(torch.randn(4, 3)[1:], y)
+    for _ in range(2):
+        x, y = torch.randn(3, 3), torch.randn(4, 2)[2:]  # `y` may be a view: it is read as a tensor
+        assert torch.equal(module(x, y), ReadsStorage()(x, y))

@@ -16,7 +16,7 @@ from ferry import node_meta as M
 from ferry.aot.lower import is_delegate_node
 from ferry.op_names import kernel_name
 from ferry.ops import is_copy_node
-from ferry.ops.aliasing import STORAGE_OFFSET_AT, is_view, view_source
+from ferry.ops.aliasing import STORAGE_OFFSET_AT, view_base
 
 __all__ = ["storage_inputs"]
 
@@ -47,14 +47,5 @@ def _read_roots(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 def _root(node) -> torch.fx.Node | None:
     """The node whose memory `node` is, through views and copies to a device."""
-    seen = set()
-    while isinstance(node, torch.fx.Node) and node not in seen:
-        seen.add(node)
-        target = node.target
-        if is_copy_node(node) or (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-                                  and is_view(target)):
-            pos = 0 if is_copy_node(node) or not isinstance(target, torch._ops.OpOverload) else view_source(target)
-            node = node.args[pos] if pos < len(node.args) else None
-            continue
-        return node
-    return None
+    root = view_base(node, through=lambda n: 0 if is_copy_node(n) else None)
+    return root if isinstance(root, torch.fx.Node) else None
