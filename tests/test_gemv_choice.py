@@ -434,8 +434,9 @@ class NormedProduct(torch.nn.Module):
         return (self.proj(x), h, x) if self.also_norm else (self.proj(x), h)
 
 
-def _compiled_graph(monkeypatch, model, device: str, *args):
-    """The module's program (inductor backend, every product a reduction) and the graph Inductor compiled."""
+def _compiled_graph(monkeypatch, model, device: str, *args, measure=lambda w, b, *forms: (10.0, 1.0)):
+    """The module's program (inductor backend, every product a reduction unless `measure` says
+    otherwise) and the graph Inductor compiled."""
     from ferry.backends import inductor
 
     graphs = []
@@ -443,7 +444,7 @@ def _compiled_graph(monkeypatch, model, device: str, *args):
     monkeypatch.setattr(inductor, "_inductor_compile",
                         lambda gm, *a, **kw: graphs.append(gm) or real_compile(gm, *a, **kw))
     monkeypatch.setattr(gemv, "TIMED_ON", frozenset({"cuda", "cpu"}))
-    monkeypatch.setattr(gemv, "measure", lambda w, b, *forms: (10.0, 1.0))
+    monkeypatch.setattr(gemv, "measure", measure)
     ep = torch.export.export(model, args)
     program = ferry.compile(ep, ferry.OpSupportPartitioner("cuda:0" if device == "cuda" else "cpu",
                                                            backend_id="inductor"),
@@ -631,22 +632,112 @@ def test_products_of_one_shape_with_and_without_a_norm_to_take_in_are_decided_ap
         ["64->48 (+ norm) bfloat16", "64->48 bfloat16"] if regions else ["64->48 bfloat16"])
 
 
+class TwoNorms(torch.nn.Module):
+    """Two products of one weight shape, each of a row its own kind of norm makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.rms, self.layer = NormedProduct(64, 48, norm="rms"), NormedProduct(64, 48, norm="layer")
+
+    def forward(self, h, r):
+        return self.rms(h, r)[0] + self.layer(h, r)[0]
+
+
+def test_regions_of_one_name_and_other_ops_are_each_decided_by_their_own_times(monkeypatch):
+    """Both take in "norm", but an RMSNorm and a LayerNorm time apart: the second is decided by
+    its own times, not handed the first's decision."""
+    times = iter([(10.0, 1.0), (10.0, 10.0)])  # the first timed saves 90%, the second nothing
+    _, gm = _compiled_graph(monkeypatch, TwoNorms().to(torch.bfloat16).eval(), "cpu",
+                            *(torch.randn(1, 1, 64, dtype=torch.bfloat16) for _ in range(2)),
+                            measure=lambda w, b, *forms: next(times))
+    assert len(gemv._TIMES) == 2
+    assert sum(n.target is gemv.LIBRARY_LINEAR for n in gm.graph.nodes) == 1
+    assert sorted(d.taken for d in DECISIONS.values(timed=True)) == [False, True]
+
+
+class BiasedGateOut(torch.nn.Module):
+    """gate/up (merged by ferry), biased; SiLU(gate) both multiplied by up and returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(64, 96), torch.nn.Linear(64, 96)
+        self.down = torch.nn.Linear(96, 64, bias=False)
+
+    def forward(self, x):
+        a = F.silu(self.gate(x))
+        return self.down(a * self.up(x)), a
+
+
+class SelfNormed(torch.nn.Module):
+    """A product's result normed in bf16 (no cast first): its square is read by the norm's mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 48, bias=False)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_a_biased_region_reads_weight_then_bias_and_returns_every_value_read_outside(monkeypatch):
+    """The two forms take (rows, weight, bias) in that order and return each value something
+    outside the region reads (SiLU(gate), returned, and SiLU(gate) * up), as F.linear makes them;
+    compiled, the first form is cuBLAS's (`library_linear`), the second the reduction."""
+    seen, compiled, forms = _regions(monkeypatch), [], []
+    monkeypatch.setattr(torch._inductor, "compile", lambda g, inputs, options=None: compiled.append(g) or g)
+    spied = gemv.product_times
+    monkeypatch.setattr(gemv, "product_times", lambda gm, node, region=None: forms.extend(
+        region.forms(gm, torch.device("cpu")) if region is not None and not forms else ()) or spied(gm, node, region))
+    model = BiasedGateOut().to(torch.bfloat16).eval()
+    _compiled_graph(monkeypatch, model, "cpu", torch.randn(1, 1, 64, dtype=torch.bfloat16))
+    ((gm, region, library, fused, weight, leaves),) = seen
+    assert region.inside == "silu, mul"
+    assert gemv.LIBRARY_LINEAR in {n.target for n in compiled[0].graph.nodes}
+    assert gemv.LIBRARY_LINEAR not in {n.target for n in compiled[1].graph.nodes}
+    bias = torch.cat([model.gate.bias, model.up.bias])
+    row = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    silu = F.silu(F.linear(row, model.gate.weight, model.gate.bias))
+    wanted = [silu, silu * F.linear(row, model.up.weight, model.up.bias)]
+    half = torch.full_like(row, 0.5)  # the rows `forms` reads (scratch)
+    silu = F.silu(F.linear(half, model.gate.weight, model.gate.bias))
+    wanted_at_half = [silu, silu * F.linear(half, model.up.weight, model.up.bias)]
+    for got, want in [(library(row, weight, bias), wanted), (fused(row, weight, bias), wanted),
+                      (forms[0](weight, bias), wanted_at_half), (forms[1](weight, bias), wanted_at_half)]:
+        assert len(got) == 2
+        assert all(any(torch.allclose(g.float(), w.float(), rtol=2 ** -6, atol=2 ** -6 * w.float().abs().max().item())
+                       for g in got) for w in want)
+
+
+def test_an_op_a_norm_reads_after_the_product_is_not_taken_in():
+    """Squared for the norm's mean, the product's result is computed into the norm's kernel in
+    either form: nothing to count against cuBLAS's, so the product has no region."""
+    ep = torch.export.export(SelfNormed().to(torch.bfloat16).eval(), (torch.randn(1, 1, 64, dtype=torch.bfloat16),))
+    gm = ep.graph_module
+    (product,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert gemv._after(product, []) == []
+    (square,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
+    assert square in product.users  # (the square reads the product directly: the case above)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_the_gpu_a_region_is_timed_as_its_two_compiled_forms_and_the_program_equals_eager(monkeypatch):
     """A norm, gate/up and SiLU * up at Llama-1B's width: both forms compile with Inductor on the
     GPU and agree, the decision is named by what the reduction takes in and carries both times,
     and the program, whichever form won, follows eager call after call."""
-    outputs = []
-    real = gemv.Region.forms
+    outputs, returned, measured = [], [], []
+    real, real_measure = gemv.Region.forms, gemv.measure
 
     def forms(self, gm, device):
         made = real(self, gm, device)
         weight, bias = gemv._weights(gm, self.product)
         outputs.append([f(weight, bias) for f in made])
+        returned.append(made)
         return made
 
     monkeypatch.setattr(gemv.Region, "forms", forms)
+    monkeypatch.setattr(gemv, "measure", lambda w, b, *f: measured.append(f) or real_measure(w, b, *f))
     torch.manual_seed(5)
     model = NormedMLP(2048, 8192).to(device="cuda", dtype=torch.bfloat16).eval()
     h, r = (torch.randn(1, 1, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(2))
@@ -660,6 +751,7 @@ def test_on_the_gpu_a_region_is_timed_as_its_two_compiled_forms_and_the_program_
         got, want = module(h, r), model(h, r)
         assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())
     (library, fused), = outputs
+    assert tuple(returned[0]) in measured  # timed in the order made: cuBLAS's form first
     assert torch.allclose(fused[0].float(), library[0].float(), rtol=2 ** -6,
                           atol=2 ** -6 * library[0].float().abs().max().item())
     (made,) = [d for d in DECISIONS.values(timed=True) if d.shape == "2048->16384 (+ norm, silu, mul) bfloat16"]

@@ -185,7 +185,7 @@ def _decided(gm: torch.fx.GraphModule, group: list[torch.fx.Node], region: Regio
     times = product_times(gm, group[0], region)  # (measured already, by apply)
     assert times is not None  # (apply: every product was timed)
     name = _shape(weight, bias) + (f" (+ {region.inside})" if region else "")
-    key = (FAMILY, name, weight.dtype, str(weight.device), blas_settings())
+    key = (FAMILY, name, region.key if region else "", weight.dtype, str(weight.device), blas_settings())
     made = timing.decision(FAMILY, "aten.linear", name, weight.device, weight.dtype, FORMS, times,
                            min_saving_us=0, keep_if_above=KEEP_IF_ABOVE)
     return DECISIONS.get(key, lambda: made) or made  # kept, so `ferry run` lists it
@@ -347,18 +347,29 @@ def _region(gm: torch.fx.GraphModule, node: torch.fx.Node, shapes: dict) -> Regi
 
 
 def _after(product: torch.fx.Node, slices: list[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The product's slices and the pointwise ops, in graph order, that read only the product, its
-    slices and each other (at most REGION_AFTER): what Inductor computes in the reduction's kernel."""
-    inside, after = {product, *slices}, list(slices)
-    node = product.next
-    while node.op != "output" and len(after) < len(slices) + REGION_AFTER:
-        reads = node.all_input_nodes
-        if node.op == "call_function" and node not in inside and reads and all(r in inside for r in reads) \
-                and _pointwise(node):
-            inside.add(node)
-            after.append(node)
-        node = node.next
+    """The product's slices and the pointwise ops that read only the product, its slices and each
+    other (at most REGION_AFTER, each after what it reads): what Inductor computes in the
+    reduction's kernel, and in cuBLAS's form in kernels of their own. Only where everything else
+    that reads them stores its result apart (a product, a library op, the graph's output): an op
+    read by another pointwise op or a norm would be computed in that op's kernel in either form,
+    and counting it against cuBLAS's would be a kernel that never runs."""
+    inside, after = [product, *slices], list(slices)
+    for node in inside:  # (grows as ops are taken in: each is visited once)
+        for user in node.users:
+            if (len(after) < len(slices) + REGION_AFTER and user not in inside and user.op == "call_function"
+                    and _pointwise(user) and all(r in inside for r in user.all_input_nodes)):
+                inside.append(user)
+                after.append(user)
+    if len(after) > len(slices) and any(u not in inside and not _stores_apart(u) for n in inside for u in n.users):
+        return list(slices)
     return after
+
+
+def _stores_apart(reader: torch.fx.Node) -> bool:
+    """`reader` reads a tensor from memory whatever made it: a product, a library op, the output."""
+    op = reader.target
+    return reader.op == "output" or op in (aten.linear.default, LIBRARY_LINEAR) or (
+        getattr(op, "_overloadpacket", None) in _LIBRARY)
 
 
 def _shape(weight: torch.Tensor, bias: torch.Tensor | None) -> str:

@@ -10,6 +10,7 @@ caller's random streams stay as they were. Timing holds the capture lock (ferry/
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -78,7 +79,8 @@ def capturing(device: torch.device) -> bool:
 
 
 def on(device: torch.device):
-    return torch.cuda.device(device)
+    """`device` made current where it is a CUDA device (nothing to do elsewhere)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def scratch(t: torch.Tensor, device: torch.device, written: bool = False) -> torch.Tensor:
