@@ -249,7 +249,9 @@ def _product_forms(weight: torch.Tensor, bias: torch.Tensor | None):
 # a product is timed with the norm and the pointwise ops its reduction would take in (`Region`);
 # off, each product alone, as if cuBLAS's form ran them in no kernels of their own
 TIME_REGIONS = True
-REGION_AFTER = 8  # the most pointwise ops after a product a region takes in (an MLP's SiLU and multiply: 2)
+# the most pointwise ops after a product a region takes in (an MLP's SiLU and multiply: 2; BLOOM's
+# GELU as exported: 9; one op past the cap that reads the region leaves it without any)
+REGION_AFTER = 16
 
 
 @dataclass(eq=False)
