@@ -65,7 +65,7 @@ from common import allocated_by, result_name, table, time_host, write_json  # no
 
 import ferry  # noqa: E402
 from ferry.backends import inductor as inductor_backend  # noqa: E402
-from ferry.choices import gemv  # noqa: E402
+from ferry.choices import gemv, kernel_tuning  # noqa: E402
 from ferry.choices.summary import details  # noqa: E402
 from ferry.ops import split_kv  # noqa: E402
 from ferry.runtime import clone_to, device_of, emulated_device, sampling  # noqa: E402
@@ -639,6 +639,10 @@ def parse_args():
     p.add_argument("--time-regions", choices=("on", "off"), default="on",
                    help="a one-row product timed with the norm before it and the pointwise ops after it that its "
                         "reduction would take in (on: ferry's default, choices/gemv.py TIME_REGIONS), or alone (off)")
+    p.add_argument("--steady-tuning", choices=("on", "off"), default="on",
+                   help="Inductor's block-size candidates for a decode step timed back to back in a replayed graph, "
+                        "over copies of their arguments past L2 (on: ferry's default, choices/kernel_tuning.py "
+                        "STEADY), or by Inductor's own timing of one launch (off)")
     p.add_argument("--split-slices", choices=("on", "off"), default="on",
                    help="a merged product read as equal slices (gate and up) as one reduction per slice, which Inductor "
                         "fuses with SiLU(gate) * up (on: ferry's default, choices/gemv.py SPLIT_EQUAL_SLICES), or one "
@@ -664,6 +668,7 @@ def main():
     gemv.SPLIT_EQUAL_SLICES = args.split_slices == "on"
     gemv.FUSE_NORMS = args.fuse_norms != "off"
     gemv.TIME_REGIONS = args.time_regions == "on"
+    kernel_tuning.STEADY = args.steady_tuning == "on"
     gemv.FUSED_NORM_OUTPUTS = 1 << 62 if args.fuse_norms == "all" else gemv.FUSED_NORM_OUTPUTS
     if args.split_kv == "off":
         split_kv.available = lambda: False  # the choice is then never offered: SDPA's kernels run
@@ -678,7 +683,7 @@ def main():
     settings = {"last_position_only": env.last_position, "torchao_inductor_config": args.torchao_inductor_config,
                 "device": env.ferry_device, "inductor_config": args.inductor_config, "split_kv": args.split_kv,
                 "combo_kernels": args.combo_kernels, "split_slices": args.split_slices, "fuse_norms": args.fuse_norms,
-                "time_regions": args.time_regions,
+                "time_regions": args.time_regions, "steady_tuning": args.steady_tuning,
                 "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
                                          "directions for a static decode step with a one-row reduction or quantized "
                                          "product, otherwise none; the process's coordinate_descent_* keys ignored",

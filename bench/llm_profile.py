@@ -75,11 +75,13 @@ def main():
     p.add_argument("--combo-kernels", choices=llm.COMBO_CHOICES, default="on", help="as bench/llm.py's")
     p.add_argument("--fuse-norms", choices=("on", "off"), default="on", help="as bench/llm.py's")
     p.add_argument("--time-regions", choices=("on", "off"), default="on", help="as bench/llm.py's")
+    p.add_argument("--steady-tuning", choices=("on", "off"), default="on", help="as bench/llm.py's")
     p.add_argument("--out", default="llm_profile")
     args = p.parse_args()
     llm.set_combo_kernels(args.combo_kernels)
     llm.gemv.FUSE_NORMS = args.fuse_norms == "on"
     llm.gemv.TIME_REGIONS = args.time_regions == "on"
+    llm.kernel_tuning.STEADY = args.steady_tuning == "on"
     if not torch.cuda.is_available():
         print("llm_profile: skipped: needs a CUDA device")
         return

@@ -44,7 +44,7 @@ from ferry.aot.values import ProgramBuilder
 from ferry.backend_registry import NOT_CAPTURED, Backend, CallerPlan, DelegateHandle, ProgramData
 from ferry.backends.torch import check_payload_call, payload_call_bytes, payload_load_bytes, payload_load_pieces, payload_program
 from ferry.capture import keep_workspace, on_side_stream
-from ferry.choices import attention, conv, gemv
+from ferry.choices import attention, conv, gemv, kernel_tuning
 from ferry.choices.decisions import Site
 from ferry.device import CPU
 from ferry.errors import CompileError, ProgramError, UnsupportedByBackend
@@ -181,7 +181,7 @@ class InductorBackend(Backend):
             compiled = _rebuilt(method, mem, overwrites) if tuning is gemv.TUNING else gm
         else:
             if static and _tunes_at_first_launch(method):  # (a dynamic graph's compile ran it already)
-                _first_launch(compiled, examples, method, caller, mem)
+                _first_launch(compiled, examples, method, caller, mem, tuned=tuning is gemv.TUNING)
         return _Compiled(compiled, mem, method)
 
 
@@ -191,14 +191,16 @@ def _tunes_at_first_launch(method: Method) -> bool:
     return device is not None and device.type == "cuda"
 
 
-def _first_launch(compiled, examples: list, method: Method, caller: CallerPlan, memory: Memory) -> None:
+def _first_launch(compiled, examples: list, method: Method, caller: CallerPlan, memory: Memory,
+                  tuned: bool = False) -> None:
     """The compiled code run once on the examples (scratch tensors), so that Inductor's tuning at a
     kernel's first launch (an L2-sized buffer to flush the cache, copies of the arguments the
     kernel writes) allocates inside the load: made in the first decode call, it raised a Llama-1B
-    step's peak 62 MiB above eager's (H200). A kernel that fails here would fail the first call:
-    the load fails instead, its memory freed."""
+    step's peak 62 MiB above eager's (H200). `tuned`: a graph compiled with TUNING, its candidates
+    timed as a decode step's graph runs them (choices/kernel_tuning.py). A kernel that fails here
+    would fail the first call: the load fails instead, its memory freed."""
     try:
-        with _load_stream(method, caller), torch.no_grad():
+        with _load_stream(method, caller), kernel_tuning.steady(tuned), torch.no_grad():
             compiled(*examples)
     except torch.linalg.LinAlgError:
         return  # a kernel that checks its values refused the scratch ones: the first call tunes instead

@@ -33,7 +33,7 @@ import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ferry.capture import LOCK
-from ferry.choices import timing
+from ferry.choices import kernel_tuning, timing
 from ferry.choices.decisions import DECISIONS, Decision
 from ferry.choices.gemm import blas_settings
 from ferry.ops.aliasing import view_base
@@ -395,8 +395,9 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, library, reduction)
     try:
         with timing.on(device):
             copies += [torch.full_like(weight, 0.5) for _ in range(cold_copies(weight) - 1)]
-            times = timing.time_both(lambda: [library(w, bias) for w in copies],
-                                     lambda: [reduction(w, bias) for w in copies])
+            with kernel_tuning.steady():  # the reduction's block sizes, tuned at its first launch here
+                times = timing.time_both(lambda: [library(w, bias) for w in copies],
+                                         lambda: [reduction(w, bias) for w in copies])
             return times[0] / len(copies), times[1] / len(copies)
     except Exception:  # noqa: BLE001 - a choice that cannot be timed is not made; the load goes on
         return None
@@ -409,9 +410,7 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, library, reduction)
 def cold_copies(weight: torch.Tensor) -> int:
     """Copies enough that each is out of L2 by the time it is read again; one for a weight larger
     than L2, which evicts itself (a second copy of a 525 MB head raised the load's peak by as much)."""
-    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 64 << 20)
-    nbytes = weight.numel() * weight.element_size()
-    return 1 if nbytes >= l2 else min(32, -(-l2 // nbytes) + 1)
+    return kernel_tuning.copies_past_l2(weight.numel() * weight.element_size(), weight.device)
 
 
 def _compiled(weight, bias):

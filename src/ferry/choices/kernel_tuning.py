@@ -1,0 +1,135 @@
+"""Inductor's block-size tuning of the kernels a load compiles, timed as the kernels will run.
+
+Inductor tunes a GPU kernel's block sizes at its first launch (coordinate descent, TUNING in
+choices/gemv.py), timing each candidate alone: its L2 flushed by a kernel of its own, start and
+end events around one launch. For the few-microsecond kernels of a decode step that timing is
+mostly the gap around the launch: on an H200 it gave 15-32 µs to a Qwen3 o-projection whose
+kernel runs in 3.9-5.7 µs, and any 0.1% gain moves the descent, so noise picks the block sizes:
+five fresh compiles of one kernel ran 4.7-6.4 µs (Llama's o), 6.4-11.4 (q/k/v with its norm)
+and 3.9-5.7 (Qwen3's o) in a decode step's graph.
+
+While `steady()` is active, each candidate is timed as a decode step's graph runs it instead:
+launched back to back in a replayed CUDA graph, over copies of its arguments enough to be out of
+L2 when read again (a weight streams from memory at every step), the best of a few replays.
+Inductor keeps the pick in its autotune cache as before. Kernels this cannot time so (arguments
+reset to zero before each launch, a kernel reading more than L2, not on CUDA, a launch that
+cannot be captured) are timed by Inductor's own way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import torch
+
+from ferry.capture import LOCK, capture, on_side_stream
+
+__all__ = ["STEADY", "copies_past_l2", "steady"]
+
+STEADY = True  # off: Inductor times its candidates its own way (bench/llm.py --steady-tuning off)
+_REPLAYS = 10  # replays of each candidate's graph; the best is kept
+_MAX_COPIES = 64  # a tiny kernel's argument sets: its launches are timed mostly in L2 anyway
+_patched = threading.local()
+
+
+@contextlib.contextmanager
+def steady(enabled: bool = True):
+    """Inductor's kernels first launched inside are tuned on replayed timings (module docstring).
+    A no-op where `enabled` or STEADY is off, or where this torch has no Triton autotuner."""
+    autotuner = _autotuner() if enabled and STEADY else None
+    if autotuner is None or getattr(_patched, "active", False):
+        yield
+        return
+    own_bench = autotuner.bench
+
+    def bench(self, launcher, *args, with_profiler=False, **kwargs):
+        timed = None if with_profiler else _replayed(self, launcher, args, kwargs)
+        return own_bench(self, launcher, *args, with_profiler=with_profiler, **kwargs) if timed is None else timed
+
+    _patched.active = True
+    with LOCK:  # one patch at a time: another thread's load would restore the wrong method
+        autotuner.bench = bench
+        try:
+            yield
+        finally:
+            autotuner.bench = own_bench
+            _patched.active = False
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()  # the copies' blocks, cached for no one: handed back
+
+
+def copies_past_l2(nbytes: int, device: torch.device, most: int = 32) -> int:
+    """How many copies of `nbytes` read in turn leave each out of L2 by the time it is read again:
+    one where it is larger than L2 (it evicts itself), else enough to fill L2 once more, at most `most`."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    return 1 if nbytes >= l2 else min(most, -(-l2 // max(nbytes, 1)) + 1)
+
+
+def _autotuner():
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:  # a torch without Inductor's Triton runtime: nothing to tune
+        return None
+    return CachingAutotuner if callable(getattr(CachingAutotuner, "bench", None)) else None
+
+
+def _replayed(autotuner, launcher, args: tuple, kwargs: dict) -> float | None:
+    """The candidate's ms per launch, timed as module docstring says; None where Inductor's own
+    timing must do (its spilled registers and invalid configs are judged there too)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    spills = getattr(launcher, "n_spills", None)
+    if (not tensors or getattr(autotuner, "reset_to_zero_arg_names", None) or (spills or 0) > 16
+            or any(t.device.type != "cuda" for t in tensors) or len({t.device for t in tensors}) != 1):
+        return None
+    device = tensors[0].device
+    nbytes = sum(_extent(t) for t in tensors)
+    if copies_past_l2(nbytes, device) == 1:
+        return None  # long enough that Inductor's timing of one launch holds
+    try:
+        with torch.cuda.device(device):
+            return _time_launches(launcher, args, kwargs, copies_past_l2(nbytes, device, _MAX_COPIES))
+    except (RuntimeError, torch.cuda.OutOfMemoryError):  # not capturable, or no room for the copies
+        torch.cuda.synchronize(device)
+        return None
+
+
+def _time_launches(launcher, args: tuple, kwargs: dict, copies: int) -> float:
+    """Never launched on `args` themselves (a kernel may write its inputs): on copies of them."""
+    sets = [[_copy(a) if isinstance(a, torch.Tensor) else a for a in args] for _ in range(copies)]
+    stream = torch.cuda.Stream()
+    try:
+        with on_side_stream(stream):
+            for s in sets:  # loaded, and run once before its capture
+                launcher(*s, stream=stream.cuda_stream, **kwargs)
+            graph = capture(lambda: [launcher(*s, stream=stream.cuda_stream, **kwargs) for s in sets], 1)
+            graph.replay()
+            best = math.inf
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(_REPLAYS):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / copies)
+        return best
+    finally:
+        sets.clear()
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes a kernel may read of `t`: from its first element to its last (a view into a larger
+    storage reads only that)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` with its strides (a kernel indexes by them): its extent copied into a new buffer."""
+    span = _extent(t) // max(t.element_size(), 1)
+    flat = torch.empty(span, dtype=t.dtype, device=t.device)
+    copy = flat.as_strided(t.shape, t.stride())
+    copy.copy_(t)
+    return copy
