@@ -192,6 +192,39 @@ def test_a_merged_product_read_as_equal_slices_becomes_one_reduction_per_slice(w
         assert torch.allclose(g_.float(), w_.float(), rtol=2 ** -6, atol=2 ** -6 * w_.abs().max().item())
 
 
+@pytest.mark.parametrize("how, halves", [
+    ("split", True), ("split_with_sizes", True), ("three", False), ("unequal", False), ("rows", False),
+    ("read whole too", False)])
+def test_a_product_chunked_in_two_halves_is_read_as_two_slices_and_nothing_else_is(how, halves):
+    """`chunk(2, -1)` exports as `split` and two `getitem`s: read as the two slices they are, the
+    rule for slices splits the product; three pieces, unequal ones, a split of rows, or a product
+    also read whole are left as they are."""
+    aten = torch.ops.aten
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.randn(96, 32, dtype=torch.bfloat16))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(aten.linear.default, (x, g.get_attr("w")))
+    if how == "split_with_sizes" or how == "unequal":
+        split = g.call_function(aten.split_with_sizes.default, (y, [48, 48] if how != "unequal" else [40, 56], -1))
+    else:
+        split = g.call_function(aten.split.Tensor, (y, 32 if how == "three" else 48, 0 if how == "rows" else -1))
+    pieces = [g.call_function(operator.getitem, (split, i)) for i in range({"three": 3, "rows": 1}.get(how, 2))]
+    out = g.call_function(aten.silu.default, (pieces[0],))
+    g.output((out, *pieces[1:], *([y] if how == "read whole too" else [])))
+    gm = torch.fx.GraphModule(module, g)
+    xs = [torch.randn(1, 1, 32, dtype=torch.bfloat16)]
+    want = gm(*xs)
+    shapes = {x: xs[0].to("meta"), y: torch.empty(1, 1, 96, dtype=torch.bfloat16, device="meta")}
+    assert gemv._halves_as_slices(y, shapes) is halves
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes]
+    assert (aten.slice.Tensor in targets and operator.getitem not in targets) is halves
+    assert halves is (gemv._equal_slices(y, shapes) is not None)
+    for got, w in zip(gm(*xs), want):
+        assert torch.equal(got, w)
+
+
 def test_a_merged_product_stays_one_reduction_when_the_split_is_off(monkeypatch):
     monkeypatch.setattr(gemv, "SPLIT_EQUAL_SLICES", False)
     gm, _, shapes = _merged_graph([48, 48], False)
@@ -563,6 +596,24 @@ class NormedMLP(torch.nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x)) + h
 
 
+class ChunkedMLP(torch.nn.Module):
+    """Phi-3's MLP: gate and up one product, split by `chunk` into its two halves."""
+
+    def __init__(self, hidden: int = 64, inner: int = 96, norm: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden)) if norm else None
+        self.gate_up = torch.nn.Linear(hidden, 2 * inner, bias=False)
+        self.down = torch.nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        h = x
+        if self.weight is not None:  # RMSNorm as transformers writes it
+            f = x.float()
+            h = self.weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up) + x
+
+
 class TwoRows(torch.nn.Module):
     """Two products of one weight shape, one of a normed row, one of a row as it comes."""
 
@@ -591,7 +642,8 @@ def _regions(monkeypatch):
 
 
 @pytest.mark.parametrize("model, inside", [(NormedProduct(64, 48), ["norm"]), (Step(), ["silu, mul"]),
-                                           (NormedMLP(), ["norm, silu, mul"])])
+                                           (NormedMLP(), ["norm, silu, mul"]), (ChunkedMLP(), ["silu, mul"]),
+                                           (ChunkedMLP(norm=True), ["norm, silu, mul"])])
 def test_a_products_region_takes_in_its_norm_and_the_ops_after_and_its_two_forms_equal_each_other(
         monkeypatch, model, inside):
     """What a reduction would take into its kernel (the norm before, SiLU(gate) * up after, not a
@@ -600,7 +652,7 @@ def test_a_products_region_takes_in_its_norm_and_the_ops_after_and_its_two_forms
     reduction. Both, fed fresh random rows, agree within bf16 rounding, eagerly and compiled."""
     seen = _regions(monkeypatch)
     model = model.to(torch.bfloat16).eval()
-    args = [torch.randn(1, 1, 64, dtype=torch.bfloat16) for _ in range(1 if isinstance(model, Step) else 2)]
+    args = [torch.randn(1, 1, 64, dtype=torch.bfloat16) for _ in range(1 if isinstance(model, (Step, ChunkedMLP)) else 2)]
     _compiled_graph(monkeypatch, model, "cpu", *args)
     assert [region.inside for _, region, *_ in seen] == inside
     for gm, region, library, fused, weight, leaves in seen:
@@ -722,10 +774,12 @@ def test_an_op_a_norm_reads_after_the_product_is_not_taken_in():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_on_the_gpu_a_region_is_timed_as_its_two_compiled_forms_and_the_program_equals_eager(monkeypatch):
-    """A norm, gate/up and SiLU * up at Llama-1B's width: both forms compile with Inductor on the
-    GPU and agree, the decision is named by what the reduction takes in and carries both times,
-    and the program, whichever form won, follows eager call after call."""
+@pytest.mark.parametrize("mlp", ["merged", "chunked"])
+def test_on_the_gpu_a_region_is_timed_as_its_two_compiled_forms_and_the_program_equals_eager(monkeypatch, mlp):
+    """A norm, gate/up and SiLU * up at Llama-1B's width (gate and up merged by ferry, or one
+    product chunked in two as Phi-3 writes it): both forms compile with Inductor on the GPU and
+    agree, the decision is named by what the reduction takes in and carries both times, and the
+    program, whichever form won, follows eager call after call."""
     outputs, returned, measured = [], [], []
     real, real_measure = gemv.Region.forms, gemv.measure
 
@@ -739,16 +793,18 @@ def test_on_the_gpu_a_region_is_timed_as_its_two_compiled_forms_and_the_program_
     monkeypatch.setattr(gemv.Region, "forms", forms)
     monkeypatch.setattr(gemv, "measure", lambda w, b, *f: measured.append(f) or real_measure(w, b, *f))
     torch.manual_seed(5)
-    model = NormedMLP(2048, 8192).to(device="cuda", dtype=torch.bfloat16).eval()
-    h, r = (torch.randn(1, 1, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    program = ferry.compile(torch.export.export(model, (h, r)),
+    model = (NormedMLP(2048, 8192) if mlp == "merged" else ChunkedMLP(2048, 8192, norm=True))
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    rows = 2 if mlp == "merged" else 1
+    args = tuple(torch.randn(1, 1, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(rows))
+    program = ferry.compile(torch.export.export(model, args),
                             ferry.OpSupportPartitioner("cuda:0", backend_id="inductor"),
                             ferry.CompileConfig(propagate_device=ferry.PropagateDeviceConfig(
                                 skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True)))
     module = ferry.Module(program, cuda_graphs=True)
     for _ in range(3):
-        h, r = (torch.randn(1, 1, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-        got, want = module(h, r), model(h, r)
+        args = tuple(torch.randn(1, 1, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(rows))
+        got, want = module(*args), model(*args)
         assert torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())
     (library, fused), = outputs
     assert tuple(returned[0]) in measured  # timed in the order made: cuBLAS's form first

@@ -6,6 +6,7 @@ enough copies to be out of L2, and its time is per launch. On the GPU: an Induct
 writes its inputs once, as without the patch, and a tuned one-row product equals eager's."""
 
 import contextlib
+import threading
 import types
 
 import pytest
@@ -42,6 +43,8 @@ def test_patched_inside_only_and_restored_on_error(own_bench):
     with pytest.raises(ValueError), kernel_tuning.steady():
         raise ValueError("a load failed")
     assert Autotuner.bench is original
+    with kernel_tuning.steady():  # after the error, patched again
+        assert Autotuner.bench is not original
 
 
 @pytest.mark.parametrize("how", ["disabled", "STEADY off"])
@@ -53,24 +56,73 @@ def test_off_leaves_inductor_timing(own_bench, monkeypatch, how):
         assert Autotuner.bench is original
 
 
-@pytest.mark.parametrize("case", ["cpu tensors", "no tensors", "reset to zero", "spills", "profiler"])
-def test_untimeable_kernels_go_to_inductor(own_bench, monkeypatch, case):
+@pytest.fixture
+def on_fake_gpu(monkeypatch):
+    """Tensors on the CPU taken for one GPU's, copies counted without CUDA, and each replayed
+    timing recorded (returning 1.0 ms)."""
     replayed = []
+    monkeypatch.setattr(kernel_tuning, "_gpu", lambda ts: torch.device("cpu") if ts else None)
+    monkeypatch.setattr(kernel_tuning, "copies_past_l2", lambda n, d, most=32: 1 if n > 1 << 20 else 3)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(kernel_tuning, "_time_launches", lambda *a: replayed.append(a) or 1.0)
-    tuner = types.SimpleNamespace(reset_to_zero_arg_names=["out"] if case == "reset to zero" else [])
-    launcher = types.SimpleNamespace(n_spills=40 if case == "spills" else 0)
-    args = (4, 8) if case == "no tensors" else (torch.randn(4, 8), torch.empty(4), 4, 8)
+    return replayed
+
+
+def _tuner(reset=(), written=(), names=("in_ptr0", "out_ptr0", "xnumel"), spill_threshold=16):
+    return types.SimpleNamespace(reset_to_zero_arg_names=list(reset), mutated_arg_names=list(written),
+                                 fn=types.SimpleNamespace(arg_names=list(names)),
+                                 inductor_meta={"spill_threshold": spill_threshold})
+
+
+@pytest.mark.parametrize("case, replayed", [
+    ("plain", True), ("float written", True), ("integer written", False), ("written unknown", False),
+    ("reset to zero", False), ("spills", False), ("spills under its threshold", True), ("profiler", False),
+    ("larger than L2", False), ("no tensors", False), ("capture fails", False)])
+def test_which_kernels_are_timed_by_replay(own_bench, on_fake_gpu, monkeypatch, case, replayed):
+    """Replayed where the kernel can be launched a dozen times on unrestored copies: not where an
+    integer it writes may be a position it reads, where Inductor zeroes an argument per launch,
+    where the config spills past Inductor's threshold, or where the capture fails."""
+    out = torch.empty(4, dtype=torch.int64 if case == "integer written" else torch.float32)
+    args = (torch.randn(1 << 19 if case == "larger than L2" else 4, 8), out, 32)
+    tuner = _tuner(reset=["out_ptr0"] if case == "reset to zero" else (),
+                   written=["out_ptr0"] if "written" in case else (),
+                   spill_threshold=64 if case == "spills under its threshold" else 16)
+    if case == "written unknown":
+        del tuner.mutated_arg_names
+    if case == "no tensors":
+        args = (4, 8)
+    if case == "capture fails":
+        monkeypatch.setattr(kernel_tuning, "_time_launches", lambda *a: (_ for _ in ()).throw(RuntimeError("capture")))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    launcher = types.SimpleNamespace(n_spills=40 if "spills" in case else 0)
     with kernel_tuning.steady():
         got = Autotuner.bench(tuner, launcher, *args, with_profiler=case == "profiler", grid=(1,))
-    assert got == 7.0 and not replayed
-    assert own_bench == [(launcher, args, case == "profiler", {"grid": (1,)})]
+    assert (got == 1.0) is replayed and bool(on_fake_gpu) is replayed
+    assert own_bench == ([] if replayed else [(launcher, args, case == "profiler", {"grid": (1,)})])
+    if replayed:
+        (launched, (got_args, got_kwargs, copies)), = [(a[0], a[1:]) for a in on_fake_gpu]
+        assert launched is launcher and got_args == args and got_kwargs == {"grid": (1,)} and copies == 3
+
+
+def test_another_threads_kernels_are_timed_inductors_way(own_bench, on_fake_gpu):
+    """The class is patched for the process, the replayed timing is only this thread's: another
+    thread's first launch meanwhile (a user's torch.compile) is timed as it would be."""
+    args = (torch.randn(4, 8), torch.empty(4), 32)
+    seen = []
+    with kernel_tuning.steady():
+        thread = threading.Thread(target=lambda: seen.append(Autotuner.bench(_tuner(), "launcher", *args)))
+        thread.start()
+        thread.join()
+        mine = Autotuner.bench(_tuner(), "launcher", *args)
+    assert seen == [7.0] and mine == 1.0 and len(own_bench) == 1 and len(on_fake_gpu) == 1
 
 
 @pytest.fixture
 def fake_graphs(monkeypatch):
     """A GPU whose launches advance a host clock by 2 ms each (events read it), whose graphs
-    replay the launches they captured, and whose streams are no-ops."""
-    clock, launched = [0.0], []
+    replay the launches they captured (each replay but every third 1 ms slower), and whose
+    streams are no-ops; launches made during replays are recorded."""
+    clock, launched, replays = [0.0], [], [0]
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -90,10 +142,13 @@ def fake_graphs(monkeypatch):
             self.fn = fn
 
         def replay(self):
+            replays[0] += 1
+            clock[0] += 0.0 if replays[0] % 3 == 0 else 1.0
             self.fn()
 
     def launcher(*args, stream=None, **kwargs):
-        launched.append((args, kwargs))
+        if replays[0]:
+            launched.append((args, kwargs))
         clock[0] += 2.0
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
@@ -108,17 +163,26 @@ def test_launched_on_copies_only_and_timed_per_launch(fake_graphs):
     base = torch.randn(6, 10)
     x = base[1:5, 2:9]  # a view into a larger storage, strided
     w = torch.randn(7, 3).t()
-    ms = kernel_tuning._time_launches(launcher, (x, w, 28), {"grid": (2,)}, 3)
-    assert ms == pytest.approx(2.0)  # the replay's time over its launches
-    sets = {tuple(id(a) for a in args[:2]) for args, _ in launched}
-    assert len(sets) == 3 and (id(x), id(w)) not in sets
+    bias = torch.randn(7)
+    ms = kernel_tuning._time_launches(launcher, (x, w, 28), {"grid": (2,), "bias": bias}, 3)
+    assert ms == pytest.approx(2.0)  # the best replay's time over its launches
+    sets = {tuple(id(a) for a in (*args[:2], kwargs["bias"])) for args, kwargs in launched}
+    assert len(sets) == 3 and not {id(x), id(w), id(bias)} & {i for s in sets for i in s}
     for args, kwargs in launched:
         cx, cw, n = args
-        assert n == 28 and kwargs == {"grid": (2,)}
+        assert n == 28 and kwargs["grid"] == (2,) and torch.equal(kwargs["bias"], bias)
         assert cx.stride() == x.stride() and cw.stride() == w.stride()
         assert torch.equal(cx, x) and torch.equal(cw, w)
         assert cx.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
         assert cx.untyped_storage().nbytes() < base.untyped_storage().nbytes()  # the view's extent only
+
+
+def test_a_broadcast_argument_is_copied_as_it_lies_in_memory():
+    row = torch.randn(1, 8)
+    wide = row.expand(5, 8)  # stride 0
+    got = kernel_tuning._copy(wide)
+    assert got.stride() == wide.stride() and torch.equal(got, wide)
+    assert got.untyped_storage().nbytes() == row.untyped_storage().nbytes()
 
 
 def test_extent_of_views():
@@ -169,3 +233,27 @@ def test_gpu_tuned_kernel_writes_its_inputs_once(_, monkeypatch):
     assert all(n > 1 for n in timed)  # copies past L2 for a 4 MB weight
     torch.testing.assert_close(cache, want_cache)  # once: the tuning's launches ran on copies
     torch.testing.assert_close(got.float(), want, atol=0.5, rtol=2e-2)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=_GPU)])
+def test_gpu_a_candidate_that_cannot_be_captured_goes_to_inductor_and_the_allocator_stays_usable(_):
+    """A launch that syncs the host cannot be captured: the candidate falls back (None), and
+    the failed capture leaves nothing registered with the allocator: `empty_cache` (which
+    `steady` calls on exit) and later captures work."""
+    x = torch.randn(256, 256, device="cuda")
+    calls = []
+
+    def launcher(*args, stream=None, **kwargs):
+        calls.append(stream)
+        args[1].copy_(args[0].sum(0))
+        torch.cuda.synchronize()  # not allowed while capturing
+
+    with kernel_tuning.steady():
+        got = kernel_tuning._replayed(_tuner(), launcher, (x, torch.empty(256, device="cuda"), 256), {})
+    assert got is None and calls
+    torch.cuda.empty_cache()
+    graph = kernel_tuning.capture(lambda: x.mul_(2), 1)
+    before = x.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(x, before * 2)

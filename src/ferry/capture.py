@@ -66,8 +66,24 @@ def capture(fn: Callable, reps: int, pool=None):
             for _ in range(reps):
                 fn()
         finally:
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except BaseException:
+                _end_allocating(graph)
+                raise
     return graph
+
+
+def _end_allocating(graph) -> None:
+    """After a capture that failed: the caching allocator no longer allocates into the graph's
+    pool for it. torch's `capture_end` raises before it says so, and while a capture is still
+    registered, every later `torch.cuda.empty_cache()` of the process raises."""
+    index, pool = torch.cuda.current_device(), graph.pool()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:
+        return  # it had ended (the capture failed later, instantiating the graph): the graph frees its pool
+    torch._C._cuda_releasePool(index, pool)
 
 
 def keep_workspace(stream) -> None:

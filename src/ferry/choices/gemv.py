@@ -159,8 +159,10 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], t
     a `bmm` of one query row) are not candidates and are left to Inductor. Returns the decisions."""
     by_shape: dict[tuple[str, str], list[torch.fx.Node]] = {}
     regions: dict[torch.fx.Node, Region | None] = {}
+    split = False
     for node in candidates(gm, shapes):
         if _weights(gm, node)[0].device.type in TIMED_ON:
+            split |= SPLIT_EQUAL_SLICES and _halves_as_slices(node, shapes)
             region = regions[node] = _region(gm, node, shapes)
             by_shape.setdefault((_shape(*_weights(gm, node)), region.key if region else ""), []).append(node)
     decided = [(_decided(gm, group, regions[group[0]]) if product_times(gm, group[0], regions[group[0]]) is not None
@@ -172,6 +174,8 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], t
                     rewrite(gm, node, shapes)
                 else:
                     node.target = LIBRARY_LINEAR
+        gm.recompile()
+    elif split:
         gm.recompile()
     return [d for d, _ in decided if d is not None]
 
@@ -560,6 +564,36 @@ def _reduction(g: torch.fx.Graph, xf: torch.fx.Node, weight, bias, rows: tuple[i
     if bias is not None:
         out = g.call_function(aten.add.Tensor, (out, part(bias)))
     return g.call_function(aten._to_copy.default, (out,), {"dtype": dtype})
+
+
+def _halves_as_slices(node: torch.fx.Node, shapes: dict) -> bool:
+    """A product read only through `split` into two halves of its last dim (`chunk(2, -1)`: Phi-3's,
+    GLM's and MPT's merged gate and up) read through the two `slice`s those halves are, so that the
+    rule for slices (`_equal_slices`) splits it too. True where the graph changed."""
+    meta, users = shapes.get(node), list(node.users)
+    if len(users) != 1 or not isinstance(meta, torch.Tensor) or not meta.dim() or not isinstance(meta.shape[-1], int):
+        return False
+    (split,), n = users, meta.shape[-1]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    sizes = split.args[1] if len(split.args) > 1 else None
+    halves = ([sizes, sizes] if split.target is aten.split.Tensor else sizes) if isinstance(sizes, (int, list)) else None
+    pieces = list(split.users)
+    if (split.op != "call_function" or split.target not in (aten.split.Tensor, aten.split_with_sizes.default)
+            or set(split.kwargs) - {"dim"} or dim not in (-1, meta.dim() - 1) or halves != [n // 2] * 2 or n % 2
+            or not all(p.op == "call_function" and p.target is operator.getitem and p.args[1] in (0, 1) for p in pieces)):
+        return False
+    graph = node.graph
+    for piece in pieces:
+        start = (n // 2) * (piece.args[1] == 1)
+        with graph.inserting_before(piece):
+            part = graph.call_function(aten.slice.Tensor, (node, -1, start, start + n // 2))
+        part.meta = dict(piece.meta)
+        if piece in shapes:
+            shapes[part] = shapes[piece]
+        piece.replace_all_uses_with(part)
+        graph.erase_node(piece)
+    graph.erase_node(split)
+    return True
 
 
 def _equal_slices(node: torch.fx.Node, shapes: dict) -> list[tuple[torch.fx.Node, tuple[int, int]]] | None:

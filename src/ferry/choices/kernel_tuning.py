@@ -12,8 +12,8 @@ While `steady()` is active, each candidate is timed as a decode step's graph run
 launched back to back in a replayed CUDA graph, over copies of its arguments enough to be out of
 L2 when read again (a weight streams from memory at every step), the best of a few replays.
 Inductor keeps the pick in its autotune cache as before. Kernels this cannot time so (arguments
-reset to zero before each launch, a kernel reading more than L2, not on CUDA, a launch that
-cannot be captured) are timed by Inductor's own way.
+reset to zero before each launch, an integer tensor written, a kernel reading more than L2, not
+on CUDA, a launch that cannot be captured) are timed Inductor's own way.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ _patched = threading.local()
 
 @contextlib.contextmanager
 def steady(enabled: bool = True):
-    """Inductor's kernels first launched inside are tuned on replayed timings (module docstring).
-    A no-op where `enabled` or STEADY is off, or where this torch has no Triton autotuner."""
+    """Inductor's kernels first launched inside, in this thread, are tuned on replayed timings
+    (module docstring); another thread's meanwhile on Inductor's own. A no-op where `enabled` or
+    STEADY is off, or where this torch has no Triton autotuner."""
     autotuner = _autotuner() if enabled and STEADY else None
     if autotuner is None or getattr(_patched, "active", False):
         yield
@@ -45,17 +46,19 @@ def steady(enabled: bool = True):
     own_bench = autotuner.bench
 
     def bench(self, launcher, *args, with_profiler=False, **kwargs):
-        timed = None if with_profiler else _replayed(self, launcher, args, kwargs)
+        mine = getattr(_patched, "active", False) and not with_profiler
+        timed = _replayed(self, launcher, args, kwargs) if mine else None
         return own_bench(self, launcher, *args, with_profiler=with_profiler, **kwargs) if timed is None else timed
 
-    _patched.active = True
-    with LOCK:  # one patch at a time: another thread's load would restore the wrong method
+    with LOCK:  # one patch at a time (another thread's load would restore the wrong method), and
+        # no other capture while candidates are captured (ferry/capture.py)
         autotuner.bench = bench
         try:
+            _patched.active = True
             yield
         finally:
-            autotuner.bench = own_bench
             _patched.active = False
+            autotuner.bench = own_bench
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()  # the copies' blocks, cached for no one: handed back
 
@@ -76,14 +79,14 @@ def _autotuner():
 
 
 def _replayed(autotuner, launcher, args: tuple, kwargs: dict) -> float | None:
-    """The candidate's ms per launch, timed as module docstring says; None where Inductor's own
-    timing must do (its spilled registers and invalid configs are judged there too)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    spills = getattr(launcher, "n_spills", None)
-    if (not tensors or getattr(autotuner, "reset_to_zero_arg_names", None) or (spills or 0) > 16
-            or any(t.device.type != "cuda" for t in tensors) or len({t.device for t in tensors}) != 1):
+    """The candidate's ms per launch, timed as the module docstring says; None where Inductor's
+    own timing must do (its spilled registers and invalid configs are judged there too)."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    device = _gpu(tensors)
+    limit = (getattr(autotuner, "inductor_meta", None) or {}).get("spill_threshold", 16)
+    if (device is None or getattr(autotuner, "reset_to_zero_arg_names", None) or _writes_integers(autotuner, args, kwargs)
+            or (getattr(launcher, "n_spills", None) or 0) > limit):
         return None
-    device = tensors[0].device
     nbytes = sum(_extent(t) for t in tensors)
     if copies_past_l2(nbytes, device) == 1:
         return None  # long enough that Inductor's timing of one launch holds
@@ -95,15 +98,36 @@ def _replayed(autotuner, launcher, args: tuple, kwargs: dict) -> float | None:
         return None
 
 
+def _gpu(tensors: list[torch.Tensor]) -> torch.device | None:
+    """The one CUDA device of the kernel's tensors, or None (none, several, or not CUDA)."""
+    devices = {t.device for t in tensors}
+    return devices.pop() if len(devices) == 1 and next(iter(devices)).type == "cuda" else None
+
+
+def _writes_integers(autotuner, args: tuple, kwargs: dict) -> bool:
+    """The kernel writes an integer tensor it is given (or what it writes is not known). Each copy
+    is launched a dozen times unrestored: written floats only drift, but a position the kernel
+    both reads and advances would index past its tensor."""
+    written = getattr(autotuner, "mutated_arg_names", None)
+    names = getattr(getattr(autotuner, "fn", None), "arg_names", None)
+    if written is None or names is None:
+        return True
+    values = [*(a for n, a in zip(names, args) if n in written), *(a for n, a in kwargs.items() if n in written)]
+    return any(isinstance(a, torch.Tensor) and not (a.is_floating_point() or a.is_complex()) for a in values)
+
+
 def _time_launches(launcher, args: tuple, kwargs: dict, copies: int) -> float:
     """Never launched on `args` themselves (a kernel may write its inputs): on copies of them."""
-    sets = [[_copy(a) if isinstance(a, torch.Tensor) else a for a in args] for _ in range(copies)]
+    def copied(a):
+        return _copy(a) if isinstance(a, torch.Tensor) else a
+
+    sets = [([copied(a) for a in args], {k: copied(a) for k, a in kwargs.items()}) for _ in range(copies)]
     stream = torch.cuda.Stream()
     try:
         with on_side_stream(stream):
-            for s in sets:  # loaded, and run once before its capture
-                launcher(*s, stream=stream.cuda_stream, **kwargs)
-            graph = capture(lambda: [launcher(*s, stream=stream.cuda_stream, **kwargs) for s in sets], 1)
+            for a, k in sets:  # loaded, and run once before its capture
+                launcher(*a, stream=stream.cuda_stream, **k)
+            graph = capture(lambda: [launcher(*a, stream=stream.cuda_stream, **k) for a, k in sets], 1)
             graph.replay()
             best = math.inf
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -127,9 +151,10 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` with its strides (a kernel indexes by them): its extent copied into a new buffer."""
+    """A copy of `t` with its strides (a kernel indexes by them): its extent copied into a new
+    buffer as it lies in memory (a broadcast view, stride 0, cannot be copied element by element)."""
     span = _extent(t) // max(t.element_size(), 1)
     flat = torch.empty(span, dtype=t.dtype, device=t.device)
-    copy = flat.as_strided(t.shape, t.stride())
-    copy.copy_(t)
-    return copy
+    if span:
+        flat.copy_(t.as_strided((span,), (1,)))
+    return flat.as_strided(t.shape, t.stride())
