@@ -252,7 +252,9 @@ def test_gpu_a_candidate_that_cannot_be_captured_goes_to_inductor_and_the_alloca
         got = kernel_tuning._replayed(_tuner(), launcher, (x, torch.empty(256, device="cuda"), 256), {})
     assert got is None and calls
     torch.cuda.empty_cache()
-    graph = kernel_tuning.capture(lambda: x.mul_(2), 1)
+    stream = torch.cuda.Stream()
+    with kernel_tuning.on_side_stream(stream):
+        graph = kernel_tuning.capture(lambda: x.mul_(2), 1)
     before = x.clone()
     graph.replay()
     torch.cuda.synchronize()
