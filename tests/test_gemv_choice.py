@@ -460,6 +460,9 @@ class NormedProduct(torch.nn.Module):
             centred = x - x.mean(-1, keepdim=True)
             x = (centred * torch.rsqrt((centred * centred).mean(-1, keepdim=True) + 1e-5)).to(h.dtype)
             x = x * self.weight + self.bias
+        elif self.norm in ("layer op", "layer op unweighted"):  # nn.LayerNorm's op, on the row as it comes
+            weighted = self.norm == "layer op"
+            x = F.layer_norm(h, h.shape[-1:], self.weight if weighted else None, self.bias if weighted else None)
         elif self.norm == "sum":
             x = (x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) / x.shape[-1] + 1e-6)).to(h.dtype) * self.weight
         else:  # no weight
@@ -498,23 +501,31 @@ def _norms_in_products(gm) -> int:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
-@pytest.mark.parametrize("case", ["fused", "gemma", "layer", "sum", "unweighted", "float16", "norm read twice",
-                                  "too many outputs", "off"])
+@pytest.mark.parametrize("case", ["fused", "gemma", "layer", "layer op", "layer op unweighted", "layer op float32",
+                                  "sum", "unweighted", "float16", "norm read twice", "layer op read twice",
+                                  "too many outputs", "off", "layer op off"])
 def test_a_norm_only_a_product_reads_is_computed_inside_its_reduction_and_equals_eager(monkeypatch, device, case):
     """The norm's ops run again per output inside the product's kernel (its own kernel gone),
     with eager's casts: results within half-precision rounding of eager's, every call. Not where
     the normed row is read by something else (it is stored anyway), the product is wider than
     FUSED_NORM_OUTPUTS, or FUSE_NORMS is off."""
     torch.manual_seed(7)
-    monkeypatch.setattr(gemv, "FUSE_NORMS", case != "off")
+    monkeypatch.setattr(gemv, "FUSE_NORMS", not case.endswith("off"))
     if case == "too many outputs":
         monkeypatch.setattr(gemv, "FUSED_NORM_OUTPUTS", 383)
-    dtype = torch.float16 if case == "float16" else torch.bfloat16
-    norm = case if case in ("gemma", "layer", "sum", "unweighted") else "rms"
-    model = NormedProduct(also_norm=case == "norm read twice", norm=norm).to(device=device, dtype=dtype).eval()
+    dtype = {"float16": torch.float16, "layer op float32": torch.float32}.get(case, torch.bfloat16)
+    norm = case if case in ("gemma", "layer", "sum", "unweighted", "layer op unweighted") else "rms"
+    norm = "layer op" if case.startswith("layer op") and norm == "rms" else norm
+    model = NormedProduct(also_norm=case.endswith("read twice"), norm=norm).to(device=device, dtype=dtype).eval()
     h, r = (torch.randn(1, 1, 256, dtype=dtype, device=device) for _ in range(2))
+    if dtype == torch.float32:  # (fp32 products are not candidates: the norm's rule is asked directly)
+        monkeypatch.setattr(gemv, "_DTYPES", frozenset({*gemv._DTYPES, torch.float32}))
     module, gm = _compiled_graph(monkeypatch, model, device, h, r)
-    assert _norms_in_products(gm) == {"layer": 2, "norm read twice": 0, "too many outputs": 0, "off": 0}.get(case, 1)
+    fused = {"layer": 2, "layer op": 2, "layer op unweighted": 2, "layer op float32": 2}.get(case, 1)
+    assert _norms_in_products(gm) == (0 if case in ("norm read twice", "layer op read twice", "too many outputs")
+                                      or case.endswith("off") else fused)
+    assert (torch.ops.aten.layer_norm.default in {n.target for n in gm.graph.nodes}) is (
+        case in ("layer op read twice", "layer op off"))
     for _ in range(3):
         h, r = (torch.randn(1, 1, 256, dtype=dtype, device=device) for _ in range(2))
         got, want = module(h, r), model(h, r)

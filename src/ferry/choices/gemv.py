@@ -159,10 +159,11 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], t
     a `bmm` of one query row) are not candidates and are left to Inductor. Returns the decisions."""
     by_shape: dict[tuple[str, str], list[torch.fx.Node]] = {}
     regions: dict[torch.fx.Node, Region | None] = {}
-    split = False
+    edited = False
     for node in candidates(gm, shapes):
         if _weights(gm, node)[0].device.type in TIMED_ON:
-            split |= SPLIT_EQUAL_SLICES and _halves_as_slices(node, shapes)
+            edited |= SPLIT_EQUAL_SLICES and _halves_as_slices(node, shapes)
+            edited |= _layer_norm_written_out(gm, node, shapes)
             region = regions[node] = _region(gm, node, shapes)
             by_shape.setdefault((_shape(*_weights(gm, node)), region.key if region else ""), []).append(node)
     decided = [(_decided(gm, group, regions[group[0]]) if product_times(gm, group[0], regions[group[0]]) is not None
@@ -175,7 +176,7 @@ def apply(gm: torch.fx.GraphModule, shapes: dict[torch.fx.Node, torch.Tensor], t
                 else:
                     node.target = LIBRARY_LINEAR
         gm.recompile()
-    elif split:
+    elif edited:
         gm.recompile()
     return [d for d, _ in decided if d is not None]
 
@@ -564,6 +565,45 @@ def _reduction(g: torch.fx.Graph, xf: torch.fx.Node, weight, bias, rows: tuple[i
     if bias is not None:
         out = g.call_function(aten.add.Tensor, (out, part(bias)))
     return g.call_function(aten._to_copy.default, (out,), {"dtype": dtype})
+
+
+def _layer_norm_written_out(gm: torch.fx.GraphModule, node: torch.fx.Node, shapes: dict) -> bool:
+    """An `aten.layer_norm` over the last dim whose row only this product reads (OPT's, GPT-NeoX's,
+    Falcon's, BLOOM's, StableLM's) written out as the ops it computes, in fp32 as eager's kernel
+    does (two means, the second of the centred row's squares; the weight and bias; one rounding
+    back), so that the rule for norms (`_norm_of`) computes it inside the product's reduction.
+    Only where that rule would (FUSE_NORMS, outputs up to FUSED_NORM_OUTPUTS). True where the
+    graph changed."""
+    norm = node.args[0]
+    if (not FUSE_NORMS or not isinstance(norm, torch.fx.Node) or norm.op != "call_function"
+            or norm.target is not aten.layer_norm.default or set(norm.users) != {node} or norm.kwargs
+            or max(_parts(gm, node, shapes)[1]) > FUSED_NORM_OUTPUTS):
+        return False
+    x, dims, weight, bias, eps = (*norm.args, None, None, 1e-5)[:5]
+    row = shapes.get(x)
+    if (not isinstance(x, torch.fx.Node) or not isinstance(row, torch.Tensor) or not row.dim()
+            or not isinstance(dims, (list, tuple)) or list(dims) != [row.shape[-1]] or not row.is_floating_point()):
+        return False
+    graph = node.graph
+
+    def op(target, *args, **kwargs):
+        made = graph.call_function(target, args, kwargs)
+        metas = torch.fx.map_arg(args, lambda a: shapes.get(a, a.meta.get("val")).to("meta"))
+        made.meta["val"] = shapes[made] = target(*metas, **kwargs)
+        return made
+
+    with graph.inserting_before(norm):
+        xf = op(aten._to_copy.default, x, dtype=torch.float32) if row.dtype != torch.float32 else x
+        centred = op(aten.sub.Tensor, xf, op(aten.mean.dim, xf, [-1], True))
+        rstd = op(aten.rsqrt.default, op(aten.add.Tensor, op(aten.mean.dim, op(aten.mul.Tensor, centred, centred),
+                                                             [-1], True), eps))
+        y = op(aten.mul.Tensor, centred, rstd)
+        y = op(aten.mul.Tensor, y, weight) if weight is not None else y
+        y = op(aten.add.Tensor, y, bias) if bias is not None else y
+        y = op(aten._to_copy.default, y, dtype=row.dtype) if row.dtype != torch.float32 else y
+    norm.replace_all_uses_with(y)
+    graph.erase_node(norm)
+    return True
 
 
 def _halves_as_slices(node: torch.fx.Node, shapes: dict) -> bool:
