@@ -193,8 +193,8 @@ def test_a_merged_product_read_as_equal_slices_becomes_one_reduction_per_slice(w
 
 
 @pytest.mark.parametrize("how, halves", [
-    ("split", True), ("split_with_sizes", True), ("three", False), ("unequal", False), ("rows", False),
-    ("read whole too", False)])
+    ("split", True), ("split_with_sizes", True), ("counted from the end", True), ("three", False),
+    ("unequal", False), ("rows", False), ("read whole too", False)])
 def test_a_product_chunked_in_two_halves_is_read_as_two_slices_and_nothing_else_is(how, halves):
     """`chunk(2, -1)` exports as `split` and two `getitem`s: read as the two slices they are, the
     rule for slices splits the product; three pieces, unequal ones, a split of rows, or a product
@@ -209,7 +209,9 @@ def test_a_product_chunked_in_two_halves_is_read_as_two_slices_and_nothing_else_
         split = g.call_function(aten.split_with_sizes.default, (y, [48, 48] if how != "unequal" else [40, 56], -1))
     else:
         split = g.call_function(aten.split.Tensor, (y, 32 if how == "three" else 48, 0 if how == "rows" else -1))
-    pieces = [g.call_function(operator.getitem, (split, i)) for i in range({"three": 3, "rows": 1}.get(how, 2))]
+    count = {"three": 3, "rows": 1}.get(how, 2)
+    at = (-2, -1) if how == "counted from the end" else range(count)  # gate = split[-2]: still the first half
+    pieces = [g.call_function(operator.getitem, (split, i)) for i in at]
     out = g.call_function(aten.silu.default, (pieces[0],))
     g.output((out, *pieces[1:], *([y] if how == "read whole too" else [])))
     gm = torch.fx.GraphModule(module, g)
@@ -223,6 +225,47 @@ def test_a_product_chunked_in_two_halves_is_read_as_two_slices_and_nothing_else_
     assert halves is (gemv._equal_slices(y, shapes) is not None)
     for got, w in zip(gm(*xs), want):
         assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("form", ["six args", "weight only, eps by default", "neither, eps by default",
+                                  "fp32 weight and bias"])
+def test_a_layer_norm_written_out_equals_eagers_in_value_and_dtype(dtype, form):
+    """The ops `aten.layer_norm` is written out as give eager's result type and, from the same
+    input, values within one rounding of the exact norm (fp64), as eager's do: rows far from 0
+    with a small spread and a non-default eps, where a norm computed in half precision, not
+    centred, or with the wrong eps is far off."""
+    aten = torch.ops.aten
+    torch.manual_seed(3)
+    wdtype = torch.float32 if form == "fp32 weight and bias" else dtype
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.randn(48, 64, dtype=dtype))
+    module.register_buffer("gamma", torch.randn(64, dtype=wdtype))
+    module.register_buffer("beta", torch.randn(64, dtype=wdtype))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    gamma, beta = g.get_attr("gamma"), g.get_attr("beta")
+    args = {"six args": (x, [64], gamma, beta, 1e-3, True), "weight only, eps by default": (x, [64], gamma),
+            "neither, eps by default": (x, [64]), "fp32 weight and bias": (x, [64], gamma, beta, 1e-3, True)}[form]
+    norm = g.call_function(aten.layer_norm.default, args)
+    y = g.call_function(aten.linear.default, (norm, g.get_attr("w")))
+    g.output((y,))
+    xs = (3 + 0.05 * torch.randn(1, 1, 64, dtype=torch.float64)).to(dtype)
+    gm = torch.fx.GraphModule(module, g)
+    want = aten.layer_norm.default(*torch.fx.map_arg(args, lambda a: xs if a is x else getattr(module, a.target)))
+    shapes = {x: xs.to("meta"), gamma: module.gamma, beta: module.beta}
+    assert gemv._layer_norm_written_out(gm, y, shapes)
+    g.output_node().args = ((y, y.args[0]),)  # the written-out norm's result returned too
+    gm.recompile()
+    _, got = gm(xs)
+    eps = args[4] if len(args) > 4 else 1e-5
+    weight, bias = (module.gamma.double(), module.beta.double()) if len(args) > 3 else (
+        (module.gamma.double(), None) if len(args) > 2 else (None, None))
+    exact = F.layer_norm(xs.double(), [64], weight, bias, eps)
+    rounding = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -16}[dtype]  # fp32: the spread is 1/60 of the mean
+    assert got.dtype == want.dtype and y.args[0].meta["val"].dtype == want.dtype
+    for result in (want, got):
+        assert ((result.double() - exact).abs() <= 1.01 * rounding * (exact.abs() + 1)).all()
 
 
 def test_a_merged_product_stays_one_reduction_when_the_split_is_off(monkeypatch):

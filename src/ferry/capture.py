@@ -60,7 +60,9 @@ def capture(fn: Callable, reps: int, pool=None):
     """`reps` calls of `fn` captured on the current stream. Thread-local: a module already loaded
     may run in another thread meanwhile, and its host waits must neither fail nor break this."""
     graph = torch.cuda.CUDAGraph()
-    with random_state_kept_on_failure(torch.cuda.current_device()):
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # known here: a failed graph won't say
+    index = torch.cuda.current_device()
+    with random_state_kept_on_failure(index):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             for _ in range(reps):
@@ -69,16 +71,15 @@ def capture(fn: Callable, reps: int, pool=None):
             try:
                 graph.capture_end()
             except BaseException:
-                _end_allocating(graph)
+                _end_allocating(index, pool)
                 raise
     return graph
 
 
-def _end_allocating(graph) -> None:
+def _end_allocating(index: int, pool) -> None:
     """After a capture that failed: the caching allocator no longer allocates into the graph's
     pool for it. torch's `capture_end` raises before it says so, and while a capture is still
-    registered, every later `torch.cuda.empty_cache()` of the process raises."""
-    index, pool = torch.cuda.current_device(), graph.pool()
+    registered, the allocator's `empty_cache()` cannot release memory (or raises)."""
     try:
         torch._C._cuda_endAllocateToPool(index, pool)
     except RuntimeError:

@@ -579,7 +579,7 @@ def _layer_norm_written_out(gm: torch.fx.GraphModule, node: torch.fx.Node, shape
             or norm.target is not aten.layer_norm.default or set(norm.users) != {node} or norm.kwargs
             or max(_parts(gm, node, shapes)[1]) > FUSED_NORM_OUTPUTS):
         return False
-    x, dims, weight, bias, eps = (*norm.args, None, None, 1e-5)[:5]
+    x, dims, weight, bias, eps = [*norm.args, *(None, None, 1e-5)[len(norm.args) - 2:]][:5]  # (its defaults)
     row = shapes.get(x)
     if (not isinstance(x, torch.fx.Node) or not isinstance(row, torch.Tensor) or not row.dim()
             or not isinstance(dims, (list, tuple)) or list(dims) != [row.shape[-1]] or not row.is_floating_point()):
@@ -620,11 +620,12 @@ def _halves_as_slices(node: torch.fx.Node, shapes: dict) -> bool:
     pieces = list(split.users)
     if (split.op != "call_function" or split.target not in (aten.split.Tensor, aten.split_with_sizes.default)
             or set(split.kwargs) - {"dim"} or dim not in (-1, meta.dim() - 1) or halves != [n // 2] * 2 or n % 2
-            or not all(p.op == "call_function" and p.target is operator.getitem and p.args[1] in (0, 1) for p in pieces)):
+            or not all(p.op == "call_function" and p.target is operator.getitem and p.args[1] in (0, 1, -2, -1)
+                       for p in pieces)):
         return False
     graph = node.graph
     for piece in pieces:
-        start = (n // 2) * (piece.args[1] == 1)
+        start = (n // 2) * (piece.args[1] in (1, -1))
         with graph.inserting_before(piece):
             part = graph.call_function(aten.slice.Tensor, (node, -1, start, start + n // 2))
         part.meta = dict(piece.meta)
