@@ -506,6 +506,8 @@ class NormedProduct(torch.nn.Module):
         elif self.norm in ("layer op", "layer op unweighted"):  # nn.LayerNorm's op, on the row as it comes
             weighted = self.norm == "layer op"
             x = F.layer_norm(h, h.shape[-1:], self.weight if weighted else None, self.bias if weighted else None)
+        elif self.norm == "layer op in fp32":  # OLMo's: no weight, in fp32, cast back after
+            x = F.layer_norm(x, x.shape[-1:], None, None, 1e-5).to(h.dtype)
         elif self.norm == "sum":
             x = (x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) / x.shape[-1] + 1e-6)).to(h.dtype) * self.weight
         else:  # no weight
@@ -545,6 +547,7 @@ def _norms_in_products(gm) -> int:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
 @pytest.mark.parametrize("case", ["fused", "gemma", "layer", "layer op", "layer op unweighted", "layer op float32",
+                                  "layer op in fp32",
                                   "sum", "unweighted", "float16", "norm read twice", "layer op read twice",
                                   "too many outputs", "off", "layer op off"])
 def test_a_norm_only_a_product_reads_is_computed_inside_its_reduction_and_equals_eager(monkeypatch, device, case):
@@ -557,14 +560,14 @@ def test_a_norm_only_a_product_reads_is_computed_inside_its_reduction_and_equals
     if case == "too many outputs":
         monkeypatch.setattr(gemv, "FUSED_NORM_OUTPUTS", 383)
     dtype = {"float16": torch.float16, "layer op float32": torch.float32}.get(case, torch.bfloat16)
-    norm = case if case in ("gemma", "layer", "sum", "unweighted", "layer op unweighted") else "rms"
+    norm = case if case in ("gemma", "layer", "sum", "unweighted", "layer op unweighted", "layer op in fp32") else "rms"
     norm = "layer op" if case.startswith("layer op") and norm == "rms" else norm
     model = NormedProduct(also_norm=case.endswith("read twice"), norm=norm).to(device=device, dtype=dtype).eval()
     h, r = (torch.randn(1, 1, 256, dtype=dtype, device=device) for _ in range(2))
     if dtype == torch.float32:  # (fp32 products are not candidates: the norm's rule is asked directly)
         monkeypatch.setattr(gemv, "_DTYPES", frozenset({*gemv._DTYPES, torch.float32}))
     module, gm = _compiled_graph(monkeypatch, model, device, h, r)
-    fused = {"layer": 2, "layer op": 2, "layer op unweighted": 2, "layer op float32": 2}.get(case, 1)
+    fused = {"layer": 2, "layer op": 2, "layer op unweighted": 2, "layer op float32": 2, "layer op in fp32": 2}.get(case, 1)
     assert _norms_in_products(gm) == (0 if case in ("norm read twice", "layer op read twice", "too many outputs")
                                       or case.endswith("off") else fused)
     assert (torch.ops.aten.layer_norm.default in {n.target for n in gm.graph.nodes}) is (

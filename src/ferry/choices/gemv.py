@@ -568,15 +568,18 @@ def _reduction(g: torch.fx.Graph, xf: torch.fx.Node, weight, bias, rows: tuple[i
 
 
 def _layer_norm_written_out(gm: torch.fx.GraphModule, node: torch.fx.Node, shapes: dict) -> bool:
-    """An `aten.layer_norm` over the last dim whose row only this product reads (OPT's, GPT-NeoX's,
-    Falcon's, BLOOM's, StableLM's) written out as the ops it computes, in fp32 as eager's kernel
-    does (two means, the second of the centred row's squares; the weight and bias; one rounding
-    back), so that the rule for norms (`_norm_of`) computes it inside the product's reduction.
-    Only where that rule would (FUSE_NORMS, outputs up to FUSED_NORM_OUTPUTS). True where the
-    graph changed."""
-    norm = node.args[0]
+    """An `aten.layer_norm` over the last dim whose row only this product reads, directly or
+    through casts (OPT's, GPT-NeoX's, BLOOM's, StableLM's, OLMo's), written out as the ops it
+    computes, in fp32 as eager's kernel does (two means, the second of the centred row's squares;
+    the weight and bias; one rounding back), so that the rule for norms (`_norm_of`) computes it
+    inside the product's reduction. Only where that rule would (FUSE_NORMS, outputs up to
+    FUSED_NORM_OUTPUTS). True where the graph changed."""
+    reader, norm = node, node.args[0]
+    while (isinstance(norm, torch.fx.Node) and norm.op == "call_function" and set(norm.users) == {reader}
+           and norm.target in (aten._to_copy.default, aten.alias.default) and _norm_step(norm, shapes)):
+        reader, norm = norm, norm.args[0]  # a cast, or an alias
     if (not FUSE_NORMS or not isinstance(norm, torch.fx.Node) or norm.op != "call_function"
-            or norm.target is not aten.layer_norm.default or set(norm.users) != {node} or norm.kwargs
+            or norm.target is not aten.layer_norm.default or set(norm.users) != {reader} or norm.kwargs
             or max(_parts(gm, node, shapes)[1]) > FUSED_NORM_OUTPUTS):
         return False
     x, dims, weight, bias, eps = [*norm.args, *(None, None, 1e-5)[len(norm.args) - 2:]][:5]  # (its defaults)
