@@ -610,8 +610,8 @@ def _layer_norm_written_out(gm: torch.fx.GraphModule, node: torch.fx.Node, shape
 
 
 def _halves_as_slices(node: torch.fx.Node, shapes: dict) -> bool:
-    """A product read only through `split` into two halves of its last dim (`chunk(2, -1)`: Phi-3's,
-    GLM's and MPT's merged gate and up) read through the two `slice`s those halves are, so that the
+    """A product read only through `split` into two halves of its last dim (`chunk(2, -1)`: Phi-3's
+    and GLM's merged gate and up) read through the two `slice`s those halves are, so that the
     rule for slices (`_equal_slices`) splits it too. True where the graph changed."""
     meta, users = shapes.get(node), list(node.users)
     if len(users) != 1 or not isinstance(meta, torch.Tensor) or not meta.dim() or not isinstance(meta.shape[-1], int):
