@@ -66,8 +66,8 @@ def fake_gpu(monkeypatch):
         def __init__(self):
             self.recorded, self.pool_arg, self.stream, self.mode = [], None, None, None
 
-        def pool(self):
-            return ("pool of", self.pool_arg or id(self))
+        def pool(self):  # the pool it was captured into
+            return self.pool_arg if self.pool_arg is not None else ("pool of", id(self))
 
     class Graph:
         """Records the fake kernels launched while it captures; a replay runs them on the clock."""
@@ -119,6 +119,7 @@ def fake_gpu(monkeypatch):
             current[0] = saved
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", len(graphs)))
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -171,7 +172,7 @@ def test_in_a_captured_plan_each_form_is_replayed_from_a_graph_on_its_capture_st
     assert sleeps == [] and streams.asked == [0, 0]  # no queued waits: replays run back to back
     first, second, *_ = kernel.graphs
     assert first.stream is stream and second.stream is stream and first.recorded == [3.0] * 4
-    assert first.pool_arg is None and second.pool_arg == first.pool()  # one pool for the two forms
+    assert first.pool_arg is not None and second.pool_arg == first.pool_arg  # one fresh pool for the two forms
     # the workspace made on the capture stream in one kept pool, again before each timing
     (pool,) = shared_capture.KEPT_WORKSPACES.values()
     assert kernel.workspaces == [(pool, stream), (pool, stream)]
