@@ -77,7 +77,7 @@ def _tuner(reset=(), written=(), names=("in_ptr0", "out_ptr0", "xnumel"), spill_
 @pytest.mark.parametrize("case, replayed", [
     ("plain", True), ("float written", True), ("integer written", False), ("written unknown", False),
     ("reset to zero", False), ("spills", False), ("spills under its threshold", True), ("profiler", False),
-    ("larger than L2", False), ("no tensors", False), ("capture fails", False)])
+    ("larger than L2", False), ("no tensors", False), ("capture fails", False), ("launcher unknown", False)])
 def test_which_kernels_are_timed_by_replay(own_bench, on_fake_gpu, monkeypatch, case, replayed):
     """Replayed where the kernel can be launched a dozen times on unrestored copies: not where an
     integer it writes may be a position it reads, where Inductor zeroes an argument per launch,
@@ -91,8 +91,9 @@ def test_which_kernels_are_timed_by_replay(own_bench, on_fake_gpu, monkeypatch, 
         del tuner.mutated_arg_names
     if case == "no tensors":
         args = (4, 8)
-    if case == "capture fails":
-        monkeypatch.setattr(kernel_tuning, "_time_launches", lambda *a: (_ for _ in ()).throw(RuntimeError("capture")))
+    if case in ("capture fails", "launcher unknown"):
+        error = RuntimeError("capture") if case == "capture fails" else TypeError("unexpected keyword 'stream'")
+        monkeypatch.setattr(kernel_tuning, "_time_launches", lambda *a: (_ for _ in ()).throw(error))
         monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
     launcher = types.SimpleNamespace(n_spills=40 if "spills" in case else 0)
     with kernel_tuning.steady():
