@@ -25,6 +25,7 @@ import threading
 import torch
 
 from ferry.capture import LOCK, capture, on_side_stream
+from ferry.ops.aliasing import extent
 
 __all__ = ["STEADY", "copies_past_l2", "steady"]
 
@@ -144,11 +145,9 @@ def _time_launches(launcher, args: tuple, kwargs: dict, copies: int) -> float:
 
 
 def _extent(t: torch.Tensor) -> int:
-    """Bytes a kernel may read of `t`: from its first element to its last (a view into a larger
-    storage reads only that)."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+    """Bytes a kernel may read of `t`: from its first element to its last."""
+    low, high = extent(t)
+    return high - low
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,8 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
-    "STORAGE_OFFSET_AT", "composite_results", "is_view", "overwrites_safely", "returns_inputs", "schema_alias", "traced_alias",
-    "unannotated", "view_base", "view_source",
+    "STORAGE_OFFSET_AT", "composite_results", "extent", "is_view", "overwrites_safely", "returns_inputs", "schema_alias",
+    "traced_alias", "unannotated", "view_base", "view_source",
 ]
 
 
@@ -198,13 +198,13 @@ def _within(r: torch.Tensor, base: torch.Tensor) -> bool:
     """`r`'s bytes lie inside `base`'s (a view of it, or it itself)."""
     if not _same_storage(r, base):
         return False
-    lo, hi = _extent(base)
-    rlo, rhi = _extent(r)
+    lo, hi = extent(base)
+    rlo, rhi = extent(r)
     return lo <= rlo and rhi <= hi
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte address a tensor's elements occupy."""
+def extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte address a tensor's elements occupy (a view: only its own span of the storage)."""
     start = t.data_ptr()
     if t.numel() == 0:
         return start, start
