@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, time_host, write_json  # noqa: E402
 
 import models as bench_models  # noqa: E402
+from ferry.aot import layout_chains  # noqa: E402
 
 RUNNERS = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-graphs")
 
@@ -81,8 +82,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="efficientnet_b0,swin_t")
     p.add_argument("--runners", default=",".join(RUNNERS))
+    p.add_argument("--layout-chains", choices=("on", "off"), default="on",
+                   help="data-movement chains run as one view or gather, q/k/v slices copied once (on: ferry's "
+                        "default, aot/layout_chains.py), or each op as traced (off: for an A/B)")
     p.add_argument("--out", default="profile_graphs")
     args = p.parse_args()
+    layout_chains.ON = args.layout_chains == "on"
     if not torch.cuda.is_available():
         print("profile_graphs: skipped: no CUDA device")
         return

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ferry.aot import layout_chains
 from ferry.aot.constant_fold import fold_constants
 from ferry.choices import attention, conv, gemm, projections
 from ferry.choices.graph_edits import Rewrite, call
@@ -52,13 +53,14 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     order they are tested in: copies dropped, convolutions, attention, projections of one input
     merged, linears as GEMMs; then values computed from constants alone are folded
     (constant_fold.py). `merged`: the program's stacked weights (projections.merge_projections)."""
-    done = _drop_copies(gm) + _pools_as_means(gm)
+    done = layout_chains.slices_copied_once(gm) + _drop_copies(gm) + _pools_as_means(gm)
     for pattern in (*conv.PATTERNS, *attention.PATTERNS):
         done += pattern(gm)
     done += projections.merge_projections(gm, merged)
     for pattern in gemm.PATTERNS:
         done += pattern(gm)
     done += fold_constants(gm)
+    done += layout_chains.chains_as_gathers(gm)
     if done:
         tidy(gm)
     return done
@@ -154,6 +156,12 @@ _NOTES = {
     "pool as mean": ("aten::adaptive_avg_pool2d.default", "{n} pooled to one value per channel run as eager runs "
                      "them, as a mean over the spatial dims (its .out kernel loops over each channel's pixels in one "
                      "thread)"),
+    "slices copied once": ("permuted values copied once", "{n} permuted value(s) whose slices were each copied "
+                           "before a product (q, k and v of one projection) copied once, their slices contiguous"),
+    "chain as view": ("data movement as a view", "{n} chain(s) of copies (a pad of nothing, a permute and its "
+                      "inverse) whose result is their input reshaped: read as a view"),
+    "chain as gather": ("data movement as one gather", "{n} chain(s) of rolls, permutes and copies (window "
+                        "partitions) run as one index_select of whole rows, their order a constant"),
     "constants folded": ("values computed from constants", "{n} value(s) computed from constants alone (a "
                          "window mask, a position bias) computed at compile time and stored: their ops no longer run "
                          "per call (aot/constant_fold.py)"),

@@ -49,7 +49,7 @@ def constant(gm, name: str, value: torch.Tensor, like: torch.fx.Node) -> torch.f
         M.set_device(node, device)
     val = like.meta.get("val")
     if isinstance(val, torch.Tensor):
-        node.meta["val"] = val.new_empty(value.shape)
+        node.meta["val"] = val.new_empty(value.shape, dtype=value.dtype)
     return node
 
 
