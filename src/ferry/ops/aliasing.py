@@ -28,8 +28,8 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
-    "STORAGE_OFFSET_AT", "composite_results", "extent", "is_view", "overwrites_safely", "returns_inputs", "schema_alias",
-    "traced_alias", "unannotated", "view_base", "view_source",
+    "STORAGE_OFFSET_AT", "composite_results", "element_span", "extent", "is_view", "overwrites_safely",
+    "returns_inputs", "schema_alias", "traced_alias", "unannotated", "view_base", "view_source",
 ]
 
 
@@ -203,14 +203,19 @@ def _within(r: torch.Tensor, base: torch.Tensor) -> bool:
     return lo <= rlo and rhi <= hi
 
 
+def element_span(shape, stride, offset: int = 0) -> tuple[int, int]:
+    """[first, last + 1) element of a storage a strided layout touches (no elements: [offset, offset))."""
+    if any(int(n) == 0 for n in shape):
+        return offset, offset
+    low = offset + sum((int(n) - 1) * int(st) for n, st in zip(shape, stride) if int(st) < 0)
+    high = offset + sum((int(n) - 1) * int(st) for n, st in zip(shape, stride) if int(st) > 0) + 1
+    return low, high
+
+
 def extent(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte address a tensor's elements occupy (a view: only its own span of the storage)."""
-    start = t.data_ptr()
-    if t.numel() == 0:
-        return start, start
-    span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
-    low = start + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st < 0) * t.element_size()
-    return low, low + (span + 1) * t.element_size()
+    low, high = element_span(t.shape, t.stride())
+    return t.data_ptr() + low * t.element_size(), t.data_ptr() + high * t.element_size()
 
 
 # ---------------------------------------------------------------- reading through a storage

@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from ferry.ops.aliasing import element_span
 from ferry.ops.library import new_fragment
 
 __all__ = ["BLOCK_N", "MAX_ROWS", "SPLIT_KV_ATTENTION", "available", "fits", "split_kv_attention", "splits"]
@@ -64,7 +65,7 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 def _spans_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Each operand's farthest element, and the result's, within a 32-bit offset of its first: a
     slice of a longer cache may reach far past its own element count."""
-    spans = [1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) for t in (q, k, v, mask) if t is not None]
+    spans = [element_span(t.shape, t.stride())[1] for t in (q, k, v, mask) if t is not None]
     return max(spans + [q.numel()]) < _INT32
 
 

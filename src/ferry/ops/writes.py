@@ -29,6 +29,8 @@ from types import MappingProxyType
 
 import torch
 
+from ferry.ops.aliasing import element_span
+
 __all__ = ["OUT_KERNELS"]
 
 _NAMESPACE = "ferry"
@@ -90,8 +92,8 @@ def _as_strided_scatter(self, src, size, stride, storage_offset=None, *, out):
     laid out in a window of just the storage `self` and the view span, so `out` (laid out as
     planned, not as `self`) gets exactly eager's elements."""
     offset = self.storage_offset() if storage_offset is None else int(storage_offset)
-    low, high = _span(self.shape, self.stride(), self.storage_offset())
-    vlow, vhigh = _span(size, stride, offset)
+    low, high = element_span(self.shape, self.stride(), self.storage_offset())
+    vlow, vhigh = element_span(size, stride, offset)
     if vlow < 0:
         raise RuntimeError(f"as_strided_scatter: storage offset {offset} with strides {tuple(stride)} reaches before "
                            "the storage")
@@ -108,15 +110,6 @@ def _as_strided_scatter(self, src, size, stride, storage_offset=None, *, out):
         out.resize_(self.shape)
     out.copy_(as_self)
     return out
-
-
-def _span(shape, stride, offset: int) -> tuple[int, int]:
-    """[first, last + 1) storage element a strided layout touches (empty: [offset, offset))."""
-    if any(int(s) == 0 for s in shape):
-        return offset, offset
-    low = offset + sum((int(s) - 1) * int(st) for s, st in zip(shape, stride) if int(st) < 0)
-    high = offset + sum((int(s) - 1) * int(st) for s, st in zip(shape, stride) if int(st) > 0) + 1
-    return low, high
 
 
 _KERNELS = MappingProxyType({"copy": _copy, "slice_scatter": _slice_scatter, "select_scatter": _select_scatter,

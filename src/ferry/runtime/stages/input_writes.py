@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ferry.errors import InputError, ProgramError
+from ferry.ops.aliasing import extent
 from ferry.program.schema import Method
 
 __all__ = ["check_writable", "written_back"]
@@ -44,13 +45,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-
-    def span(t):
-        start = t.storage_offset() * t.element_size()
-        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-        return start, start + last * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
+    (a0, a1), (b0, b1) = extent(a), extent(b)
     return a0 < b1 and b0 < a1
 
 
