@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["contiguous_strides", "dense_strides_like", "is_dense", "same_strides"]
+__all__ = ["contiguous_strides", "dense_strides_like", "element_span", "is_dense", "same_strides"]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -48,3 +48,12 @@ def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
 def same_strides(shape: Sequence[int], a: Sequence[int], b: Sequence[int]) -> bool:
     """`a` and `b` lay `shape` out alike (a dim of size 1 may have any stride)."""
     return len(a) == len(b) == len(shape) and all(n == 1 or x == y for n, x, y in zip(shape, a, b))
+
+
+def element_span(shape, stride, offset: int = 0) -> tuple[int, int]:
+    """[first, last + 1) element of a storage a strided layout touches (no elements: [offset, offset))."""
+    if any(int(n) == 0 for n in shape):
+        return offset, offset
+    low = offset + sum((int(n) - 1) * int(st) for n, st in zip(shape, stride) if int(st) < 0)
+    high = offset + sum((int(n) - 1) * int(st) for n, st in zip(shape, stride) if int(st) > 0) + 1
+    return low, high

@@ -27,8 +27,10 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ferry.layout import element_span
+
 __all__ = [
-    "STORAGE_OFFSET_AT", "composite_results", "element_span", "extent", "is_view", "overwrites_safely",
+    "STORAGE_OFFSET_AT", "composite_results", "extent", "is_view", "overwrites_safely",
     "returns_inputs", "schema_alias", "traced_alias", "unannotated", "view_base", "view_source",
 ]
 
@@ -201,15 +203,6 @@ def _within(r: torch.Tensor, base: torch.Tensor) -> bool:
     lo, hi = extent(base)
     rlo, rhi = extent(r)
     return lo <= rlo and rhi <= hi
-
-
-def element_span(shape, stride, offset: int = 0) -> tuple[int, int]:
-    """[first, last + 1) element of a storage a strided layout touches (no elements: [offset, offset))."""
-    if any(int(n) == 0 for n in shape):
-        return offset, offset
-    low = offset + sum((int(n) - 1) * int(st) for n, st in zip(shape, stride) if int(st) < 0)
-    high = offset + sum((int(n) - 1) * int(st) for n, st in zip(shape, stride) if int(st) > 0) + 1
-    return low, high
 
 
 def extent(t: torch.Tensor) -> tuple[int, int]:

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ferry.ops.aliasing import element_span
+from ferry.layout import element_span
 from ferry.ops.library import new_fragment
 
 __all__ = ["BLOCK_N", "MAX_ROWS", "SPLIT_KV_ATTENTION", "available", "fits", "split_kv_attention", "splits"]

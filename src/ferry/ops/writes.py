@@ -29,7 +29,7 @@ from types import MappingProxyType
 
 import torch
 
-from ferry.ops.aliasing import element_span
+from ferry.layout import element_span
 
 __all__ = ["OUT_KERNELS"]
 
