@@ -212,3 +212,53 @@ def test_windows_and_qkv_on_cuda_with_graphs_equal_eager(full_fp32):
             with torch.no_grad():
                 want = cuda_model(x.cuda()).cpu()
             torch.testing.assert_close(module(x), want, rtol=0, atol=0)
+
+
+class LeftAlone(torch.nn.Module):
+    """What slices_copied_once must not take (each would add a copy or change a clone's layout):
+    slices whose clones keep the layout they are given (after one copy of the whole they would
+    come out contiguous, not in the order they had), and a tensor only some of whose slices are read."""
+
+    def forward(self, x):
+        q, k, v = (x * 2).permute(1, 0, 3, 2).unbind(0)
+        some = (x * 3).permute(1, 0, 2, 3)
+        return q.clone() * k.clone() + v.clone(), some[0] @ some[1].transpose(-1, -2)
+
+
+def test_copies_that_would_stay_or_change_layout_leave_the_slices_alone(emu):
+    torch.manual_seed(0)
+    model, shape = LeftAlone(), (4, 3, 6, 5)
+    program, _, notes = compiled(model, torch.randn(shape))
+    assert "permuted value" not in notes
+    module = ferry.Module(program)
+    for _ in range(2):
+        x = torch.randn(shape)
+        for got, want in zip(module(x), model(x), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class Interleaved(torch.nn.Module):
+    """Two chains of one row order, the later-starting one ending first (their order is stored
+    once, before either reads it), and a chain whose slice starts at a size read at run time."""
+
+    def forward(self, x):
+        a = torch.roll(x * 2, (1, 1), (0, 1))
+        b = torch.roll(x * 3, (1, 1), (0, 1))
+        y = x[0] * 2
+        c = torch.roll(y.narrow(0, x.shape[0] % 2, 2), 1, 0).flip(0)
+        return b.sin() + a.cos(), c.sin()
+
+
+def test_chains_sharing_an_order_and_chains_reading_sizes(emu):
+    torch.manual_seed(0)
+    model, shape = Interleaved(), (4, 6, 8)
+    batch = torch.export.Dim("batch", min=2, max=8)
+    program, ran, _ = compiled(model, torch.randn(shape), dynamic_shapes=({0: batch},))
+    module = ferry.Module(program)
+    for b in (2, 3, 5):
+        x = torch.randn(b, 6, 8)
+        for got, want in zip(module(x), model(x), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    static, ran, _ = compiled(model, torch.randn(shape))
+    assert ran[GATHER] == 3 and "aten::roll.default" not in ran, ran
+    equal_to_eager(static, model, shape)

@@ -50,9 +50,11 @@ aten = torch.ops.aten
 def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> list[Rewrite]:
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done.
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
-    order they are tested in: copies dropped, convolutions, attention, projections of one input
-    merged, linears as GEMMs; then values computed from constants alone are folded
-    (constant_fold.py). `merged`: the program's stacked weights (projections.merge_projections)."""
+    order they are tested in: q/k/v slices copied once (layout_chains.py), copies dropped,
+    convolutions, attention, projections of one input merged, linears as GEMMs; then values
+    computed from constants alone are folded (constant_fold.py), and chains of copies become one
+    view or gather (layout_chains.py). `merged`: the program's stacked weights
+    (projections.merge_projections)."""
     done = layout_chains.slices_copied_once(gm) + _drop_copies(gm) + _pools_as_means(gm)
     for pattern in (*conv.PATTERNS, *attention.PATTERNS):
         done += pattern(gm)

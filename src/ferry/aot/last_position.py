@@ -23,9 +23,8 @@ import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ferry.choices.graph_edits import call
+from ferry.choices.graph_edits import call, revalue
 from ferry.errors import CompileError
 
 __all__ = ["keep_last_position"]
@@ -92,7 +91,7 @@ def _cut(gm: torch.fx.GraphModule, node: torch.fx.Node, alone: bool) -> torch.fx
             last = call(gm, node, aten.slice.Tensor, (rows, 1, -1, sys.maxsize),
                         aten.slice.Tensor(rows_val, 1, -1, sys.maxsize))
         node.args = (last, *node.args[1:])
-        _revalue([node])
+        revalue([node])
         return node
     if alone and _cut_product_rows(gm, node):
         return node
@@ -137,17 +136,8 @@ def _cut_product_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         last = call(gm, flat, aten.slice.Tensor, (x, 1, -1, sys.maxsize), aten.slice.Tensor(xv, 1, -1, sys.maxsize))
     flat.args = (last, *flat.args[1:])
     node.args = (node.args[0], [-1, 1, node.meta["val"].shape[-1]])
-    _revalue([flat, p, *reversed(chain), node])
+    revalue([flat, p, *reversed(chain), node])
     return True
-
-
-def _revalue(nodes: list[torch.fx.Node]) -> None:
-    """Each node's value (and tensor_meta) again, in order, from its arguments' (the rows cut)."""
-    for n in nodes:
-        op = n.target
-        assert callable(op)  # (call_function nodes)
-        n.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args], **n.kwargs)
-        n.meta["tensor_meta"] = _extract_tensor_metadata(n.meta["val"])
 
 
 def _has_rows(a: torch.fx.Node) -> bool:

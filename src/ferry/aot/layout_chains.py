@@ -17,10 +17,11 @@ view; where it moves runs of elements that stay whole (a row of channels), one `
 of those runs, the runs' positions a constant of the program. Taken only where it launches fewer
 kernels than the chain.
 
-`slices_copied_once`: a permuted tensor whose slices along its first dim are each copied before
-use (by a `clone`, or by `matmul`, which copies an operand it cannot view as a batch of matrices)
-is copied once, so its slices are contiguous and those copies no longer happen (aot/fuse.py then
-drops the clones that keep the layout).
+`slices_copied_once`: a permuted tensor whose slices along its first dim are all copied before
+use (by a `clone` that changes their layout, or by `matmul`, which copies an operand it cannot
+view as a batch of matrices) is copied once, where that saves at least two copies: its slices are
+then contiguous, and each of those copies is either gone or keeps the layout (aot/fuse.py drops
+such clones).
 
 Both move the same bits as eager (copies only, no arithmetic); static sizes only.
 """
@@ -28,32 +29,32 @@ Both move the same bits as eager (copies only, no arithmetic); static sizes only
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ferry.choices.graph_edits import Rewrite, call, constant
+from ferry.choices.graph_edits import Rewrite, call, constant, value_of
 
 __all__ = ["ON", "chains_as_gathers", "slices_copied_once"]
 
 aten = torch.ops.aten
 ON = True  # off: every chain runs as traced (an A/B: bench/profile_graphs.py --layout-chains off)
+MAX_ELEMENTS = 1 << 23  # the largest source whose positions are worked out (8M: 64 MiB of int64 per step)
 
-# kernels each op of a chain launches on its own (a roll launches one per rolled dim)
 _VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.transpose.int,
                     aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
                     aten.slice.Tensor, aten.select.int, aten.expand.default, aten.alias.default,
                     aten.detach.default, aten.narrow.default})
-_COPIES = frozenset({aten.clone.default, aten.contiguous.default, aten.roll.default, aten.flip.default,
-                     aten.pad.default, aten.constant_pad_nd.default})
-_MOVES = _VIEWS | _COPIES
-_MAX_INDEX_BYTES = 1 << 20  # the largest index a gather may store (a run of 4 bytes per 1 KiB moved at the least)
-# elementwise ops with one tensor operand: their result keeps the operand's layout, so a copy after them is the
-# copy of their operand
-_KEEPS_LAYOUT = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.mul.Scalar,
-                           aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.neg.default})
+_COPIES = frozenset({aten.clone.default, aten.roll.default, aten.flip.default, aten.pad.default,
+                     aten.constant_pad_nd.default})
+_PADS = (aten.pad.default, aten.constant_pad_nd.default)
+_RESHAPES = (aten.view.default, aten._unsafe_view.default)
+# elementwise ops of one tensor operand: the result is dense, laid out in the operand's order of strides
+_ELEMENTWISE = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.mul.Scalar,
+                          aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.neg.default})
 
 
 def _static(val) -> bool:
@@ -61,61 +62,58 @@ def _static(val) -> bool:
 
 
 def _kernels(node: torch.fx.Node) -> int | None:
-    """Kernels `node` launches as one op of a chain, or None where it is not pure data movement."""
-    if node.op != "call_function" or node.target not in _MOVES:
+    """Kernels `node` launches as one op of a chain (a roll: one per rolled dim), or None where it
+    is not pure data movement of its first argument alone (another tensor or a size it reads)."""
+    if node.op != "call_function" or node.target not in _VIEWS | _COPIES or len(node.all_input_nodes) != 1:
+        return None
+    if not isinstance(node.args[0], torch.fx.Node):
         return None
     if node.target in _VIEWS:
         return 0
     if node.target is aten.roll.default:
         dims: Any = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
         return max(1, len(dims))
-    if node.target in (aten.pad.default, aten.constant_pad_nd.default):
+    if node.target in _PADS:
         pads: Any = node.args[1]
         mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
-        return 1 if all(p == 0 for p in pads) and mode == "constant" else None
+        return 1 if mode == "constant" and all(p == 0 for p in pads) else None
     return 1
 
 
-def _chain_from(start: torch.fx.Node) -> list[torch.fx.Node]:
-    """The data movement from `start`'s input: `start`, then each op the one before alone reads."""
-    chain = [start]
-    while True:
-        users = list(chain[-1].users)
-        if len(users) != 1 or _kernels(users[0]) is None or users[0].args[0] is not chain[-1]:
-            return chain
-        chain.append(users[0])
+def _chains(gm: torch.fx.GraphModule) -> Iterator[list[torch.fx.Node]]:
+    """Each maximal chain: data movement from a value, then each op that alone reads the one before."""
+    for node in list(gm.graph.nodes):
+        src: Any = node.args[0] if node.op == "call_function" and node.args else None
+        if _kernels(node) is None or (_kernels(src) is not None and len(src.users) == 1):
+            continue  # (not data movement, or inside a chain begun before it)
+        chain = [node]
+        while len(chain[-1].users) == 1:
+            nxt = next(iter(chain[-1].users))
+            if _kernels(nxt) is None or nxt.args[0] is not chain[-1]:
+                break
+            chain.append(nxt)
+        yield chain
 
 
-def _starts(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """First ops of chains: data movement reading a value that is not itself read by a chain's op alone."""
-    out = []
-    for node in gm.graph.nodes:
-        if _kernels(node) is None or not isinstance(node.args[0], torch.fx.Node):
-            continue
-        src = node.args[0]
-        if _kernels(src) is not None and len(src.users) == 1:
-            continue  # inside a chain
-        out.append(node)
-    return out
-
-
-def _positions(chain: list[torch.fx.Node], src_val: torch.Tensor) -> list[torch.Tensor]:
-    """Each chain op's result computed on the positions of the source's elements."""
+def _positions(chain: list[torch.fx.Node], src_val: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Each chain op's result computed on the positions of the source's elements (only values
+    matter here: a view is a reshape)."""
     t = torch.arange(src_val.numel(), dtype=torch.int64).view(tuple(src_val.shape))
-    out = []
     for node in chain:
         op: Any = node.target
-        t = t.clone() if op in (aten.pad.default, aten.constant_pad_nd.default) else op(t, *node.args[1:], **node.kwargs)
-        out.append(t)
-    return out
+        if op in _PADS:
+            t = t.clone()  # (a pad of nothing)
+        elif op in _RESHAPES:
+            t = t.reshape(node.args[1])  # type: ignore[arg-type]
+        else:
+            t = op(t, *node.args[1:], **node.kwargs)
+        yield t
 
 
 def _run(z: torch.Tensor, src_val: torch.Tensor) -> int | None:
     """The longest trailing run of the source's elements that `z` (positions, in its order) keeps
-    whole and in place within the run; None where not even one row of the last dim stays whole."""
-    flat = z.reshape(-1)
-    best = None
-    run = 1
+    whole and in order; None where not even a row of the last dim stays whole."""
+    flat, best, run = z.reshape(-1), None, 1
     for size in reversed(src_val.shape):
         run *= int(size)
         if flat.numel() % run:
@@ -127,28 +125,62 @@ def _run(z: torch.Tensor, src_val: torch.Tensor) -> int | None:
     return best
 
 
-def _replacement(gm, end: torch.fx.Node, src: torch.fx.Node, z: torch.Tensor, run: int, stored: dict):
-    """`src`'s runs gathered in the order `z` takes them, shaped as `end`'s result."""
+def _cheapest_end(src: torch.fx.Node, chain: list[torch.fx.Node]):
+    """(end, positions, run) for the op of `chain` whose result a view of `src` (run None) or one
+    gather of its runs gives with the most kernels saved; None where none saves any."""
+    src_val: Any = src.meta.get("val")
+    if src.op == "get_attr" or not (_static(src_val) and src_val.is_contiguous() and 0 < src_val.numel() <= MAX_ELEMENTS):
+        return None  # (a chain of constants alone is folded: aot/constant_fold.py)
+    if sum(_kernels(n) or 0 for n in chain) == 0 or not all(_static(n.meta.get("val")) for n in chain):
+        return None
+    best: tuple[torch.fx.Node, torch.Tensor, int | None] | None = None
+    most = kernels = 0
+    for node, z in zip(chain, _positions(chain, src_val), strict=True):
+        kernels += _kernels(node) or 0
+        if kernels <= most or not node.meta["val"].is_contiguous() or any(u.op == "output" for u in node.users):
+            continue  # (a returned value owns its memory)
+        if z.numel() == src_val.numel() and bool((z.reshape(-1) == torch.arange(z.numel())).all()):
+            best, most = (node, z, None), kernels
+        elif kernels > 1 + most and (run := _run(z, src_val)) is not None:
+            best, most = (node, z, run), kernels - 1
+    return best
+
+
+def _gathered(gm, end: torch.fx.Node, src: torch.fx.Node, z: torch.Tensor, run: int, rows_at) -> torch.fx.Node:
+    """`src`'s runs of `run` elements gathered in the order `z` takes them, shaped as `end`'s result."""
     src_val, val = src.meta["val"], end.meta["val"]
     flat = call(gm, end, aten.view.default, (src, [-1, run]), src_val.view(-1, run))
-    rows = (z.reshape(-1, run)[:, 0] // run).to(torch.int32)
-    key = tuple(rows.tolist())
-    if key not in stored:
-        stored[key] = constant(gm, f"_rows_{end.name}", rows, src)
+    rows = z.reshape(-1, run)[:, 0] // run
+    index = rows_at(rows.to(torch.int32 if src_val.numel() // run < 2**31 else torch.int64), src)
     gathered_val = src_val.new_empty((rows.numel(), run))
-    gathered = call(gm, end, aten.index_select.default, (flat, 0, stored[key]), gathered_val)
+    gathered = call(gm, end, aten.index_select.default, (flat, 0, index), gathered_val)
     return call(gm, end, aten.view.default, (gathered, list(val.shape)), gathered_val.view(val.shape))
+
+
+def _rows_constants(gm: torch.fx.GraphModule):
+    """Row orders as constants of `gm`, each stored once, defined before any op reads one."""
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    stored: dict[tuple, torch.fx.Node] = {}
+
+    def rows_at(rows: torch.Tensor, like: torch.fx.Node) -> torch.fx.Node:
+        key = (rows.dtype, tuple(rows.tolist()))
+        if key not in stored:
+            with gm.graph.inserting_before(first):
+                stored[key] = constant(gm, "_rows", rows, like)
+        return stored[key]
+
+    return rows_at
 
 
 def chains_as_gathers(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """Rewrite each chain of data movement that launches more kernels than a view (none) or one
     gather of whole runs (one) would; return what was done."""
     done: list[Rewrite] = []
-    stored: dict = {}
-    for start in _starts(gm) if ON else ():
-        src = start.args[0]
+    rows_at = _rows_constants(gm)
+    for chain in _chains(gm) if ON else ():
+        src = chain[0].args[0]
         assert isinstance(src, torch.fx.Node)
-        found = _cheapest_end(src, _chain_from(start))
+        found = _cheapest_end(src, chain)
         if found is None:
             continue
         end, z, run = found
@@ -157,73 +189,61 @@ def chains_as_gathers(gm: torch.fx.GraphModule) -> list[Rewrite]:
                 shape = list(end.meta["val"].shape)
                 new = call(gm, end, aten.view.default, (src, shape), src.meta["val"].view(shape))
             else:
-                new = _replacement(gm, end, src, z, run, stored)
+                new = _gathered(gm, end, src, z, run, rows_at)
         end.replace_all_uses_with(new)
         done.append(Rewrite("chain as view" if run is None else "chain as gather", end.name))
     return done
 
 
-def _cheapest_end(src: torch.fx.Node, chain: list[torch.fx.Node]):
-    """(end, positions, run) for the op of `chain` whose result a view of `src` (run None) or one
-    gather of its runs gives with the most kernels saved; None where none saves any."""
-    src_val: Any = src.meta.get("val")
-    if src.op == "get_attr" or not (_static(src_val) and src_val.is_contiguous() and src_val.numel() > 0):
-        return None  # (a chain of constants alone is folded: aot/constant_fold.py)
-    if not all(_static(n.meta.get("val")) for n in chain):
-        return None
-    best, most, kernels = None, 0, 0
-    for node, z in zip(chain, _positions(chain, src_val), strict=True):
-        kernels += _kernels(node) or 0
-        if not node.meta["val"].is_contiguous() or any(u.op == "output" for u in node.users):
-            continue  # (a returned value owns its memory)
-        if z.numel() == src_val.numel() and bool((z.reshape(-1) == torch.arange(z.numel())).all()):
-            run, cost = None, 0
-        else:
-            run, cost = _run(z, src_val), 1
-            if run is None or 4 * z.numel() // run > _MAX_INDEX_BYTES:
-                continue
-        if kernels - cost > most:
-            best, most = (node, z, run), kernels - cost
-    return best
+# ---------------------------------------------------------------- slices copied once
 
 
 def _slices(node: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The slices of `node` along dim 0 its readers take (select(0, i) or unbind(0) items), or None
-    where something else reads it."""
-    out = []
+    """Every slice of `node` along dim 0 (select(0, i) for each i, or unbind(0)'s items) where
+    nothing else reads it; else None."""
+    out, indices = [], set()
     for u in node.users:
         if u.target is aten.select.int and u.args[0] is node and u.args[1] == 0:
             out.append(u)
+            indices.add(u.args[2])
         elif u.target is aten.unbind.int and (u.args[1] if len(u.args) > 1 else 0) == 0:
-            items = list(u.users)
-            if not all(i.target is operator.getitem for i in items):
+            if not all(i.target is operator.getitem for i in u.users):
                 return None
-            out.extend(items)
+            out.extend(u.users)
+            indices.update(i.args[1] for i in u.users)
         else:
             return None
-    return out
+    n = node.meta["val"].shape[0]
+    return out if {i % n for i in indices if isinstance(i, int)} == set(range(n)) else None
 
 
-def _copied(view: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]] | None:
-    """Where the slice `view` is copied before use: the nodes on its way (elementwise ops with
-    scalars, transposes) and the ops that copy it (a clone, or a matmul that cannot view it as a
-    batch of matrices); None where it is read any other way."""
+def _walk(view: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]] | None:
+    """The ops that carry the slice `view` to where it is copied (elementwise ops with scalars,
+    transposes) and the ops that copy it (clones, matmuls); None where it is read any other way."""
     path, ends, frontier = [], [], [view]
     while frontier:
         n = frontier.pop()
         for u in n.users:
-            t = u.target
-            if t is aten.clone.default and u.args[0] is n:
+            if u.target in (aten.clone.default, aten.matmul.default):
                 ends.append(u)
-            elif t is aten.matmul.default and _matmul_copies(n.meta["val"]):
-                ends.append(u)
-            elif t in (aten.transpose.int, aten.t.default) or (
-                    t in _KEEPS_LAYOUT and u.args[0] is n and not any(isinstance(a, torch.fx.Node) for a in u.args[1:])):
+            elif u.target in (aten.transpose.int, aten.t.default) or (u.target in _ELEMENTWISE and u.args[0] is n
+                                                                       and len(u.all_input_nodes) == 1):
                 path.append(u)
                 frontier.append(u)
             else:
                 return None
-    return (path, ends) if ends else None
+    return path, ends
+
+
+def _copies(end: torch.fx.Node, vals: dict) -> bool:
+    """Whether `end` copies what it reads, given the values in `vals` (else the nodes' own)."""
+    def val(n):
+        return vals.get(n, n.meta.get("val"))
+
+    if end.target is aten.clone.default:
+        x = end.args[0]
+        return any(u.op == "output" for u in end.users) or val(end).stride() != val(x).stride()
+    return any(_matmul_copies(val(a)) for a in end.args[:2] if isinstance(a, torch.fx.Node))
 
 
 def _matmul_copies(val) -> bool:
@@ -237,6 +257,25 @@ def _matmul_copies(val) -> bool:
     return False
 
 
+def _values_after_copy(node: torch.fx.Node, copy_val, slices, walks) -> dict | None:
+    """The values the slices, the ops on their way and the copying ops take once `node` is copied
+    (contiguous); None where a copying op's own value would change or fewer than two copies go."""
+    vals: dict = {node: copy_val}
+    readers = {s.args[0] for s in slices if s.target is operator.getitem}
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    changed = sorted({*readers, *slices, *(n for path, _ in walks for n in path)}, key=order.__getitem__)
+    for n in changed:
+        vals[n] = value_of(n, vals)
+    ends = {e for _, es in walks for e in es}
+    saved = 0
+    for e in ends:
+        after = value_of(e, vals)
+        if tuple(after.shape) != tuple(e.meta["val"].shape) or after.stride() != e.meta["val"].stride():
+            return None
+        saved += _copies(e, {}) and not _copies(e, {**vals, e: after})
+    return vals if saved >= 2 else None
+
+
 def slices_copied_once(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """Copy once a non-contiguous tensor whose slices are each copied (at least two copies saved)."""
     done = []
@@ -244,28 +283,28 @@ def slices_copied_once(gm: torch.fx.GraphModule) -> list[Rewrite]:
         val = node.meta.get("val")
         if node.op != "call_function" or not _static(val) or val.is_contiguous() or val.dim() < 2:
             continue
-        slices = _slices(node) or []
-        walks = [w for w in (_copied(s) for s in slices) if w is not None]
-        if len(walks) < 2 or len(walks) < len(slices):
+        slices = _slices(node)
+        walks = [w for w in map(_walk, slices or ()) if w is not None]
+        if not slices or len(walks) < len(slices):
+            continue
+        vals = _values_after_copy(node, val.contiguous(), slices, walks)
+        if vals is None:
             continue
         readers = list(node.users)
         with gm.graph.inserting_after(node):
-            copy = call(gm, node, aten.clone.default, (node,), val.contiguous(),
+            copy = call(gm, node, aten.clone.default, (node,), vals.pop(node),
                         {"memory_format": torch.contiguous_format})
         for u in readers:
             u.replace_input_with(node, copy)
-        changed = {*readers, *slices, *(n for path, _ in walks for n in path)}
-        for n in gm.graph.nodes:
-            if n in changed:
-                _revalue(n)
+        for n, v in vals.items():
+            _set_value(n, v)
         done.append(Rewrite("slices copied once", node.name))
     return done
 
 
-def _revalue(n: torch.fx.Node) -> None:
-    """`n`'s value again from its arguments' (the layout of what it reads changed)."""
-    args: Any = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in n.args]
-    op: Any = n.target
-    n.meta["val"] = args[0][args[1]] if op is operator.getitem else op(*args, **n.kwargs)
-    if isinstance(n.meta["val"], torch.Tensor):
-        n.meta["tensor_meta"] = _extract_tensor_metadata(n.meta["val"])
+def _set_value(node: torch.fx.Node, val) -> None:
+    node.meta["val"] = val
+    if isinstance(val, torch.Tensor):
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    elif isinstance(val, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in val):
+        node.meta["tensor_meta"] = type(val)(_extract_tensor_metadata(v) for v in val)

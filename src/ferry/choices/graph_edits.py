@@ -5,8 +5,9 @@ the value of a node computed from constants alone (attention masks, aot/constant
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import sympy
 import torch
@@ -15,8 +16,8 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ferry import node_meta as M
 
-__all__ = ["Rewrite", "attr", "call", "constant", "constant_value", "reads_metadata_only", "shape_at", "single_use",
-           "size_at"]
+__all__ = ["Rewrite", "attr", "call", "constant", "constant_value", "reads_metadata_only", "revalue", "shape_at",
+           "single_use", "size_at", "value_of"]
 
 aten = torch.ops.aten
 CONSTANT_ELEMENTS = 1 << 22  # the largest tensor a value computed at compile time may have
@@ -61,6 +62,23 @@ def call(gm, like: torch.fx.Node, op, args, val, kwargs: dict | None = None) -> 
     if isinstance(val, torch.Tensor):  # its own, not `like`'s
         node.meta["tensor_meta"] = _extract_tensor_metadata(val)
     return node
+
+
+def value_of(node: torch.fx.Node, vals: dict | None = None):
+    """`node`'s value computed from its arguments' (from `vals` where given there, else their own):
+    a node's value again after what it reads changed layout or size."""
+    vals = vals or {}
+    args: Any = [vals.get(a, a.meta.get("val")) if isinstance(a, torch.fx.Node) else a for a in node.args]
+    op: Any = node.target
+    return args[0][args[1]] if op is operator.getitem else op(*args, **node.kwargs)
+
+
+def revalue(nodes) -> None:
+    """Each node's value (and tensor_meta) again, in the order given, from its arguments'."""
+    for n in nodes:
+        n.meta["val"] = value_of(n)
+        if isinstance(n.meta["val"], torch.Tensor):
+            n.meta["tensor_meta"] = _extract_tensor_metadata(n.meta["val"])
 
 
 def single_use(node) -> bool:
