@@ -201,10 +201,11 @@ def test_a_slice_read_as_it_lies_keeps_the_traced_copies(emu):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_windows_and_qkv_on_cuda_with_graphs_equal_eager(full_fp32):
     torch.manual_seed(0)
-    for model, shape in ((Windows(), (1, 56, 56, 16)), (QKV(), (64, 49, 32))):
+    for model, shape, note in ((Windows(), (1, 56, 56, 16), "2 chain(s) of rolls"),
+                               (QKV(), (64, 49, 32), "1 permuted value(s)")):
         model = model.eval()
-        program, ran, _ = compiled(model, torch.randn(shape), device="cuda:0")
-        assert GATHER in ran or "aten::matmul.default" not in ran, ran
+        program, _, notes = compiled(model, torch.randn(shape), device="cuda:0")
+        assert note in notes, notes
         module = ferry.Module(program, cuda_graphs=True)
         cuda_model = model.cuda()
         for _ in range(3):
