@@ -137,13 +137,32 @@ def _cheapest_end(src: torch.fx.Node, chain: list[torch.fx.Node]):
     most = kernels = 0
     for node, z in zip(chain, _positions(chain, src_val), strict=True):
         kernels += _kernels(node) or 0
-        if kernels <= most or not node.meta["val"].is_contiguous() or any(u.op == "output" for u in node.users):
+        val = node.meta["val"]
+        if kernels <= most or any(u.op == "output" for u in node.users):
             continue  # (a returned value owns its memory)
         if z.numel() == src_val.numel() and bool((z.reshape(-1) == torch.arange(z.numel())).all()):
-            best, most = (node, z, None), kernels
-        elif kernels > 1 + most and (run := _run(z, src_val)) is not None:
+            if val.is_contiguous() or _readers_unchanged(node, src_val.view(val.shape)):
+                best, most = (node, z, None), kernels
+        elif val.is_contiguous() and kernels > 1 + most and (run := _run(z, src_val)) is not None:
             best, most = (node, z, run), kernels - 1
     return best
+
+
+def _readers_unchanged(node: torch.fx.Node, new_val: torch.Tensor) -> bool:
+    """Whether every op reading `node` gives the same value (shape, layout, dtype) reading
+    `new_val` in its place: Swin's patch embedding copies its output to channels-first and
+    permutes it back for a layer norm, whose result is contiguous either way (the norm copied
+    its permuted input once more)."""
+    for u in node.users:
+        old = u.meta.get("val")
+        try:
+            new = value_of(u, {node: new_val})
+        except Exception:  # noqa: BLE001 - an op that cannot say: left as traced
+            return False
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and new.dtype == old.dtype
+                and tuple(new.shape) == tuple(old.shape) and new.stride() == old.stride()):
+            return False
+    return True
 
 
 def _gathered(gm, end: torch.fx.Node, src: torch.fx.Node, z: torch.Tensor, run: int, rows_at) -> torch.fx.Node:
