@@ -767,7 +767,7 @@ def test_an_inductor_program_runs_on_the_emulated_device(emu, tmp_path):
 @pytest.mark.parametrize("graphs, combo", [(True, True), (False, True), (True, False)])
 def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernels_launched_together(
         emu, graphs, combo, monkeypatch):
-    """Inductor's combo kernels, pointwise only (a decode layer's small independent kernels in one
+    """Inductor's combo kernels, pointwise only (outside a decode step: small independent kernels in one
     launch), for a delegate of static sizes in a plan captured as CUDA graphs, not for one run
     kernel by kernel nor with COMBO_KERNELS off; the results equal eager's either way."""
     from ferry.backends import inductor
@@ -787,6 +787,28 @@ def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernel
     assert options["combo_kernels"] is (graphs and combo)
     if graphs and combo:
         assert options["combo_kernels_pointwise_only"] is True and options["benchmark_combo_kernel"] is False
+
+
+def test_a_decode_step_combines_reductions_too_where_inductor_times_them_faster(emu, monkeypatch):
+    """A graph compiled with gemv.TUNING (a decode step) asks Inductor to combine reductions as well
+    (Qwen3's q and k norms with their rotary and the cache writes), each combination kept only where
+    Inductor's timing finds it faster; the results equal eager's."""
+    from ferry.choices import gemv
+
+    monkeypatch.setattr(gemv, "settings", lambda gm, shapes, static: gemv.TUNING)
+    seen = []
+    real = torch._inductor.compile
+    monkeypatch.setattr(torch._inductor, "compile",
+                        lambda gm, examples, options=None: seen.append(options) or real(gm, examples, options=options))
+    model = Block().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(SHAPE),)),
+                            ferry.OpSupportPartitioner("emu:0", backend_id="inductor"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the emulated device captures no graph)
+        matches_eager(ferry.Module(program, cuda_graphs=True), model)
+    [options] = seen
+    assert options["combo_kernels"] is True and options["coordinate_descent_tuning"] is True
+    assert options["combo_kernels_pointwise_only"] is False and options["benchmark_combo_kernel"] is True
 
 
 def test_an_inductor_lacking_a_combo_setting_compiles_without_combo_kernels(monkeypatch):

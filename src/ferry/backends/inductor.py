@@ -67,7 +67,10 @@ __all__ = ["COMBO_KERNELS", "InductorBackend", "graph_of"]
 # small kernels (q's rotary, k's with its cache write, v's cache write) become one launch, and so do
 # the per-layer position counters a step updates (bench/llm.py --combo-kernels off: the A/B).
 # Pointwise kernels only, and not at all with an Inductor that cannot say so: a combined persistent
-# reduction (Qwen3's q and k norms with their rotary) ran 12.9 µs where its parts took 4.8.
+# reduction (Qwen3's q and k norms with their rotary) ran 12.9 µs where its parts took 4.8. A decode
+# step (compiled with gemv.TUNING) combines reductions too, each combination kept only where Inductor
+# times it faster (_DECODE_COMBO_OPTIONS): on an H100, Qwen3-0.6B 0.98-0.99 ms a step against 1.03,
+# Llama-1B 1.16 either way, the load 14 s longer (bench/results/llm_combo_*_h100.json).
 # Inductor's other combo settings (how many kernels a combination takes, ...) are its defaults.
 aten = torch.ops.aten
 COMBO_KERNELS = True
@@ -79,6 +82,7 @@ _PIVOTS_AT = {aten.lu_unpack.default: 1, aten.linalg_lu_solve.default: 1, aten.l
 # what pivots may pass through on their way from an input (besides views): casts and copies
 _PIVOT_PASSES = (aten._to_copy.default, aten.clone.default, torch.ops.prims.convert_element_type.default)
 _COMBO_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": True, "benchmark_combo_kernel": False}
+_DECODE_COMBO_OPTIONS = {"combo_kernels": True, "combo_kernels_pointwise_only": False, "benchmark_combo_kernel": True}
 
 
 class InductorBackend(Backend):
@@ -303,8 +307,9 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
                for i, vid in enumerate(tensor_inputs(method))}
     options: dict[str, Any] = dict(tuning or gemv.UNTUNED)  # every key set: nothing from the process's config
     # (a key this Inductor lacks would fail the compile)
-    combine = combo and COMBO_KERNELS and all(hasattr(torch._inductor.config, k) for k in _COMBO_OPTIONS)
-    options.update(_COMBO_OPTIONS if combine else {"combo_kernels": False})
+    chosen = _DECODE_COMBO_OPTIONS if tuning is gemv.TUNING else _COMBO_OPTIONS
+    combine = combo and COMBO_KERNELS and all(hasattr(torch._inductor.config, k) for k in chosen)
+    options.update(chosen if combine else {"combo_kernels": False})
     with torch.no_grad():
         if not any(dynamic.values()):
             return torch._inductor.compile(gm, examples, options=options)
