@@ -764,15 +764,8 @@ def test_an_inductor_program_runs_on_the_emulated_device(emu, tmp_path):
     matches_eager(ferry.Module(tmp_path / "emu.ferry"), model)
 
 
-@pytest.mark.parametrize("graphs, combo", [(True, True), (False, True), (True, False)])
-def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernels_launched_together(
-        emu, graphs, combo, monkeypatch):
-    """Inductor's combo kernels, pointwise only (outside a decode step: small independent kernels in one
-    launch), for a delegate of static sizes in a plan captured as CUDA graphs, not for one run
-    kernel by kernel nor with COMBO_KERNELS off; the results equal eager's either way."""
-    from ferry.backends import inductor
-
-    monkeypatch.setattr(inductor, "COMBO_KERNELS", combo)
+def _inductor_options_of_block(graphs: bool, monkeypatch) -> dict:
+    """The options Inductor compiled Block's one delegate with (its results checked against eager)."""
     seen = []
     real = torch._inductor.compile
     monkeypatch.setattr(torch._inductor, "compile",
@@ -784,6 +777,19 @@ def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernel
         warnings.simplefilter("ignore")  # (the emulated device captures no graph)
         matches_eager(ferry.Module(program, cuda_graphs=graphs), model)
     [options] = seen
+    return options
+
+
+@pytest.mark.parametrize("graphs, combo", [(True, True), (False, True), (True, False)])
+def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernels_launched_together(
+        emu, graphs, combo, monkeypatch):
+    """Inductor's combo kernels, pointwise only (outside a decode step: small independent kernels in one
+    launch), for a delegate of static sizes in a plan captured as CUDA graphs, not for one run
+    kernel by kernel nor with COMBO_KERNELS off; the results equal eager's either way."""
+    from ferry.backends import inductor
+
+    monkeypatch.setattr(inductor, "COMBO_KERNELS", combo)
+    options = _inductor_options_of_block(graphs, monkeypatch)
     assert options["combo_kernels"] is (graphs and combo)
     if graphs and combo:
         assert options["combo_kernels_pointwise_only"] is True and options["benchmark_combo_kernel"] is False
@@ -796,17 +802,7 @@ def test_a_decode_step_combines_reductions_too_where_inductor_times_them_faster(
     from ferry.choices import gemv
 
     monkeypatch.setattr(gemv, "settings", lambda gm, shapes, static: gemv.TUNING)
-    seen = []
-    real = torch._inductor.compile
-    monkeypatch.setattr(torch._inductor, "compile",
-                        lambda gm, examples, options=None: seen.append(options) or real(gm, examples, options=options))
-    model = Block().eval()
-    program = ferry.compile(torch.export.export(model, (torch.randn(SHAPE),)),
-                            ferry.OpSupportPartitioner("emu:0", backend_id="inductor"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the emulated device captures no graph)
-        matches_eager(ferry.Module(program, cuda_graphs=True), model)
-    [options] = seen
+    options = _inductor_options_of_block(True, monkeypatch)
     assert options["combo_kernels"] is True and options["coordinate_descent_tuning"] is True
     assert options["combo_kernels_pointwise_only"] is False and options["benchmark_combo_kernel"] is True
 
