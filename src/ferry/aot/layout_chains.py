@@ -51,6 +51,8 @@ _VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.permute.d
 _COPIES = frozenset({aten.clone.default, aten.roll.default, aten.flip.default, aten.pad.default,
                      aten.constant_pad_nd.default})
 _PADS = (aten.pad.default, aten.constant_pad_nd.default)
+# readers whose elements do not depend on their input's layout, besides pointwise ops
+_LAYOUT_FREE = frozenset({aten.layer_norm.default, aten.native_layer_norm.default})
 _RESHAPES = (aten.view.default, aten._unsafe_view.default)
 # elementwise ops of one tensor operand: the result is dense, laid out in the operand's order of strides
 _ELEMENTWISE = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.mul.Scalar,
@@ -149,11 +151,16 @@ def _cheapest_end(src: torch.fx.Node, chain: list[torch.fx.Node]):
 
 
 def _readers_unchanged(node: torch.fx.Node, new_val: torch.Tensor) -> bool:
-    """Whether every op reading `node` gives the same value (shape, layout, dtype) reading
-    `new_val` in its place: Swin's patch embedding copies its output to channels-first and
-    permutes it back for a layer norm, whose result is contiguous either way (the norm copied
-    its permuted input once more)."""
+    """Whether every op reading `node` gives the same result reading `new_val` in its place: an op
+    whose elements do not depend on its input's layout (pointwise, or a layer norm, which copies
+    a permuted input contiguous first; not a reduction, whose order of summing follows the
+    strides, nor an op reading memory by offsets) with the same value (shape, layout, dtype).
+    Swin's patch embedding copies its output to channels-first and permutes it back for a layer
+    norm, whose result is contiguous either way."""
     for u in node.users:
+        tags = getattr(u.target, "tags", ())
+        if u.target not in _LAYOUT_FREE and torch.Tag.pointwise not in tags:
+            return False
         old = u.meta.get("val")
         try:
             new = value_of(u, {node: new_val})
