@@ -795,16 +795,20 @@ def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernel
         assert options["combo_kernels_pointwise_only"] is True and options["benchmark_combo_kernel"] is False
 
 
-def test_a_decode_step_combines_reductions_too_where_inductor_times_them_faster(emu, monkeypatch):
-    """A graph compiled with gemv.TUNING (a decode step) asks Inductor to combine reductions as well
-    (Qwen3's q and k norms with their rotary and the cache writes), each combination kept only where
-    Inductor's timing finds it faster; the results equal eager's."""
+@pytest.mark.parametrize("reductions", [False, True])
+def test_a_decode_step_combines_reductions_too_only_with_combine_reductions(emu, reductions, monkeypatch):
+    """With COMBINE_REDUCTIONS a graph compiled with gemv.TUNING (a decode step) asks Inductor to
+    combine reductions as well (Qwen3's q and k norms with their rotary and the cache writes), each
+    combination kept only where Inductor's timing finds it faster; without, pointwise kernels only.
+    The results equal eager's either way."""
+    from ferry.backends import inductor
     from ferry.choices import gemv
 
     monkeypatch.setattr(gemv, "settings", lambda gm, shapes, static: gemv.TUNING)
+    monkeypatch.setattr(inductor, "COMBINE_REDUCTIONS", reductions)
     options = _inductor_options_of_block(True, monkeypatch)
     assert options["combo_kernels"] is True and options["coordinate_descent_tuning"] is True
-    assert options["combo_kernels_pointwise_only"] is False and options["benchmark_combo_kernel"] is True
+    assert options["combo_kernels_pointwise_only"] is not reductions and options["benchmark_combo_kernel"] is reductions
 
 
 def test_an_inductor_lacking_a_combo_setting_compiles_without_combo_kernels(monkeypatch):

@@ -61,19 +61,22 @@ from ferry.runtime.stages.load import Memory, load_memory
 from ferry.runtime.stages.refs import LAYOUT_VIEWS, Fixed, Listed, NoMeta, PerCall, Ref, ref
 from ferry.runtime.stages.sizes import check_kernel
 
-__all__ = ["COMBO_KERNELS", "InductorBackend", "graph_of"]
+__all__ = ["COMBINE_REDUCTIONS", "COMBO_KERNELS", "InductorBackend", "graph_of"]
 
 # Inductor's horizontal fusion for graphs replayed as CUDA graphs: a decoder layer's independent
 # small kernels (q's rotary, k's with its cache write, v's cache write) become one launch, and so do
 # the per-layer position counters a step updates (bench/llm.py --combo-kernels off: the A/B).
 # Pointwise kernels only, and not at all with an Inductor that cannot say so: a combined persistent
-# reduction (Qwen3's q and k norms with their rotary) ran 12.9 µs where its parts took 4.8. A decode
-# step (compiled with gemv.TUNING) combines reductions too, each combination kept only where Inductor
-# times it faster (_DECODE_COMBO_OPTIONS): on an H100, Qwen3-0.6B 0.98-0.99 ms a step against 1.03,
-# Llama-1B 1.16 either way, the load 14 s longer (bench/results/llm_combo_*_h100.json).
+# reduction (Qwen3's q and k norms with their rotary) ran 12.9 µs where its parts took 4.8. With
+# COMBINE_REDUCTIONS a decode step (compiled with gemv.TUNING) combines reductions too, each
+# combination kept only where Inductor times it faster (_DECODE_COMBO_OPTIONS): on an H100,
+# Qwen3-0.6B 0.98-0.99 ms a step against 1.03, Llama-1B 1.16 either way, the load 14 s longer
+# (bench/results/llm_combo_*_h100.json). Off until the generation families' CUDA tests have run
+# with it (bench/llm.py --combo-kernels reductions).
 # Inductor's other combo settings (how many kernels a combination takes, ...) are its defaults.
 aten = torch.ops.aten
 COMBO_KERNELS = True
+COMBINE_REDUCTIONS = False
 # device types where a kernel's check of its values is a device-side assert, not an exception
 ASSERTS_ON_DEVICE = frozenset({"cuda"})
 # ops that read LAPACK's pivots (counting from 1), and which argument
@@ -307,7 +310,7 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
                for i, vid in enumerate(tensor_inputs(method))}
     options: dict[str, Any] = dict(tuning or gemv.UNTUNED)  # every key set: nothing from the process's config
     # (a key this Inductor lacks would fail the compile)
-    chosen = _DECODE_COMBO_OPTIONS if tuning is gemv.TUNING else _COMBO_OPTIONS
+    chosen = _DECODE_COMBO_OPTIONS if COMBINE_REDUCTIONS and tuning is gemv.TUNING else _COMBO_OPTIONS
     combine = combo and COMBO_KERNELS and all(hasattr(torch._inductor.config, k) for k in chosen)
     options.update(chosen if combine else {"combo_kernels": False})
     with torch.no_grad():
