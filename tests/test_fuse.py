@@ -553,9 +553,10 @@ def test_convolutions_whose_kernel_tiles_the_input_run_as_gemms_and_equal_eager(
     kernels = delegate_kernels(program)
     assert "aten::conv2d.default" not in kernels, kernels
     assert kernels.count("aten::addmm.out") + kernels.count("aten::mm.out") == 3, kernels
-    # one packing copy per convolution, and one more for the stem, whose eager result is contiguous;
-    # the downsampling's and the embedding's are channels-last (the permute after the norm), a view
-    assert kernels.count("aten::clone.default") == 4, kernels
+    # one packing copy per convolution; the stem's eager result is contiguous, but the norm reads it
+    # back through a permute, so that copy is a view (aot/layout_chains.py); the downsampling's and the
+    # embedding's are channels-last (the permute after the norm), a view
+    assert kernels.count("aten::clone.default") == 3, kernels
     assert_matches_eager(program, model, lambda: (torch.randn(2, 3, 32, 32),))
     notes = ferry.load_program(program.segments[program.delegates[0].payload], segments=program.segments).method("forward").kernel_choices
     assert notes[PATCH_NOTE].startswith("3 convolution(s)")
