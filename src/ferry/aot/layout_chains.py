@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ferry.choices.graph_edits import Rewrite, call, constant, value_of
+from ferry.choices.graph_edits import Rewrite, call, constant, set_value, value_of
 
 __all__ = ["ON", "chains_as_gathers", "slices_copied_once"]
 
@@ -323,14 +322,6 @@ def slices_copied_once(gm: torch.fx.GraphModule) -> list[Rewrite]:
         for u in readers:
             u.replace_input_with(node, copy)
         for n, v in vals.items():
-            _set_value(n, v)
+            set_value(n, v)
         done.append(Rewrite("slices copied once", node.name))
     return done
-
-
-def _set_value(node: torch.fx.Node, val) -> None:
-    node.meta["val"] = val
-    if isinstance(val, torch.Tensor):
-        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
-    elif isinstance(val, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in val):
-        node.meta["tensor_meta"] = type(val)(_extract_tensor_metadata(v) for v in val)

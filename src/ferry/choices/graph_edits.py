@@ -16,8 +16,8 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ferry import node_meta as M
 
-__all__ = ["Rewrite", "attr", "call", "constant", "constant_value", "reads_metadata_only", "revalue", "shape_at",
-           "single_use", "size_at", "value_of"]
+__all__ = ["Rewrite", "attr", "call", "constant", "constant_value", "reads_metadata_only", "revalue", "set_value",
+           "shape_at", "single_use", "size_at", "value_of"]
 
 aten = torch.ops.aten
 CONSTANT_ELEMENTS = 1 << 22  # the largest tensor a value computed at compile time may have
@@ -73,12 +73,19 @@ def value_of(node: torch.fx.Node, vals: dict | None = None):
     return args[0][args[1]] if op is operator.getitem else op(*args, **node.kwargs)
 
 
+def set_value(node: torch.fx.Node, val) -> None:
+    """`node`'s value and its tensor_meta (of a tensor, or of each of a list of them: unbind's)."""
+    node.meta["val"] = val
+    if isinstance(val, torch.Tensor):
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    elif isinstance(val, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in val):
+        node.meta["tensor_meta"] = type(val)(_extract_tensor_metadata(v) for v in val)
+
+
 def revalue(nodes) -> None:
     """Each node's value (and tensor_meta) again, in the order given, from its arguments'."""
     for n in nodes:
-        n.meta["val"] = value_of(n)
-        if isinstance(n.meta["val"], torch.Tensor):
-            n.meta["tensor_meta"] = _extract_tensor_metadata(n.meta["val"])
+        set_value(n, value_of(n))
 
 
 def single_use(node) -> bool:
