@@ -70,7 +70,7 @@ from ferry.choices.summary import details  # noqa: E402
 from ferry.ops import split_kv  # noqa: E402
 from ferry.runtime import clone_to, device_of, emulated_device, sampling  # noqa: E402
 
-COMBO_CHOICES = ("on", "off", "reductions")
+COMBO_CHOICES = ("reductions", "pointwise", "off")  # older results say "on" for pointwise
 
 
 def set_combo_kernels(choice: str) -> None:
@@ -626,10 +626,11 @@ def parse_args():
     p.add_argument("--split-kv", choices=("timed", "off"), default="timed",
                    help="a decode step's attention: ferry's split-KV kernels where timed faster at load (ferry's "
                         "default, ferry/ops/split_kv.py), or SDPA's kernels always (off: for an A/B)")
-    p.add_argument("--combo-kernels", choices=COMBO_CHOICES, default="on",
-                   help="a decode graph's independent pointwise kernels launched together by Inductor (on: ferry's "
-                        "default, backends/inductor.py COMBO_KERNELS), reductions combined too where Inductor times a "
-                        "combination faster at compile (reductions: COMBINE_REDUCTIONS), or each alone (off: an A/B)")
+    p.add_argument("--combo-kernels", choices=COMBO_CHOICES, default="reductions",
+                   help="a decode graph's independent kernels launched together by Inductor: reductions too where "
+                        "Inductor times a combination faster at compile (reductions: ferry's default, "
+                        "backends/inductor.py COMBINE_REDUCTIONS), pointwise kernels only (pointwise: older results say "
+                        "'on'), or each alone (off: an A/B)")
     p.add_argument("--fuse-norms", choices=("on", "off", "all"), default="on",
                    help="a norm whose row only a one-row product reads computed inside that product's reduction "
                         "(on: ferry's default, choices/gemv.py FUSE_NORMS, products of up to FUSED_NORM_OUTPUTS "

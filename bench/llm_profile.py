@@ -72,7 +72,7 @@ def main():
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=1024)
     p.add_argument("--runners", default="compile,ferry-graphs,ferry-inductor-graphs")
-    p.add_argument("--combo-kernels", choices=llm.COMBO_CHOICES, default="on", help="as bench/llm.py's")
+    p.add_argument("--combo-kernels", choices=llm.COMBO_CHOICES, default="reductions", help="as bench/llm.py's")
     p.add_argument("--fuse-norms", choices=("on", "off"), default="on", help="as bench/llm.py's")
     p.add_argument("--time-regions", choices=("on", "off"), default="on", help="as bench/llm.py's")
     p.add_argument("--steady-tuning", choices=("on", "off"), default="on", help="as bench/llm.py's")

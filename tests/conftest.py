@@ -5,6 +5,8 @@ work runs synchronously with the host. `emu_async`: the same, but its device wor
 GPU's does — queued on simulated streams and run only when the host waits — so a missing
 host wait gives a wrong answer (runtime/devices/simulated.py).
 
+Every `cuda` test runs with TF32 off (`full_fp32`, which a test on the CPU may name too).
+
 `fresh`: no kernel decisions (ferry/choices/decisions.py) carried over from other tests. `timed`: any
 device counts as a GPU and the timing of a kernel choice is faked: `timed.times` are the
 (eager µs, alternative µs) it returns, `timed.calls` counts the measurements. `count_calls(module,
@@ -45,13 +47,34 @@ def emu_any(request):
         yield allocator
 
 
+@contextlib.contextmanager
+def _no_tf32():
+    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+
+
 @pytest.fixture
 def full_fp32():
     """Compare against eager float32 on the CPU: no TF32 shortcuts on the GPU."""
-    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+    with _no_tf32():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def cuda_tests_in_full_fp32(request):
+    """Every `cuda` test starts with TF32 off, whatever an earlier test in the process left:
+    torchao's `quantize_` turns it on for the whole process (`set_float32_matmul_precision("high")`),
+    and a float32 result compared with the CPU's then differs by TF32's rounding. A test that
+    wants TF32 sets it itself."""
+    if request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+    with _no_tf32():
+        yield
 
 
 @pytest.fixture

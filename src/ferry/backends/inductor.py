@@ -67,16 +67,15 @@ __all__ = ["COMBINE_REDUCTIONS", "COMBO_KERNELS", "InductorBackend", "graph_of"]
 # small kernels (q's rotary, k's with its cache write, v's cache write) become one launch, and so do
 # the per-layer position counters a step updates (bench/llm.py --combo-kernels off: the A/B).
 # Pointwise kernels only, and not at all with an Inductor that cannot say so: a combined persistent
-# reduction (Qwen3's q and k norms with their rotary) ran 12.9 µs where its parts took 4.8. With
-# COMBINE_REDUCTIONS a decode step (compiled with gemv.TUNING) combines reductions too, each
+# reduction (Qwen3's q and k norms with their rotary), untimed, ran 12.9 µs where its parts took 4.8.
+# With COMBINE_REDUCTIONS a decode step (compiled with gemv.TUNING) combines reductions too, each
 # combination kept only where Inductor times it faster (_DECODE_COMBO_OPTIONS): on an H100,
 # Qwen3-0.6B 0.98-0.99 ms a step against 1.03, Llama-1B 1.16 either way, the load 14 s longer
-# (bench/results/llm_combo_*_h100.json). Off until the generation families' CUDA tests have run
-# with it (bench/llm.py --combo-kernels reductions).
+# (bench/results/llm_combo_*_h100.json; bench/llm.py --combo-kernels reductions|on is the A/B).
 # Inductor's other combo settings (how many kernels a combination takes, ...) are its defaults.
 aten = torch.ops.aten
 COMBO_KERNELS = True
-COMBINE_REDUCTIONS = False
+COMBINE_REDUCTIONS = True
 # device types where a kernel's check of its values is a device-side assert, not an exception
 ASSERTS_ON_DEVICE = frozenset({"cuda"})
 # ops that read LAPACK's pivots (counting from 1), and which argument
