@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, time_host, write_json  # noqa: E402
 
 import models as bench_models  # noqa: E402
-from ferry.aot import layout_chains  # noqa: E402
+from ferry.aot import gemm_scales, layout_chains  # noqa: E402
+from ferry.choices import norms  # noqa: E402
 
 RUNNERS = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-graphs")
 
@@ -85,9 +86,17 @@ def main():
     p.add_argument("--layout-chains", choices=("on", "off"), default="on",
                    help="data-movement chains run as one view or gather, q/k/v slices copied once (on: ferry's "
                         "default, aot/layout_chains.py), or each op as traced (off: for an A/B)")
+    p.add_argument("--gemm-scales", choices=("on", "off"), default="on",
+                   help="a batched product scaled by a number run as one GEMM whose alpha is the number (on: "
+                        "ferry's default, aot/gemm_scales.py), or the scale as its own kernel (off: for an A/B)")
+    p.add_argument("--layer-norms", choices=("timed", "aten"), default="timed",
+                   help="each layer norm timed at load against ops/layer_norm.py's Triton kernel (timed: ferry's "
+                        "default, choices/norms.py), or ATen's kernel always (aten: for an A/B)")
     p.add_argument("--out", default="profile_graphs")
     args = p.parse_args()
+    norms.ON = args.layer_norms == "timed"
     layout_chains.ON = args.layout_chains == "on"
+    gemm_scales.ON = args.gemm_scales == "on"
     if not torch.cuda.is_available():
         print("profile_graphs: skipped: no CUDA device")
         return

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ferry.aot import layout_chains
+from ferry.aot import gemm_scales, layout_chains
 from ferry.aot.constant_fold import fold_constants
 from ferry.choices import attention, conv, gemm, projections
 from ferry.choices.graph_edits import Rewrite, call
@@ -51,7 +51,8 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done.
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
     order they are tested in: q/k/v slices copied once (layout_chains.py), copies dropped,
-    convolutions, attention, projections of one input merged, linears as GEMMs; then values
+    convolutions, attention, projections of one input merged, linears as GEMMs, batched products'
+    scales taken into the GEMM's alpha (gemm_scales.py); then values
     computed from constants alone are folded (constant_fold.py), and chains of copies become one
     view or gather (layout_chains.py). `merged`: the program's stacked weights
     (projections.merge_projections)."""
@@ -61,6 +62,7 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     done += projections.merge_projections(gm, merged)
     for pattern in gemm.PATTERNS:
         done += pattern(gm)
+    done += gemm_scales.scales_as_alpha(gm)
     done += fold_constants(gm)
     done += layout_chains.chains_as_gathers(gm)
     if done:
@@ -164,6 +166,9 @@ _NOTES = {
                       "inverse) whose result is their input reshaped: read as a view"),
     "chain as gather": ("data movement as one gather", "{n} chain(s) of rolls, permutes and copies (window "
                         "partitions) run as one index_select of whole rows, their order a constant"),
+    "scale as alpha": ("batched products scaled by a number", "{n} product(s) of q and kᵀ scaled before or after "
+                       "(by a number) run as one GEMM whose alpha is the scale (aot/gemm_scales.py): equal to eager "
+                       "within rounding"),
     "constants folded": ("values computed from constants", "{n} value(s) computed from constants alone (a "
                          "window mask, a position bias) computed at compile time and stored: their ops no longer run "
                          "per call (aot/constant_fold.py)"),

@@ -1,5 +1,5 @@
 """The one place the binder asks which form runs an op: each op family (gemm.py, conv.py,
-attention.py) declares the ops it has forms for and a `form(op, args, kwargs, site)` that
+attention.py, norms.py) declares the ops it has forms for and a `form(op, args, kwargs, site)` that
 returns a callable of the op's own signature, or None where eager's kernel stays."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from types import MappingProxyType
 
 import torch
 
-from ferry.choices import attention, conv, gemm
+from ferry.choices import attention, conv, gemm, norms
 from ferry.choices.decisions import Site
 
 __all__ = ["FAMILIES", "choose", "wants"]
 
 # op -> its family's form hook; a table built once from what the families declare
 FAMILIES: Mapping[object, Callable] = MappingProxyType(
-    {op: family.form for family in (gemm, conv, attention) for op in family.OPS})
+    {op: family.form for family in (gemm, conv, attention, norms) for op in family.OPS})
 
 
 def wants(op) -> bool:

@@ -1,0 +1,31 @@
+"""The Triton kernel of ops/layer_norm.py (imported only where Triton imports and a kernel is
+launched)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["rows"]
+
+
+@triton.jit
+def rows(X, W, B, Y, M, N, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
+         BLOCK_N: tl.constexpr):
+    """Program: BLOCK_M rows of X [M, N] (contiguous) normalised over N in fp32, as ATen's kernel
+    computes them (mean, biased variance, rsqrt(var + eps), weight, bias), stored in Y's dtype."""
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    c_ok = c < N
+    ok = (r < M)[:, None] & c_ok[None, :]
+    at = r[:, None].to(tl.int64) * N + c[None, :]
+    x = tl.load(X + at, mask=ok, other=0.0).to(tl.float32)
+    mean = tl.sum(x, 1) / N
+    centred = tl.where(ok, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, 1) / N + eps)
+    y = centred * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(W + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + at, y.to(Y.dtype.element_ty), mask=ok)

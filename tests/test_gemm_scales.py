@@ -1,0 +1,213 @@
+"""A batched product scaled by a number, before or after, runs as one GEMM whose alpha is the
+number (aot/gemm_scales.py): no kernel for the scale, and results equal eager's within rounding."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+import ferry
+from ferry.aot import gemm_scales
+
+BADDBMMS = ("aten::baddbmm.default", "aten::baddbmm.out")
+SCALES = ("aten::mul.out", "aten::mul.Tensor", "aten::div.out", "aten::div.Tensor")
+
+
+def compiled(model, *args, device="emu:0", dynamic_shapes=None):
+    ep = torch.export.export(model.eval(), args, dynamic_shapes=dynamic_shapes)
+    program = ferry.compile(ep, ferry.OpSupportPartitioner(device))
+    methods = [ferry.load_program(program.segments[d.payload], segments=program.segments).method("forward")
+               for d in program.delegates]
+    ran = collections.Counter(i.kernel for m in methods for i in m.instructions if hasattr(i, "kernel"))
+    notes = " ".join(v for m in methods for v in m.kernel_choices.values())
+    return program, ran, notes
+
+
+def scales_run(ran) -> int:
+    return sum(ran[k] for k in SCALES)
+
+
+def gemms_run(ran) -> int:
+    return sum(ran[k] for k in BADDBMMS)
+
+
+def equal_to_eager(program, model, *shapes, dtype=torch.float32, rtol=1e-5, atol=1e-6, calls=3):
+    """Fresh random inputs each call, the saved and loaded program against eager; eager's own
+    error against fp64 bounds how far apart the two may be."""
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    for _ in range(calls):
+        args = [torch.randn(s, dtype=dtype) for s in shapes]
+        with torch.no_grad():
+            torch.testing.assert_close(module(*args), model(*args), rtol=rtol, atol=atol)
+
+
+class PreScaled(torch.nn.Module):
+    """torchvision's Swin: q scaled, then q @ kᵀ; the scores then read by a softmax and @ v."""
+
+    def __init__(self, head_dim: int, divide: bool = False):
+        super().__init__()
+        self.head_dim, self.divide = head_dim, divide
+
+    def forward(self, q, k, v):
+        q = q / math.sqrt(self.head_dim) if self.divide else q * self.head_dim ** -0.5
+        return torch.softmax(q @ k.transpose(-2, -1), -1) @ v
+
+
+class PostScaled(torch.nn.Module):
+    """transformers' eager attention: the scores scaled after the product."""
+
+    def forward(self, q, k, v):
+        scores = torch.matmul(q, k.transpose(2, 3)) * 0.125
+        return torch.matmul(torch.softmax(scores, -1), v)
+
+
+SHAPE = (4, 3, 49, 32)
+
+
+@pytest.mark.parametrize("divide", [False, True])
+def test_a_scaled_query_is_taken_into_the_gemm(divide, emu):
+    model = PreScaled(32, divide)
+    program, ran, notes = compiled(model, *(torch.randn(SHAPE) for _ in range(3)))
+    assert scales_run(ran) == 0 and gemms_run(ran) == 1
+    assert "scaled before or after" in notes
+    equal_to_eager(program, model, SHAPE, SHAPE, SHAPE)
+
+
+def test_scaled_scores_are_taken_into_the_gemm(emu):
+    program, ran, _ = compiled(PostScaled(), *(torch.randn(SHAPE) for _ in range(3)))
+    assert scales_run(ran) == 0 and gemms_run(ran) == 1
+    equal_to_eager(program, PostScaled(), SHAPE, SHAPE, SHAPE)
+
+
+def test_both_scales_multiply_into_one_alpha_and_bmm_is_taken_too(emu):
+    class Both(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.bmm(a * 0.5, b) / 3.0 + 1
+
+    program, ran, _ = compiled(Both(), torch.randn(6, 5, 7), torch.randn(6, 7, 4))
+    assert scales_run(ran) == 0 and gemms_run(ran) == 1
+    equal_to_eager(program, Both(), (6, 5, 7), (6, 7, 4))
+
+
+def test_a_query_scaled_then_copied_contiguous_reads_its_own_strides(emu):
+    """Swin's last stage: q is a slice of the permuted q/k/v, scaled and copied contiguous before
+    the product; the GEMM reads the slice's strides, so neither the scale nor the copy runs."""
+
+    class Sliced(torch.nn.Module):
+        def forward(self, qkv, k):
+            q = qkv.permute(2, 0, 3, 1, 4)[0]  # (1, heads, tokens, dim), rows 3 x heads x dim apart
+            return (q * 0.25).contiguous() @ k.transpose(-2, -1) + 1
+
+    qkv, k = torch.randn(1, 49, 3, 24, 32), torch.randn(1, 24, 49, 32)
+    program, ran, _ = compiled(Sliced(), qkv, k)
+    assert scales_run(ran) == 0 and ran["aten::clone.default"] == 0 and gemms_run(ran) == 1
+    equal_to_eager(program, Sliced(), tuple(qkv.shape), tuple(k.shape))
+
+
+def test_a_bf16_product_is_taken_and_equals_eager_within_bf16_rounding(emu):
+    program, ran, _ = compiled(PreScaled(32), *(torch.randn(SHAPE, dtype=torch.bfloat16) for _ in range(3)))
+    assert gemms_run(ran) == 1
+    equal_to_eager(program, PreScaled(32), SHAPE, SHAPE, SHAPE, dtype=torch.bfloat16, rtol=2e-2, atol=2e-2)
+
+
+def test_two_products_share_one_zero_constant(emu):
+    class Two(torch.nn.Module):
+        def forward(self, q, k):
+            s = (q * 0.5) @ k.transpose(-2, -1)
+            return s @ (k * 2.0) + 1
+
+    program, ran, _ = compiled(Two(), torch.randn(SHAPE), torch.randn(SHAPE))
+    assert gemms_run(ran) == 2 and scales_run(ran) == 0
+    equal_to_eager(program, Two(), SHAPE, SHAPE)
+    gm = torch.export.export(Two(), (torch.randn(SHAPE), torch.randn(SHAPE))).graph_module
+    assert len(gemm_scales.scales_as_alpha(gm)) == 2
+    zeros = [n for n in gm.graph.nodes if n.op == "get_attr" and "gemm_alpha_zero" in str(n.target)]
+    assert len(zeros) == 1 and all(n.op != "placeholder" for n in gm.graph.nodes if n.prev.op == "get_attr")
+
+
+class ScaledBy(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("s", torch.full((1,), 0.5))
+
+    def forward(self, q, k):
+        if self.kind == "tensor scale":
+            return (q * self.s) @ k.transpose(-2, -1)
+        if self.kind == "scaled value read twice":
+            q = q * 0.5
+            return q @ k.transpose(-2, -1), q
+        if self.kind == "broadcast batch":
+            return (q * 0.5) @ k[0].transpose(-2, -1)
+        if self.kind == "product returned":
+            return torch.matmul(q * 0.5, k.transpose(-2, -1))
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["tensor scale", "scaled value read twice", "broadcast batch", "product returned"])
+def test_what_the_gemm_cannot_take_stays_as_traced(kind, emu):
+    model = ScaledBy(kind)
+    program, ran, _ = compiled(model, torch.randn(SHAPE), torch.randn(SHAPE))
+    assert gemms_run(ran) == 0 and scales_run(ran) >= 1
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    q, k = torch.randn(SHAPE), torch.randn(SHAPE)
+    with torch.no_grad():
+        torch.testing.assert_close(module(q, k), model(q, k), rtol=0, atol=0)
+
+
+def test_a_scaled_operand_whose_layout_needs_a_copy_keeps_its_scale(emu):
+    """Taking the scale would only trade it for the copy matmul makes of a layout it cannot view:
+    the kernels stay as traced."""
+
+    class Strided(torch.nn.Module):
+        def forward(self, x, k):
+            q = x.permute(2, 1, 0, 3) * 0.5  # (4, 3, 49, 32) with tokens outermost: not one batch stride
+            return q @ k.transpose(-2, -1) + 0
+
+    x, k = torch.randn(49, 3, 4, 32), torch.randn(SHAPE)
+    program, ran, _ = compiled(Strided(), x, k)
+    assert gemms_run(ran) == 0 and scales_run(ran) == 1
+
+
+def test_dynamic_sizes_keep_their_scale(emu):
+    dims = {0: torch.export.Dim("batch", max=8)}
+    model = PreScaled(32)
+    args = tuple(torch.randn(SHAPE) for _ in range(3))
+    program, ran, _ = compiled(model, *args, dynamic_shapes=(dims, dims, dims))
+    assert gemms_run(ran) == 0
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    q = torch.randn(2, *SHAPE[1:])
+    with torch.no_grad():
+        torch.testing.assert_close(module(q, q, q), model(q, q, q))
+
+
+def test_the_gemm_with_its_alpha_is_as_close_to_fp64_as_eager():
+    """The rewritten product's error against fp64 is of eager's own size: rounding moved, not lost."""
+    model = PreScaled(32)
+    q, k, v = (torch.randn(SHAPE, dtype=torch.float64) for _ in range(3))
+    reference = model(q, k, v)
+    with torch.no_grad():
+        eager = model(q.float(), k.float(), v.float()).double()
+        taken = torch.softmax(torch.baddbmm(torch.zeros(1, 1, 1), q.float().view(-1, 49, 32),
+                                            k.float().view(-1, 49, 32).transpose(1, 2), beta=0, alpha=32 ** -0.5),
+                              -1).view(SHAPE[:-1] + (49,)) @ v.float()
+    eager_error = (eager - reference).abs().max().item()
+    assert (taken.double() - reference).abs().max().item() <= 4 * eager_error + 1e-7
+
+
+@pytest.mark.cuda
+def test_on_cuda_with_graphs_the_scale_is_the_gemms_and_results_equal_eager(full_fp32):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = PreScaled(32)
+    args = tuple(torch.randn(SHAPE) for _ in range(3))
+    program, ran, _ = compiled(model, *args, device="cuda:0")
+    assert scales_run(ran) == 0 and gemms_run(ran) == 1
+    module = ferry.Module(ferry.load_program(program.to_bytes()), cuda_graphs=True)
+    for _ in range(3):
+        q, k, v = (torch.randn(SHAPE) for _ in range(3))
+        with torch.no_grad():
+            torch.testing.assert_close(module(q, k, v), model(q, k, v), rtol=1e-5, atol=1e-6)

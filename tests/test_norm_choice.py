@@ -1,0 +1,154 @@
+"""Layer norms of many short rows: ATen's kernel or ops/layer_norm.py's Triton kernel, timed at
+load in a captured plan (choices/norms.py). On the CPU the op's ATen path stands in for the
+GPU's kernel and the timing is faked; the kernel itself is tested on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ferry
+from ferry.choices import hook, norms, timing
+from ferry.choices.decisions import DECISIONS, Site
+from ferry.ops import layer_norm as rows_norm
+
+LAYER_NORM = torch.ops.aten.layer_norm.default
+CAPTURED = Site(measure=True, captured=True)
+
+
+@pytest.fixture
+def triton_here(monkeypatch):
+    """As if Triton imported: the op's ATen path (the same arithmetic) stands in for the GPU's."""
+    monkeypatch.setattr(rows_norm, "available", lambda: True)
+
+
+def _args(rows=3136, width=96, dtype=torch.float32, weight=True, bias=True):
+    x = torch.randn(1, rows, width, dtype=dtype)
+    w = torch.randn(width, dtype=dtype) if weight else None
+    b = torch.randn(width, dtype=dtype) if bias else None
+    return [x, [width], w, b, 1e-5]
+
+
+@pytest.mark.parametrize("times, taken", [((4.0, 1.5), True), ((4.0, 3.6), True), ((4.0, 3.7), False),
+                                          ((4.0, 5.0), False)])
+def test_the_triton_kernel_is_kept_where_it_saves_ten_percent(times, taken, timed, triton_here):
+    timed.times = times
+    args = _args()
+    made = norms.decision(args, {}, CAPTURED)
+    assert made is not None and made.taken is taken and made.forms == norms.FORMS and made.times_us == times
+    assert made.shape == "3136x96 float32"
+    assert (hook.choose(LAYER_NORM, args, {}, CAPTURED) is rows_norm.layer_norm) is taken
+    assert timed.calls == 1  # decided once per key
+
+
+@pytest.mark.parametrize("case", ["uncaptured", "no triton", "not contiguous", "two dims", "weight of another dtype",
+                                  "too wide", "fp64", "deterministic"])
+def test_what_keeps_atens_kernel_untimed(case, timed, triton_here, monkeypatch):
+    args, site = _args(), CAPTURED
+    if case == "uncaptured":
+        site = Site(measure=True, captured=False)
+    elif case == "no triton":
+        monkeypatch.setattr(rows_norm, "available", lambda: False)
+    elif case == "not contiguous":
+        args[0] = torch.randn(1, 96, 3136).transpose(1, 2)
+    elif case == "two dims":
+        args[0], args[1], args[2], args[3] = torch.randn(4, 8, 12), [8, 12], None, None
+    elif case == "weight of another dtype":
+        args[0] = args[0].to(torch.bfloat16)
+    elif case == "too wide":
+        args = _args(rows=2, width=rows_norm.MAX_WIDTH + 1)
+    elif case == "fp64":
+        args = _args(dtype=torch.float64)
+    elif case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert hook.choose(LAYER_NORM, args, {}, site) is None
+    assert timed.calls == 0
+
+
+def test_the_op_equals_atens_layer_norm_off_the_gpu():
+    """Off a GPU (or where it does not fit) the op is ATen's own: its signature is the aten op's."""
+    x, shape, w, b, eps = _args(rows=10, width=7)
+    torch.testing.assert_close(rows_norm.layer_norm(x, shape, w, b, eps), F.layer_norm(x, shape, w, b, eps),
+                               rtol=0, atol=0)
+    y = rows_norm.layer_norm(x.transpose(0, 1), [7])  # not contiguous: ATen's, any layout
+    torch.testing.assert_close(y, F.layer_norm(x.transpose(0, 1), [7]), rtol=0, atol=0)
+
+
+class Norms(torch.nn.Module):
+    """Swin's norms: a wide one over many rows, then a residual and a narrower one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.LayerNorm(96), torch.nn.LayerNorm(96, elementwise_affine=False)
+        self.fc = torch.nn.Linear(96, 96)
+
+    def forward(self, x):
+        h = self.fc(self.a(x))
+        return self.b(x + h)
+
+
+def test_a_captured_plan_runs_the_kernel_where_timed_faster_and_equals_eager(timed, triton_here, emu, monkeypatch):
+    ran = []
+    real = rows_norm.layer_norm
+    monkeypatch.setattr(rows_norm, "layer_norm", lambda *a, **k: ran.append(a[0].shape) or real(*a, **k))
+    torch.manual_seed(0)
+    model = Norms().eval()
+    x = torch.randn(1, 3136, 96)
+    program = ferry.compile(torch.export.export(model, (x,)), ferry.OpSupportPartitioner("emu:0"))
+    module = ferry.Module(program, cuda_graphs=True)
+    module.load_method()
+    made = [d for d in DECISIONS.values(timed=True) if d.family == "layer norm"]
+    assert sorted(d.shape for d in made) == ["3136x96 float32"] * 2 and all(d.taken for d in made)
+    for _ in range(3):
+        ran.clear()
+        x = torch.randn(1, 3136, 96)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)
+        assert len(ran) == 2
+
+
+def _on_gpu_inputs(rows, width, dtype, affine):
+    g = torch.Generator(device="cuda").manual_seed(rows + width)
+    x = torch.randn(rows, width, device="cuda", dtype=dtype, generator=g) * 3 + 1
+    w = torch.randn(width, device="cuda", dtype=dtype, generator=g) if affine else None
+    b = torch.randn(width, device="cuda", dtype=dtype, generator=g) if affine else None
+    return x, w, b
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows, width", [(3136, 96), (784, 192), (49, 768), (1, 1), (197, 768), (5, 1000),
+                                         (3, 8192), (4096, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_gpu_kernel_equals_atens_within_rounding(rows, width, dtype, affine):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert rows_norm.available(), "Triton does not import beside this CUDA build"
+    x, w, b = _on_gpu_inputs(rows, width, dtype, affine)
+    got = rows_norm.layer_norm(x, [width], w, b, 1e-6)
+    want = F.layer_norm(x.double(), [width], None if w is None else w.double(), None if b is None else b.double(), 1e-6)
+    eager = F.layer_norm(x, [width], w, b, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
+    # no further from fp64 than ATen's own kernel, within one rounding of the dtype
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    assert (got.double() - want).abs().max().item() <= (eager.double() - want).abs().max().item() + tol * 4
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_captured_plan_takes_the_kernel_and_equals_eager(fresh, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setattr(timing, "KEEP_IF_ABOVE", 10.0)  # kept at whatever time: the results are what is tested
+    torch.manual_seed(0)
+    model = Norms().eval()
+    x = torch.randn(1, 3136, 96)
+    program = ferry.compile(torch.export.export(model, (x,)), ferry.OpSupportPartitioner("cuda:0"))
+    module = ferry.Module(program, cuda_graphs=True)
+    module.load_method()
+    made = [d for d in DECISIONS.values(timed=True) if d.family == "layer norm"]
+    assert len(made) == 2 and all(d.taken for d in made), made
+    for _ in range(3):
+        x = torch.randn(1, 3136, 96)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), model(x), rtol=1e-5, atol=1e-5)
