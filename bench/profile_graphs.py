@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table, time_host, write_json  # noqa: E402
 
 import models as bench_models  # noqa: E402
-from ferry.aot import gemm_scales, layout_chains  # noqa: E402
+from ferry.aot import gemm_scales, layout_chains, permuted_reads  # noqa: E402
 from ferry.choices import norms  # noqa: E402
 
 RUNNERS = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-graphs")
@@ -89,12 +89,16 @@ def main():
     p.add_argument("--gemm-scales", choices=("on", "off"), default="on",
                    help="a batched product scaled by a number run as one GEMM whose alpha is the number (on: "
                         "ferry's default, aot/gemm_scales.py), or the scale as its own kernel (off: for an A/B)")
+    p.add_argument("--permuted-reads", choices=("on", "off"), default="on",
+                   help="a pointwise op reads a permuted value where it read a contiguous copy of it (on: ferry's "
+                        "default, aot/permuted_reads.py), or the copy runs (off: for an A/B)")
     p.add_argument("--layer-norms", choices=("timed", "aten"), default="timed",
                    help="each layer norm timed at load against ops/layer_norm.py's Triton kernel (timed: ferry's "
                         "default, choices/norms.py), or ATen's kernel always (aten: for an A/B)")
     p.add_argument("--out", default="profile_graphs")
     args = p.parse_args()
     norms.ON = args.layer_norms == "timed"
+    permuted_reads.ON = args.permuted_reads == "on"
     layout_chains.ON = args.layout_chains == "on"
     gemm_scales.ON = args.gemm_scales == "on"
     if not torch.cuda.is_available():

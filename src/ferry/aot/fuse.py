@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ferry.aot import gemm_scales, layout_chains
+from ferry.aot import gemm_scales, layout_chains, permuted_reads
 from ferry.aot.constant_fold import fold_constants
 from ferry.choices import attention, conv, gemm, projections
 from ferry.choices.graph_edits import Rewrite, call
@@ -53,8 +53,9 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     order they are tested in: q/k/v slices copied once (layout_chains.py), copies dropped,
     convolutions, attention, projections of one input merged, linears as GEMMs, batched products'
     scales taken into the GEMM's alpha (gemm_scales.py); then values
-    computed from constants alone are folded (constant_fold.py), and chains of copies become one
-    view or gather (layout_chains.py). `merged`: the program's stacked weights
+    computed from constants alone are folded (constant_fold.py), chains of copies become one
+    view or gather (layout_chains.py), and a pointwise op reads a permuted value where it read
+    a copy of it (permuted_reads.py). `merged`: the program's stacked weights
     (projections.merge_projections)."""
     done = layout_chains.slices_copied_once(gm) + _drop_copies(gm) + _pools_as_means(gm)
     for pattern in (*conv.PATTERNS, *attention.PATTERNS):
@@ -65,6 +66,7 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     done += gemm_scales.scales_as_alpha(gm)
     done += fold_constants(gm)
     done += layout_chains.chains_as_gathers(gm)
+    done += permuted_reads.reads_through_permutes(gm)
     if done:
         tidy(gm)
     return done
@@ -169,6 +171,9 @@ _NOTES = {
     "scale as alpha": ("batched products scaled by a number", "{n} product(s) of q and kᵀ scaled before or after "
                        "(by a number) run as one GEMM whose alpha is the scale (aot/gemm_scales.py): equal to eager "
                        "within rounding"),
+    "read through permute": ("copies read through a permute", "{n} contiguous copy(ies) of a permuted value "
+                             "(a window reverse) read only by pointwise ops reshaped: the ops read the permuted value, "
+                             "their other operands split to match (aot/permuted_reads.py)"),
     "constants folded": ("values computed from constants", "{n} value(s) computed from constants alone (a "
                          "window mask, a position bias) computed at compile time and stored: their ops no longer run "
                          "per call (aot/constant_fold.py)"),
