@@ -184,18 +184,62 @@ def test_dynamic_sizes_keep_their_scale(emu):
         torch.testing.assert_close(module(q, q, q), model(q, q, q))
 
 
-def test_the_gemm_with_its_alpha_is_as_close_to_fp64_as_eager():
-    """The rewritten product's error against fp64 is of eager's own size: rounding moved, not lost."""
+def test_the_program_is_as_close_to_fp64_as_eager(emu):
+    """The rewritten program's error against fp64 is of eager's own size: rounding moved, not lost."""
     model = PreScaled(32)
-    q, k, v = (torch.randn(SHAPE, dtype=torch.float64) for _ in range(3))
-    reference = model(q, k, v)
+    program, ran, _ = compiled(model, *(torch.randn(SHAPE) for _ in range(3)))
+    assert gemms_run(ran) == 1
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q, k, v = (torch.randn(SHAPE, dtype=torch.float64) * 3 for _ in range(3))
+        with torch.no_grad():
+            reference = model(q, k, v)
+            eager = (model(q.float(), k.float(), v.float()).double() - reference).abs().max().item()
+            ours = (module(q.float(), k.float(), v.float()).double() - reference).abs().max().item()
+        assert ours <= 2 * eager + 1e-7, (ours, eager)
+
+
+class Unusual(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k):
+        if self.kind == "alpha beyond float32":
+            return (q @ k.transpose(-2, -1)) / 1e-39 + 1
+        if self.kind == "a strided slice":  # every other element of the last dim: cuBLAS would copy it
+            return (q[..., ::2] * 0.3) @ k[..., ::2].transpose(-2, -1) + 1
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["alpha beyond float32", "a strided slice"])
+def test_what_cublas_would_refuse_or_copy_keeps_its_scale(kind, emu):
+    model = Unusual(kind)
+    q, k = torch.randn(SHAPE) * (1e-20 if kind.startswith("alpha") else 1), torch.randn(SHAPE)
+    program, ran, _ = compiled(model, q, k)
+    assert gemms_run(ran) == 0 and scales_run(ran) >= 1
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
     with torch.no_grad():
-        eager = model(q.float(), k.float(), v.float()).double()
-        taken = torch.softmax(torch.baddbmm(torch.zeros(1, 1, 1), q.float().view(-1, 49, 32),
-                                            k.float().view(-1, 49, 32).transpose(1, 2), beta=0, alpha=32 ** -0.5),
-                              -1).view(SHAPE[:-1] + (49,)) @ v.float()
-    eager_error = (eager - reference).abs().max().item()
-    assert (taken.double() - reference).abs().max().item() <= 4 * eager_error + 1e-7
+        torch.testing.assert_close(module(q, k), model(q, k), rtol=0, atol=0)
+
+
+def test_fp16_keeps_its_scale_where_eager_overflows(emu):
+    """In fp16 eager's scaled scores overflow to inf (NaN after a softmax) where one scaled GEMM's
+    would not: fp16 products keep their scale, and eager's infinities."""
+
+    class Scores(torch.nn.Module):
+        def forward(self, q, k):
+            return (q @ k.transpose(-2, -1)) * 0.001 + 1
+
+    q, k = (torch.randn(SHAPE, dtype=torch.float16) * 200 for _ in range(2))
+    program, ran, _ = compiled(Scores(), q, k)
+    assert gemms_run(ran) == 0
+    module = ferry.Module(ferry.load_program(program.to_bytes()))
+    with torch.no_grad():
+        want = Scores()(q, k)
+        assert want.isinf().any()
+        torch.testing.assert_close(module(q, k), want, rtol=0, atol=0)
 
 
 @pytest.mark.cuda

@@ -89,6 +89,9 @@ class Norms(torch.nn.Module):
 
 
 def test_a_captured_plan_runs_the_kernel_where_timed_faster_and_equals_eager(timed, triton_here, emu, monkeypatch):
+    """The plumbing, on the emulated device (where the op is ATen's path): each norm of the plan is
+    timed at load, the chosen form is what every call runs, and the results are eager's. The
+    kernel's numbers are the GPU tests' below."""
     ran = []
     real = rows_norm.layer_norm
     monkeypatch.setattr(rows_norm, "layer_norm", lambda *a, **k: ran.append(a[0].shape) or real(*a, **k))

@@ -9,8 +9,10 @@ composed attention in choices/attention.py does). Swin-T runs 12 such kernels a 
 Equal to eager within rounding, not bit for bit: eager rounds q·s and sums the rounded
 products, the GEMM sums the products and rounds s·Σ once (a batch norm folded into a
 convolution differs from eager the same way). Taken only where it launches fewer kernels: the
-scaled operand must be viewable as the GEMM's 3-D operand (else a copy would replace the scale).
-Static sizes only; floating dtypes only.
+scaled operand must be a batch of matrices cuBLAS reads in place (else a copy would replace the
+scale), and only where the scale is a normal float32 (baddbmm's alpha).
+Static sizes only; fp32, fp64 and bf16 (in fp16 eager's scaled intermediate can overflow where
+the GEMM's cannot).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ ON = True  # off: each scale a kernel, as traced (bench/profile_graphs.py --gemm
 _PRODUCTS = (aten.matmul.default, aten.bmm.default)
 _MULS = (aten.mul.Tensor, aten.mul.Scalar)
 _DIVS = (aten.div.Tensor, aten.div.Scalar)
+# fp16 left out: its range is narrow enough that eager's scaled q or scores overflow (inf, then NaN
+# after a softmax) where the GEMM's unrounded sums scaled once do not
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def scales_as_alpha(gm: torch.fx.GraphModule) -> list[Rewrite]:
@@ -52,7 +57,7 @@ def _rewrite(gm: torch.fx.GraphModule, product: torch.fx.Node, zeros: dict) -> b
     sources, alpha, replaced = [], 1.0, [product]
     for operand, shape3 in zip((a, b), shapes[:2]):
         scaled = _scaled(operand)
-        if scaled is not None and _viewable(scaled[0], shape3):
+        if scaled is not None and _blas_readable(scaled[0], shape3):
             sources.append(scaled[0])
             alpha *= scaled[1]
             replaced += scaled[2]
@@ -65,6 +70,8 @@ def _rewrite(gm: torch.fx.GraphModule, product: torch.fx.Node, zeros: dict) -> b
     last = after if after_scale is not None else product
     if alpha == 1.0 and sources == [a, b] or any(u.op == "output" for u in last.users):
         return False  # nothing to take in; a view as the delegate's result would be copied out
+    if not _normal_float(alpha):
+        return False  # baddbmm takes alpha as a float32 (beyond its range: refused at the call)
     out = last.meta["val"]
     with gm.graph.inserting_before(product):
         a3, b3 = (_as_3d(gm, product, s, shape3) for s, shape3 in zip(sources, shapes[:2]))
@@ -85,7 +92,7 @@ def _batched_shapes(product: torch.fx.Node):
     av, bv, out = (n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (a, b, product))
     if not all(isinstance(v, torch.Tensor) for v in (av, bv, out)) or product.kwargs:
         return None
-    if not (av.dtype == bv.dtype == out.dtype and av.dtype.is_floating_point) or av.dim() != bv.dim() or av.dim() < 3:
+    if not (av.dtype == bv.dtype == out.dtype and av.dtype in _DTYPES) or av.dim() != bv.dim() or av.dim() < 3:
         return None
     if M.static_ints((*av.shape, *bv.shape)) is None or av.shape[:-2] != bv.shape[:-2] or av.shape[-1] != bv.shape[-2]:
         return None
@@ -117,6 +124,22 @@ def _scale_of(node) -> float | None:
     if not (isinstance(x, torch.Tensor) and isinstance(val, torch.Tensor)) or x.shape != val.shape or x.dtype != val.dtype:
         return None
     return float(s) if node.target in _MULS else 1.0 / s
+
+
+def _normal_float(x: float) -> bool:
+    return math.isfinite(x) and torch.finfo(torch.float32).tiny <= abs(x) <= torch.finfo(torch.float32).max
+
+
+def _blas_readable(node: torch.fx.Node, shape) -> bool:
+    """`node` viewed as `shape` is a batch of matrices cuBLAS reads in place (one of the two
+    inner strides 1, the other spanning a row, a batch stride of its own): else baddbmm would
+    copy it, and taking the scale would trade its kernel for that copy."""
+    if not _viewable(node, shape):
+        return False
+    v = node.meta["val"].view(shape)
+    (b, m, n), (sb, sm, sn) = v.shape, v.stride()
+    rows = (sn == 1 and sm >= max(1, n)) or (sm == 1 and sn >= max(1, m))
+    return rows and (b == 1 or sb > 0)
 
 
 def _viewable(node: torch.fx.Node, shape) -> bool:

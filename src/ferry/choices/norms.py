@@ -40,7 +40,7 @@ def decision(args: list, kwargs: dict, site: Site) -> Decision | None:
     device = timing.gpu_of([t for t in (x, weight, bias) if t is not None], site.device)
     if device is None:
         return None
-    key = ("layer norm", str(device), site.replays, tuple(x.shape), x.dtype, weight is not None, bias is not None, eps)
+    key = ("layer norm", str(device), site.replays, tuple(x.shape), x.dtype, weight is not None, bias is not None)
     return DECISIONS.get(key, lambda: _decide(device, x, shape, weight, bias, eps, site),
                          timing.may_time(site, device))
 

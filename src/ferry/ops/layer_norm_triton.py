@@ -14,11 +14,11 @@ def rows(X, W, B, Y, M, N, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_
          BLOCK_N: tl.constexpr):
     """Program: BLOCK_M rows of X [M, N] (contiguous) normalised over N in fp32, as ATen's kernel
     computes them (mean, biased variance, rsqrt(var + eps), weight, bias), stored in Y's dtype."""
-    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (rows past 2**31 of width 1)
     c = tl.arange(0, BLOCK_N)
     c_ok = c < N
     ok = (r < M)[:, None] & c_ok[None, :]
-    at = r[:, None].to(tl.int64) * N + c[None, :]
+    at = r[:, None] * N + c[None, :]
     x = tl.load(X + at, mask=ok, other=0.0).to(tl.float32)
     mean = tl.sum(x, 1) / N
     centred = tl.where(ok, x - mean[:, None], 0.0)
