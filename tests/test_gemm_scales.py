@@ -3,7 +3,6 @@ number (aot/gemm_scales.py): no kernel for the scale, and results equal eager's 
 
 from __future__ import annotations
 
-import collections
 import math
 
 import pytest
@@ -11,19 +10,10 @@ import torch
 
 import ferry
 from ferry.aot import gemm_scales
+from test_layout_chains import compiled
 
 BADDBMMS = ("aten::baddbmm.default", "aten::baddbmm.out")
 SCALES = ("aten::mul.out", "aten::mul.Tensor", "aten::div.out", "aten::div.Tensor")
-
-
-def compiled(model, *args, device="emu:0", dynamic_shapes=None):
-    ep = torch.export.export(model.eval(), args, dynamic_shapes=dynamic_shapes)
-    program = ferry.compile(ep, ferry.OpSupportPartitioner(device))
-    methods = [ferry.load_program(program.segments[d.payload], segments=program.segments).method("forward")
-               for d in program.delegates]
-    ran = collections.Counter(i.kernel for m in methods for i in m.instructions if hasattr(i, "kernel"))
-    notes = " ".join(v for m in methods for v in m.kernel_choices.values())
-    return program, ran, notes
 
 
 def scales_run(ran) -> int:

@@ -37,8 +37,8 @@ def moves_per_call(module, x) -> int:
     return moves.count
 
 
-def compiled(model, x, device="emu:0", dynamic_shapes=None):
-    ep = torch.export.export(model.eval(), (x,), dynamic_shapes=dynamic_shapes)
+def compiled(model, *args, device="emu:0", dynamic_shapes=None):
+    ep = torch.export.export(model.eval(), args, dynamic_shapes=dynamic_shapes)
     program = ferry.compile(ep, ferry.OpSupportPartitioner(device))
     methods = [ferry.load_program(program.segments[d.payload], segments=program.segments).method("forward")
                for d in program.delegates]

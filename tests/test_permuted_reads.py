@@ -4,8 +4,6 @@ results are eager's bit for bit."""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 
@@ -60,7 +58,7 @@ SHAPES = ((2, 8, 8, 16), (8, 16, 16))
 
 def test_two_pointwise_readers_both_read_the_permuted_value(emu):
     model = Reverse("two pointwise readers")
-    program, ran, _ = compiled_two(model)
+    program, ran, _ = compiled(model, *(torch.randn(s) for s in SHAPES))
     assert ran[CLONE] == 0, ran
     equal_to_eager_two(program, model)
 
@@ -71,18 +69,9 @@ def test_what_cannot_read_through_keeps_its_copy_and_eagers_bits(kind, emu):
     `sigmoid(y)`) would lay its result out as the permuted operand is; a returned value owns its
     memory."""
     model = Reverse(kind)
-    program, ran, _ = compiled_two(model)
+    program, ran, _ = compiled(model, *(torch.randn(s) for s in SHAPES))
     assert ran[CLONE] == 1, ran
     equal_to_eager_two(program, model)
-
-
-def compiled_two(model):
-    ep = torch.export.export(model.eval(), tuple(torch.randn(s) for s in SHAPES))
-    program = ferry.compile(ep, ferry.OpSupportPartitioner("emu:0"))
-    methods = [ferry.load_program(program.segments[d.payload], segments=program.segments).method("forward")
-               for d in program.delegates]
-    ran = collections.Counter(i.kernel for m in methods for i in m.instructions if hasattr(i, "kernel"))
-    return program, ran, None
 
 
 def equal_to_eager_two(program, model):
