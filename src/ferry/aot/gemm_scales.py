@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from ferry import node_meta as M
-from ferry.choices.graph_edits import Rewrite, call, constant, single_use
+from ferry.choices.graph_edits import Rewrite, call, constant, single_use, viewable
 
 __all__ = ["ON", "scales_as_alpha"]
 
@@ -134,7 +134,7 @@ def _blas_readable(node: torch.fx.Node, shape) -> bool:
     """`node` viewed as `shape` is a batch of matrices cuBLAS reads in place (one of the two
     inner strides 1, the other spanning a row, a batch stride of its own): else baddbmm would
     copy it, and taking the scale would trade its kernel for that copy."""
-    if not _viewable(node, shape):
+    if not viewable(node.meta["val"], shape):
         return False
     v = node.meta["val"].view(shape)
     (b, m, n), (sb, sm, sn) = v.shape, v.stride()
@@ -142,19 +142,11 @@ def _blas_readable(node: torch.fx.Node, shape) -> bool:
     return rows and (b == 1 or sb > 0)
 
 
-def _viewable(node: torch.fx.Node, shape) -> bool:
-    try:
-        node.meta["val"].view(shape)
-    except (RuntimeError, ValueError):  # (a fake tensor's view raises the latter)
-        return False
-    return True
-
-
 def _as_3d(gm, like: torch.fx.Node, node: torch.fx.Node, shape) -> torch.fx.Node:
     """`node` as the GEMM's 3-D operand: a view where its layout allows, else a contiguous copy
     viewed (what matmul's own reshape does)."""
     val = node.meta["val"]
-    if not _viewable(node, shape):
+    if not viewable(val, shape):
         node = call(gm, like, aten.clone.default, (node,), val.contiguous(), {"memory_format": torch.contiguous_format})
         val = node.meta["val"]
     return call(gm, like, aten.view.default, (node, list(shape)), val.view(shape))

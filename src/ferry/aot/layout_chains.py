@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ferry.choices.graph_edits import Rewrite, call, constant, set_value, value_of
+from ferry.choices.graph_edits import Rewrite, call, constant, set_value, static_value, value_of, viewable
 
 __all__ = ["ON", "chains_as_gathers", "slices_copied_once"]
 
@@ -56,10 +56,6 @@ _RESHAPES = (aten.view.default, aten._unsafe_view.default)
 # elementwise ops of one tensor operand: the result is dense, laid out in the operand's order of strides
 _ELEMENTWISE = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.mul.Scalar,
                           aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.neg.default})
-
-
-def _static(val) -> bool:
-    return isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in (*val.shape, *val.stride()))
 
 
 def _kernels(node: torch.fx.Node) -> int | None:
@@ -130,9 +126,9 @@ def _cheapest_end(src: torch.fx.Node, chain: list[torch.fx.Node]):
     """(end, positions, run) for the op of `chain` whose result a view of `src` (run None) or one
     gather of its runs gives with the most kernels saved; None where none saves any."""
     src_val: Any = src.meta.get("val")
-    if src.op == "get_attr" or not (_static(src_val) and src_val.is_contiguous() and 0 < src_val.numel() <= MAX_ELEMENTS):
+    if src.op == "get_attr" or not (static_value(src_val) and src_val.is_contiguous() and 0 < src_val.numel() <= MAX_ELEMENTS):
         return None  # (a chain of constants alone is folded: aot/constant_fold.py)
-    if sum(_kernels(n) or 0 for n in chain) == 0 or not all(_static(n.meta.get("val")) for n in chain):
+    if sum(_kernels(n) or 0 for n in chain) == 0 or not all(static_value(n.meta.get("val")) for n in chain):
         return None
     best: tuple[torch.fx.Node, torch.Tensor, int | None] | None = None
     most = kernels = 0
@@ -273,13 +269,7 @@ def _copies(end: torch.fx.Node, vals: dict) -> bool:
 
 def _matmul_copies(val) -> bool:
     """`matmul` copies a batched operand it cannot view as [batch, rows, cols]."""
-    if not _static(val) or val.dim() < 3:
-        return False
-    try:
-        val.view(-1, val.shape[-2], val.shape[-1])
-    except (RuntimeError, ValueError):  # (fake tensors raise the latter)
-        return True
-    return False
+    return static_value(val) and val.dim() >= 3 and not viewable(val, (-1, val.shape[-2], val.shape[-1]))
 
 
 def _values_after_copy(node: torch.fx.Node, copy_val, slices, walks) -> dict | None:
@@ -306,7 +296,7 @@ def slices_copied_once(gm: torch.fx.GraphModule) -> list[Rewrite]:
     done = []
     for node in list(gm.graph.nodes) if ON else ():
         val = node.meta.get("val")
-        if node.op != "call_function" or not _static(val) or val.is_contiguous() or val.dim() < 2:
+        if node.op != "call_function" or not static_value(val) or val.is_contiguous() or val.dim() < 2:
             continue
         slices = _slices(node)
         walks = [w for w in map(_walk, slices or ()) if w is not None]

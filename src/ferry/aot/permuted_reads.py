@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ferry.choices.graph_edits import Rewrite, call, single_use, value_of
+from ferry.choices.graph_edits import Rewrite, call, single_use, static_value, value_of, viewable
 
 __all__ = ["ON", "reads_through_permutes"]
 
@@ -40,7 +40,7 @@ def _lift(gm: torch.fx.GraphModule, copy: torch.fx.Node) -> bool:
     if not isinstance(src, torch.fx.Node) or set(copy.kwargs) - {"memory_format"}:
         return False
     src_val, val = src.meta.get("val"), copy.meta.get("val")
-    if not (_static(src_val) and _static(val)) or src_val.is_contiguous() or not val.is_contiguous():
+    if not (static_value(src_val) and static_value(val)) or src_val.is_contiguous() or not val.is_contiguous():
         return False
     end, between = _reshaped_end(copy)
     end_val = end.meta["val"]
@@ -57,16 +57,12 @@ def _lift(gm: torch.fx.GraphModule, copy: torch.fx.Node) -> bool:
     return True
 
 
-def _static(val) -> bool:
-    return isinstance(val, torch.Tensor) and all(type(s) is int for s in (*val.shape, *val.stride()))
-
-
 def _reshaped_end(copy: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     """The last of the reshapes that alone read the copy (or the copy), and the reshapes."""
     end, between = copy, []
     while single_use(end):
         nxt = next(iter(end.users))
-        if nxt.target not in _RESHAPES or nxt.args[0] is not end or not _static(nxt.meta.get("val")):
+        if nxt.target not in _RESHAPES or nxt.args[0] is not end or not static_value(nxt.meta.get("val")):
             break
         between.append(nxt)
         end = nxt
@@ -103,7 +99,7 @@ def _reader_plan(reader: torch.fx.Node, end: torch.fx.Node, src: torch.fx.Node, 
         if a is end or not isinstance(a, torch.fx.Node):
             continue
         v = a.meta.get("val")
-        if not (_static(v) and tuple(v.shape) == tuple(end_val.shape) and v.dtype == end_val.dtype and _viewable(v, shape)):
+        if not (static_value(v) and tuple(v.shape) == tuple(end_val.shape) and v.dtype == end_val.dtype and viewable(v, shape)):
             return None
         others.append(a)
         vals[a] = v.view(shape)
@@ -115,14 +111,6 @@ def _reader_plan(reader: torch.fx.Node, end: torch.fx.Node, src: torch.fx.Node, 
             and tuple(new_val.shape) == shape):
         return None
     return reader, others, new_val
-
-
-def _viewable(val: torch.Tensor, shape) -> bool:
-    try:
-        val.view(shape)
-    except (RuntimeError, ValueError):  # (a fake tensor's view raises the latter)
-        return False
-    return True
 
 
 def _rewrite_reader(gm, reader: torch.fx.Node, end: torch.fx.Node, src: torch.fx.Node, others, new_val) -> None:

@@ -17,7 +17,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from ferry import node_meta as M
 
 __all__ = ["Rewrite", "attr", "call", "constant", "constant_value", "reads_metadata_only", "revalue", "set_value",
-           "shape_at", "single_use", "size_at", "value_of"]
+           "shape_at", "single_use", "size_at", "static_value", "value_of", "viewable"]
 
 aten = torch.ops.aten
 CONSTANT_ELEMENTS = 1 << 22  # the largest tensor a value computed at compile time may have
@@ -86,6 +86,20 @@ def revalue(nodes) -> None:
     """Each node's value (and tensor_meta) again, in the order given, from its arguments'."""
     for n in nodes:
         set_value(n, value_of(n))
+
+
+def static_value(val) -> bool:
+    """A tensor whose sizes and strides are all ints (no symbolic size)."""
+    return isinstance(val, torch.Tensor) and all(type(s) is int for s in (*val.shape, *val.stride()))
+
+
+def viewable(val: torch.Tensor, shape) -> bool:
+    """`val.view(shape)` works: its layout needs no copy to take that shape."""
+    try:
+        val.view(shape)
+    except (RuntimeError, ValueError):  # (a fake tensor's view raises the latter)
+        return False
+    return True
 
 
 def single_use(node) -> bool:
