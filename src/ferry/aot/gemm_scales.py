@@ -18,6 +18,7 @@ the GEMM's cannot).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.fx
@@ -54,7 +55,8 @@ def _rewrite(gm: torch.fx.GraphModule, product: torch.fx.Node, zeros: dict) -> b
     shapes = _batched_shapes(product)
     if shapes is None:
         return False
-    sources, alpha, replaced = [], 1.0, [product]
+    sources: list[Any] = []
+    alpha, replaced = 1.0, [product]
     for operand, shape3 in zip((a, b), shapes[:2]):
         scaled = _scaled(operand)
         if scaled is not None and _blas_readable(scaled[0], shape3):
@@ -65,9 +67,10 @@ def _rewrite(gm: torch.fx.GraphModule, product: torch.fx.Node, zeros: dict) -> b
             sources.append(operand)
     after = next(iter(product.users)) if single_use(product) else None
     after_scale = _scale_of(after) if after is not None and after.args[0] is product else None
-    if after_scale is not None:
+    last: torch.fx.Node = product
+    if after is not None and after_scale is not None:
         alpha *= after_scale
-    last = after if after_scale is not None else product
+        last = after
     if alpha == 1.0 and sources == [a, b] or any(u.op == "output" for u in last.users):
         return False  # nothing to take in; a view as the delegate's result would be copied out
     if not _normal_float(alpha):
@@ -89,7 +92,8 @@ def _batched_shapes(product: torch.fx.Node):
     """(a's, b's, the result's) 3-D shapes where the product is batched over one static batch
     shape in a floating dtype, else None."""
     a, b = product.args[:2]
-    av, bv, out = (n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (a, b, product))
+    vals: list[Any] = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (a, b, product)]
+    av, bv, out = vals
     if not all(isinstance(v, torch.Tensor) for v in (av, bv, out)) or product.kwargs:
         return None
     if not (av.dtype == bv.dtype == out.dtype and av.dtype in _DTYPES) or av.dim() != bv.dim() or av.dim() < 3:
@@ -105,7 +109,7 @@ def _batched_shapes(product: torch.fx.Node):
 def _scaled(operand) -> tuple[torch.fx.Node, float, list[torch.fx.Node]] | None:
     """(x, s, the nodes between) where the product's operand is x·s, or a copy of x·s (a clone
     that made it contiguous: baddbmm reads x's own strides), each read only by the next."""
-    nodes = [operand]
+    nodes: list[Any] = [operand]
     if single_use(operand) and operand.target is aten.clone.default and set(operand.kwargs) <= {"memory_format"}:
         nodes.append(operand.args[0])
     scale = _scale_of(nodes[-1]) if single_use(nodes[-1]) else None
@@ -118,7 +122,8 @@ def _scale_of(node) -> float | None:
         return None
     if len(node.args) != 2 or node.kwargs or not isinstance(node.args[0], torch.fx.Node):
         return None
-    s, x, val = node.args[1], node.args[0].meta.get("val"), node.meta.get("val")
+    s: Any = node.args[1]
+    x, val = node.args[0].meta.get("val"), node.meta.get("val")
     if type(s) not in (int, float) or not math.isfinite(s) or s == 0:
         return None
     if not (isinstance(x, torch.Tensor) and isinstance(val, torch.Tensor)) or x.shape != val.shape or x.dtype != val.dtype:

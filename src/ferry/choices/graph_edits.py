@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import sympy
 import torch
@@ -88,7 +88,7 @@ def revalue(nodes) -> None:
         set_value(n, value_of(n))
 
 
-def static_value(val) -> bool:
+def static_value(val) -> TypeGuard[torch.Tensor]:
     """A tensor whose sizes and strides are all ints (no symbolic size)."""
     return isinstance(val, torch.Tensor) and all(type(s) is int for s in (*val.shape, *val.stride()))
 
