@@ -50,6 +50,10 @@ class Reverse(torch.nn.Module):
             return y - x
         if self.kind == "returned":
             return y
+        if self.kind == "atan2":
+            return torch.atan2(x, y)
+        if self.kind == "add with alpha":
+            return torch.add(x, y, alpha=0.3)
         raise AssertionError(self.kind)
 
 
@@ -63,11 +67,13 @@ def test_two_pointwise_readers_both_read_the_permuted_value(emu):
     equal_to_eager_two(program, model)
 
 
-@pytest.mark.parametrize("kind", ["reduction", "broadcast operand", "copy first", "returned"])
+@pytest.mark.parametrize("kind", ["reduction", "broadcast operand", "copy first", "returned", "atan2",
+                                  "add with alpha"])
 def test_what_cannot_read_through_keeps_its_copy_and_eagers_bits(kind, emu):
     """A reduction sums in its input's order; a broadcast operand has another shape; `y - x` (as
     `sigmoid(y)`) would lay its result out as the permuted operand is; a returned value owns its
-    memory."""
+    memory; atan2 (and pow, logaddexp, ...) and an add with alpha (in bf16: a fused multiply-add)
+    give other last bits from a CPU kernel's scalar path, which a strided operand takes."""
     model = Reverse(kind)
     program, ran, _ = compiled(model, *(torch.randn(s) for s in SHAPES))
     assert ran[CLONE] == 1, ran

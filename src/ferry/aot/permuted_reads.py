@@ -8,8 +8,10 @@ operand into the permuted shape (a view of a contiguous tensor), add there, and 
 dims back (a view of the contiguous result). One kernel a block fewer, the same bits.
 
 Taken where the copy's result reaches its readers only through views that merge adjacent dims,
-every reader is pointwise with its other tensor operands of the same shape and dtype (viewable in
-the permuted shape), and each reader's result stays contiguous. Static sizes only.
+every reader is an exactly rounded elementwise op (+, -, ×, /, min/max, comparisons, logical ops,
+`where`: the same bits from a CPU kernel's vectorised and scalar paths) with its other tensor
+operands of the same shape and dtype (viewable in the permuted shape), and each reader's result
+stays contiguous. Static sizes only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ __all__ = ["ON", "reads_through_permutes"]
 aten = torch.ops.aten
 ON = True  # off: the copies run as traced (an A/B)
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.alias.default)
+# elementwise ops whose every result is exactly rounded: the same bits whichever kernel path runs
+# (a CPU kernel vectorises only operands of unit inner stride; its scalar path gives atan2, pow,
+# logaddexp, gelu's backward, or an add with alpha in bf16 (fused multiply-add) other last bits)
+_EXACT = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.maximum.default,
+                    aten.minimum.default, aten.fmax.default, aten.fmin.default, aten.eq.Tensor, aten.ne.Tensor,
+                    aten.lt.Tensor, aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.logical_and.default,
+                    aten.logical_or.default, aten.logical_xor.default, aten.where.self})
 
 
 def reads_through_permutes(gm: torch.fx.GraphModule) -> list[Rewrite]:
@@ -85,9 +94,9 @@ def _merges(fine: tuple[int, ...], coarse: tuple[int, ...]) -> bool:
 
 def _reader_plan(reader: torch.fx.Node, end: torch.fx.Node, src: torch.fx.Node, shape: tuple[int, ...]):
     """(reader, its other tensor operands, its value computed in `shape`) where the reader is
-    pointwise, its other tensor operands have end's shape and dtype and a layout viewable in
+    an exactly rounded elementwise op (without an alpha), its other tensor operands have end's shape and dtype and a layout viewable in
     `shape`, and its value computed there is contiguous; else None."""
-    if reader.op != "call_function" or torch.Tag.pointwise not in getattr(reader.target, "tags", ()):
+    if reader.op != "call_function" or reader.target not in _EXACT or reader.kwargs.get("alpha", 1) != 1:
         return None
     end_val, out = end.meta["val"], reader.meta.get("val")
     if not (isinstance(out, torch.Tensor) and out.is_contiguous() and tuple(out.shape) == tuple(end_val.shape)):
