@@ -93,9 +93,10 @@ def _merges(fine: tuple[int, ...], coarse: tuple[int, ...]) -> bool:
 
 
 def _reader_plan(reader: torch.fx.Node, end: torch.fx.Node, src: torch.fx.Node, shape: tuple[int, ...]):
-    """(reader, its other tensor operands, its value computed in `shape`) where the reader is
-    an exactly rounded elementwise op (without an alpha), its other tensor operands have end's shape and dtype and a layout viewable in
-    `shape`, and its value computed there is contiguous; else None."""
+    """(reader, its other tensor operands, its value computed in `shape`) where the reader is an
+    exactly rounded elementwise op (without an alpha), its other tensor operands have end's shape
+    and dtype and a layout viewable in `shape`, and its value computed there is contiguous; else
+    None."""
     if reader.op != "call_function" or reader.target not in _EXACT or reader.kwargs.get("alpha", 1) != 1:
         return None
     end_val, out = end.meta["val"], reader.meta.get("val")
