@@ -245,3 +245,29 @@ def test_on_cuda_with_graphs_the_scale_is_the_gemms_and_results_equal_eager(full
         q, k, v = (torch.randn(SHAPE) for _ in range(3))
         with torch.no_grad():
             torch.testing.assert_close(module(q, k, v), model(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+class OneTokenAttention(torch.nn.Module):
+    """MobileViT's last attentions: q, k and v, three linears of one input (merged into one
+    product, each a slice of its columns), one token a sequence: q viewed as the GEMM's operand
+    meets the slice's strides, not the trace's."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, c // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (c // self.heads) ** -0.5
+        return torch.matmul(torch.softmax(scores, -1), v).transpose(1, 2).reshape(b, t, c) + 1
+
+
+def test_a_scaled_slice_of_merged_projections_is_read_by_its_own_strides(emu, monkeypatch):
+    """merge_projections makes q a slice of one product's columns; the views after it are valued
+    again (their strides the slice's), so the GEMM's operand is not a view the slice cannot give."""
+    model, x = OneTokenAttention().eval(), torch.randn(8, 1, 32)
+    program, ran, notes = compiled(model, x)
+    assert "linears reading one input" in notes, notes
+    equal_to_eager(program, model, tuple(x.shape), rtol=1e-5, atol=1e-6)

@@ -29,7 +29,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 
 from ferry import node_meta as M
-from ferry.choices.graph_edits import Rewrite, attr, call, constant
+from ferry.choices.graph_edits import Rewrite, attr, call, constant, set_value, value_of
 from ferry.ops.aliasing import is_view
 
 __all__ = ["INT4_PRODUCTS", "merge_projections"]
@@ -339,5 +339,23 @@ def _slice_out(gm, nodes: list, y, widths: list[int]) -> None:
                     aten.slice.Tensor(y.meta["val"], -1, start, start + width))
         start += width
         node.replace_all_uses_with(part)
+        _revalue_views(part)
     for node in nodes:
         gm.graph.erase_node(node)
+
+
+def _revalue_views(node) -> None:
+    """The views that read `node` (and the views of those) valued again: their strides are the
+    slice's now, and later rewrites read them (a view one adds must fit the strides it will meet)."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    views, todo = set(), [node]
+    while todo:
+        for u in todo.pop().users:
+            if u not in views and isinstance(u.target, torch._ops.OpOverload) and is_view(u.target):
+                views.add(u)
+                todo.append(u)
+    for view in sorted(views, key=order.__getitem__):
+        try:
+            set_value(view, value_of(view))
+        except (RuntimeError, TypeError):  # sizes given as nodes (dynamic): left as traced
+            continue
