@@ -19,7 +19,7 @@ def test_an_unshifted_window_reverse_is_read_by_the_residual_add_directly(emu):
     model, shape = Windows(shift=0), (2, 8, 8, 16)
     program, ran, notes = compiled(model, torch.randn(shape))
     assert ran[CLONE] == 1, ran  # the partition's copy, before the linear, stays
-    assert "pointwise ops reshaped" in notes
+    assert "elementwise ops reshaped" in notes
     equal_to_eager(program, model, shape)  # rtol=0, atol=0
     permuted_reads.ON = False
     try:

@@ -52,11 +52,10 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
     order they are tested in: q/k/v slices copied once (layout_chains.py), copies dropped,
     convolutions, attention, projections of one input merged, linears as GEMMs, batched products'
-    scales taken into the GEMM's alpha (gemm_scales.py); then values
-    computed from constants alone are folded (constant_fold.py), chains of copies become one
-    view or gather (layout_chains.py), and a pointwise op reads a permuted value where it read
-    a copy of it (permuted_reads.py). `merged`: the program's stacked weights
-    (projections.merge_projections)."""
+    scales taken into the GEMM's alpha (gemm_scales.py); then values computed from constants alone
+    are folded (constant_fold.py), chains of copies become one view or gather (layout_chains.py),
+    and an elementwise op reads a permuted value where it read a copy of it (permuted_reads.py).
+    `merged`: the program's stacked weights (projections.merge_projections)."""
     done = layout_chains.slices_copied_once(gm) + _drop_copies(gm) + _pools_as_means(gm)
     for pattern in (*conv.PATTERNS, *attention.PATTERNS):
         done += pattern(gm)
@@ -172,8 +171,8 @@ _NOTES = {
                        "(by a number) run as one GEMM whose alpha is the scale (aot/gemm_scales.py): equal to eager "
                        "within rounding"),
     "read through permute": ("copies read through a permute", "{n} contiguous copy(ies) of a permuted value "
-                             "(a window reverse) read only by pointwise ops reshaped: the ops read the permuted value, "
-                             "their other operands split to match (aot/permuted_reads.py)"),
+                             "(a window reverse) read only by exactly rounded elementwise ops reshaped: the ops read "
+                             "the permuted value, their other operands split to match (aot/permuted_reads.py)"),
     "constants folded": ("values computed from constants", "{n} value(s) computed from constants alone (a "
                          "window mask, a position bias) computed at compile time and stored: their ops no longer run "
                          "per call (aot/constant_fold.py)"),
