@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ferry.ops.library import triton_imports
+
 __all__ = ["MAX_WIDTH", "available", "fits", "layer_norm"]
 
 MAX_WIDTH = 8192  # the widest row one program holds in registers
@@ -22,13 +24,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def available() -> bool:
-    """Triton imports (the CUDA kernel is built from it)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Triton imports (the CUDA kernels are built from it)."""
+    return triton_imports()
 
 
 def fits(x, normalized_shape, weight=None, bias=None) -> bool:

@@ -32,7 +32,7 @@ import math
 import torch
 
 from ferry.layout import element_span
-from ferry.ops.library import new_fragment
+from ferry.ops.library import new_fragment, triton_imports
 
 __all__ = ["BLOCK_N", "MAX_ROWS", "SPLIT_KV_ATTENTION", "available", "fits", "split_kv_attention", "splits"]
 
@@ -136,12 +136,7 @@ def _combined(acc: torch.Tensor, top: torch.Tensor, total: torch.Tensor) -> torc
 @functools.cache
 def available() -> bool:
     """Triton imports (the CUDA kernels are built from it)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_imports()
 
 
 def _kernels():
