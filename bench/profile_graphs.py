@@ -29,6 +29,13 @@ from ferry.aot import gemm_scales, layout_chains, permuted_reads  # noqa: E402
 from ferry.choices import norms  # noqa: E402
 
 RUNNERS = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-graphs")
+# the rewrites and choices a run may switch off, one flag each: --layout-chains off, ...
+SWITCHES = {
+    "layout-chains": (layout_chains, "data-movement chains run as one view or gather, q/k/v slices copied once"),
+    "gemm-scales": (gemm_scales, "a batched product scaled by a number run as one GEMM whose alpha is the number"),
+    "permuted-reads": (permuted_reads, "an elementwise op reads a permuted value where it read a contiguous copy"),
+    "layer-norms": (norms, "each layer norm timed at load against ops/layer_norm.py's Triton kernel"),
+}
 
 
 def kernels_of_one_call(call) -> list:
@@ -83,24 +90,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="efficientnet_b0,swin_t")
     p.add_argument("--runners", default=",".join(RUNNERS))
-    p.add_argument("--layout-chains", choices=("on", "off"), default="on",
-                   help="data-movement chains run as one view or gather, q/k/v slices copied once (on: ferry's "
-                        "default, aot/layout_chains.py), or each op as traced (off: for an A/B)")
-    p.add_argument("--gemm-scales", choices=("on", "off"), default="on",
-                   help="a batched product scaled by a number run as one GEMM whose alpha is the number (on: "
-                        "ferry's default, aot/gemm_scales.py), or the scale as its own kernel (off: for an A/B)")
-    p.add_argument("--permuted-reads", choices=("on", "off"), default="on",
-                   help="a pointwise op reads a permuted value where it read a contiguous copy of it (on: ferry's "
-                        "default, aot/permuted_reads.py), or the copy runs (off: for an A/B)")
-    p.add_argument("--layer-norms", choices=("timed", "aten"), default="timed",
-                   help="each layer norm timed at load against ops/layer_norm.py's Triton kernel (timed: ferry's "
-                        "default, choices/norms.py), or ATen's kernel always (aten: for an A/B)")
+    for flag, (module, what) in SWITCHES.items():
+        p.add_argument(f"--{flag}", choices=("on", "off"), default="on",
+                       help=f"{what} (on: ferry's default, {module.__name__.removeprefix('ferry.')}.ON), or not "
+                            "(off: for an A/B)")
     p.add_argument("--out", default="profile_graphs")
     args = p.parse_args()
-    norms.ON = args.layer_norms == "timed"
-    permuted_reads.ON = args.permuted_reads == "on"
-    layout_chains.ON = args.layout_chains == "on"
-    gemm_scales.ON = args.gemm_scales == "on"
+    for flag, (module, _) in SWITCHES.items():
+        module.ON = getattr(args, flag.replace("-", "_")) == "on"
     if not torch.cuda.is_available():
         print("profile_graphs: skipped: no CUDA device")
         return

@@ -24,7 +24,7 @@ from ferry.choices.graph_edits import Rewrite, call, single_use, static_value, v
 __all__ = ["ON", "reads_through_permutes"]
 
 aten = torch.ops.aten
-ON = True  # off: the copies run as traced (an A/B)
+ON = True  # off: the copies run as traced (an A/B: bench/profile_graphs.py --permuted-reads off)
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.alias.default)
 # elementwise ops whose every result is exactly rounded: the same bits whichever kernel path runs
 # (a CPU kernel vectorises only operands of unit inner stride; its scalar path gives atan2, pow,

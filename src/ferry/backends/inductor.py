@@ -71,7 +71,7 @@ __all__ = ["COMBINE_REDUCTIONS", "COMBO_KERNELS", "InductorBackend", "graph_of"]
 # With COMBINE_REDUCTIONS a decode step (compiled with gemv.TUNING) combines reductions too, each
 # combination kept only where Inductor times it faster (_DECODE_COMBO_OPTIONS): on an H100,
 # Qwen3-0.6B 0.98-0.99 ms a step against 1.03, Llama-1B 1.16 either way, the load 14 s longer
-# (bench/results/llm_combo_*_h100.json; bench/llm.py --combo-kernels reductions|on is the A/B).
+# (bench/results/llm_combo_*_h100.json; bench/llm.py --combo-kernels reductions|pointwise is the A/B).
 # Inductor's other combo settings (how many kernels a combination takes, ...) are its defaults.
 aten = torch.ops.aten
 COMBO_KERNELS = True

@@ -21,7 +21,7 @@ aten = torch.ops.aten
 LAYER_NORM = aten.layer_norm.default
 OPS = frozenset({LAYER_NORM})
 FORMS = ("ATen", "rows per program (Triton)")
-ON = True  # off: ATen's kernel always, untimed (bench/profile_graphs.py --layer-norms aten, an A/B)
+ON = True  # off: ATen's kernel always, untimed (bench/profile_graphs.py --layer-norms off, an A/B)
 
 
 def form(op, args: list, kwargs: dict, site: Site) -> Callable | None:
