@@ -84,13 +84,14 @@ def test_a_captured_plan_runs_the_kernel_where_timed_faster_and_equals_eager(tim
     timed at load, the chosen form is what every call runs, and the results are eager's. The
     kernel's numbers are the GPU tests' below."""
     ran = []
-    real = rows_norm.layer_norm
-    monkeypatch.setattr(rows_norm, "layer_norm", lambda *a, **k: ran.append(a[0].shape) or real(*a, **k))
+    for name in ("layer_norm", "add_layer_norm"):
+        real = getattr(rows_norm, name)
+        monkeypatch.setattr(rows_norm, name, lambda *a, real=real, name=name, **k: ran.append(name) or real(*a, **k))
     calls = captured_norms_equal_eager("emu:0")
     next(calls)  # loaded (the timing ran the form too)
     ran.clear()
     for _ in calls:
-        assert len(ran) == 2
+        assert ran == ["layer_norm", "add_layer_norm"]  # the second norm reads a residual add: one op
         ran.clear()
 
 
@@ -103,7 +104,9 @@ def captured_norms_equal_eager(device):
     module = ferry.Module(program, cuda_graphs=True)
     module.load_method()
     made = [d for d in DECISIONS.values(timed=True) if d.family == "layer norm"]
-    assert sorted(d.shape for d in made) == ["3136x96 float32"] * 2 and all(d.taken for d in made), made
+    # each norm alone, and the second with its residual add
+    assert sorted(d.op for d in made) == ["aten::layer_norm"] * 2 + ["ferry::add_layer_norm"], made
+    assert {d.shape for d in made} == {"3136x96 float32"} and all(d.taken for d in made), made
     yield
     for _ in range(3):
         x = torch.randn(1, 3136, 96)

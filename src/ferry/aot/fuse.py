@@ -39,23 +39,26 @@ import torch.fx
 
 from ferry.aot import gemm_scales, layout_chains, permuted_reads
 from ferry.aot.constant_fold import fold_constants
-from ferry.choices import attention, conv, gemm, projections
+from ferry.choices import attention, conv, gemm, norms, projections
 from ferry.choices.graph_edits import Rewrite, call
+from ferry.device import CPU, Device
 
 __all__ = ["Rewrite", "fuse_for_inference", "fusion_notes", "merge_for_compiler"]
 
 aten = torch.ops.aten
 
 
-def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> list[Rewrite]:
+def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None, device: Device = CPU) -> list[Rewrite]:
     """Rewrite `gm` (a delegate's subgraph: constants are get_attr) in place; return what was done.
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
     order they are tested in: q/k/v slices copied once (layout_chains.py), copies dropped,
     convolutions, attention, projections of one input merged, linears as GEMMs, batched products'
     scales taken into the GEMM's alpha (gemm_scales.py); then values computed from constants alone
     are folded (constant_fold.py), chains of copies become one view or gather (layout_chains.py),
-    and an elementwise op reads a permuted value where it read a copy of it (permuted_reads.py).
-    `merged`: the program's stacked weights (projections.merge_projections)."""
+    an elementwise op reads a permuted value where it read a copy of it (permuted_reads.py), and a
+    residual add and the layer norm of its sum become one op (choices/norms.py).
+    `merged`: the program's stacked weights (projections.merge_projections); `device`: the
+    delegate's."""
     done = layout_chains.slices_copied_once(gm) + _drop_copies(gm) + _pools_as_means(gm)
     for pattern in (*conv.PATTERNS, *attention.PATTERNS):
         done += pattern(gm)
@@ -66,6 +69,7 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None) -> 
     done += fold_constants(gm)
     done += layout_chains.chains_as_gathers(gm)
     done += permuted_reads.reads_through_permutes(gm)
+    done += norms.residual_norms(gm) if not device.is_cpu else []
     if done:
         tidy(gm)
     return done
@@ -173,6 +177,9 @@ _NOTES = {
     "read through permute": ("copies read through a permute", "{n} contiguous copy(ies) of a permuted value "
                              "(a window reverse) read only by exactly rounded elementwise ops reshaped: the ops read "
                              "the permuted value, their other operands split to match (aot/permuted_reads.py)"),
+    "add + layer norm": ("residual adds with their layer norm", "{n} residual add(s) whose sum a layer norm reads "
+                         "run as one ferry::add_layer_norm: the add and the norm as eager runs them, or one kernel "
+                         "for both where the load times it faster in a captured plan (choices/norms.py)"),
     "constants folded": ("values computed from constants", "{n} value(s) computed from constants alone (a "
                          "window mask, a position bias) computed at compile time and stored: their ops no longer run "
                          "per call (aot/constant_fold.py)"),

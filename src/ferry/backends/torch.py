@@ -41,7 +41,7 @@ class TorchBackend(Backend):
         builder = ProgramBuilder(outer=data.store if data is not None else None)
         merged = data.store.merged if data is not None else None
         fused = fit_kernel_limits(lowered.original_module, device)  # what the device's kernels take: always
-        fused += fuse_for_inference(lowered.original_module, merged) if options.fuse_for_inference else []
+        fused += fuse_for_inference(lowered.original_module, merged, device) if options.fuse_for_inference else []
         method = emit_method("forward", lowered.original_module, {}, builder, opts, range_constraints, device)
         method.kernel_choices.update(fusion_notes(fused))
         if data is None:

@@ -3,31 +3,92 @@ ops/layer_norm.py's Triton kernel, which normalises several short rows per progr
 gives each row a block (Swin-T's 3,136 rows of 96 on an H100: 4 µs a norm). Each distinct norm
 is timed both ways on the GPU it loads on and the Triton kernel kept where it saves 10%
 (choices/timing.py); both launch one kernel. Only captured: uncaptured, the Python launch costs
-the host more than the kernel saves. Equal to eager within rounding (ops/layer_norm.py)."""
+the host more than the kernel saves. Equal to eager within rounding (ops/layer_norm.py).
+
+A residual add whose sum a layer norm reads (a transformer block's `x = x + attn(...)`, then
+`norm(x)`) is one `ferry::add_layer_norm` from compile time on (`residual_norms`), on a device
+other than the CPU: the op is the add and the norm as eager runs them, and at load the kernel
+that reads both rows once and writes the sum and its norm is timed against them and kept where
+it saves 10% (one kernel where there were two)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
+import torch.fx
+from torch._prims_common import make_contiguous_strides_for
 
+from ferry import node_meta as M
 from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision, Site
+from ferry.choices.graph_edits import Rewrite, call
 from ferry.ops import layer_norm as rows_norm
+from ferry.ops.layer_norm import ADD_LAYER_NORM
 
-__all__ = ["FORMS", "ON", "OPS", "decision", "form"]
+__all__ = ["FORMS", "FUSED_FORMS", "ON", "OPS", "RESIDUALS", "decision", "form", "fused_decision", "residual_norms"]
 
 aten = torch.ops.aten
 LAYER_NORM = aten.layer_norm.default
-OPS = frozenset({LAYER_NORM})
+OPS = frozenset({LAYER_NORM, ADD_LAYER_NORM})
 FORMS = ("ATen", "rows per program (Triton)")
+FUSED_FORMS = ("add, then the norm", "add and norm in one kernel (Triton)")
 ON = True  # off: ATen's kernel always, untimed (bench/profile_graphs.py --layer-norms off, an A/B)
+RESIDUALS = True  # off: no add_layer_norm at compile time (bench/profile_graphs.py --residual-norms off)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def form(op, args: list, kwargs: dict, site: Site) -> Callable | None:
     """The load-time hook (choices/hook.py): the Triton form where it was timed faster here."""
+    if op is ADD_LAYER_NORM:
+        return _fused_form(args, kwargs, site)
     made = decision(args, kwargs, site)
     return rows_norm.layer_norm if made is not None and made.taken else None
+
+
+def _fused_form(args: list, kwargs: dict, site: Site) -> Callable | None:
+    """One kernel for the add and the norm where timed faster than the two apart; else the two
+    apart, the norm in the form its own choice picks (None: the op's ATen calls)."""
+    x, residual, shape, weight, bias, eps = _fused_params(args, kwargs)
+    alone = decision([x, shape, weight, bias, eps], {}, site)  # the sum is x's shape and dtype
+    apart = _add_then(rows_norm.layer_norm) if alone is not None and alone.taken else None
+    made = fused_decision(args, kwargs, site, apart)
+    return rows_norm.add_layer_norm if made is not None and made.taken else apart
+
+
+def _add_then(norm: Callable) -> Callable:
+    def add_then_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+        total = aten.add.Tensor(x, residual)
+        return total, norm(total, normalized_shape, weight, bias, eps)
+
+    return add_then_norm
+
+
+def fused_decision(args: list, kwargs: dict, site: Site, apart: Callable | None = None) -> Decision | None:
+    """The timed choice for one `add_layer_norm`: the kernel against `apart` (the two apart as
+    they would run; the op's own ATen calls where None), or None where the kernel does not
+    compute it or nothing may be timed."""
+    x, residual, shape, weight, bias, eps = _fused_params(args, kwargs)
+    if not ON or not site.captured or not rows_norm.available() or not rows_norm.fits(x, shape, weight, bias) \
+            or not rows_norm.fits_residual(x, residual):
+        return None
+    device = timing.gpu_of([t for t in (x, residual, weight, bias) if t is not None], site.device)
+    if device is None:
+        return None
+    key = ("add + layer norm", str(device), site.replays, tuple(x.shape), x.dtype, weight is not None,
+           bias is not None, apart is not None)
+    both = (apart or ADD_LAYER_NORM, rows_norm.add_layer_norm)
+    return DECISIONS.get(key, lambda: _decide(device, (x, residual), shape, weight, bias, eps, site, both),
+                         timing.may_time(site, device))
+
+
+def _fused_params(args: list, kwargs: dict):
+    names = ("input", "residual", "normalized_shape", "weight", "bias", "eps")
+    given = dict(zip(names, args))
+    given.update({k: v for k, v in kwargs.items() if k in names})
+    return (given.get("input"), given.get("residual"), list(given.get("normalized_shape") or ()), given.get("weight"),
+            given.get("bias"), float(given.get("eps", 1e-5)))
 
 
 def decision(args: list, kwargs: dict, site: Site) -> Decision | None:
@@ -41,7 +102,8 @@ def decision(args: list, kwargs: dict, site: Site) -> Decision | None:
     if device is None:
         return None
     key = ("layer norm", str(device), site.replays, tuple(x.shape), x.dtype, weight is not None, bias is not None)
-    return DECISIONS.get(key, lambda: _decide(device, x, shape, weight, bias, eps, site),
+    return DECISIONS.get(key, lambda: _decide(device, (x,), shape, weight, bias, eps, site,
+                                              (LAYER_NORM, rows_norm.layer_norm)),
                          timing.may_time(site, device))
 
 
@@ -53,14 +115,78 @@ def _params(args: list, kwargs: dict):
             float(given.get("eps", 1e-5)))
 
 
-def _decide(device, x, shape, weight, bias, eps, site: Site) -> Decision | None:
+def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tuple) -> Decision | None:
+    """Time `forms` (eager's, then the Triton kernel; each takes `rows`, then the norm's
+    arguments) on scratch copies of the arguments."""
     with timing.on(device), torch.no_grad():
         try:
-            x, w, b = (timing.scratch(t, device) if t is not None else None for t in (x, weight, bias))
-            times = timing.time_both(lambda: LAYER_NORM(x, shape, w, b, eps),
-                                     lambda: rows_norm.layer_norm(x, shape, w, b, eps), site.replay_stream())
+            rows = tuple(timing.scratch(t, device) for t in rows)
+            w, b = (timing.scratch(t, device) if t is not None else None for t in (weight, bias))
+            times = timing.time_both(lambda: forms[0](*rows, shape, w, b, eps), lambda: forms[1](*rows, shape, w, b, eps),
+                                     site.replay_stream())
         except Exception:  # noqa: BLE001 - out of memory, or Triton could not build its kernel here: ATen's stays
             return None
-    rows = x.numel() // x.shape[-1]
-    return timing.decision("layer norm", str(LAYER_NORM.name()), f"{rows}x{x.shape[-1]}", device, x.dtype, FORMS,
+    x = rows[0]
+    fused = len(rows) == 2
+    return timing.decision("layer norm", str((ADD_LAYER_NORM if fused else LAYER_NORM).name()),
+                           f"{x.numel() // x.shape[-1]}x{x.shape[-1]}", device, x.dtype, FUSED_FORMS if fused else FORMS,
                            times, min_saving_us=0)
+
+
+# ---------------------------------------------------------------- compile time: a residual add with its norm
+
+
+def _contiguous(val: torch.Tensor) -> bool:
+    """Row-major at every size (no guard added on a dynamic one)."""
+    return M.same_sizes(val.stride(), make_contiguous_strides_for(val.shape))
+
+
+def residual_norms(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    """`layer_norm(a + b)` -> `ferry::add_layer_norm(a, b, ...)`, its first result read wherever
+    the sum was (aot/fuse.py: in a delegate on a device other than the CPU, where no kernel of
+    ferry's would run it and the sum would lose its planned memory for nothing). Only a
+    plain add of two contiguous tensors of the sum's own shape and dtype (no broadcast, no alpha),
+    normalised over its last dim, the weight and bias constants or inputs (None or tensors)."""
+    if not RESIDUALS:
+        return []
+    done = []
+    order = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
+    for norm in list(gm.graph.nodes):
+        if norm.op != "call_function" or norm.target is not LAYER_NORM or not _fusable(norm):
+            continue
+        total = norm.args[0]
+        x, residual = total.args
+        _, shape, weight, bias, eps = _params(list(norm.args), norm.kwargs)
+        for t in (weight, bias):
+            if isinstance(t, torch.fx.Node) and order[t] > order[total]:  # a constant a rewrite put later
+                total.prepend(t)
+                order[t] = order[total] - 0.5
+        with gm.graph.inserting_before(total):
+            both = call(gm, norm, ADD_LAYER_NORM, (x, residual, shape, weight, bias, eps),
+                        (total.meta["val"], norm.meta["val"]))
+            summed = call(gm, total, operator.getitem, (both, 0), total.meta["val"])
+            normed = call(gm, norm, operator.getitem, (both, 1), norm.meta["val"])
+        total.replace_all_uses_with(summed)
+        norm.replace_all_uses_with(normed)
+        gm.graph.erase_node(norm)
+        gm.graph.erase_node(total)
+        done.append(Rewrite("add + layer norm", f"{total.name} + {norm.name}"))
+    return done
+
+
+def _fusable(norm: torch.fx.Node) -> bool:
+    total = norm.args[0] if norm.args else None
+    if not isinstance(total, torch.fx.Node) or total.target is not aten.add.Tensor or total.kwargs or len(total.args) != 2:
+        return False
+    _, shape, weight, bias, _ = _params(list(norm.args), norm.kwargs)
+    val = total.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype not in _DTYPES or val.dim() < 1 or not _contiguous(val):
+        return False
+    if len(shape) != 1 or M.static_ints(shape) is None or M.static_ints(shape) != M.static_ints([val.shape[-1]]):
+        return False
+    for t in total.args:
+        v = t.meta.get("val") if isinstance(t, torch.fx.Node) else None
+        if not (isinstance(v, torch.Tensor) and v.dtype == val.dtype and M.same_sizes(v.shape, val.shape)
+                and _contiguous(v)):
+            return False
+    return all(t is None or (isinstance(t, torch.fx.Node) and t.op in ("get_attr", "placeholder")) for t in (weight, bias))

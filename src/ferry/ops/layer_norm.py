@@ -7,15 +7,21 @@ takes 4 µs, 0.6 TB/s, and its 29 norms were the largest cost after the GEMMs in
 2,048 elements' worth of rows. The arithmetic is ATen's (fp32, mean, biased variance, rsqrt(var
 + eps), then weight and bias) summed in another order: equal to eager within fp32 rounding, not
 bit for bit. choices/norms.py times it against ATen's at load and keeps it where faster.
+
+`ferry::add_layer_norm(input, residual, normalized_shape, weight, bias, eps) -> (sum, normed)`:
+a residual add and the layer norm of its sum, which a transformer block makes one after the
+other (`x = x + attn(...)`, then `norm(x)`). The op itself is the two ATen calls, the same bits
+as eager; `add_layer_norm` is the kernel that reads both rows once and writes the sum and the
+norm (one kernel of two, and the sum not read back), which choices/norms.py may pick at load.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ferry.ops.library import triton_imports
+from ferry.ops.library import new_fragment, triton_imports
 
-__all__ = ["MAX_WIDTH", "available", "fits", "layer_norm"]
+__all__ = ["ADD_LAYER_NORM", "MAX_WIDTH", "add_layer_norm", "available", "fits", "layer_norm"]
 
 MAX_WIDTH = 8192  # the widest row one program holds in registers
 _ELEMENTS = 2048  # elements per program: several short rows, or one long one
@@ -44,10 +50,33 @@ def fits(x, normalized_shape, weight=None, bias=None) -> bool:
     return x.numel() > 0
 
 
+def fits_residual(x, residual) -> bool:
+    """`add_layer_norm`'s kernel takes this residual: x's shape, dtype, device and layout."""
+    return (isinstance(residual, torch.Tensor) and residual.shape == x.shape and residual.dtype == x.dtype
+            and residual.is_contiguous() and (residual.device == x.device or x.is_meta or residual.is_meta))
+
+
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     """`aten.layer_norm`'s signature: the Triton kernel on CUDA where it `fits`, else ATen's."""
     if not (x.device.type == "cuda" and available() and fits(x, normalized_shape, weight, bias)):
         return torch.ops.aten.layer_norm.default(x, normalized_shape, weight, bias, eps, cudnn_enable)
+    y = torch.empty_like(x)
+    _launch(x, None, weight, bias, None, y, eps)
+    return y
+
+
+def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """`ferry::add_layer_norm`'s signature: one Triton kernel on CUDA where it fits, else the op's
+    own two ATen calls."""
+    fit = x.device.type == "cuda" and available() and fits(x, normalized_shape, weight, bias)
+    if not (fit and fits_residual(x, residual)):
+        return _add_then_norm(x, residual, normalized_shape, weight, bias, eps)
+    total, y = torch.empty_like(x), torch.empty_like(x)
+    _launch(x, residual, weight, bias, total, y, eps)
+    return total, y
+
+
+def _launch(x, residual, weight, bias, total, y, eps) -> None:
     import triton
 
     from ferry.ops import layer_norm_triton  # (imports Triton)
@@ -56,10 +85,30 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enab
     m = x.numel() // n
     block_n = triton.next_power_of_2(n)
     block_m = max(1, min(_MAX_ROWS, _ELEMENTS // block_n))
-    y = torch.empty_like(x)
     with torch.cuda.device(x.device):
         layer_norm_triton.rows[(triton.cdiv(m, block_m),)](
-            x, weight if weight is not None else x, bias if bias is not None else x, y, m, n, float(eps),
-            HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=4 if block_m * block_n <= 2048 else 8)
-    return y
+            x, residual if residual is not None else x, weight if weight is not None else x,
+            bias if bias is not None else x, total if total is not None else y, y, m, n, float(eps),
+            HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m,
+            BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 2048 else 8)
+
+
+def _add_then_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """What eager computes: the sum, then ATen's layer norm of it."""
+    total = torch.ops.aten.add.Tensor(x, residual)
+    return total, torch.ops.aten.layer_norm.default(total, normalized_shape, weight, bias, eps)
+
+
+def _register() -> torch.library.Library | None:
+    lib = new_fragment("add_layer_norm")
+    if lib is None:
+        return None
+    lib.define("add_layer_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, "
+               "Tensor? bias=None, float eps=1e-05) -> (Tensor, Tensor)")
+    lib.impl("add_layer_norm", _add_then_norm, "CompositeExplicitAutograd")
+    torch.library.register_fake("ferry::add_layer_norm", _add_then_norm, lib=lib)
+    return lib
+
+
+_lib = globals().get("_lib") or _register()  # kept: the registrations live as long as it does
+ADD_LAYER_NORM = torch.ops.ferry.add_layer_norm.default

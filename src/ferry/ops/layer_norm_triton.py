@@ -10,16 +10,22 @@ __all__ = ["rows"]
 
 
 @triton.jit
-def rows(X, W, B, Y, M, N, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_M: tl.constexpr,
-         BLOCK_N: tl.constexpr):
+def rows(X, R, W, B, S, Y, M, N, eps, HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program: BLOCK_M rows of X [M, N] (contiguous) normalised over N in fp32, as ATen's kernel
-    computes them (mean, biased variance, rsqrt(var + eps), weight, bias), stored in Y's dtype."""
+    computes them (mean, biased variance, rsqrt(var + eps), weight, bias), stored in Y's dtype.
+    HAS_R: the rows normalised are X + R, rounded to X's dtype as eager's add rounds them, and
+    stored in S too (a residual add and the norm that reads it, in one pass)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (rows past 2**31 of width 1)
     c = tl.arange(0, BLOCK_N)
     c_ok = c < N
     ok = (r < M)[:, None] & c_ok[None, :]
     at = r[:, None] * N + c[None, :]
-    x = tl.load(X + at, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(X + at, mask=ok, other=0.0)
+    if HAS_R:
+        x = (x.to(tl.float32) + tl.load(R + at, mask=ok, other=0.0).to(tl.float32)).to(S.dtype.element_ty)
+        tl.store(S + at, x, mask=ok)
+    x = x.to(tl.float32)
     mean = tl.sum(x, 1) / N
     centred = tl.where(ok, x - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(centred * centred, 1) / N + eps)
