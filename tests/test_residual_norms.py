@@ -160,7 +160,7 @@ def test_one_kernel_is_kept_where_it_saves_ten_percent(times, taken, timed, trit
     assert set(made) == {"aten::layer_norm", "ferry::add_layer_norm"}, made
     fused = made["ferry::add_layer_norm"]
     assert fused.taken is taken and fused.forms == norms.FUSED_FORMS and fused.shape == "3136x96 float32"
-    assert chosen is (rows_norm.add_layer_norm if taken else None)  # None: the op's two ATen calls
+    assert chosen is (rows_norm.add_layer_norm if taken else norms.ADD_THEN_NORM)
     assert timed.calls == 2  # the norm alone, then the fused op: each once per key
     hook.choose(rows_norm.ADD_LAYER_NORM, _args(), {}, CAPTURED)
     assert timed.calls == 2
@@ -192,7 +192,7 @@ def test_what_keeps_the_fused_kernel_untimed(case, timed, triton_here):
     elif case == "residual of another dtype":
         args[1] = args[1].double()
     assert norms.fused_decision(args, {}, site) is None
-    assert hook.choose(rows_norm.ADD_LAYER_NORM, args, {}, site) is None  # the op's ATen calls
+    assert hook.choose(rows_norm.ADD_LAYER_NORM, args, {}, site) is norms.ADD_THEN_NORM  # the op's ATen calls
 
 
 # ---------------------------------------------------------------- the kernel, on a GPU
