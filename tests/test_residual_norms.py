@@ -241,3 +241,27 @@ def test_on_the_gpu_a_captured_pre_norm_stack_takes_the_kernel_and_equals_eager(
             want = cuda_model(x.cuda())
         for g, w in zip(module(x), want):
             torch.testing.assert_close(g, w.cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_a_rewrite_put_after_the_add_is_read_from_before_it():
+    """A constant made by an earlier rewrite may sit after the add (get_attr nodes go where they
+    are made): it is moved before the fused op, and the graph stays in order."""
+    root = torch.nn.Module()
+    root.w, root.b = torch.randn(16), torch.randn(16)
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    total = g.call_function(torch.ops.aten.add.Tensor, (x, y))
+    w, b = g.get_attr("w"), g.get_attr("b")
+    normed = g.call_function(torch.ops.aten.layer_norm.default, (total, [16], w, b, 1e-5))
+    g.output((normed, total))
+    xv, yv = torch.randn(4, 16), torch.randn(4, 16)
+    for node, val in ((x, xv), (y, yv), (total, xv + yv), (w, root.w), (b, root.b),
+                      (normed, F.layer_norm(xv + yv, [16], root.w, root.b))):
+        node.meta["val"] = val
+    gm = torch.fx.GraphModule(root, g)
+    assert len(norms.residual_norms(gm)) == 1
+    gm.graph.lint()  # every node after what it reads
+    gm.recompile()
+    got = gm(xv, yv)
+    assert torch.equal(got[1], xv + yv)
+    torch.testing.assert_close(got[0], F.layer_norm(xv + yv, [16], root.w, root.b), rtol=0, atol=0)
