@@ -115,7 +115,7 @@ def captured_norms_equal_eager(device):
         yield
 
 
-def _on_gpu_inputs(rows, width, dtype, affine):
+def on_gpu_inputs(rows, width, dtype, affine):
     g = torch.Generator(device="cuda").manual_seed(rows + width)
     x = torch.randn(rows, width, device="cuda", dtype=dtype, generator=g) * 3 + 1
     w = torch.randn(width, device="cuda", dtype=dtype, generator=g) if affine else None
@@ -132,13 +132,18 @@ def test_the_gpu_kernel_equals_atens_within_rounding(rows, width, dtype, affine)
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     assert rows_norm.available(), "Triton does not import beside this CUDA build"
-    x, w, b = _on_gpu_inputs(rows, width, dtype, affine)
-    got = rows_norm.layer_norm(x, [width], w, b, 1e-6)
-    want = F.layer_norm(x.double(), [width], None if w is None else w.double(), None if b is None else b.double(), 1e-6)
-    eager = F.layer_norm(x, [width], w, b, 1e-6)
-    assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
-    # no further from fp64 than ATen's own kernel, within one rounding of the dtype
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    x, w, b = on_gpu_inputs(rows, width, dtype, affine)
+    assert_as_close_as_atens(rows_norm.layer_norm(x, [width], w, b, 1e-6), x, w, b, 1e-6)
+
+
+def assert_as_close_as_atens(got, x, w, b, eps):
+    """`got`, a layer norm of `x` over its last dim, is no further from fp64's than ATen's own
+    kernel, give or take one rounding of the dtype."""
+    width = [x.shape[-1]]
+    want = F.layer_norm(x.double(), width, None if w is None else w.double(), None if b is None else b.double(), eps)
+    eager = F.layer_norm(x, width, w, b, eps)
+    assert got.dtype == x.dtype and got.shape == x.shape and got.is_contiguous()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[x.dtype]
     assert (got.double() - want).abs().max().item() <= (eager.double() - want).abs().max().item() + tol * 4
 
 

@@ -14,6 +14,7 @@ from ferry.choices import hook, norms
 from ferry.choices.decisions import DECISIONS, Site
 from ferry.ops import layer_norm as rows_norm
 from test_layout_chains import compiled
+from test_norm_choice import assert_as_close_as_atens, on_gpu_inputs
 
 FUSED = "ferry::add_layer_norm.default"
 NORM = "aten::layer_norm.default"
@@ -206,17 +207,11 @@ def test_the_gpu_kernel_adds_as_eager_and_normalises_within_rounding(rows, width
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     assert rows_norm.available(), "Triton does not import beside this CUDA build"
-    g = torch.Generator(device="cuda").manual_seed(rows + width)
-    x, r = (torch.randn(rows, width, device="cuda", dtype=dtype, generator=g) * 3 + 1 for _ in range(2))
-    w, b = ((torch.randn(width, device="cuda", dtype=dtype, generator=g) if affine else None) for _ in range(2))
+    x, w, b = on_gpu_inputs(rows, width, dtype, affine)
+    r = on_gpu_inputs(rows + 1, width, dtype, False)[0][:rows]
     total, got = rows_norm.add_layer_norm(x, r, [width], w, b, 1e-6)
     assert torch.equal(total, x + r)  # the sum rounded as eager's add rounds it
-    want = F.layer_norm(total.double(), [width], None if w is None else w.double(), None if b is None else b.double(),
-                        1e-6)
-    eager = F.layer_norm(total, [width], w, b, 1e-6)
-    assert got.dtype == dtype and got.shape == x.shape
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-    assert (got.double() - want).abs().max().item() <= (eager.double() - want).abs().max().item() + tol * 4
+    assert_as_close_as_atens(got, total, w, b, 1e-6)
 
 
 @pytest.mark.cuda
