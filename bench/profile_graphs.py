@@ -35,16 +35,16 @@ from ferry.aot import gemm_scales, layout_chains, permuted_reads  # noqa: E402
 from ferry.choices import norms  # noqa: E402
 
 RUNNERS = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-graphs")
-# the rewrites and choices a run may switch off, one flag each: --layout-chains off, ...
+# the rewrites and choices a run may switch off, one flag each (--layout-chains off, ...): the
+# module, its switch, what it does
 SWITCHES = {
-    "layout-chains": (layout_chains, "data-movement chains run as one view or gather, q/k/v slices copied once"),
-    "gemm-scales": (gemm_scales, "a batched product scaled by a number run as one GEMM whose alpha is the number"),
-    "permuted-reads": (permuted_reads, "an elementwise op reads a permuted value where it read a contiguous copy"),
-    "layer-norms": (norms, "each layer norm timed at load against ops/layer_norm.py's Triton kernel"),
+    "layout-chains": (layout_chains, "ON", "data-movement chains run as one view or gather, q/k/v slices copied once"),
+    "gemm-scales": (gemm_scales, "ON", "a batched product scaled by a number run as one GEMM whose alpha is the number"),
+    "permuted-reads": (permuted_reads, "ON", "an elementwise op reads a permuted value where it read a contiguous copy"),
+    "layer-norms": (norms, "ON", "each layer norm timed at load against ops/layer_norm.py's Triton kernel"),
+    "residual-norms": (norms, "RESIDUALS", "a residual add and the layer norm of its sum as one op, one Triton kernel "
+                                           "where timed faster"),
 }
-# the same, for a switch other than the module's ON
-SWITCH_NAMES = {"residual-norms": (norms, "RESIDUALS", "a residual add and the layer norm of its sum as one op, "
-                                                       "one Triton kernel where timed faster")}
 
 
 def kernels_of_one_call(call) -> list:
@@ -142,15 +142,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="efficientnet_b0,swin_t")
     p.add_argument("--runners", default=",".join(RUNNERS))
-    switches = {flag: (module, "ON", what) for flag, (module, what) in SWITCHES.items()} | SWITCH_NAMES
-    for flag, (module, name, what) in switches.items():
+    for flag, (module, name, what) in SWITCHES.items():
         p.add_argument(f"--{flag}", choices=("on", "off"), default="on",
                        help=f"{what} (on: ferry's default, {module.__name__.removeprefix('ferry.')}.{name}), or not "
                             "(off: for an A/B)")
     p.add_argument("--python-profile", action="store_true", help="print each runner's host functions (cProfile)")
     p.add_argument("--out", default="profile_graphs")
     args = p.parse_args()
-    for flag, (module, name, _) in switches.items():
+    for flag, (module, name, _) in SWITCHES.items():
         setattr(module, name, getattr(args, flag.replace("-", "_")) == "on")
     if not torch.cuda.is_available():
         print("profile_graphs: skipped: no CUDA device")

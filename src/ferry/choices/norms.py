@@ -13,6 +13,7 @@ it saves 10% (one kernel where there were two)."""
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 
@@ -37,6 +38,7 @@ FORMS = ("ATen", "rows per program (Triton)")
 FUSED_FORMS = ("add, then the norm", "add and norm in one kernel (Triton)")
 ON = True  # off: ATen's kernel always, untimed (bench/profile_graphs.py --layer-norms off, an A/B)
 RESIDUALS = True  # off: no add_layer_norm at compile time (bench/profile_graphs.py --residual-norms off)
+ADD_THEN_NORM = rows_norm.add_then_norm  # the op's two ATen calls, run where its kernel is not chosen
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -53,22 +55,9 @@ def _fused_form(args: list, kwargs: dict, site: Site) -> Callable | None:
     apart, the norm in the form its own choice picks."""
     x, residual, shape, weight, bias, eps = _fused_params(args, kwargs)
     alone = decision([x, shape, weight, bias, eps], {}, site)  # the sum is x's shape and dtype
-    apart = _add_then(rows_norm.layer_norm) if alone is not None and alone.taken else None
+    apart = functools.partial(ADD_THEN_NORM, norm=rows_norm.layer_norm) if alone is not None and alone.taken else None
     made = fused_decision(args, kwargs, site, apart)
     return rows_norm.add_layer_norm if made is not None and made.taken else apart or ADD_THEN_NORM
-
-
-def _add_then(norm: Callable) -> Callable:
-    def add_then_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
-        total = torch.add(x, residual)
-        return total, norm(total, normalized_shape, weight, bias, eps)
-
-    return add_then_norm
-
-
-# the op's two ATen calls through torch's bindings: the dispatcher's call back into the op's
-# Python kernel costs the host more than the two launches (12 µs a call against 3 on a CPU)
-ADD_THEN_NORM = _add_then(torch.layer_norm)
 
 
 def fused_decision(args: list, kwargs: dict, site: Site, apart: Callable | None = None) -> Decision | None:
@@ -90,11 +79,10 @@ def fused_decision(args: list, kwargs: dict, site: Site, apart: Callable | None 
 
 
 def _fused_params(args: list, kwargs: dict):
-    names = ("input", "residual", "normalized_shape", "weight", "bias", "eps")
-    given = dict(zip(names, args))
-    given.update({k: v for k, v in kwargs.items() if k in names})
-    return (given.get("input"), given.get("residual"), list(given.get("normalized_shape") or ()), given.get("weight"),
-            given.get("bias"), float(given.get("eps", 1e-5)))
+    """(input, residual, normalized_shape, weight, bias, eps): the norm's, with the residual."""
+    residual = args[1] if len(args) > 1 else kwargs.get("residual")
+    x, shape, weight, bias, eps = _params([args[0] if args else kwargs.get("input"), *args[2:]], kwargs)
+    return x, residual, shape, weight, bias, eps
 
 
 def decision(args: list, kwargs: dict, site: Site) -> Decision | None:
