@@ -4,8 +4,9 @@ at load (choices/gemm.py, attention.py, conv.py).
 Each choice is timed once per key (shapes, strides, dtype and the settings that change the kernels
 underneath), only while a method loads (`Site.measure`), never while a CUDA graph is being captured
 (no host waits there), in a plan captured as graphs by replaying graphs of each form (as it will
-run), and on scratch tensors filled with a constant: planned memory is never written and the
-caller's random streams stay as they were. Timing holds the capture lock (ferry/capture.py).
+run), and on scratch tensors filled with a constant: the caller's random streams stay as they
+were, and planned memory is written only while nothing lives there (choices/scratch_space.py).
+Timing holds the capture lock (ferry/capture.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ferry.capture import capture, keep_workspace, on_side_stream
+from ferry.choices import scratch_space
 from ferry.choices.decisions import Decision, Site
 
 __all__ = ["capturing", "decision", "faster", "gpu_of", "may_time", "on", "real_device", "scratch", "time_both"]
@@ -85,10 +87,14 @@ def on(device: torch.device):
 
 def scratch(t: torch.Tensor, device: torch.device, written: bool = False) -> torch.Tensor:
     """A real operand that is only read, as it is (a weight); a stand-in of the same layout for a
-    meta one or the one written. Filled with a constant: the caller's random streams stay as they were."""
+    meta one or the one written, carved from the loading method's arena where it has room
+    (choices/scratch_space.py). Filled with a constant: the caller's random streams stay as they were."""
     if t.device.type != "meta" and not written:
         return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).fill_(0.5)
+    stand_in = scratch_space.take(device, t.shape, t.stride(), t.dtype)
+    if stand_in is None:
+        stand_in = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return stand_in.fill_(0.5)
 
 
 def time_both(first: Callable, second: Callable, stream=None, reps: int = 10, rounds: int = 3) -> tuple[float, float]:

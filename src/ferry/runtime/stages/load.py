@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ferry.choices import scratch_space
 from ferry.device import Device
 from ferry.errors import ProgramError
 from ferry.ops import OUT_COPY_KERNELS
@@ -41,6 +42,13 @@ class Memory:
     owned: list = field(default_factory=list)  # DeviceMemoryBuffers, SlabPieces (and a method's own ProgramState)
     staged_inputs: dict[int, int] = field(default_factory=dict)
     staged_outputs: set[int] = field(default_factory=set)
+    arenas: dict[torch.device, torch.Tensor] = field(default_factory=dict)  # see free_arenas
+    wrote_planned: bool = False  # the load wrote a value into planned memory (a mutable buffer's first)
+
+    def free_arenas(self) -> dict[torch.device, torch.Tensor]:
+        """The largest planned buffer of each device, none of it written by the load: free until
+        the first call (the load's timing carves its stand-ins from it, choices/scratch_space.py)."""
+        return {} if self.wrote_planned else dict(self.arenas)
 
     def close(self) -> None:
         for b in self.owned:
@@ -85,6 +93,10 @@ class _Loader:
     def load(self, pin_host: bool, stage_io: bool, given: list[torch.Tensor] | None = None) -> None:
         m = self.m
         buffers = [None] + (self._given(given) if given is not None else self._allocate(pin_host))
+        for buf, planned in zip(buffers[1:], m.buffers[1:]):
+            device, memory = planned.device.to_torch(), buf.memory
+            if memory.numel() > self.mem.arenas.get(device, memory[:0]).numel():
+                self.mem.arenas[device] = memory
         mutable = {mb.value for mb in m.mutable_buffers}
         states = method_states(m)
         for vid, v in enumerate(m.values):
@@ -97,6 +109,8 @@ class _Loader:
                 self._fix(vid, make_tensor(mem.memory, v.shape, v.torch_dtype, v.device, v.plan.offset,  # type: ignore[union-attr]
                                            v.strides))
                 if vid in mutable and v.constant is not None:
+                    self.mem.wrote_planned = True
+                    scratch_space.withdraw()  # (a delegate's arena lies in its caller's, lent out now)
                     self._upload(self.mem.slots[vid], v)
             elif v.storage == "constant":
                 self._fix(vid, self._constant(v))

@@ -18,6 +18,7 @@ from typing import cast
 import torch
 
 from ferry.backend_registry import NOT_CAPTURED, CallerPlan
+from ferry.choices import scratch_space
 from ferry.device import CPU
 from ferry.errors import FerryError, InputError
 from ferry.layout import contiguous_strides, same_strides
@@ -89,7 +90,8 @@ class LoadedMethod:
         self._host_io: frozenset[int] = frozenset()
         self._sizes: OrderedDict[tuple, dict] = OrderedDict()
         try:
-            self.plan = self._plan(None, cuda_graphs and not self._dynamic, record=self._dynamic, measure=True)
+            with scratch_space.carved_from(self.memory.free_arenas()):  # what the load times runs there
+                self.plan = self._plan(None, cuda_graphs and not self._dynamic, record=self._dynamic, measure=True)
         except BaseException:
             self.memory.close()
             raise
