@@ -39,7 +39,7 @@ RUNNERS = ("eager-graphs", "compile-ro", "ferry-graphs", "ferry-inductor-graphs"
 # module, its switch, what it does
 SWITCHES = {
     "layout-chains": (layout_chains, "ON", "data-movement chains run as one view or gather, q/k/v slices copied once"),
-    "gemm-scales": (gemm_scales, "ON", "a batched product scaled by a number run as one GEMM whose alpha is the number"),
+    "gemm-scales": (gemm_scales, "ON", "a product scaled by a number or per column (a layer scale): the scale in the GEMM"),
     "permuted-reads": (permuted_reads, "ON", "an elementwise op reads a permuted value where it read a contiguous copy"),
     "layer-norms": (norms, "ON", "each layer norm timed at load against ops/layer_norm.py's Triton kernel"),
     "residual-norms": (norms, "RESIDUALS", "a residual add and the layer norm of its sum as one op, one Triton kernel "

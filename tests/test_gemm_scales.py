@@ -271,3 +271,151 @@ def test_a_scaled_slice_of_merged_projections_is_read_by_its_own_strides(emu, mo
     program, ran, notes = compiled(model, x)
     assert "linears reading one input" in notes, notes
     equal_to_eager(program, model, tuple(x.shape), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# a layer scale, into the weight
+
+MULS = ("aten::mul.out", "aten::mul.Tensor")
+
+
+class LayerScaled(torch.nn.Module):
+    """A block's last linear, its result scaled per channel and added to the input, as the
+    families that do it write it: torchvision's ConvNeXt (NHWC linear, permuted back to NCHW, then
+    `layer_scale (C, 1, 1) * y`), transformers' ConvNeXt (`gamma (C,) * y` before the permute),
+    DINOv2 (`y * gamma`) and CaiT (tokens, no permute)."""
+
+    def __init__(self, style: str, width=24, hidden=48, scale=None, bias=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.style = style
+        self.up, self.down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width, bias=bias)
+        shape = (width, 1, 1) if style == "torchvision" else (width,)
+        self.gamma = torch.nn.Parameter(scale if scale is not None else torch.rand(shape) + 0.1)
+
+    def forward(self, x):
+        if self.style == "torchvision":  # x: NCHW
+            y = self.down(torch.relu(self.up(x.permute(0, 2, 3, 1)))).permute(0, 3, 1, 2)
+            return x + self.gamma * y
+        if self.style == "transformers":
+            y = self.gamma * self.down(torch.relu(self.up(x.permute(0, 2, 3, 1))))
+            return x + y.permute(0, 3, 1, 2)
+        return x + self.down(torch.relu(self.up(x))) * self.gamma  # tokens: (batch, tokens, width)
+
+
+def _input(style, dtype=torch.float32):
+    return torch.randn((2, 24, 5, 7) if style != "tokens" else (2, 11, 24), dtype=dtype)
+
+
+@pytest.mark.parametrize("style", ["torchvision", "transformers", "tokens"])
+def test_a_layer_scale_is_taken_into_the_weight(style, emu):
+    model = LayerScaled(style).eval()
+    x = _input(style)
+    program, ran, notes = compiled(model, x)
+    assert sum(ran[k] for k in MULS) == 0
+    assert "a constant scales per column" in notes
+    equal_to_eager(program, model, tuple(x.shape))
+
+
+def test_a_bf16_layer_scale_is_taken_and_equals_eager_within_bf16_rounding(emu):
+    model = LayerScaled("torchvision").eval().to(torch.bfloat16)
+    x = _input("torchvision", torch.bfloat16)
+    program, ran, _ = compiled(model, x)
+    assert sum(ran[k] for k in MULS) == 0
+    equal_to_eager(program, model, tuple(x.shape), dtype=torch.bfloat16, rtol=2e-2, atol=2e-2)
+
+
+def test_the_models_own_weights_are_left_as_they_were(emu):
+    model = LayerScaled("tokens").eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled(model, _input("tokens"))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class SharedWeight(torch.nn.Module):
+    """One weight read by two products, only one of them scaled: scaling it would need a copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(24, 24)
+        self.gamma = torch.nn.Parameter(torch.rand(24) + 0.1)
+
+    def forward(self, x):
+        return self.lin(x) * self.gamma + self.lin(x.flip(0))
+
+
+class PerRow(torch.nn.Module):
+    """A scale along the tokens, not the product's columns."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(24, 24)
+        self.gamma = torch.nn.Parameter(torch.rand(11, 1) + 0.1)
+
+    def forward(self, x):
+        return self.lin(x) * self.gamma
+
+
+class ScaledTwice(torch.nn.Module):
+    """The product read by the scale and by something else: both need the unscaled product."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(24, 24)
+        self.gamma = torch.nn.Parameter(torch.rand(24) + 0.1)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * self.gamma + y.sum()
+
+
+class Merged(torch.nn.Module):
+    """A view that merges the product's columns with the tokens before the scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(24, 24)
+        self.gamma = torch.nn.Parameter(torch.rand(11 * 24) + 0.1)
+
+    def forward(self, x):
+        return self.lin(x).reshape(2, 11 * 24) * self.gamma
+
+
+CASES = {
+    "a zero in the scale": (lambda: LayerScaled("tokens", scale=torch.tensor([0.0] + [0.5] * 23)), (2, 11, 24)),
+    "a non-finite scale": (lambda: LayerScaled("tokens", scale=torch.tensor([float("inf")] + [0.5] * 23)), (2, 11, 24)),
+    "a weight two products read": (SharedWeight, (2, 11, 24)),
+    "a scale per token": (PerRow, (2, 11, 24)),
+    "the product read twice": (ScaledTwice, (2, 11, 24)),
+    "the columns merged by a view": (Merged, (2, 11, 24)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_what_keeps_the_scale_a_kernel(case, emu):
+    build, shape = CASES[case]
+    model = build().eval()
+    program, ran, notes = compiled(model, torch.randn(shape))
+    assert sum(ran[k] for k in MULS) == 1 and "a constant scales per column" not in notes
+    equal_to_eager(program, model, shape)
+
+
+def test_a_scale_computed_per_call_keeps_its_kernel(emu):
+    class Given(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(24, 24)
+
+        def forward(self, x, gamma):
+            return self.lin(x) * gamma
+
+    model = Given().eval()
+    program, ran, notes = compiled(model, torch.randn(2, 11, 24), torch.rand(24) + 0.1)
+    assert sum(ran[k] for k in MULS) == 1 and "a constant scales per column" not in notes
+    equal_to_eager(program, model, (2, 11, 24), (24,))
+
+
+def test_the_switch_turns_it_off(emu, monkeypatch):
+    monkeypatch.setattr(gemm_scales, "ON", False)
+    program, ran, _ = compiled(LayerScaled("torchvision").eval(), _input("torchvision"))
+    assert sum(ran[k] for k in MULS) == 1

@@ -53,10 +53,11 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None, dev
     The patterns are the op families' own (choices/conv.py, attention.py, gemm.py), run in the
     order they are tested in: q/k/v slices copied once (layout_chains.py), copies dropped,
     convolutions, attention, projections of one input merged, linears as GEMMs, batched products'
-    scales taken into the GEMM's alpha (gemm_scales.py); then values computed from constants alone
-    are folded (constant_fold.py), chains of copies become one view or gather (layout_chains.py),
-    an elementwise op reads a permuted value where it read a copy of it (permuted_reads.py), and a
-    residual add and the layer norm of its sum become one op (choices/norms.py).
+    scales taken into the GEMM's alpha and layer scales into the weights (gemm_scales.py); then
+    values computed from constants alone are folded (constant_fold.py), chains of copies become one
+    view or gather (layout_chains.py), an elementwise op reads a permuted value where it read a copy
+    of it (permuted_reads.py), and a residual add and the layer norm of its sum become one op
+    (choices/norms.py).
     `merged`: the program's stacked weights (projections.merge_projections); `device`: the
     delegate's."""
     done = layout_chains.slices_copied_once(gm) + _drop_copies(gm) + _pools_as_means(gm)
@@ -65,7 +66,7 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None, dev
     done += projections.merge_projections(gm, merged)
     for pattern in gemm.PATTERNS:
         done += pattern(gm)
-    done += gemm_scales.scales_as_alpha(gm)
+    done += gemm_scales.scales_as_alpha(gm) + gemm_scales.layer_scales_into_weights(gm)
     done += fold_constants(gm)
     done += layout_chains.chains_as_gathers(gm)
     done += permuted_reads.reads_through_permutes(gm)
@@ -174,6 +175,9 @@ _NOTES = {
     "scale as alpha": ("batched products scaled by a number", "{n} product(s) of q and kᵀ scaled before or after "
                        "(by a number) run as one GEMM whose alpha is the scale (aot/gemm_scales.py): equal to eager "
                        "within rounding"),
+    "layer scale into weight": ("products scaled per column", "{n} product(s) whose result a constant scales per "
+                                "column (a layer scale) run with the weight and bias scaled at compile time: no kernel "
+                                "for the scale (aot/gemm_scales.py), equal to eager within rounding"),
     "read through permute": ("copies read through a permute", "{n} contiguous copy(ies) of a permuted value "
                              "(a window reverse) read only by exactly rounded elementwise ops reshaped: the ops read "
                              "the permuted value, their other operands split to match (aot/permuted_reads.py)"),

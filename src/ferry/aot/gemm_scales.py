@@ -24,9 +24,9 @@ import torch
 import torch.fx
 
 from ferry import node_meta as M
-from ferry.choices.graph_edits import Rewrite, call, constant, single_use, viewable
+from ferry.choices.graph_edits import Rewrite, attr, call, constant, single_use, static_value, viewable
 
-__all__ = ["ON", "scales_as_alpha"]
+__all__ = ["ON", "layer_scales_into_weights", "scales_as_alpha"]
 
 aten = torch.ops.aten
 ON = True  # off: each scale a kernel, as traced (bench/profile_graphs.py --gemm-scales off, an A/B)
@@ -166,3 +166,121 @@ def _zero(gm, like: torch.fx.Node, out: torch.Tensor, zeros: dict) -> torch.fx.N
         with gm.graph.inserting_before(first):
             zeros[key] = constant(gm, "gemm_alpha_zero", torch.zeros(1, 1, 1, dtype=out.dtype), like)
     return zeros[key]
+
+
+# ---------------------------------------------------------------- a layer scale, into the weight
+
+_ROW_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def layer_scales_into_weights(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    """`s · permute(view(x @ Wᵀ + b))`, s a constant with one value per output column of the
+    product (a layer scale: ConvNeXt, CaiT, DINOv2, BEiT) -> the product with `s·W` and `s·b`,
+    computed once here. Eager runs the scale as a kernel of its own after the GEMM (ConvNeXt-T:
+    18 a call). Equal to eager within rounding (s·W rounded once, against s·(x·Wᵀ) rounded per
+    element). Only where the weight and bias are constants no other node reads (else the scaled
+    copy would add memory) and the scale has no zero or non-finite value (eager's 0·inf is NaN)."""
+    done: list[Rewrite] = []
+    for node in list(gm.graph.nodes) if ON else ():
+        if node.op == "call_function" and node.target is aten.mul.Tensor and _layer_scale(gm, node):
+            done.append(Rewrite("layer scale into weight", node.name))
+    return done
+
+
+def _layer_scale(gm: torch.fx.GraphModule, mul: torch.fx.Node) -> bool:
+    if len(mul.args) != 2 or mul.kwargs:
+        return False
+    operands: Any = mul.args
+    pair = next(((y, s) for y, s in (operands, operands[::-1])
+                 if isinstance(y, torch.fx.Node) and attr(gm, s) is not None and len(s.users) == 1), None)
+    if pair is None:
+        return False
+    y, s_node = pair
+    found = _product_columns(y)
+    yv, out = y.meta.get("val"), mul.meta.get("val")
+    if found is None or not (static_value(yv) and static_value(out)) or out.shape != yv.shape:
+        return False
+    product, axis = found
+    scale = _per_column(attr(gm, s_node), yv, axis)
+    if scale is None or out.dtype != yv.dtype or yv.dtype not in _DTYPES:
+        return False
+    if not _scale_weights(gm, product, scale) or any(u.op == "output" for u in mul.users):
+        return False
+    mul.replace_all_uses_with(y)
+    gm.graph.erase_node(mul)
+    return True
+
+
+def _product_columns(y: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+    """(the GEMM, the axis of `y` its columns lie along) where `y` is a GEMM's result through views
+    of its rows and permutes, each read by the next alone; else None."""
+    if not single_use(y):
+        return None
+    chain = []
+    node: Any = y
+    while node.op == "call_function" and node.target in (*_ROW_VIEWS, aten.permute.default):
+        chain.append(node)
+        node = node.args[0]
+        if not single_use(node):
+            return None
+    if node.op != "call_function" or node.target not in (aten.addmm.default, aten.mm.default, aten.linear.default):
+        return None
+    axis = node.meta["val"].dim() - 1
+    for step in reversed(chain):
+        before, after = step.args[0].meta["val"], step.meta["val"]
+        if step.target is aten.permute.default:
+            axis = [d % after.dim() for d in step.args[1]].index(axis)
+        elif axis != before.dim() - 1 or after.dim() == 0 or after.shape[-1] != before.shape[-1]:
+            return None  # a view that merges or splits the columns
+        else:
+            axis = after.dim() - 1
+    return node, axis
+
+
+def _per_column(scale: torch.Tensor, yv: torch.Tensor, axis: int) -> torch.Tensor | None:
+    """`scale` as one value per column (n,), where it broadcasts over `yv` along `axis` alone."""
+    n = yv.shape[axis]
+    if scale.dtype != yv.dtype or scale.dim() > yv.dim() or scale.numel() != n or n == 0:
+        return None
+    full = (1,) * (yv.dim() - scale.dim()) + tuple(scale.shape)
+    if full[axis] != n or any(d != 1 for i, d in enumerate(full) if i != axis):
+        return None
+    flat = scale.reshape(n)
+    return flat if bool(torch.isfinite(flat).all()) and not bool((flat == 0).any()) else None
+
+
+def _scale_weights(gm: torch.fx.GraphModule, product: torch.fx.Node, scale: torch.Tensor) -> bool:
+    """The product's weight and bias replaced by scaled constants of their own, where each is a
+    constant (a weight maybe transposed) that only this product reads; else nothing changes."""
+    weight: Any
+    bias: Any
+    if product.target is aten.linear.default:
+        weight, bias, rows_of_weight = product.args[1], (product.args[2:3] or [None])[0], True
+    else:
+        weight = product.args[-1]
+        bias = product.args[0] if product.target is aten.addmm.default else None
+        rows_of_weight = False
+    source: Any = weight
+    if not rows_of_weight and single_use(weight) and weight.target in (aten.t.default, aten.permute.default) \
+            and (weight.target is aten.t.default or list(weight.args[1]) in ([1, 0], [-1, -2])):
+        source, rows_of_weight = weight.args[0], True  # Wᵀ: its source's rows are the columns
+    w = attr(gm, source)
+    b = attr(gm, bias) if bias is not None else None
+    if w is None or len(source.users) != 1 or w.dim() != 2 or w.dtype != scale.dtype:
+        return False
+    if bias is not None and (b is None or len(bias.users) != 1 or tuple(b.shape) != tuple(scale.shape)):
+        return False
+    n = scale.numel()
+    if w.shape[0 if rows_of_weight else 1] != n:
+        return False
+    with gm.graph.inserting_before(source):
+        scaled = constant(gm, f"{source.target}_scaled", w * (scale.view(n, 1) if rows_of_weight else scale.view(1, n)),
+                          source)
+    source.replace_all_uses_with(scaled)
+    gm.graph.erase_node(source)
+    if bias is not None and b is not None:
+        with gm.graph.inserting_before(bias):
+            scaled_bias = constant(gm, f"{bias.target}_scaled", b * scale, bias)
+        bias.replace_all_uses_with(scaled_bias)
+        gm.graph.erase_node(bias)
+    return True
