@@ -381,7 +381,20 @@ class Merged(torch.nn.Module):
         return self.lin(x).reshape(2, 11 * 24) * self.gamma
 
 
+class ScaledResult(torch.nn.Module):
+    """The scaled product is what the delegate returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(24, 24)
+        self.gamma = torch.nn.Parameter(torch.rand(24) + 1.5)
+
+    def forward(self, x):
+        return self.lin(x) * self.gamma
+
+
 CASES = {
+    "the scaled product returned": (ScaledResult, (2, 11, 24)),
     "a zero in the scale": (lambda: LayerScaled("tokens", scale=torch.tensor([0.0] + [0.5] * 23)), (2, 11, 24)),
     "a non-finite scale": (lambda: LayerScaled("tokens", scale=torch.tensor([float("inf")] + [0.5] * 23)), (2, 11, 24)),
     "a weight two products read": (SharedWeight, (2, 11, 24)),

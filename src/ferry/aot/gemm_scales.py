@@ -204,8 +204,8 @@ def _layer_scale(gm: torch.fx.GraphModule, mul: torch.fx.Node) -> bool:
     scale = _per_column(attr(gm, s_node), yv, axis)
     if scale is None or out.dtype != yv.dtype or yv.dtype not in _DTYPES:
         return False
-    if not _scale_weights(gm, product, scale) or any(u.op == "output" for u in mul.users):
-        return False
+    if any(u.op == "output" for u in mul.users) or not _scale_weights(gm, product, scale):
+        return False  # (a result of the delegate: the view chain would be copied out in the scale's place)
     mul.replace_all_uses_with(y)
     gm.graph.erase_node(mul)
     return True
@@ -255,7 +255,8 @@ def _scale_weights(gm: torch.fx.GraphModule, product: torch.fx.Node, scale: torc
     weight: Any
     bias: Any
     if product.target is aten.linear.default:
-        weight, bias, rows_of_weight = product.args[1], (product.args[2:3] or [None])[0], True
+        weight, rows_of_weight = product.args[1], True
+        bias = product.args[2] if len(product.args) > 2 else product.kwargs.get("bias")
     else:
         weight = product.args[-1]
         bias = product.args[0] if product.target is aten.addmm.default else None
