@@ -780,19 +780,22 @@ def _inductor_options_of_block(graphs: bool, monkeypatch) -> dict:
     return options
 
 
-@pytest.mark.parametrize("graphs, combo", [(True, True), (False, True), (True, False)])
-def test_a_graph_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernels_launched_together(
-        emu, graphs, combo, monkeypatch):
-    """Inductor's combo kernels, pointwise only (outside a decode step: small independent kernels in one
-    launch), for a delegate of static sizes in a plan captured as CUDA graphs, not for one run
-    kernel by kernel nor with COMBO_KERNELS off; the results equal eager's either way."""
+@pytest.mark.parametrize("graphs, combo, decode", [(True, True, True), (True, True, False), (False, True, True),
+                                                   (True, False, True)])
+def test_only_a_decode_step_replayed_as_cuda_graphs_is_compiled_with_its_independent_kernels_launched_together(
+        emu, graphs, combo, decode, monkeypatch):
+    """Inductor's combo kernels (small independent kernels in one launch) for a decode step's delegate
+    (compiled with gemv.TUNING) of static sizes in a plan captured as CUDA graphs; not for one run
+    kernel by kernel, nor with COMBO_KERNELS off, nor for any other graph (ConvNeXt-T's layout copies
+    made one kernel of 8.9 ms, where they take a few µs apart). The results equal eager's either way."""
     from ferry.backends import inductor
+    from ferry.choices import gemv
 
+    if decode:
+        monkeypatch.setattr(gemv, "settings", lambda gm, shapes, static: gemv.TUNING)
     monkeypatch.setattr(inductor, "COMBO_KERNELS", combo)
     options = _inductor_options_of_block(graphs, monkeypatch)
-    assert options["combo_kernels"] is (graphs and combo)
-    if graphs and combo:
-        assert options["combo_kernels_pointwise_only"] is True and options["benchmark_combo_kernel"] is False
+    assert options["combo_kernels"] is (graphs and combo and decode)
 
 
 @pytest.mark.parametrize("reductions", [False, True])
@@ -815,13 +818,17 @@ def test_an_inductor_lacking_a_combo_setting_compiles_without_combo_kernels(monk
     """Combo kernels of every kind made a slower decode step (Qwen3): an Inductor that cannot be
     told every setting (pointwise only, ...) compiles without any, and is not handed a key it lacks."""
     from ferry.backends import inductor
+    from ferry.choices import gemv
 
-    monkeypatch.setitem(inductor._COMBO_OPTIONS, "combo_kernels_of_a_later_inductor", True)  # a key this one lacks
     seen = []
     monkeypatch.setattr(torch._inductor, "compile", lambda gm, examples, options=None: seen.append(options) or gm)
     monkeypatch.setattr(inductor, "tensor_inputs", lambda method: [])  # a graph of no inputs: static
-    inductor._inductor_compile(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), [], None, combo=True)
-    assert seen[0]["combo_kernels"] is False and "combo_kernels_of_a_later_inductor" not in seen[0]
+    empty = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    inductor._inductor_compile(empty, [], None, gemv.TUNING, combo=True)
+    assert seen[0]["combo_kernels"] is True  # (this Inductor knows every setting)
+    monkeypatch.setitem(inductor._DECODE_COMBO_OPTIONS, "combo_kernels_of_a_later_inductor", True)  # a key it lacks
+    inductor._inductor_compile(empty, [], None, gemv.TUNING, combo=True)
+    assert seen[1]["combo_kernels"] is False and "combo_kernels_of_a_later_inductor" not in seen[1]
 
 
 @pytest.mark.parametrize("device", ["cuda (as if)", "cpu"])

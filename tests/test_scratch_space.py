@@ -186,7 +186,7 @@ def test_on_cuda_every_stand_in_is_carved_from_the_arena_and_calls_equal_eager(g
     module = ferry.Module(program, cuda_graphs=graphs)
     module.load_method()
     arenas = module._methods["forward"].memory.free_arenas()
-    assert len(gemms()) == 2 and len(made) >= 4
+    assert len(gemms()) == 2 and len(made) >= 3  # the second's rows are planned: read as they are
     assert all(inside_one(ptr, arenas.values()) for ptr, *_ in made)
     cuda_model = model.cuda()
     for _ in range(3):

@@ -72,6 +72,11 @@ __all__ = ["COMBINE_REDUCTIONS", "COMBO_KERNELS", "InductorBackend", "graph_of"]
 # combination kept only where Inductor times it faster (_DECODE_COMBO_OPTIONS): on an H100,
 # Qwen3-0.6B 0.98-0.99 ms a step against 1.03, Llama-1B 1.16 either way, the load 14 s longer
 # (bench/results/llm_combo_*_h100.json; bench/llm.py --combo-kernels reductions|pointwise is the A/B).
+# Only a decode step's graph (compiled with gemv.TUNING) combines: elsewhere ConvNeXt-T's five
+# layout copies of the image and its patch weights (one 3 x 50,176 tile, others 294,912 x 4) made
+# one kernel whose shared grid ran 8.9 ms where the copies take a few µs, 10 ms a call against 1.0,
+# timed by Inductor or not (bench/results/profile_graphs_convnext_inductor_h100.json,
+# models_convnext_combo_h100.json).
 # Inductor's other combo settings (how many kernels a combination takes, ...) are its defaults.
 aten = torch.ops.aten
 COMBO_KERNELS = True
@@ -303,14 +308,15 @@ def _inductor_compile(gm: torch.fx.GraphModule, examples: list, method: Method, 
     dynamic, so a new size within the bounds runs the same kernels, never a new compile; a
     dimension of 1 is a shape of its own, compiled when first met). `tuning`: Inductor settings
     for this compile (choices/gemv.py). `combo`: a graph of static sizes in a plan captured as CUDA
-    graphs (a decode step), whose independent pointwise kernels are launched together where
-    COMBO_KERNELS (Inductor's code for the CPU, the emulated device's, has no such kernels)."""
+    graphs; one compiled with gemv.TUNING (a decode step) has its independent kernels launched
+    together where COMBO_KERNELS (Inductor's code for the CPU, the emulated device's, has none)."""
     dynamic = {i: [d for d, dyn in enumerate(method.tensor(vid).dynamic) if dyn and examples[i].shape[d] >= 2]
                for i, vid in enumerate(tensor_inputs(method))}
     options: dict[str, Any] = dict(tuning or gemv.UNTUNED)  # every key set: nothing from the process's config
     # (a key this Inductor lacks would fail the compile)
-    chosen = _DECODE_COMBO_OPTIONS if COMBINE_REDUCTIONS and tuning is gemv.TUNING else _COMBO_OPTIONS
-    combine = combo and COMBO_KERNELS and all(hasattr(torch._inductor.config, k) for k in chosen)
+    chosen = _DECODE_COMBO_OPTIONS if COMBINE_REDUCTIONS else _COMBO_OPTIONS
+    combine = (combo and tuning is gemv.TUNING and COMBO_KERNELS
+               and all(hasattr(torch._inductor.config, k) for k in chosen))
     options.update(chosen if combine else {"combo_kernels": False})
     with torch.no_grad():
         if not any(dynamic.values()):
