@@ -42,6 +42,7 @@ SWITCHES = {
     "gemm-scales": (gemm_scales, "ON", "a product scaled by a number or per column (a layer scale): the scale in the GEMM"),
     "permuted-reads": (permuted_reads, "ON", "an elementwise op reads a permuted value where it read a contiguous copy"),
     "layer-norms": (norms, "ON", "each layer norm timed at load against ops/layer_norm.py's Triton kernel"),
+    "rms-norms": (norms, "RMS", "an RMS norm written out as one op, one Triton kernel where timed faster"),
     "residual-norms": (norms, "RESIDUALS", "a residual add and the layer norm of its sum as one op, one Triton kernel "
                                            "where timed faster"),
 }

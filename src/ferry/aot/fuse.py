@@ -56,8 +56,8 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None, dev
     scales taken into the GEMM's alpha and layer scales into the weights (gemm_scales.py); then
     values computed from constants alone are folded (constant_fold.py), chains of copies become one
     view or gather (layout_chains.py), an elementwise op reads a permuted value where it read a copy
-    of it (permuted_reads.py), and a residual add and the layer norm of its sum become one op
-    (choices/norms.py).
+    of it (permuted_reads.py), a residual add and the layer norm of its sum become one op, and
+    so does an RMS norm written out (choices/norms.py).
     `merged`: the program's stacked weights (projections.merge_projections); `device`: the
     delegate's."""
     done = layout_chains.slices_copied_once(gm) + _drop_copies(gm) + _pools_as_means(gm)
@@ -70,7 +70,7 @@ def fuse_for_inference(gm: torch.fx.GraphModule, merged: dict | None = None, dev
     done += fold_constants(gm)
     done += layout_chains.chains_as_gathers(gm)
     done += permuted_reads.reads_through_permutes(gm)
-    done += norms.residual_norms(gm) if not device.is_cpu else []
+    done += norms.residual_norms(gm) + norms.rms_norms(gm) if not device.is_cpu else []
     if done:
         tidy(gm)
     return done
@@ -184,6 +184,9 @@ _NOTES = {
     "add + layer norm": ("residual adds with their layer norm", "{n} residual add(s) whose sum a layer norm reads "
                          "run as one ferry::add_layer_norm: the add and the norm as eager runs them, or one kernel "
                          "for both where the load times it faster in a captured plan (choices/norms.py)"),
+    "rms norm": ("RMS norms written out", "{n} RMS norm(s) written out op by op (pow, mean, rsqrt, products) run "
+                 "as one ferry::rms_norm: those ops as eager runs them, or one kernel where the load times it "
+                 "faster in a captured plan (choices/norms.py)"),
     "constants folded": ("values computed from constants", "{n} value(s) computed from constants alone (a "
                          "window mask, a position bias) computed at compile time and stored: their ops no longer run "
                          "per call (aot/constant_fold.py)"),

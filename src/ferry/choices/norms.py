@@ -9,13 +9,16 @@ A residual add whose sum a layer norm reads (a transformer block's `x = x + attn
 `norm(x)`) is one `ferry::add_layer_norm` from compile time on (`residual_norms`), on a device
 other than the CPU: the op is the add and the norm as eager runs them, and at load the kernel
 that reads both rows once and writes the sum and its norm is timed against them and kept where
-it saves 10% (one kernel where there were two)."""
+it saves 10% (one kernel where there were two). An RMS norm written out op by op (transformers'
+Llama, Qwen, T5) is one `ferry::rms_norm` from compile time on (`rms_norms`), its one-pass kernel
+timed against the ops as eager runs them (six kernels or more)."""
 
 from __future__ import annotations
 
 import functools
 import operator
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
@@ -26,18 +29,20 @@ from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision, Site
 from ferry.choices.graph_edits import Rewrite, call
 from ferry.ops import layer_norm as rows_norm
-from ferry.ops.layer_norm import ADD_LAYER_NORM
+from ferry.ops.layer_norm import ADD_LAYER_NORM, RMS_NORM
 
-__all__ = ["ADD_THEN_NORM", "FORMS", "FUSED_FORMS", "ON", "OPS", "RESIDUALS", "decision", "form", "fused_decision",
-           "residual_norms"]
+__all__ = ["ADD_THEN_NORM", "FORMS", "FUSED_FORMS", "ON", "OPS", "RESIDUALS", "RMS", "decision", "form",
+           "fused_decision", "residual_norms", "rms_decision", "rms_norms"]
 
 aten = torch.ops.aten
 LAYER_NORM = aten.layer_norm.default
-OPS = frozenset({LAYER_NORM, ADD_LAYER_NORM})
+OPS = frozenset({LAYER_NORM, ADD_LAYER_NORM, RMS_NORM})
 FORMS = ("ATen", "rows per program (Triton)")
 FUSED_FORMS = ("add, then the norm", "add and norm in one kernel (Triton)")
+RMS_FORMS = ("ATen, op by op", "one pass (Triton)")
 ON = True  # off: ATen's kernel always, untimed (bench/profile_graphs.py --layer-norms off, an A/B)
 RESIDUALS = True  # off: no add_layer_norm at compile time (bench/profile_graphs.py --residual-norms off)
+RMS = True  # off: RMS norms stay written out, op by op (bench/profile_graphs.py --rms-norms off)
 ADD_THEN_NORM = rows_norm.add_then_norm  # the op's two ATen calls, run where its kernel is not chosen
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -46,6 +51,9 @@ def form(op, args: list, kwargs: dict, site: Site) -> Callable | None:
     """The load-time hook (choices/hook.py): the Triton form where it was timed faster here."""
     if op is ADD_LAYER_NORM:
         return _fused_form(args, kwargs, site)
+    if op is RMS_NORM:
+        made = rms_decision(args, kwargs, site)
+        return rows_norm.rms_norm if made is not None and made.taken else rows_norm.rms_then_scale
     made = decision(args, kwargs, site)
     return rows_norm.layer_norm if made is not None and made.taken else None
 
@@ -101,6 +109,25 @@ def decision(args: list, kwargs: dict, site: Site) -> Decision | None:
                          timing.may_time(site, device))
 
 
+def rms_decision(args: list, kwargs: dict, site: Site) -> Decision | None:
+    """The timed choice for one `ferry::rms_norm`: the one-pass kernel against the op's own ATen
+    calls, or None where the kernel does not compute it or nothing may be timed (as `decision`)."""
+    names = ("input", "weight", "eps")
+    given = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
+    x, weight, eps = given.get("input"), given.get("weight"), float(given.get("eps", 1e-6))
+    if not ON or not site.captured or not rows_norm.available() or not isinstance(x, torch.Tensor) or x.dim() < 1 \
+            or not rows_norm.fits(x, [x.shape[-1]], weight):
+        return None
+    device = timing.gpu_of([t for t in (x, weight) if t is not None], site.device)
+    if device is None:
+        return None
+    key = ("rms norm", str(device), site.replays, tuple(x.shape), x.dtype, weight is not None)
+    forms = (lambda x, shape, w, b, eps: rows_norm.rms_then_scale(x, w, eps),
+             lambda x, shape, w, b, eps: rows_norm.rms_norm(x, w, eps))
+    return DECISIONS.get(key, lambda: _decide(device, (x,), [x.shape[-1]], weight, None, eps, site, forms, RMS_NORM),
+                         timing.may_time(site, device))
+
+
 def _params(args: list, kwargs: dict):
     names = ("input", "normalized_shape", "weight", "bias", "eps")
     given = dict(zip(names, args))
@@ -109,9 +136,10 @@ def _params(args: list, kwargs: dict):
             float(given.get("eps", 1e-5)))
 
 
-def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tuple) -> Decision | None:
+def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tuple, op=None) -> Decision | None:
     """Time `forms` (eager's, then the Triton kernel; each takes `rows`, then the norm's
-    arguments) on scratch copies of the arguments."""
+    arguments) on scratch copies of the arguments. `op`: the op decided (a layer norm, or the
+    fused one where two rows are given)."""
     with timing.on(device), torch.no_grad():
         try:
             rows = tuple(timing.scratch(t, device) for t in rows)
@@ -122,9 +150,10 @@ def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tu
             return None
     x = rows[0]
     fused = len(rows) == 2
-    return timing.decision("layer norm", str((ADD_LAYER_NORM if fused else LAYER_NORM).name()),
-                           f"{x.numel() // x.shape[-1]}x{x.shape[-1]}", device, x.dtype, FUSED_FORMS if fused else FORMS,
-                           times, min_saving_us=0)
+    op = op or (ADD_LAYER_NORM if fused else LAYER_NORM)
+    names = FUSED_FORMS if fused else RMS_FORMS if op is RMS_NORM else FORMS
+    return timing.decision("layer norm", str(op.name()), f"{x.numel() // x.shape[-1]}x{x.shape[-1]}", device, x.dtype,
+                           names, times, min_saving_us=0)
 
 
 # ---------------------------------------------------------------- compile time: a residual add with its norm
@@ -184,3 +213,96 @@ def _fusable(norm: torch.fx.Node) -> bool:
                 and _contiguous(v)):
             return False
     return all(t is None or (isinstance(t, torch.fx.Node) and t.op in ("get_attr", "placeholder")) for t in (weight, bias))
+
+
+# ---------------------------------------------------------------- compile time: an RMS norm written out
+
+_RMS_ELEMENTWISE = (aten.mul.Tensor,)
+
+
+def rms_norms(gm: torch.fx.GraphModule) -> list[Rewrite]:
+    """transformers' RMS norm written out (`x.to(float32)`, `pow(2)`, `mean(-1, keepdim=True)`,
+    `+ eps`, `rsqrt`, `x * r`, `.to(dtype)`, `weight * y`: six kernels or more in eager) ->
+    `ferry::rms_norm(x, weight, eps)`, whose kernel is those ATen calls (the same bits) until the
+    load times ops/layer_norm.py's one-pass kernel faster. Only where each step is read by the
+    next alone (the upcast by its square and its product), the weight is a constant or input of
+    the last dim's width in x's dtype, and x is a float tensor (aot/fuse.py: a delegate on a
+    device other than the CPU, as residual_norms)."""
+    if not RMS:
+        return []
+    done = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.rsqrt.default:
+            continue
+        found = _rms_pattern(node)
+        if found is None:
+            continue
+        x, weight, eps, last, erased = found
+        with gm.graph.inserting_before(last):
+            fused = call(gm, last, RMS_NORM, (x, weight, eps), last.meta["val"])
+        last.replace_all_uses_with(fused)
+        for n in erased:  # the readers first
+            gm.graph.erase_node(n)
+        done.append(Rewrite("rms norm", last.name))
+    return done
+
+
+def _rms_pattern(rsqrt: torch.fx.Node):
+    """(x, weight or None, eps, the last node, the nodes replaced, readers first) where `rsqrt`
+    is the middle of an RMS norm as transformers writes it, else None."""
+    total: Any = rsqrt.args[0]
+    if not (_only_reader(total, rsqrt) and total.target in (aten.add.Tensor, aten.add.Scalar)
+            and len(total.args) == 2 and not total.kwargs and type(total.args[1]) is float):
+        return None
+    mean: Any = total.args[0]
+    if not (_only_reader(mean, total) and mean.target is aten.mean.dim and list(mean.args[1:3]) in ([[-1], True],)
+            and not mean.kwargs):
+        return None
+    square: Any = mean.args[0]
+    if not (_only_reader(square, mean) and square.target is aten.pow.Tensor_Scalar and square.args[1] == 2):
+        return None
+    upcast: Any = square.args[0]
+    product: Any = next(iter(rsqrt.users)) if len(rsqrt.users) == 1 else None
+    if product is None or product.target not in _RMS_ELEMENTWISE or rsqrt not in product.args or product.kwargs:
+        return None
+    x: Any = upcast.args[0] if _is_cast(upcast, torch.float32) else upcast
+    if (product.args[0] if product.args[1] is rsqrt else product.args[1]) not in (upcast, x):
+        return None
+    xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not (isinstance(xv, torch.Tensor) and xv.dtype in _DTYPES and xv.dim() >= 1):
+        return None
+    if upcast is not x and set(upcast.users) - {square, product}:
+        return None
+    last, erased = product, [product, rsqrt, total, mean, square] + ([upcast] if upcast is not x else [])
+    if xv.dtype != torch.float32:
+        down = next(iter(product.users)) if len(product.users) == 1 else None
+        if not _is_cast(down, xv.dtype):
+            return None
+        last, erased = down, [down, *erased]
+    weight, scaled = _rms_weight(last, xv)
+    if scaled is not None:
+        last, erased = scaled, [scaled, *erased]
+    return x, weight, float(total.args[1]), last, erased
+
+
+def _rms_weight(normed: torch.fx.Node, xv: torch.Tensor):
+    """(weight, the product with it) where `normed` is read only by `weight * normed` (either
+    order) of a constant or input of x's last width and dtype; else (None, None)."""
+    scaled = next(iter(normed.users)) if len(normed.users) == 1 else None
+    if scaled is None or scaled.target is not aten.mul.Tensor or scaled.kwargs or len(scaled.args) != 2:
+        return None, None
+    weight: Any = scaled.args[0] if scaled.args[1] is normed else scaled.args[1]
+    wv = weight.meta.get("val") if isinstance(weight, torch.fx.Node) and weight.op in ("get_attr", "placeholder") else None
+    if not (isinstance(wv, torch.Tensor) and wv.dtype == xv.dtype and M.same_sizes(wv.shape, [xv.shape[-1]])):
+        return None, None
+    return weight, scaled
+
+
+def _only_reader(node, reader) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and list(node.users) == [reader]
+
+
+def _is_cast(node, dtype: torch.dtype) -> bool:
+    """`node` is `x.to(dtype)` and nothing else (no device, layout or memory format change)."""
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is aten._to_copy.default
+            and set(node.kwargs) == {"dtype"} and node.kwargs["dtype"] == dtype and len(node.args) == 1)

@@ -4,8 +4,8 @@
 - `aliasing`: which results of an operator may be (views of) which of its inputs, from the
   schemas and from what the trace saw;
 - `fused`: ferry's fused inference kernels (a convolution with its bias, residual and ReLU);
-- `layer_norm`: a layer norm of many short rows, and a residual add with the norm of its sum
-  (Triton kernels on CUDA, chosen at load where faster: choices/norms.py);
+- `layer_norm`: a layer norm of many short rows, a residual add with the norm of its sum, and
+  an RMS norm (Triton kernels on CUDA, chosen at load where faster: choices/norms.py);
 - `split_kv`: a decode step's attention with the KV cache split across the GPU (two Triton
   kernels on CUDA), chosen at load where it is faster (choices/attention.py);
 - `writes`: out kernels for the functional forms of writes into part of a tensor (`copy`,

@@ -13,6 +13,12 @@ a residual add and the layer norm of its sum, which a transformer block makes on
 other (`x = x + attn(...)`, then `norm(x)`). The op itself is the two ATen calls, the same bits
 as eager; `add_layer_norm` is the kernel that reads both rows once and writes the sum and the
 norm (one kernel of two, and the sum not read back), which choices/norms.py may pick at load.
+
+`ferry::rms_norm(input, weight, eps) -> Tensor`: the RMS norm transformers writes out op by op
+(Llama, Qwen, Mistral, Phi-3, T5: in fp32, x times rsqrt(mean(x²) + eps), rounded to x's dtype,
+then times the weight), six kernels in eager. The op itself is those ATen calls, the same bits;
+`rms_norm` is the kernel that computes it in one pass (the mean of squares summed in another
+order: equal within fp32 rounding), which choices/norms.py may pick at load.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ import torch
 
 from ferry.ops.library import new_fragment, triton_imports
 
-__all__ = ["ADD_LAYER_NORM", "MAX_WIDTH", "add_layer_norm", "add_then_norm", "available", "fits", "fits_residual",
-           "layer_norm"]
+__all__ = ["ADD_LAYER_NORM", "MAX_WIDTH", "RMS_NORM", "add_layer_norm", "add_then_norm", "available", "fits",
+           "fits_residual", "layer_norm", "rms_norm", "rms_then_scale"]
 
 MAX_WIDTH = 8192  # the widest row one program holds in registers
 _ELEMENTS = 2048  # elements per program: several short rows, or one long one
@@ -77,7 +83,26 @@ def add_layer_norm(x, residual, normalized_shape, weight=None, bias=None, eps=1e
     return total, y
 
 
-def _launch(x, residual, weight, bias, total, y, eps) -> None:
+def rms_norm(x, weight=None, eps=1e-6):
+    """`ferry::rms_norm`'s signature: the Triton kernel on CUDA where it fits, else the op's own
+    ATen calls."""
+    if not (x.device.type == "cuda" and available() and x.dim() > 0 and fits(x, [x.shape[-1]], weight)):
+        return rms_then_scale(x, weight, eps)
+    y = torch.empty_like(x)
+    _launch(x, None, weight, None, None, y, eps, rms=True)
+    return y
+
+
+def rms_then_scale(x, weight=None, eps=1e-6):
+    """What eager computes, through torch's bindings (the load runs this where the kernel is not
+    chosen: the dispatcher's call back into the op's Python kernel costs the host more)."""
+    upcast = x if x.dtype == torch.float32 else x.to(torch.float32)
+    y = torch.mul(upcast, torch.rsqrt(torch.add(torch.mean(torch.pow(upcast, 2), -1, keepdim=True), eps)))
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if weight is None else torch.mul(weight, y)
+
+
+def _launch(x, residual, weight, bias, total, y, eps, rms: bool = False) -> None:
     import triton
 
     from ferry.ops import layer_norm_triton  # (imports Triton)
@@ -90,7 +115,7 @@ def _launch(x, residual, weight, bias, total, y, eps) -> None:
         layer_norm_triton.rows[(triton.cdiv(m, block_m),)](
             x, residual if residual is not None else x, weight if weight is not None else x,
             bias if bias is not None else x, total if total is not None else y, y, m, n, float(eps),
-            HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m,
+            HAS_R=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, BLOCK_M=block_m,
             BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 2048 else 8)
 
 
@@ -110,8 +135,12 @@ def _register() -> torch.library.Library | None:
                "Tensor? bias=None, float eps=1e-05) -> (Tensor, Tensor)")
     lib.impl("add_layer_norm", add_then_norm, "CompositeExplicitAutograd")
     torch.library.register_fake("ferry::add_layer_norm", add_then_norm, lib=lib)
+    lib.define("rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06) -> Tensor")
+    lib.impl("rms_norm", rms_then_scale, "CompositeExplicitAutograd")
+    torch.library.register_fake("ferry::rms_norm", rms_then_scale, lib=lib)
     return lib
 
 
 _lib = globals().get("_lib") or _register()  # kept: the registrations live as long as it does
 ADD_LAYER_NORM = torch.ops.ferry.add_layer_norm.default
+RMS_NORM = torch.ops.ferry.rms_norm.default
