@@ -123,12 +123,16 @@ class Apart(torch.nn.Module):
         if kind == "the variance returned too":
             v = f.pow(2).mean(-1, keepdim=True)
             return self.weight * (f * torch.rsqrt(v + 1e-6)), v
+        if kind == "computed in half precision":
+            h = h.half()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.float16, copy=True).float()
         if kind == "Gemma's 1 + weight":
             return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)) * (1.0 + self.weight.float())
         raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["mean over another dim", "a cube", "eps a tensor", "the variance returned too"])
+@pytest.mark.parametrize("kind", ["mean over another dim", "a cube", "eps a tensor", "the variance returned too",
+                                  "computed in half precision"])
 def test_what_stays_written_out(emu, kind):
     model = Apart(kind).eval()
     program, ran, _ = compiled(model, torch.randn(4, 16))

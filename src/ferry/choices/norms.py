@@ -271,6 +271,8 @@ def _rms_pattern(rsqrt: torch.fx.Node):
     xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     if not (isinstance(xv, torch.Tensor) and xv.dtype in _DTYPES and xv.dim() >= 1):
         return None
+    if square.meta["val"].dtype != torch.float32 or product.meta["val"].dtype != torch.float32:
+        return None  # a norm computed in half precision throughout: the op computes in fp32
     if upcast is not x and set(upcast.users) - {square, product}:
         return None
     last, erased = product, [product, rsqrt, total, mean, square] + ([upcast] if upcast is not x else [])
