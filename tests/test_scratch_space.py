@@ -93,6 +93,13 @@ def test_stand_ins_come_from_the_space_only_inside_the_block_and_never_for_an_un
 # the load
 
 
+def _offered(monkeypatch) -> list:
+    """The arenas each load offered its timing (scratch_space.carved_from's argument)."""
+    offered, real = [], scratch_space.carved_from
+    monkeypatch.setattr(scratch_space, "carved_from", lambda arenas: offered.append(dict(arenas)) or real(arenas))
+    return offered
+
+
 def _spied(monkeypatch) -> list:
     made, real = [], kernel_timing.scratch
 
@@ -107,14 +114,14 @@ def _spied(monkeypatch) -> list:
 
 
 def test_a_load_times_on_stand_ins_carved_from_its_arena_and_calls_equal_eager(timed, emu, monkeypatch):
-    made = _spied(monkeypatch)
+    made, offered = _spied(monkeypatch), _offered(monkeypatch)
     model = Mlp().eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(3, 5, 16),)), ferry.OpSupportPartitioner("emu:0"))
     module = ferry.Module(program)
     module.load_method()
     assert timed.calls == 2 and len(gemms()) == 2
-    memory = module._methods["forward"].memory
-    (arena_memory,) = memory.arenas.values()
+    assert module._methods["forward"].memory.arenas == {}  # held no longer than the load
+    (arena_memory,) = offered[0].values()
     largest = max(b.size for b in program.method("forward").buffers[1:])
     assert arena_memory.numel() == largest and len(made) >= 4  # each GEMM: its rows and its result
     for ptr, shape, stride, size in made:
@@ -156,14 +163,14 @@ def _state_made_planned(program):
 
 
 def test_a_load_that_writes_planned_memory_carves_nothing(timed, emu, monkeypatch):
-    made = _spied(monkeypatch)
+    made, offered = _spied(monkeypatch), _offered(monkeypatch)
     model = Remembers().eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(4, 16),)), ferry.OpSupportPartitioner("emu:0"))
     program = _state_made_planned(program)
     module = ferry.Module(program)
     module.load_method()
     memory = module._methods["forward"].memory
-    assert memory.wrote_planned and memory.free_arenas() == {}
+    assert memory.wrote_planned and offered[0] == {}  # the method's own load offers nothing
     first = memory.slots[program.method("forward").mutable_buffers[0].value]
     assert made and not any(first.data_ptr() <= ptr < first.data_ptr() + 64 for ptr, *_ in made)
     eager = Remembers().eval()
@@ -180,12 +187,12 @@ def test_a_load_that_writes_planned_memory_carves_nothing(timed, emu, monkeypatc
 def test_on_cuda_every_stand_in_is_carved_from_the_arena_and_calls_equal_eager(graphs, fresh, full_fp32, monkeypatch):
     """BERT's feed-forward at 128 rows: each GEMM's rows and result (1.5 MiB: a 20 MiB segment of
     the caching allocator's otherwise) lie in the method's arena while it loads."""
-    made = _spied(monkeypatch)
+    made, offered = _spied(monkeypatch), _offered(monkeypatch)
     model = Wide().eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(1, 128, 768),)), ferry.OpSupportPartitioner("cuda:0"))
     module = ferry.Module(program, cuda_graphs=graphs)
     module.load_method()
-    arenas = module._methods["forward"].memory.free_arenas()
+    arenas = {k: v for a in offered for k, v in a.items()}
     assert len(gemms()) == 2 and len(made) >= 3  # the second's rows are planned: read as they are
     assert all(inside_one(ptr, arenas.values()) for ptr, *_ in made)
     cuda_model = model.cuda()

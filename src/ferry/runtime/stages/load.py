@@ -42,7 +42,7 @@ class Memory:
     owned: list = field(default_factory=list)  # DeviceMemoryBuffers, SlabPieces (and a method's own ProgramState)
     staged_inputs: dict[int, int] = field(default_factory=dict)
     staged_outputs: set[int] = field(default_factory=set)
-    arenas: dict[torch.device, torch.Tensor] = field(default_factory=dict)  # see free_arenas
+    arenas: dict[torch.device, torch.Tensor] = field(default_factory=dict)  # see free_arenas; emptied after the load
     wrote_planned: bool = False  # the load wrote a value into planned memory (a mutable buffer's first)
 
     def free_arenas(self) -> dict[torch.device, torch.Tensor]:
@@ -51,6 +51,7 @@ class Memory:
         return {} if self.wrote_planned else dict(self.arenas)
 
     def close(self) -> None:
+        self.arenas = {}  # (a view kept would keep its memory)
         for b in self.owned:
             b.close()
         self.owned = []

@@ -92,6 +92,7 @@ class LoadedMethod:
         try:
             with scratch_space.carved_from(self.memory.free_arenas()):  # what the load times runs there
                 self.plan = self._plan(None, cuda_graphs and not self._dynamic, record=self._dynamic, measure=True)
+            self.memory.arenas.clear()  # (views of its memory, held no longer than the load)
         except BaseException:
             self.memory.close()
             raise
