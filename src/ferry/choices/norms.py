@@ -27,7 +27,7 @@ from torch._prims_common import make_contiguous_strides_for
 from ferry import node_meta as M
 from ferry.choices import timing
 from ferry.choices.decisions import DECISIONS, Decision, Site
-from ferry.choices.graph_edits import Rewrite, call
+from ferry.choices.graph_edits import Rewrite, call, single_use
 from ferry.ops import layer_norm as rows_norm
 from ferry.ops.layer_norm import ADD_LAYER_NORM, RMS_NORM
 
@@ -73,17 +73,12 @@ def fused_decision(args: list, kwargs: dict, site: Site, apart: Callable | None 
     they would run; the op's own ATen calls where None), or None where the kernel does not
     compute it or nothing may be timed."""
     x, residual, shape, weight, bias, eps = _fused_params(args, kwargs)
-    if not ON or not site.captured or not rows_norm.available() or not rows_norm.fits(x, shape, weight, bias) \
-            or not rows_norm.fits_residual(x, residual):
-        return None
-    device = timing.gpu_of([t for t in (x, residual, weight, bias) if t is not None], site.device)
-    if device is None:
-        return None
-    key = ("add + layer norm", str(device), site.replays, tuple(x.shape), x.dtype, weight is not None,
-           bias is not None, apart is not None)
-    both = (apart or ADD_LAYER_NORM, rows_norm.add_layer_norm)
-    return DECISIONS.get(key, lambda: _decide(device, (x, residual), shape, weight, bias, eps, site, both),
-                         timing.may_time(site, device))
+    fit = rows_norm.fits(x, shape, weight, bias) and rows_norm.fits_residual(x, residual)
+    forms = (apart or ADD_LAYER_NORM, rows_norm.add_layer_norm)
+    return _timed(fit, (x, residual, weight, bias), site,
+                  ("add + layer norm", tuple(x.shape), x.dtype, weight is not None, bias is not None, apart is not None),
+                  lambda device: _decide(device, (x, residual), shape, weight, bias, eps, site, forms, ADD_LAYER_NORM,
+                                         FUSED_FORMS))
 
 
 def _fused_params(args: list, kwargs: dict):
@@ -98,48 +93,55 @@ def decision(args: list, kwargs: dict, site: Site) -> Decision | None:
     the Triton kernel does not compute it or nothing may be timed: uncaptured, no Triton, not on
     a GPU, a layout or dtype it does not take (ops/layer_norm.fits)."""
     x, shape, weight, bias, eps = _params(args, kwargs)
-    if not ON or not site.captured or not rows_norm.available() or not rows_norm.fits(x, shape, weight, bias):
-        return None
-    device = timing.gpu_of([t for t in (x, weight, bias) if t is not None], site.device)
-    if device is None:
-        return None
-    key = ("layer norm", str(device), site.replays, tuple(x.shape), x.dtype, weight is not None, bias is not None)
-    return DECISIONS.get(key, lambda: _decide(device, (x,), shape, weight, bias, eps, site,
-                                              (LAYER_NORM, rows_norm.layer_norm)),
-                         timing.may_time(site, device))
+    return _timed(rows_norm.fits(x, shape, weight, bias), (x, weight, bias), site,
+                  ("layer norm", tuple(x.shape), x.dtype, weight is not None, bias is not None),
+                  lambda device: _decide(device, (x,), shape, weight, bias, eps, site,
+                                         (LAYER_NORM, rows_norm.layer_norm), LAYER_NORM, FORMS))
 
 
 def rms_decision(args: list, kwargs: dict, site: Site) -> Decision | None:
     """The timed choice for one `ferry::rms_norm`: the one-pass kernel against the op's own ATen
     calls, or None where the kernel does not compute it or nothing may be timed (as `decision`)."""
-    names = ("input", "weight", "eps")
-    given = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
-    x, weight, eps = given.get("input"), given.get("weight"), float(given.get("eps", 1e-6))
-    if not ON or not site.captured or not rows_norm.available() or not isinstance(x, torch.Tensor) or x.dim() < 1 \
-            or not rows_norm.fits(x, [x.shape[-1]], weight):
+    x, weight, eps = _given(args, kwargs, ("input", "weight", "eps"))
+    if not (isinstance(x, torch.Tensor) and x.dim() > 0):
         return None
-    device = timing.gpu_of([t for t in (x, weight) if t is not None], site.device)
-    if device is None:
-        return None
-    key = ("rms norm", str(device), site.replays, tuple(x.shape), x.dtype, weight is not None)
+    eps = float(1e-6 if eps is None else eps)
     forms = (lambda x, shape, w, b, eps: rows_norm.rms_then_scale(x, w, eps),
              lambda x, shape, w, b, eps: rows_norm.rms_norm(x, w, eps))
-    return DECISIONS.get(key, lambda: _decide(device, (x,), [x.shape[-1]], weight, None, eps, site, forms, RMS_NORM),
+    return _timed(rows_norm.fits(x, [x.shape[-1]], weight), (x, weight), site,
+                  ("rms norm", tuple(x.shape), x.dtype, weight is not None),
+                  lambda device: _decide(device, (x,), [x.shape[-1]], weight, None, eps, site, forms, RMS_NORM,
+                                         RMS_FORMS))
+
+
+def _timed(fit: bool, tensors: tuple, site: Site, key: tuple, decide: Callable) -> Decision | None:
+    """The decision for `key` (its family first, then what sets the kernels apart), timed by
+    `decide(device)` where a Triton form computes the op (`fit`) in a captured plan on a GPU;
+    else None: ATen's kernels stay."""
+    if not (ON and site.captured and fit and rows_norm.available()):
+        return None
+    device = timing.gpu_of([t for t in tensors if t is not None], site.device)
+    if device is None:
+        return None
+    return DECISIONS.get((key[0], str(device), site.replays, *key[1:]), lambda: decide(device),
                          timing.may_time(site, device))
 
 
+def _given(args: list, kwargs: dict, names: tuple) -> list:
+    """An op's arguments by name, positional or keyword; None for one not given."""
+    given = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
+    return [given.get(n) for n in names]
+
+
 def _params(args: list, kwargs: dict):
-    names = ("input", "normalized_shape", "weight", "bias", "eps")
-    given = dict(zip(names, args))
-    given.update({k: v for k, v in kwargs.items() if k in names})
-    return (given.get("input"), list(given.get("normalized_shape") or ()), given.get("weight"), given.get("bias"),
-            float(given.get("eps", 1e-5)))
+    x, shape, weight, bias, eps = _given(args, kwargs, ("input", "normalized_shape", "weight", "bias", "eps"))
+    return x, list(shape or ()), weight, bias, float(1e-5 if eps is None else eps)
 
 
-def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tuple, op=None) -> Decision | None:
+def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tuple, op, names: tuple
+            ) -> Decision | None:
     """Time `forms` (eager's, then the Triton kernel; each takes `rows`, then the norm's
-    arguments) on scratch copies of the arguments. `op`: the op decided (a layer norm, or the
-    fused one where two rows are given)."""
+    arguments) on scratch copies of the arguments: the decision for `op`, its forms called `names`."""
     with timing.on(device), torch.no_grad():
         try:
             rows = tuple(timing.scratch(t, device) for t in rows)
@@ -149,9 +151,6 @@ def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tu
         except Exception:  # noqa: BLE001 - out of memory, or Triton could not build its kernel here: ATen's stays
             return None
     x = rows[0]
-    fused = len(rows) == 2
-    op = op or (ADD_LAYER_NORM if fused else LAYER_NORM)
-    names = FUSED_FORMS if fused else RMS_FORMS if op is RMS_NORM else FORMS
     return timing.decision("layer norm", str(op.name()), f"{x.numel() // x.shape[-1]}x{x.shape[-1]}", device, x.dtype,
                            names, times, min_saving_us=0)
 
@@ -217,9 +216,6 @@ def _fusable(norm: torch.fx.Node) -> bool:
 
 # ---------------------------------------------------------------- compile time: an RMS norm written out
 
-_RMS_ELEMENTWISE = (aten.mul.Tensor,)
-
-
 def rms_norms(gm: torch.fx.GraphModule) -> list[Rewrite]:
     """transformers' RMS norm written out (`x.to(float32)`, `pow(2)`, `mean(-1, keepdim=True)`,
     `+ eps`, `rsqrt`, `x * r`, `.to(dtype)`, `weight * y`: six kernels or more in eager) ->
@@ -255,7 +251,7 @@ def _rms_pattern(rsqrt: torch.fx.Node):
             and len(total.args) == 2 and not total.kwargs and type(total.args[1]) is float):
         return None
     mean: Any = total.args[0]
-    if not (_only_reader(mean, total) and mean.target is aten.mean.dim and list(mean.args[1:3]) in ([[-1], True],)
+    if not (_only_reader(mean, total) and mean.target is aten.mean.dim and list(mean.args[1:]) == [[-1], True]
             and not mean.kwargs):
         return None
     square: Any = mean.args[0]
@@ -263,7 +259,7 @@ def _rms_pattern(rsqrt: torch.fx.Node):
         return None
     upcast: Any = square.args[0]
     product: Any = next(iter(rsqrt.users)) if len(rsqrt.users) == 1 else None
-    if product is None or product.target not in _RMS_ELEMENTWISE or rsqrt not in product.args or product.kwargs:
+    if product is None or product.target is not aten.mul.Tensor or rsqrt not in product.args or product.kwargs:
         return None
     x: Any = upcast.args[0] if _is_cast(upcast, torch.float32) else upcast
     if (product.args[0] if product.args[1] is rsqrt else product.args[1]) not in (upcast, x):
@@ -301,7 +297,7 @@ def _rms_weight(normed: torch.fx.Node, xv: torch.Tensor):
 
 
 def _only_reader(node, reader) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and list(node.users) == [reader]
+    return single_use(node) and reader in node.users
 
 
 def _is_cast(node, dtype: torch.dtype) -> bool:
