@@ -129,9 +129,7 @@ def on_gpu_inputs(rows, width, dtype, affine):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("affine", [True, False])
 def test_the_gpu_kernel_equals_atens_within_rounding(rows, width, dtype, affine):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    assert rows_norm.available(), "Triton does not import beside this CUDA build"
+    needs_gpu_triton()
     x, w, b = on_gpu_inputs(rows, width, dtype, affine)
     assert_as_close_as_atens(rows_norm.layer_norm(x, [width], w, b, 1e-6), x, w, b, 1e-6)
 
@@ -141,10 +139,22 @@ def assert_as_close_as_atens(got, x, w, b, eps):
     kernel, give or take one rounding of the dtype."""
     width = [x.shape[-1]]
     want = F.layer_norm(x.double(), width, None if w is None else w.double(), None if b is None else b.double(), eps)
-    eager = F.layer_norm(x, width, w, b, eps)
-    assert got.dtype == x.dtype and got.shape == x.shape and got.is_contiguous()
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[x.dtype]
+    assert_as_close_as(got, F.layer_norm(x, width, w, b, eps), want)
+
+
+def assert_as_close_as(got, eager, want):
+    """`got` is no further from `want` (fp64's result) than `eager` is, give or take four
+    roundings of the dtype, and has eager's dtype, shape and layout."""
+    assert got.dtype == eager.dtype and got.shape == eager.shape and got.is_contiguous()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[eager.dtype]
     assert (got.double() - want).abs().max().item() <= (eager.double() - want).abs().max().item() + tol * 4
+
+
+def needs_gpu_triton():
+    """Skips without a GPU; with one, Triton must import (the kernels under test are built from it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert rows_norm.available(), "Triton does not import beside this CUDA build"
 
 
 @pytest.mark.cuda

@@ -14,7 +14,7 @@ from ferry.choices import hook, norms
 from ferry.choices.decisions import DECISIONS, Site
 from ferry.ops import layer_norm as rows_norm
 from test_layout_chains import compiled
-from test_norm_choice import assert_as_close_as_atens, on_gpu_inputs
+from test_norm_choice import assert_as_close_as_atens, needs_gpu_triton, on_gpu_inputs
 
 FUSED = "ferry::add_layer_norm.default"
 NORM = "aten::layer_norm.default"
@@ -204,9 +204,7 @@ def test_what_keeps_the_fused_kernel_untimed(case, timed, triton_here):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("affine", [True, False])
 def test_the_gpu_kernel_adds_as_eager_and_normalises_within_rounding(rows, width, dtype, affine):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    assert rows_norm.available(), "Triton does not import beside this CUDA build"
+    needs_gpu_triton()
     x, w, b = on_gpu_inputs(rows, width, dtype, affine)
     r = on_gpu_inputs(rows + 1, width, dtype, False)[0][:rows]
     total, got = rows_norm.add_layer_norm(x, r, [width], w, b, 1e-6)

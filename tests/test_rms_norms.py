@@ -14,6 +14,7 @@ from ferry.choices import hook, norms
 from ferry.choices.decisions import DECISIONS, Site
 from ferry.ops import layer_norm as rows_norm
 from test_layout_chains import compiled
+from test_norm_choice import assert_as_close_as, needs_gpu_triton, on_gpu_inputs
 
 FUSED = "ferry::rms_norm.default"
 WRITTEN_OUT = ("aten::rsqrt.default", "aten::rsqrt.out", "aten::pow.Tensor_Scalar_out", "aten::pow.Tensor_Scalar",
@@ -229,24 +230,16 @@ def test_the_ops_own_calls_are_eagers(emu):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("weighted", [True, False])
 def test_the_gpu_kernel_is_as_close_to_fp64_as_eagers(rows, width, dtype, weighted):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    assert rows_norm.available(), "Triton does not import beside this CUDA build"
-    g = torch.Generator(device="cuda").manual_seed(rows + width)
-    x = torch.randn(rows, width, device="cuda", dtype=dtype, generator=g) * 3 + 1
-    w = torch.rand(width, device="cuda", dtype=dtype, generator=g) + 0.5 if weighted else None
-    got, eager = rows_norm.rms_norm(x, w, 1e-6), rows_norm.rms_then_scale(x, w, 1e-6)
+    needs_gpu_triton()
+    x, w, _ = on_gpu_inputs(rows, width, dtype, weighted)
     want = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).double()
     want = want if w is None else want * w.double()
-    assert got.dtype == dtype and got.shape == x.shape
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
-    assert (got.double() - want).abs().max().item() <= (eager.double() - want).abs().max().item() + tol * 4
+    assert_as_close_as(rows_norm.rms_norm(x, w, 1e-6), rows_norm.rms_then_scale(x, w, 1e-6), want)
 
 
 @pytest.mark.cuda
 def test_on_the_gpu_a_captured_block_takes_the_kernel_and_equals_eager(fresh, monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    needs_gpu_triton()
     from ferry.choices import timing
 
     monkeypatch.setattr(timing, "KEEP_IF_ABOVE", 10.0)  # kept at whatever time: the results are what is tested
