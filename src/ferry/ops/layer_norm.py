@@ -97,7 +97,8 @@ def rms_then_scale(x, weight=None, eps=1e-6):
     """What eager computes, through torch's bindings (the load runs this where the kernel is not
     chosen: the dispatcher's call back into the op's Python kernel costs the host more)."""
     upcast = x if x.dtype == torch.float32 else x.to(torch.float32)
-    y = torch.mul(upcast, torch.rsqrt(torch.add(torch.mean(torch.pow(upcast, 2), -1, keepdim=True), eps)))
+    scale = torch.mean(torch.pow(upcast, 2), -1, keepdim=True).add_(eps).rsqrt_()  # (one value a row: in place)
+    y = torch.mul(upcast, scale)
     y = y if y.dtype == x.dtype else y.to(x.dtype)
     return y if weight is None else torch.mul(weight, y)
 
