@@ -65,7 +65,7 @@ from common import allocated_by, result_name, table, time_host, write_json  # no
 
 import ferry  # noqa: E402
 from ferry.backends import inductor as inductor_backend  # noqa: E402
-from ferry.choices import gemv, kernel_tuning  # noqa: E402
+from ferry.choices import gemv, kernel_tuning, norms  # noqa: E402
 from ferry.choices.summary import details  # noqa: E402
 from ferry.ops import split_kv  # noqa: E402
 from ferry.runtime import clone_to, device_of, emulated_device, sampling  # noqa: E402
@@ -646,6 +646,9 @@ def parse_args():
                    help="a merged product read as equal slices (gate and up) as one reduction per slice, which Inductor "
                         "fuses with SiLU(gate) * up (on: ferry's default, choices/gemv.py SPLIT_EQUAL_SLICES), or one "
                         "reduction over the stacked weight (off: for an A/B)")
+    p.add_argument("--rms-norms", choices=("on", "off"), default="on",
+                   help="an RMS norm written out op by op as one ferry::rms_norm, its one-pass kernel timed at load in "
+                        "a captured plan (on: ferry's default, choices/norms.py RMS), or left op by op (off: an A/B)")
     p.add_argument("--memory-owners", action="store_true",
                    help="list what holds the GPU memory allocated after each runner's run, by the code that allocated it")
     p.add_argument("--tiny", action="store_true", help="tiny models in float32 on the CPU, ferry on 'emu:0'")
@@ -668,6 +671,7 @@ def main():
     gemv.FUSE_NORMS = args.fuse_norms != "off"
     gemv.TIME_REGIONS = args.time_regions == "on"
     kernel_tuning.STEADY = args.steady_tuning == "on"
+    norms.RMS = args.rms_norms == "on"
     gemv.FUSED_NORM_OUTPUTS = 1 << 62 if args.fuse_norms == "all" else gemv.FUSED_NORM_OUTPUTS
     if args.split_kv == "off":
         split_kv.available = lambda: False  # the choice is then never offered: SDPA's kernels run
@@ -682,6 +686,7 @@ def main():
     settings = {"last_position_only": env.last_position, "torchao_inductor_config": args.torchao_inductor_config,
                 "device": env.ferry_device, "inductor_config": args.inductor_config, "split_kv": args.split_kv,
                 "combo_kernels": args.combo_kernels, "split_slices": args.split_slices, "fuse_norms": args.fuse_norms,
+                "rms_norms": args.rms_norms,
                 "time_regions": args.time_regions, "steady_tuning": args.steady_tuning,
                 "ferry_inductor_tuning": "per delegate (choices/gemv.py settings): coordinate descent in the usual "
                                          "directions for a static decode step with a one-row reduction or quantized "

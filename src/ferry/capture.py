@@ -101,9 +101,11 @@ def keep_workspace(stream) -> None:
         pool = KEPT_WORKSPACES.get(stream)
         if pool is None:
             pool = KEPT_WORKSPACES[stream] = _immortal(torch.cuda.MemPool())
-        a = torch.ones(16, 16, device=stream.device)
-        bias = torch.ones(16, device=stream.device)
         with on_side_stream(stream), torch.cuda.use_mem_pool(pool):
+            # the operands too: made in the default pool after a timing's empty_cache, they took
+            # a 2 MiB segment of their own at every timing (Swin-T's load: one on top of its peak)
+            a = torch.ones(16, 16, device=stream.device)
+            bias = torch.ones(16, device=stream.device)
             torch.mm(a, a)  # cuBLAS's handle made (outside any capture) and the stream's workspace
             torch.addmm(bias, a, a)  # cublasLt's path, where its workspace may be separate
 
