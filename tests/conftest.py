@@ -88,16 +88,18 @@ def fresh():
 @pytest.fixture
 def timed(monkeypatch, fresh):
     class Timer:
-        times, calls = (100.0, 40.0), 0
+        times, calls, rooms = (100.0, 40.0), 0, []
 
-        def __call__(self, eager, other, stream=None):
+        def __call__(self, eager, other, stream=None, room=None):
             eager(), other()  # both are run, as the real timing does
             Timer.calls += 1
+            Timer.rooms.append(room)
             return Timer.times
 
     monkeypatch.setattr(kernel_timing, "gpu_of", lambda operands, device=None: device or kernel_timing.real_device(operands))
     monkeypatch.setattr(kernel_timing, "on", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(kernel_timing, "time_both", Timer())
+    Timer.rooms = []
     return Timer
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ferry import capture as shared_capture
+from ferry.capture import TimingRoom
 from ferry.choices import hook
 from ferry.choices import timing as kernel_timing
 from ferry.choices.decisions import DECISIONS, Site
@@ -181,6 +182,35 @@ def test_in_a_captured_plan_each_form_is_replayed_from_a_graph_on_its_capture_st
     # after it, its graphs gone (their pool)
     assert kernel.emptied == [0, 0, 0, 0] and kernel.emptied_after == [0, 2, 2, 4]
     assert {g.mode for g in kernel.graphs} == {"thread_local"}  # another thread's host wait breaks nothing
+
+
+def test_with_room_lent_the_warm_up_and_both_captures_allocate_in_it(fake_gpu):
+    kernel, _ = fake_gpu
+    inside, eager_runs = [False], []
+
+    @contextlib.contextmanager
+    def allocating():  # where the plan's graph pool takes this thread's allocations
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    def form(us):
+        run = kernel(us)
+
+        def traced():
+            if not kernel.capturing:
+                eager_runs.append(inside[0])
+            run()
+        return traced
+
+    stream = kernel.Stream()
+    room = TimingRoom(("the plan's pool",), allocating)
+    assert kernel_timing.time_both(form(3.0), form(2.0), stream, reps=4, room=room) == pytest.approx((3.0, 2.0))
+    first, second, *_ = kernel.graphs
+    assert first.pool_arg == second.pool_arg == ("the plan's pool",)
+    assert eager_runs and all(eager_runs) and not inside[0]  # the warm-up's results there too, and only then
 
 
 def test_a_form_that_cannot_be_captured_is_timed_on_the_stream(fake_gpu):

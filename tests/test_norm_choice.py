@@ -4,11 +4,14 @@ GPU's kernel and the timing is faked; the kernel itself is tested on a GPU."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ferry
+from ferry.capture import TimingRoom
 from ferry.choices import hook, norms, timing
 from ferry.choices.decisions import DECISIONS, Site
 from ferry.ops import layer_norm as rows_norm
@@ -40,6 +43,40 @@ def test_the_triton_kernel_is_kept_where_it_saves_ten_percent(times, taken, time
     assert made.shape == "3136x96 float32"
     assert (hook.choose(LAYER_NORM, args, {}, CAPTURED) is rows_norm.layer_norm) is taken
     assert timed.calls == 1  # decided once per key
+
+
+class LendingStreams:
+    """A captured plan's streams on a GPU whose load left `room` bytes free in its graph pool."""
+
+    def __init__(self, room: int):
+        self.api = type("Api", (), {"device_type": "cuda"})()
+        self.room, self.asked = room, []
+
+    def capture_stream(self, index):
+        return "capture stream"
+
+    def timing_room(self, index, nbytes):
+        self.asked.append((index, nbytes))
+        return TimingRoom("the plan's pool", contextlib.nullcontext) if nbytes <= self.room else None
+
+
+@pytest.mark.parametrize("op, buffers", [("layer norm", 1), ("add + layer norm", 2), ("rms norm", 3)])
+@pytest.mark.parametrize("room", ["enough", "too little"])
+def test_a_norm_is_timed_with_its_results_in_the_room_the_plan_left(op, buffers, room, timed, triton_here, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x, shape, w, b, eps = _args(rows=64, width=32, dtype=torch.bfloat16)
+    needed = buffers * x.numel() * 4  # fp32 buffers of x's size the forms hold at once at most
+    streams = LendingStreams(needed if room == "enough" else needed - 1)
+    site = Site(measure=True, captured=True, streams=streams)
+    if op == "layer norm":
+        made = norms.decision([x, shape, w, b, eps], {}, site)
+    elif op == "add + layer norm":
+        made = norms.fused_decision([x, torch.randn_like(x), shape, w, b, eps], {}, site)
+    else:
+        made = norms.rms_decision([x, w, eps], {}, site)
+    assert made is not None and streams.asked == [(0, needed)]
+    (lent,) = timed.rooms
+    assert (lent is not None and lent.pool == "the plan's pool") is (room == "enough")
 
 
 @pytest.mark.parametrize("case", ["uncaptured", "no triton", "not contiguous", "two dims", "weight of another dtype",
@@ -164,3 +201,43 @@ def test_on_the_gpu_a_captured_plan_takes_the_kernel_and_equals_eager(fresh, mon
     monkeypatch.setattr(timing, "KEEP_IF_ABOVE", 10.0)  # kept at whatever time: the results are what is tested
     for _ in captured_norms_equal_eager("cuda:0"):
         pass
+
+
+class NormsBetweenProducts(torch.nn.Module):
+    """Swin-T's first stage in small: layer norms of 3,136 rows of 96 (1.15 MiB each in fp32,
+    which a pool of the timing's own would put in a 20 MiB segment)."""
+
+    def __init__(self, layers=3):
+        super().__init__()
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(96) for _ in range(layers))
+        self.products = torch.nn.ModuleList(torch.nn.Linear(96, 96) for _ in range(layers))
+
+    def forward(self, x):
+        for norm, product in zip(self.norms, self.products):
+            x = torch.nn.functional.gelu(product(norm(x)))
+        return x
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_the_load_times_norms_in_the_room_its_plan_left_and_calls_equal_eager(fresh, full_fp32):
+    needs_gpu_triton()
+    model = NormsBetweenProducts().eval()
+    program = ferry.compile(torch.export.export(model, (torch.randn(1, 3136, 96),)), ferry.OpSupportPartitioner("cuda:0"))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    try:
+        module = ferry.Module(program, cuda_graphs=True)
+        module.load_method()
+        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    assert [d for d in DECISIONS.values(timed=True) if d.family == "layer norm"]  # the norms were timed at load
+    by_norms = [e["size"] for e in events if e["action"] == "segment_alloc"
+                and any(f["filename"].endswith("choices/norms.py") for f in e.get("frames", []))]
+    assert by_norms == []  # their results in the room behind the load's one allocation
+    cuda_model = model.cuda()
+    for _ in range(3):
+        x = torch.randn(1, 3136, 96)
+        with torch.no_grad():
+            torch.testing.assert_close(module(x), cuda_model(x.cuda()).cpu(), rtol=1e-4, atol=1e-4)

@@ -13,12 +13,22 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["LOCK", "capture", "keep_workspace", "on_side_stream", "random_state_kept_on_failure"]
+__all__ = ["LOCK", "TimingRoom", "capture", "keep_workspace", "on_side_stream", "random_state_kept_on_failure"]
 
 LOCK = threading.RLock()
+
+
+class TimingRoom(NamedTuple):
+    """Memory a load's kernel timing may allocate its forms' results in: a plan's graph pool
+    (`pool`, what its timing graphs capture into) and a context routing eager allocations there
+    (`allocating()`, for the forms' warm-up)."""
+
+    pool: Any
+    allocating: Callable[[], contextlib.AbstractContextManager]
 
 # registry: capture stream -> the memory pool its cuBLAS workspace lives in (see keep_workspace);
 # kept for the life of the process, one pool per capture stream (torch has 32 per device)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ferry.capture import LOCK
+from ferry.capture import LOCK, TimingRoom
 
 __all__ = ["DECISIONS", "Decision", "Decisions", "Site"]
 
@@ -100,3 +100,10 @@ class Site:
     def replay_stream(self):
         """The stream this plan captures the current CUDA device's graphs on, or None."""
         return self.streams.capture_stream(torch.cuda.current_device()) if self.replays else None
+
+    def timing_room(self, nbytes: int) -> TimingRoom | None:
+        """Where forms timed here may allocate `nbytes` of results on the current CUDA device:
+        the plan's graph pool where its load left room for them (CopyStreams.timing_room), or
+        None (a pool of the timing's own)."""
+        lend = getattr(self.streams, "timing_room", None) if self.replays else None
+        return lend(torch.cuda.current_device(), nbytes) if lend is not None else None

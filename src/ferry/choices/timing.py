@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ferry.capture import capture, keep_workspace, on_side_stream
+from ferry.capture import TimingRoom, capture, keep_workspace, on_side_stream
 from ferry.choices import scratch_space
 from ferry.choices.decisions import Decision, Site
 
@@ -97,27 +97,30 @@ def scratch(t: torch.Tensor, device: torch.device, written: bool = False) -> tor
     return stand_in.fill_(0.5)
 
 
-def time_both(first: Callable, second: Callable, stream=None, reps: int = 10, rounds: int = 3) -> tuple[float, float]:
+def time_both(first: Callable, second: Callable, stream=None, reps: int = 10, rounds: int = 3,
+              room: TimingRoom | None = None) -> tuple[float, float]:
     """The GPU time of each (µs per call, the best of `rounds` runs of `reps` calls), the two
     taken in turn. In a plan captured as CUDA graphs, as its graphs run them: captured on its
     capture stream and replayed (a stream leaves a gap between launches that a replay does not:
     nn.MultiheadAttention composed at ViT-B/16's batch 1, 84.7 µs on a stream, 74.1 replayed).
     Otherwise on the current stream (`_on_stream`). `stream`: the plan's capture stream
-    (`Site.replay_stream`), or None."""
+    (`Site.replay_stream`), or None. `room`: where the forms' results are allocated meanwhile
+    (`Site.timing_room`; None: the default pool and each capture's own)."""
     if stream is None:
         _warm_up((first, second))
         eager_us, other_us = _on_stream((first, second), reps, rounds)
         return eager_us, other_us
     keep_workspace(stream)
-    with on_side_stream(stream):  # the caller's stream runs nothing: its cuBLAS workspace is not made
+    allocating = room.allocating if room is not None else contextlib.nullcontext
+    with on_side_stream(stream), allocating():  # the caller's stream runs nothing: its cuBLAS workspace is not made
         _warm_up((first, second))
     try:
-        return _replayed((first, second), stream, reps, rounds)
+        return _replayed((first, second), stream, reps, rounds, room.pool if room is not None else None)
     except torch.cuda.OutOfMemoryError:
         raise  # the caller's to handle: eager's kernel stays
     except RuntimeError:  # a form that cannot be captured: the plan's capture would fail with it
         torch.cuda.synchronize()
-        with on_side_stream(stream):
+        with on_side_stream(stream), allocating():
             return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays
 
 
@@ -126,14 +129,14 @@ def _warm_up(fns) -> None:
         fn()
 
 
-def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
+def _replayed(fns, stream, reps: int, rounds: int, pool=None) -> tuple[float, float]:
     # the warm-up's blocks, cached in the default pool, are handed back before the capture fills
     # a pool of its own (torch.cuda.graph does so too): held, the two had ResNet-50's load
     # reserve 198 MiB at its peak against eager's 176 (each convolution timed at 154 + 22 + 22)
     torch.cuda.empty_cache()
     try:
         with on_side_stream(stream):
-            return _replay_times(fns, reps, rounds)  # its graphs are gone when it returns
+            return _replay_times(fns, reps, rounds, pool)  # its graphs are gone when it returns
     finally:
         # their pool's memory is cached for no one else (a released graph pool is reused by no
         # later capture): handed back, as torch.cuda.graph does before each capture. Without it
@@ -141,11 +144,11 @@ def _replayed(fns, stream, reps: int, rounds: int) -> tuple[float, float]:
         torch.cuda.empty_cache()
 
 
-def _replay_times(fns, reps: int, rounds: int) -> tuple[float, float]:
+def _replay_times(fns, reps: int, rounds: int, pool=None) -> tuple[float, float]:
     # one pool for the forms: their results are discarded and they replay one after the
     # other, so each may reuse the others' memory (a pool each took a set of segments each:
-    # ResNet-50's reserved peak at load +40 MiB)
-    graphs = [capture(fns[0], reps)]
+    # ResNet-50's reserved peak at load +40 MiB); `pool` where given, else a fresh one
+    graphs = [capture(fns[0], reps, pool)]
     graphs += [capture(fn, reps, graphs[0].pool()) for fn in fns[1:]]
     for graph in graphs:
         graph.replay()  # the first replay uploads the graph

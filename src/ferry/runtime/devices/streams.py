@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from ferry import capture as shared_capture
+from ferry.capture import TimingRoom
 from ferry.device import Device
 from ferry.runtime.devices.graphs import GraphMemory
 
@@ -183,6 +184,13 @@ class CopyStreams:
     def capture_pool(self, index: int):
         """The memory pool graphs of device `index` allocate from: the set's (GraphMemory)."""
         return self.graph_memory.pool(self.api, index)
+
+    def timing_room(self, index: int, nbytes: int) -> TimingRoom | None:
+        """The graph pool a load's timing on device `index` may allocate `nbytes` of results
+        in, with a context routing allocations there (GraphMemory.lends_room), or None."""
+        if not self.graph_memory.lends_room(index, nbytes):
+            return None
+        return TimingRoom(self.capture_pool(index), lambda: self.graph_memory.home(self.api, index))
 
     def first_run_memory(self, index: int):
         """Where a segment's first, eager run on device `index` allocates (GraphMemory.first_run)."""
