@@ -212,6 +212,15 @@ def test_with_room_lent_the_warm_up_and_both_captures_allocate_in_it(fake_gpu):
     assert first.pool_arg == second.pool_arg == ("the plan's pool",)
     assert eager_runs and all(eager_runs) and not inside[0]  # the warm-up's results there too, and only then
 
+    def uncapturable():
+        if kernel.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        eager_runs.append(inside[0])
+
+    eager_runs.clear()
+    assert kernel_timing.time_both(form(1.0), uncapturable, stream, room=room)[1] == math.inf
+    assert eager_runs and all(eager_runs)  # timed on the stream instead: in the room as well
+
 
 def test_a_form_that_cannot_be_captured_is_timed_on_the_stream(fake_gpu):
     kernel, sleeps = fake_gpu

@@ -219,8 +219,13 @@ class NormsBetweenProducts(torch.nn.Module):
 
 
 @pytest.mark.cuda
-def test_on_the_gpu_the_load_times_norms_in_the_room_its_plan_left_and_calls_equal_eager(fresh, full_fp32):
+def test_on_the_gpu_the_load_times_norms_in_the_room_its_plan_left_and_calls_equal_eager(fresh, full_fp32,
+                                                                                       monkeypatch):
+    from ferry.runtime.devices.streams import CopyStreams
+
     needs_gpu_triton()
+    lent, lend = [], CopyStreams.timing_room
+    monkeypatch.setattr(CopyStreams, "timing_room", lambda self, *a: lent.append(lend(self, *a)) or lent[-1])
     model = NormsBetweenProducts().eval()
     program = ferry.compile(torch.export.export(model, (torch.randn(1, 3136, 96),)), ferry.OpSupportPartitioner("cuda:0"))
     torch.cuda.synchronize()
@@ -233,9 +238,10 @@ def test_on_the_gpu_the_load_times_norms_in_the_room_its_plan_left_and_calls_equ
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     assert [d for d in DECISIONS.values(timed=True) if d.family == "layer norm"]  # the norms were timed at load
+    assert lent and all(room is not None for room in lent)  # in the room the load left behind its allocation
     by_norms = [e["size"] for e in events if e["action"] == "segment_alloc"
                 and any(f["filename"].endswith("choices/norms.py") for f in e.get("frames", []))]
-    assert by_norms == []  # their results in the room behind the load's one allocation
+    assert [n for n in by_norms if n > 2 << 20] == []  # no segment for a result (a small block's 2 MiB may be)
     cuda_model = model.cuda()
     for _ in range(3):
         x = torch.randn(1, 3136, 96)

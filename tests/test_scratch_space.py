@@ -204,23 +204,3 @@ def test_on_cuda_every_stand_in_is_carved_from_the_arena_and_calls_equal_eager(g
 
 def inside_one(ptr: int, memories) -> bool:
     return any(m.data_ptr() <= ptr < m.data_ptr() + m.numel() for m in memories)
-
-
-def test_the_room_a_load_leaves_in_its_graph_pool_is_lent_to_its_timing_until_a_graph_is_captured():
-    from ferry.runtime.devices.simulated import SimulatedApi
-    from ferry.runtime.devices.streams import CopyStreams
-
-    api = SimulatedApi()
-    streams = CopyStreams(api)
-    assert streams.timing_room(0, 1) is None  # no room left behind a slab
-    streams.graph_memory.tail[0] = 4096
-    room = streams.timing_room(0, 4096)
-    assert room is not None and room.pool is streams.capture_pool(0)
-    with room.allocating():  # allocations go to the set's pool, on its capture stream
-        assert api.allocating_to is room.pool and api.current_stream(0) is streams.capture_stream(0)
-    assert api.allocating_to is None
-    assert streams.timing_room(0, 4097) is None  # more than the room
-    assert streams.timing_room(1, 1) is None  # another device's
-    streams.graph_memory.captured(0)
-    assert streams.timing_room(0, 1) is None  # a free block there may now be a replay's temporary
-

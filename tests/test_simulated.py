@@ -420,6 +420,34 @@ def test_the_load_and_the_calls_before_the_first_capture_allocate_in_the_graph_p
     assert pool.holds == 0
 
 
+def test_the_room_a_load_leaves_in_the_graph_pool_is_lent_to_its_timing_until_a_call_runs(emu_async, monkeypatch):
+    """The room behind the slab is free while the set loads: its kernel timing may allocate the
+    forms' results there (choices/timing.py, `Site.timing_room`). A call's first, eager run
+    allocates there (its results may still hold part of it), and after a capture a free block
+    there may be a replay's temporary: neither is lent afterwards."""
+    from ferry.runtime.devices.limits import call_bytes
+
+    monkeypatch.setattr(SimulatedApi, "splits_above", 0)  # (this block's room is smaller than CUDA's split limit)
+    model, example, program = _block_program(exclude=())
+    tail = call_bytes(program, program.method("forward"), handed_out=False)[ferry.Device.parse("emu:0")]
+    module = ferry.Module(program, cuda_graphs=True)
+    module.load_method()
+    streams = loaded_method(module).streams
+    api = streams.api
+    room = streams.timing_room(0, tail)
+    assert room is not None and room.pool is streams.capture_pool(0)
+    with room.allocating():  # allocations go to the set's pool, on its capture stream
+        assert api.allocating_to is room.pool and api.current_stream(0) is streams.capture_stream(0)
+    assert api.allocating_to is None
+    assert streams.timing_room(0, tail + 1) is None and streams.timing_room(1, 1) is None  # more; another device
+    (x,) = fresh_inputs(example, 0)
+    torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)  # the first, eager run: in the pool
+    assert streams.timing_room(0, 1) is None
+    torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)  # captured
+    assert streams.timing_room(0, 1) is None
+    module.close()
+
+
 def test_a_module_closed_and_called_again_makes_a_new_graph_pool(emu_async, monkeypatch):
     """torch refuses to hold a pool again once it was let go: a set closed and loaded again makes
     a new pool (and lets it go at the next close), its room counted afresh."""

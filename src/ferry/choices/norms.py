@@ -47,7 +47,8 @@ ADD_THEN_NORM = rows_norm.add_then_norm  # the op's two ATen calls, run where it
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # per op: how many buffers of the input's size in fp32 its forms allocate at once at most (the
 # result; the add's sum too; the RMS norm's fp32 upcast and squares as eager computes them)
-_LIVE_RESULTS = {LAYER_NORM: 1, ADD_LAYER_NORM: 2, RMS_NORM: 3}
+_LIVE_BUFFERS = {LAYER_NORM: 1, ADD_LAYER_NORM: 2, RMS_NORM: 3}
+_ROUNDING = 512  # bytes the caching allocator rounds each request up to
 
 
 def form(op, args: list, kwargs: dict, site: Site) -> Callable | None:
@@ -149,7 +150,7 @@ def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tu
         try:
             rows = tuple(timing.scratch(t, device) for t in rows)
             w, b = (timing.scratch(t, device) if t is not None else None for t in (weight, bias))
-            room = site.timing_room(_LIVE_RESULTS[op] * rows[0].numel() * 4)  # (the results: in the plan's room)
+            room = site.timing_room(_LIVE_BUFFERS[op] * -(-rows[0].numel() * 4 // _ROUNDING) * _ROUNDING)
             times = timing.time_both(lambda: forms[0](*rows, shape, w, b, eps), lambda: forms[1](*rows, shape, w, b, eps),
                                      site.replay_stream(), room=room)
         except Exception:  # noqa: BLE001 - out of memory, or Triton could not build its kernel here: ATen's stays

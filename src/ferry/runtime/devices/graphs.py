@@ -50,9 +50,10 @@ class GraphMemory:
     The pool is also where the load's one allocation per device goes (`home`), with room left
     free behind it for what a call allocates (`tail`): the graphs' results then fill that room,
     where in a pool of their own they took a 20 MiB segment of the caching allocator for a few MB
-    (EfficientNet-B0: 22 MiB reserved, empty between calls). Segments' first, eager runs
-    allocate there too until the device's first capture (`first_run`); after it, eager runs and
-    timing graphs allocate outside the pool, so no graph ever writes their memory."""
+    (EfficientNet-B0: 22 MiB reserved, empty between calls). Until a call first uses it, the
+    load's kernel timing may lend it (`lends_room`). Segments' first, eager runs allocate there
+    too until the device's first capture (`first_run`); after it, eager runs and timing graphs
+    allocate outside the pool, so no graph ever writes their memory."""
 
     def __init__(self) -> None:
         self._streams: dict[tuple[str, int], object] = {}
@@ -60,6 +61,7 @@ class GraphMemory:
         self.tail: dict[int, int] = {}  # per device index: bytes a slab (or make_rooms) left free in the pool
         self.pending: dict[int, tuple[Any, int]] = {}  # per device index: (api, bytes) of room to make
         self._captured: set[int] = set()
+        self._ran: set[int] = set()  # devices whose pool a segment's first, eager run allocated in
         self._held: list[tuple[object, int, object]] = []  # (api, index, pool) this set holds open
         self._release = weakref.finalize(self, _release_pools, self._held)
 
@@ -116,17 +118,22 @@ class GraphMemory:
 
     def lends_room(self, index: int, nbytes: int) -> bool:
         """Whether a load's kernel timing on device `index` may allocate `nbytes` of its forms'
-        results in the room a slab left behind it in the pool (`tail`), freed before any call
-        needs it: while no graph of the device was captured (after, a free block there may be a
-        replay's temporary). In a pool of its own a timed result of 1-10 MiB took a 20 MiB
+        results (requests over 1 MiB: smaller ones take the pool's small blocks, as the plan's
+        own do) in the room a slab asked for behind it in the pool (`tail`), all of it free
+        again before a call needs it: only before any call's first run allocated there (its
+        results may still hold part of it) and before any capture (after, a free block there may
+        be a replay's temporary). In a pool of its own a timed result of 1-10 MiB took a 20 MiB
         segment on top of the load (Swin-T's layer norms: 182 MiB reserved against eager's 170)."""
-        return index not in self._captured and self.tail.get(index, 0) >= nbytes
+        return index not in self._captured and index not in self._ran and self.tail.get(index, 0) >= nbytes
 
     def first_run(self, api, index: int):
         """Where a segment's first, eager run allocates: the pool, until a graph of device `index`
         is captured (its temporaries are free memory there afterwards, which an eager result
         could then be given and a replay overwrite)."""
-        return contextlib.nullcontext() if index in self._captured else self.home(api, index)
+        if index in self._captured:
+            return contextlib.nullcontext()
+        self._ran.add(index)
+        return self.home(api, index)
 
     def captured(self, index: int) -> None:
         self._captured.add(index)
@@ -140,6 +147,7 @@ class GraphMemory:
         self.tail.clear()
         self.pending.clear()
         self._captured.clear()
+        self._ran.clear()
         self._release = weakref.finalize(self, _release_pools, self._held)
 
 
