@@ -30,7 +30,6 @@ from ferry.choices.decisions import DECISIONS, Decision, Site
 from ferry.choices.graph_edits import Rewrite, call, single_use
 from ferry.ops import layer_norm as rows_norm
 from ferry.ops.layer_norm import ADD_LAYER_NORM, RMS_NORM
-from ferry.runtime.devices.slab import round_up
 
 __all__ = ["ADD_THEN_NORM", "FORMS", "FUSED_FORMS", "ON", "OPS", "RESIDUALS", "RMS", "decision", "form",
            "fused_decision", "residual_norms", "rms_decision", "rms_norms"]
@@ -151,7 +150,7 @@ def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tu
         try:
             rows = tuple(timing.scratch(t, device) for t in rows)
             w, b = (timing.scratch(t, device) if t is not None else None for t in (weight, bias))
-            room = site.timing_room(_LIVE_BUFFERS[op] * round_up(rows[0].numel() * 4, _ROUNDING))
+            room = site.timing_room(_LIVE_BUFFERS[op] * -(-rows[0].numel() * 4 // _ROUNDING) * _ROUNDING)
             times = timing.time_both(lambda: forms[0](*rows, shape, w, b, eps), lambda: forms[1](*rows, shape, w, b, eps),
                                      site.replay_stream(), room=room)
         except Exception:  # noqa: BLE001 - out of memory, or Triton could not build its kernel here: ATen's stays
