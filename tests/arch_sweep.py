@@ -3,7 +3,8 @@ at a tiny size (random weights with noise on every parameter, nothing downloaded
 compiled for emu-io (all on emu:0, skip flags), cpu and emu (CPU inputs and outputs), saved, loaded
 and called three times (the export inputs, fresh ones, a right-padded mask). Not run by CI (about
 75 minutes on 2 cores); its 2026-12-06 run: 230 architectures equal, 0 wrong; its evening run of
-the 266 names of SPECS: 262 equal, 0 wrong (README).
+the 266 names of SPECS: 262 equal, 0 wrong; again on 2026-12-07 after the
+residual-norm and RMS-norm rewrites, in 18 minutes (README).
 
     PYTHONPATH=src:tests python tests/arch_sweep.py [names...]   (default: every name in SPECS;
     results merged into arch_results.json in the working directory)
