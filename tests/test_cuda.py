@@ -563,6 +563,42 @@ def test_capture_that_fails_midway_falls_back_with_correct_results(monkeypatch):
     assert torch.equal(torch.rand(1000, device="cuda"), first) and first.std() > 0.2
 
 
+class TwoSegments(torch.nn.Module):
+    """Two GPU segments around a ReLU left on the CPU."""
+
+    def forward(self, a, b):
+        return torch.relu((a + b) * a) * b + a
+
+
+def test_a_segment_whose_capture_failed_leaves_the_next_segment_free_to_capture(monkeypatch):
+    """Both segments capture into the set's one graph pool. The first one's capture fails (a
+    device synchronisation); torch.cuda.graph left that pool recording, and the second
+    segment's capture then failed too ("already recording to mempool_id")."""
+    import ferry.runtime.devices.graphs as cuda_graphs
+
+    eager, breaking = cuda_graphs.GraphSegment._eager, []
+
+    def first_one_syncs_while_capturing(self):
+        if torch.cuda.is_current_stream_capturing() and breaking in ([], [self]):
+            breaking[:] = [self]
+            torch.cuda.synchronize()
+        return eager(self)
+
+    monkeypatch.setattr(cuda_graphs.GraphSegment, "_eager", first_one_syncs_while_capturing)
+    a, b = torch.randn(64, 32), torch.randn(64, 32)
+    module = ferry.Module(_compile(TwoSegments(), (a, b), exclude=["aten.relu"]), cuda_graphs=True)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        for _ in range(5):
+            a, b = torch.randn(64, 32), torch.randn(64, 32)
+            torch.testing.assert_close(module(a, b), TwoSegments()(a, b))
+    graphs = loaded_method(module).graphs
+    assert len(graphs) == 2 and breaking[0] in graphs and breaking[0].failed
+    assert all(g.graph is not None and not g.failed for g in graphs if g is not breaking[0])
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the failed capture's stream left
+    module.close()
+    torch.cuda.empty_cache()  # raised while a failed capture's pool was still recording
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_an_empty_capture_is_never_replayed(monkeypatch):
     """Capturing on another GPU's stream records nothing (the work runs outside the capture,

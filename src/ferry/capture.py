@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["LOCK", "TimingRoom", "capture", "keep_workspace", "on_side_stream", "random_state_kept_on_failure"]
+__all__ = ["LOCK", "TimingRoom", "capture", "keep_workspace", "on_side_stream", "random_state_kept_on_failure",
+           "recording"]
 
 LOCK = threading.RLock()
 
@@ -71,30 +72,41 @@ def capture(fn: Callable, reps: int, pool=None):
     may run in another thread meanwhile, and its host waits must neither fail nor break this."""
     graph = torch.cuda.CUDAGraph()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # known here: a failed graph won't say
-    index = torch.cuda.current_device()
+    with recording(graph, pool, torch.cuda.current_device()):
+        for _ in range(reps):
+            fn()
+    return graph
+
+
+@contextlib.contextmanager
+def recording(graph, pool, index: int, mode: str = "thread_local"):
+    """Capture what is queued on the current stream of GPU `index` into `graph`, allocating from
+    graph pool `pool`. A capture that fails is undone: the GPU's random generator, and the pool's
+    recording and the reference the capture took (`_end_allocating`)."""
     with random_state_kept_on_failure(index):
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        graph.capture_begin(pool=pool, capture_error_mode=mode)
         try:
-            for _ in range(reps):
-                fn()
+            yield graph
         finally:
             try:
                 graph.capture_end()
             except BaseException:
-                _end_allocating(index, pool)
+                _end_allocating(index, pool, graph)
                 raise
-    return graph
 
 
-def _end_allocating(index: int, pool) -> None:
-    """After a capture that failed: the caching allocator no longer allocates into the graph's
-    pool for it. torch's `capture_end` raises before it says so, and while a capture is still
-    registered, the allocator's `empty_cache()` cannot release memory (or raises)."""
-    try:
+def _end_allocating(index: int, pool, graph) -> None:
+    """After a capture that failed. torch's `capture_end` raises at `cudaStreamEndCapture` (an
+    invalidated capture) before it ends the pool's recording: left so, the next capture into the
+    pool fails ("already recording to mempool_id"), as does every allocation routed there, and
+    `empty_cache()` cannot release memory. And the graph gives back the pool reference its
+    `capture_begin` took only if its capture was marked ended (`graph.pool()` answers then)."""
+    with contextlib.suppress(RuntimeError):  # capture_end had ended it
         torch._C._cuda_endAllocateToPool(index, pool)
+    try:
+        graph.pool()
     except RuntimeError:
-        return  # it had ended (the capture failed later, instantiating the graph): the graph frees its pool
-    torch._C._cuda_releasePool(index, pool)
+        torch._C._cuda_releasePool(index, pool)
 
 
 def keep_workspace(stream) -> None:

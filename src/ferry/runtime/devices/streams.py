@@ -48,10 +48,16 @@ class CudaApi:
     @staticmethod
     @contextlib.contextmanager
     def capture(graph, stream, pool=None):
-        """torch.cuda.graph, allocating from `pool` (a graph pool handle; None: the graph's own);
-        a failed capture leaves the GPU's random generator usable."""
-        with (shared_capture.random_state_kept_on_failure(stream.device),
-              torch.cuda.graph(graph, pool=pool, stream=stream)):
+        """Capture on `stream`, allocating from `pool` (a graph pool handle; None: the graph's
+        own), as torch.cuda.graph does (the device's cached blocks handed back first), but a
+        capture that fails is undone (ferry/capture.py `recording`): torch.cuda.graph's leaves its
+        pool recording, so the next segment's capture into the set's pool, and every first run
+        allocating there, failed with "already recording to mempool_id"; and leaves the capture
+        stream current."""
+        torch.cuda.synchronize(stream.device)
+        torch.cuda.empty_cache()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        with torch.cuda.stream(stream), shared_capture.recording(graph, pool, stream.device_index, mode="global"):
             yield graph
 
     # a request this large gets a segment of its own size (rounded to 2 MiB); a smaller one of
