@@ -6,7 +6,6 @@ plan's capture (the CUDA streams API) leaves the caller's stream current."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
@@ -27,10 +26,10 @@ class Allocator:
         self.recording: set = set()
         self.handles = itertools.count(1)
 
-    def begin(self, pool):  # beginAllocateToPool
+    def begin(self, pool):  # beginAllocateToPool: the reference is taken before the check
+        self.refs[pool] = self.refs.get(pool, 0) + 1
         if pool in self.recording:
             raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
-        self.refs[pool] = self.refs.get(pool, 0) + 1
         self.recording.add(pool)
 
     def end(self, index, pool):  # endAllocateToPool
@@ -39,6 +38,7 @@ class Allocator:
         self.recording.discard(pool)
 
     def release(self, index, pool):  # releasePool
+        assert self.refs[pool] > 0, "a pool released more often than it was taken"
         self.refs[pool] -= 1
 
     def hold(self, pool):  # a pool held open, as GraphMemory holds the set's
@@ -58,7 +58,7 @@ class Graph:
     def __init__(self, allocator):
         self.allocator, self.ended, self.pool_id = allocator, False, None
 
-    def capture_begin(self, pool=None, capture_error_mode="global"):
+    def capture_begin(self, pool=None, capture_error_mode="global", **options):
         self.allocator.begin(pool)
         self.pool_id, self.mode = pool, capture_error_mode
         Graph.invalidated = False
@@ -90,13 +90,15 @@ def fake_cuda(monkeypatch):
     allocator = Allocator()
     current = ["caller's stream"]
 
-    @contextlib.contextmanager
-    def on_stream(stream):
-        saved, current[0] = current[0], stream
-        try:
-            yield
-        finally:
-            current[0] = saved
+    class on_stream:  # noqa: N801 - torch.cuda.stream: the stream before is current again only at exit
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            self.saved, current[0] = current[0], self.stream
+
+        def __exit__(self, *exc):
+            current[0] = self.saved
 
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", allocator.end)
     monkeypatch.setattr(torch._C, "_cuda_releasePool", allocator.release)
@@ -106,6 +108,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
     allocator.current = current
     return allocator
 
@@ -129,6 +132,36 @@ def test_a_timing_capture_in_a_pool_of_its_own_gives_that_pool_back(fake_cuda):
     with pytest.raises(RuntimeError, match="not permitted"):
         shared_capture.capture(host_sync, reps=3)
     assert fake_cuda.recording == set() and set(fake_cuda.refs.values()) == {0}
+
+
+def test_an_invalid_capture_gives_back_the_reference_its_graph_keeps(fake_cuda):
+    pool = (0, 8)
+    fake_cuda.hold(pool)
+    Graph.fail_at = "invalid"
+    with pytest.raises(RuntimeError, match="Invalid capture"):
+        shared_capture.capture(lambda: None, reps=2, pool=pool)
+    assert pool not in fake_cuda.recording and fake_cuda.refs[pool] == 1
+
+
+def test_where_a_graph_gives_back_any_capture_it_began_ferry_leaves_that_to_it(fake_cuda, monkeypatch):
+    """pytorch #190348 (after 2.13): a graph's reset releases its pool for any capture begun."""
+
+    class LaterGraph(Graph):
+        def reset(self):
+            if self.pool_id is not None:
+                self.allocator.release(0, self.pool_id)
+                self.pool_id = None
+
+    monkeypatch.setattr(shared_capture, "_RESET_RELEASES_ONLY_ENDED_CAPTURES", False)
+    pool = (0, 9)
+    fake_cuda.hold(pool)
+    graph = LaterGraph(fake_cuda)
+    Graph.fail_at = "invalid"
+    with pytest.raises(RuntimeError, match="Invalid capture"):
+        with shared_capture.recording(graph, pool, 0):
+            pass
+    graph.reset()
+    assert pool not in fake_cuda.recording and fake_cuda.refs[pool] == 1
 
 
 @pytest.mark.parametrize("fail_at, graph_gives_back", [("invalid", False), ("instantiate", True)])

@@ -206,8 +206,10 @@ def test_with_room_lent_the_warm_up_and_both_captures_allocate_in_it(fake_gpu):
         return traced
 
     stream = kernel.Stream()
-    room = TimingRoom(("the plan's pool",), allocating)
+    spoiled: list[bool] = []
+    room = TimingRoom(("the plan's pool",), allocating, lambda: spoiled.append(True))
     assert kernel_timing.time_both(form(3.0), form(2.0), stream, reps=4, room=room) == pytest.approx((3.0, 2.0))
+    assert spoiled == []
     first, second, *_ = kernel.graphs
     assert first.pool_arg == second.pool_arg == ("the plan's pool",)
     assert eager_runs and all(eager_runs) and not inside[0]  # the warm-up's results there too, and only then
@@ -220,6 +222,7 @@ def test_with_room_lent_the_warm_up_and_both_captures_allocate_in_it(fake_gpu):
     eager_runs.clear()
     assert kernel_timing.time_both(form(1.0), uncapturable, stream, room=room)[1] == math.inf
     assert eager_runs and all(eager_runs)  # timed on the stream instead: in the room as well
+    assert spoiled == [True]  # the plan's graphs then capture into a fresh pool (GraphMemory.spoiled)
 
 
 def test_a_form_that_cannot_be_captured_is_timed_on_the_stream(fake_gpu):

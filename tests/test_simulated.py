@@ -299,6 +299,38 @@ def test_capture_that_fails_falls_back_with_correct_results(emu_async, monkeypat
     assert all(g.graph is None and g.failed for g in loaded_method(module).graphs)
 
 
+def test_after_one_segments_capture_failed_the_others_capture_into_a_fresh_pool(emu_async, monkeypatch):
+    """Some torch versions leave a failed capture's pool recording, and every later capture into
+    it fails (the simulated pool does the same): the plan's other segments then capture into a
+    fresh pool, and the set's room is lent to no timing any more."""
+    import ferry.runtime.devices.graphs as graphs_mod
+
+    eager, breaking = graphs_mod.GraphSegment._eager, []
+
+    def first_one_syncs(self):
+        if self.api._capturing is not None and breaking in ([], [self]):
+            breaking[:] = [self]
+            self.api.synchronize(self.index)  # illegal while capturing
+        return eager(self)
+
+    monkeypatch.setattr(graphs_mod.GraphSegment, "_eager", first_one_syncs)
+    model, example, program = _block_program()
+    module = ferry.Module(program, cuda_graphs=True)
+    module.load_method()
+    streams = loaded_method(module).streams
+    set_pool = streams.graph_memory.pool(streams.api, 0)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        for seed in range(5):
+            (x,) = fresh_inputs(example, seed)
+            torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
+    graphs = loaded_method(module).graphs
+    others = [g for g in graphs if g is not breaking[0]]
+    assert breaking[0].failed and set_pool.spoiled and others
+    assert all(g.graph is not None and g.graph.pool is streams.capture_pool(0) is not set_pool for g in others)
+    assert streams.timing_room(0, 1) is None
+    module.close()
+
+
 def test_an_empty_capture_is_never_replayed(emu_async, monkeypatch):
     """Capturing on another device's stream records nothing; ferry never replays it."""
     api = emu_async.streams_api()

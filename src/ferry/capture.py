@@ -30,6 +30,7 @@ class TimingRoom(NamedTuple):
 
     pool: Any
     allocating: Callable[[], contextlib.AbstractContextManager]
+    spoiled: Callable[[], None] = lambda: None  # a capture into `pool` failed (GraphMemory.spoiled)
 
 # registry: capture stream -> the memory pool its cuBLAS workspace lives in (see keep_workspace);
 # kept for the life of the process, one pool per capture stream (torch has 32 per device)
@@ -96,17 +97,24 @@ def recording(graph, pool, index: int, mode: str = "thread_local"):
 
 
 def _end_allocating(index: int, pool, graph) -> None:
-    """After a capture that failed. torch's `capture_end` raises at `cudaStreamEndCapture` (an
-    invalidated capture) before it ends the pool's recording: left so, the next capture into the
-    pool fails ("already recording to mempool_id"), as does every allocation routed there, and
-    `empty_cache()` cannot release memory. And the graph gives back the pool reference its
-    `capture_begin` took only if its capture was marked ended (`graph.pool()` answers then)."""
+    """After a capture that failed. torch 2.11's `capture_end` raises at `cudaStreamEndCapture`
+    (an invalidated capture) before it ends the pool's recording: left so, the next capture into
+    the pool fails ("already recording to mempool_id"), as does every allocation routed there,
+    and `empty_cache()` cannot release memory. And up to torch 2.13 the graph gives back the pool
+    reference its `capture_begin` took only if its capture was marked ended (`graph.pool()`
+    answers then); later, its reset does so for any capture begun (pytorch #190348), and a
+    release here would be a second one: there the reference is left to the graph."""
     with contextlib.suppress(RuntimeError):  # capture_end had ended it
         torch._C._cuda_endAllocateToPool(index, pool)
+    if not _RESET_RELEASES_ONLY_ENDED_CAPTURES:
+        return
     try:
         graph.pool()
     except RuntimeError:
         torch._C._cuda_releasePool(index, pool)
+
+
+_RESET_RELEASES_ONLY_ENDED_CAPTURES = tuple(int(n) for n in torch.__version__.split(".")[:2]) < (2, 14)
 
 
 def keep_workspace(stream) -> None:

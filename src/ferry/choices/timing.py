@@ -116,9 +116,12 @@ def time_both(first: Callable, second: Callable, stream=None, reps: int = 10, ro
         _warm_up((first, second))
     try:
         return _replayed((first, second), stream, reps, rounds, room.pool if room is not None else None)
-    except torch.cuda.OutOfMemoryError:
-        raise  # the caller's to handle: eager's kernel stays
-    except RuntimeError:  # a form that cannot be captured: the plan's capture would fail with it
+    except BaseException as e:
+        if room is not None:
+            room.spoiled()  # torch may have left its pool unfit for the plan's captures
+        if isinstance(e, torch.cuda.OutOfMemoryError) or not isinstance(e, RuntimeError):
+            raise  # the caller's to handle: eager's kernel stays
+        # a form that cannot be captured: the plan's capture would fail with it
         torch.cuda.synchronize()
         with on_side_stream(stream), allocating():
             return _on_stream((first,), reps, rounds)[0], math.inf  # eager's kernel stays

@@ -63,6 +63,7 @@ class GraphMemory:
         self._captured: set[int] = set()
         self._ran: set[int] = set()  # devices whose pool a segment's first, eager run allocated in
         self._held: list[tuple[object, int, object]] = []  # (api, index, pool) this set holds open
+        self._fresh: dict[int, object] = {}  # per device index: the pool captures use once the set's was spoiled
         self._release = weakref.finalize(self, _release_pools, self._held)
 
     def _site(self, api, index: int) -> tuple[object, object]:
@@ -80,6 +81,18 @@ class GraphMemory:
 
     def pool(self, api, index: int):
         return self._site(api, index)[1]
+
+    def capture_pool(self, api, index: int):
+        """The pool graphs of device `index` are captured into: the set's, unless a capture into
+        it failed (`spoiled`)."""
+        return self._fresh[index] if index in self._fresh else self.pool(api, index)
+
+    def spoiled(self, api, index: int) -> None:
+        """A capture into the pool of device `index` failed. Some torch versions then leave the
+        pool recording for their pinned host memory, with no way to end it from Python, and every
+        later capture into it fails ("already recording to mempool_id"): later captures use a
+        fresh pool (graphs captured before keep theirs), and the room is lent no more."""
+        self._fresh[index] = api.new_pool(index)
 
     def home(self, api, index: int):
         """A context in which this thread's allocations on device `index` come from its graph
@@ -124,7 +137,8 @@ class GraphMemory:
         results may still hold part of it) and before any capture (after, a free block there may
         be a replay's temporary). In a pool of its own a timed result of 1-10 MiB took a 20 MiB
         segment on top of the load (Swin-T's layer norms: 182 MiB reserved against eager's 170)."""
-        return index not in self._captured and index not in self._ran and self.tail.get(index, 0) >= nbytes
+        fit = index not in self._captured and index not in self._ran and index not in self._fresh
+        return fit and self.tail.get(index, 0) >= nbytes
 
     def first_run(self, api, index: int):
         """Where a segment's first, eager run allocates: the pool, until a graph of device `index`
@@ -148,6 +162,7 @@ class GraphMemory:
         self.pending.clear()
         self._captured.clear()
         self._ran.clear()
+        self._fresh.clear()
         self._release = weakref.finalize(self, _release_pools, self._held)
 
 
@@ -257,6 +272,7 @@ class GraphSegment:
         finally:
             self.streams.capturing = False  # before any eager run: its copies need their events
         if failure is not None:
+            self.streams.capture_failed(self.index)
             self.failed, self.failure = True, f"{type(failure).__name__}: {str(failure)[:200]}"
             warnings.warn(f"{self.label}: graph capture failed ({type(failure).__name__}: {failure}); "
                           "running it eagerly from now on", RuntimeWarning, stacklevel=3)

@@ -80,6 +80,7 @@ class SimPool:
         self.index = index
         self.holds = 0
         self.let_go = False
+        self.spoiled = False  # a capture into it failed (see SimulatedApi.capture)
 
 
 class SimGraph:
@@ -154,11 +155,17 @@ class SimulatedApi:
             raise RuntimeError("a graph is already being captured")
         if pool is not None and pool.index != stream.index:
             raise RuntimeError(f"a graph on device {stream.index} captured into device {pool.index}'s pool")
+        if pool is not None and pool.spoiled:  # as torch versions that leave a failed capture's pool recording
+            raise RuntimeError("beginAllocateToPool: already recording to mempool_id (a capture into it failed)")
         graph.index, graph.pool = stream.index, pool
         self._capturing = (stream, graph)
         try:
             with self.stream(stream):
                 yield graph
+        except BaseException:
+            if pool is not None:
+                pool.spoiled = True
+            raise
         finally:
             self._capturing = None
         if not graph.work:

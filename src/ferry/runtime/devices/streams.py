@@ -56,6 +56,7 @@ class CudaApi:
         stream current."""
         torch.cuda.synchronize(stream.device)
         torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # (torch.cuda.graph's since 2.13)
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with torch.cuda.stream(stream), shared_capture.recording(graph, pool, stream.device_index, mode="global"):
             yield graph
@@ -188,15 +189,19 @@ class CopyStreams:
         return self.graph_memory.stream(self.api, index)
 
     def capture_pool(self, index: int):
-        """The memory pool graphs of device `index` allocate from: the set's (GraphMemory)."""
-        return self.graph_memory.pool(self.api, index)
+        """The memory pool graphs of device `index` are captured into (GraphMemory.capture_pool)."""
+        return self.graph_memory.capture_pool(self.api, index)
+
+    def capture_failed(self, index: int) -> None:
+        self.graph_memory.spoiled(self.api, index)
 
     def timing_room(self, index: int, nbytes: int) -> TimingRoom | None:
         """The graph pool a load's timing on device `index` may allocate `nbytes` of results
         in, with a context routing allocations there (GraphMemory.lends_room), or None."""
         if not self.graph_memory.lends_room(index, nbytes):
             return None
-        return TimingRoom(self.capture_pool(index), lambda: self.graph_memory.home(self.api, index))
+        return TimingRoom(self.graph_memory.pool(self.api, index), lambda: self.graph_memory.home(self.api, index),
+                          lambda: self.capture_failed(index))
 
     def first_run_memory(self, index: int):
         """Where a segment's first, eager run on device `index` allocates (GraphMemory.first_run)."""
