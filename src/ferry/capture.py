@@ -96,6 +96,10 @@ def recording(graph, pool, index: int, mode: str = "thread_local"):
                 raise
 
 
+# up to torch 2.13 a graph gives its pool reference back only once its capture was marked ended
+_RESET_RELEASES_ONLY_ENDED_CAPTURES = tuple(int(n) for n in torch.__version__.split(".")[:2]) < (2, 14)
+
+
 def _end_allocating(index: int, pool, graph) -> None:
     """After a capture that failed. torch 2.11's `capture_end` raises at `cudaStreamEndCapture`
     (an invalidated capture) before it ends the pool's recording: left so, the next capture into
@@ -112,9 +116,6 @@ def _end_allocating(index: int, pool, graph) -> None:
         graph.pool()
     except RuntimeError:
         torch._C._cuda_releasePool(index, pool)
-
-
-_RESET_RELEASES_ONLY_ENDED_CAPTURES = tuple(int(n) for n in torch.__version__.split(".")[:2]) < (2, 14)
 
 
 def keep_workspace(stream) -> None:

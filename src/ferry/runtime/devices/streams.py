@@ -193,6 +193,7 @@ class CopyStreams:
         return self.graph_memory.capture_pool(self.api, index)
 
     def capture_failed(self, index: int) -> None:
+        """A capture on device `index` failed: later ones use a fresh pool (GraphMemory.spoiled)."""
         self.graph_memory.spoiled(self.api, index)
 
     def timing_room(self, index: int, nbytes: int) -> TimingRoom | None:
