@@ -6,6 +6,7 @@ plan's capture (the CUDA streams API) leaves the caller's stream current."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -19,14 +20,19 @@ HOST_SYNC = "CUDA error: operation not permitted when stream is capturing"
 
 class Allocator:
     """torch's CUDA caching allocator as captures see it: a reference count per graph pool, and
-    the pools being recorded into."""
+    the pools being recorded into. `host`: torch 2.11's pinned-host allocator, which graphs
+    record into after the device's (None: a torch without pools there, or one that ends their
+    recording with the device's)."""
 
-    def __init__(self):
+    def __init__(self, name="device"):
         self.refs: dict = {}
         self.recording: set = set()
         self.handles = itertools.count(1)
+        self.name, self.host = name, None
 
     def begin(self, pool):  # beginAllocateToPool: the reference is taken before the check
+        if self.refs.get(pool) == 0:  # create_or_incref_pool: a pool every holder let go
+            raise RuntimeError(f"it->second->use_count > 0 INTERNAL ASSERT FAILED ({self.name} allocator)")
         self.refs[pool] = self.refs.get(pool, 0) + 1
         if pool in self.recording:
             raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
@@ -60,6 +66,8 @@ class Graph:
 
     def capture_begin(self, pool=None, capture_error_mode="global", **options):
         self.allocator.begin(pool)
+        if self.allocator.host is not None:
+            self.allocator.host.begin(pool)
         self.pool_id, self.mode = pool, capture_error_mode
         Graph.invalidated = False
 
@@ -68,6 +76,8 @@ class Graph:
         if Graph.invalidated:
             raise RuntimeError(HOST_SYNC)
         self.allocator.end(0, self.pool_id)
+        if self.allocator.host is not None:
+            self.allocator.host.end(0, self.pool_id)
         if fail == "invalid":
             raise RuntimeError("Invalid capture.")
         self.ended = True
@@ -82,6 +92,8 @@ class Graph:
     def reset(self):  # what its destructor does
         if self.ended:
             self.allocator.release(0, self.pool_id)
+            if self.allocator.host is not None:
+                self.allocator.host.release(0, self.pool_id)
             self.ended = False
 
 
@@ -109,6 +121,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", lambda index, pool: allocator.begin(pool))
     allocator.current = current
     return allocator
 
@@ -212,3 +226,70 @@ def test_a_plans_capture_that_failed_leaves_the_set_pool_usable_and_the_callers_
     with CudaApi.capture(second, stream, pool):
         pass
     assert second.pool() == pool and second.mode == "global" and fake_cuda.refs[pool] == 2
+
+
+class Stream:
+    device, device_index = torch.device("cuda", 0), 0
+
+
+@pytest.fixture
+def torch_2_11(fake_cuda):
+    """torch 2.11: a graph records into the pinned-host allocator's pool too, after the device's;
+    a capture that cudaStreamEndCapture refused ends neither; Python can end only the device's."""
+    fake_cuda.host = Allocator("host")
+    return fake_cuda
+
+
+def test_a_capture_the_host_allocator_refuses_leaves_the_device_pool_as_it_found_it(torch_2_11):
+    """What stopped every segment of Swin-T's plan (an H100, torch 2.11): the host allocator let
+    the set's pool go when the load's timing graphs in it were freed, the next capture there
+    failed in `capture_begin` after the device pool began recording, and the first run routed
+    into the pool then failed with "already recording to mempool_id"."""
+    pool = (0, 3)
+    torch_2_11.hold(pool)  # the device allocator's hold alone, as `use_mem_pool` takes
+    shared_capture.capture(lambda: None, reps=1, pool=pool).reset()  # a timing graph, freed
+    with pytest.raises(RuntimeError, match="INTERNAL ASSERT FAILED \\(host"):
+        shared_capture.capture(lambda: None, reps=1, pool=pool)
+    assert pool not in torch_2_11.recording and torch_2_11.refs[pool] == 1
+    torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool)  # a first run's allocations routed there work
+    assert pool in torch_2_11.recording
+
+
+def test_a_pool_held_with_hold_pool_takes_captures_after_every_graph_in_it_was_freed(torch_2_11):
+    pool = (0, 4)
+    release = shared_capture.hold_pool(pool, Stream())
+    for _ in range(3):  # the load's timing graphs in the room, each freed before the next
+        shared_capture.capture(lambda: None, reps=1, pool=pool).reset()
+    assert torch_2_11.refs[pool] == 1 and torch_2_11.host.refs[pool] == 1
+    assert pool not in torch_2_11.recording | torch_2_11.host.recording
+    release()
+    assert torch_2_11.refs[pool] == 0 and torch_2_11.host.refs[pool] == 0
+
+
+def test_where_no_graph_can_hold_a_pool_the_device_allocators_hold_is_taken(torch_2_11, monkeypatch):
+    def refuse(self, pool=None, **options):
+        raise RuntimeError("CUDA graphs must be captured on a non-default stream")
+
+    monkeypatch.setattr(Graph, "capture_begin", refuse)
+    pool = (0, 5)
+    release = shared_capture.hold_pool(pool, Stream())
+    assert torch_2_11.refs[pool] == 1 and pool not in torch_2_11.recording
+    release()
+    assert torch_2_11.refs[pool] == 0
+
+
+def test_on_torch_2_11_a_pool_whose_capture_failed_takes_no_capture_but_stays_usable(torch_2_11):
+    """Why a set's later captures go to a fresh pool (GraphMemory.spoiled): the host allocator's
+    recording of the failed capture cannot be ended from Python."""
+    pool = (0, 6)
+    release = shared_capture.hold_pool(pool, Stream())
+    with pytest.raises(RuntimeError, match="not permitted"):
+        shared_capture.capture(host_sync, reps=1, pool=pool)
+    assert pool not in torch_2_11.recording and pool in torch_2_11.host.recording
+    with pytest.raises(RuntimeError, match="already recording"):
+        shared_capture.capture(lambda: None, reps=1, pool=pool)
+    assert pool not in torch_2_11.recording and torch_2_11.refs[pool] == 1
+    fresh = torch.cuda.graph_pool_handle()
+    assert shared_capture.capture(lambda: None, reps=1, pool=fresh).pool() == fresh
+    release()
+    assert torch_2_11.refs[pool] == 0

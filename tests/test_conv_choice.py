@@ -3,6 +3,7 @@ in plans captured as CUDA graphs only (ferry/choices/conv.py, asked through ferr
 (conftest's `timed`) and cuDNN is said to take the convolution; the GEMM form, the choice, its
 limits and the bound steps that use it are real, and results are checked against eager."""
 
+import contextlib
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import ferry
 from ferry.choices import conv as conv_choice
 from ferry.choices import hook
 from ferry.choices import timing as kernel_timing
+from ferry.capture import TimingRoom
 from ferry.choices.decisions import DECISIONS, Site
 from ferry.ops import fused as fused_kernels
 
@@ -375,3 +377,50 @@ def test_a_calls_memory_counts_the_patches_a_gemm_form_would_allocate(emu):
     assert need(1, "cuda:0") == result + patches
     assert need(1, "emu:0") == 2 * result  # the GEMM form is a CUDA choice
     assert need(2, "cuda:0") == 2 * 2 * result  # two images: cuDNN's call stays
+
+
+class RoomLending:
+    """A captured plan's streams whose load left `room` bytes free in its graph pool; what is
+    allocated while its room's context is open is noted."""
+
+    def __init__(self, room: int):
+        self.api = type("Api", (), {"device_type": "cuda"})()
+        self.room, self.asked, self.inside = room, [], False
+
+    def capture_stream(self, index):
+        return "capture stream"
+
+    def timing_room(self, index, nbytes):
+        self.asked.append(nbytes)
+        return TimingRoom("the plan's pool", self.allocating) if nbytes <= self.room else None
+
+    @contextlib.contextmanager
+    def allocating(self):
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+@pytest.mark.parametrize("room", ["enough", "too little"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_convolution_is_timed_with_its_stand_ins_and_results_in_the_room_the_plan_left(room, residual, timed, cudnn,
+                                                                                       monkeypatch):
+    """A first-stage image of 2 MiB and its result, each a stand-in and a form's result of 1-10
+    MiB, took a 20 MiB segment of their own (MobileNetV3's load reserved 86 MiB against eager's 70)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    made_inside, scratch = [], kernel_timing.scratch
+    monkeypatch.setattr(kernel_timing, "scratch", lambda t, device, written=False: made_inside.append(
+        (t.device.type, streams.inside)) or scratch(t, device, written))
+    args = conv_args(ci=8, co=8, h=256, w=256, residual=residual)  # 2 MiB images: large blocks
+    args = [a.to("meta") if i in (0, 2) and (i == 0 or residual) else a for i, a in enumerate(args)]
+    needed = 2 * (2 << 20)  # the result and the image's stand-in (a residual of its layout shares it)
+    streams = RoomLending(needed if room == "enough" else needed - 1)
+    fn = conv_choice.form(CONV_ADD_RELU if residual else CONV_RELU, args, {}, Site(measure=True, captured=True,
+                                                                                  streams=streams))
+    assert fn is not None and streams.asked == [needed]
+    (lent,) = timed.rooms
+    assert (lent is not None) is (room == "enough")
+    stand_ins = [inside for kind, inside in made_inside if kind == "meta"]
+    assert stand_ins == [room == "enough"]  # one, made in the room where it was lent

@@ -327,3 +327,25 @@ def test_the_summary_says_what_load_chose_of_each_kind(timed, monkeypatch):
         "convolution of one image: 1 of 2 timed at load are faster as one GEMM over patches (largest saving: "
         "1x1, 6x8x9 float32, 100.0 -> 40.0 µs)",
         "biased GEMM: 1 of 1 timed at load are faster as mm + bias (largest saving: 6x5x7 float32, 30.0 -> 20.0 µs)"]
+
+
+def test_a_choice_in_a_captured_plan_is_decided_on_its_capture_stream(fake_gpu, monkeypatch):
+    """Stand-ins made there share the caching allocator's segments (kept per stream) with what the
+    forms allocate, where on the caller's stream each took one of its own (RegNetY's load)."""
+    kernel, _ = fake_gpu
+    entered = []
+
+    @contextlib.contextmanager
+    def on_side_stream(stream):
+        entered.append(stream)
+        yield
+
+    monkeypatch.setattr(kernel_timing, "on_side_stream", on_side_stream)
+    stream = kernel.Stream()
+    replaying = Site(captured=True, streams=CudaStreams(stream))
+    with kernel_timing.deciding(torch.device("cuda", 0), replaying):
+        assert entered == [stream] and not torch.is_grad_enabled()
+    for site, device in ((Site(measure=True), torch.device("cuda", 0)), (replaying, torch.device("cpu"))):
+        with kernel_timing.deciding(device, site):
+            assert not torch.is_grad_enabled()
+    assert entered == [stream]  # a plan timed on a stream, and a CPU choice, stay where they are

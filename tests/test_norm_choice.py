@@ -239,8 +239,10 @@ def test_on_the_gpu_the_load_times_norms_in_the_room_its_plan_left_and_calls_equ
         torch.cuda.memory._record_memory_history(enabled=None)
     assert [d for d in DECISIONS.values(timed=True) if d.family == "layer norm"]  # the norms were timed at load
     assert lent and all(room is not None for room in lent)  # in the room the load left behind its allocation
+    # (the capture stream's cuBLAS workspace, made for the timing, is the plan's captures' too)
     by_norms = [e["size"] for e in events if e["action"] == "segment_alloc"
-                and any(f["filename"].endswith("choices/norms.py") for f in e.get("frames", []))]
+                and any(f["filename"].endswith("choices/norms.py") for f in e.get("frames", []))
+                and not any(f["name"] == "keep_workspace" for f in e.get("frames", []))]
     assert [n for n in by_norms if n > 2 << 20] == []  # no segment for a result (a small block's 2 MiB may be)
     cuda_model = model.cuda()
     for _ in range(3):

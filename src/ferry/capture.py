@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["LOCK", "TimingRoom", "capture", "keep_workspace", "on_side_stream", "random_state_kept_on_failure",
-           "recording"]
+__all__ = ["LOCK", "TimingRoom", "capture", "hold_pool", "keep_workspace", "on_side_stream",
+           "random_state_kept_on_failure", "recording"]
 
 LOCK = threading.RLock()
 
@@ -85,7 +86,11 @@ def recording(graph, pool, index: int, mode: str = "thread_local"):
     graph pool `pool`. A capture that fails is undone: the GPU's random generator, and the pool's
     recording and the reference the capture took (`_end_allocating`)."""
     with random_state_kept_on_failure(index):
-        graph.capture_begin(pool=pool, capture_error_mode=mode)
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode=mode)
+        except BaseException:
+            _end_begun(index, pool)
+            raise
         try:
             yield graph
         finally:
@@ -116,6 +121,44 @@ def _end_allocating(index: int, pool, graph) -> None:
         graph.pool()
     except RuntimeError:
         torch._C._cuda_releasePool(index, pool)
+
+
+def _end_begun(index: int, pool) -> None:
+    """After a `capture_begin` that failed part way. torch 2.11's begins the device pool's
+    recording (taking a reference) before the pinned-host allocator's, which may refuse (its pool
+    let go by every graph: "use_count > 0 INTERNAL ASSERT FAILED"): left so, the device pool stays
+    recording, and every allocation routed there fails ("already recording to mempool_id"), as
+    does `empty_cache()`'s release. Ended only where it records (a capture that failed before
+    beginning it took nothing; ferry never captures into one pool twice at once); its reference
+    given back where the graph will not (as in `_end_allocating`)."""
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:
+        return
+    if _RESET_RELEASES_ONLY_ENDED_CAPTURES:
+        torch._C._cuda_releasePool(index, pool)
+
+
+def hold_pool(pool, stream) -> Callable[[], None]:
+    """Hold graph pool `pool` open, on `stream`'s device, until the returned function is called,
+    in both of torch's caching allocators: an empty graph captured into it and kept. A hold of
+    the device allocator's alone (as `use_mem_pool` takes) left torch 2.11's pinned-host allocator
+    letting the pool go once every graph in it was freed (a load's timing graphs in the room its
+    plan lends): the next capture into it then failed ("use_count > 0 INTERNAL ASSERT FAILED") and
+    so did every segment of Swin-T's plan. Where such a graph cannot be captured, the device
+    allocator's hold."""
+    keeper, index = torch.cuda.CUDAGraph(), stream.device_index
+    with LOCK, torch.cuda.device(index), torch.cuda.stream(stream), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        try:
+            with recording(keeper, pool, index):
+                pass
+            return keeper.reset
+        except RuntimeError:
+            pass
+    torch._C._cuda_beginAllocateCurrentThreadToPool(index, pool)
+    torch._C._cuda_endAllocateToPool(index, pool)
+    return lambda: torch._C._cuda_releasePool(index, pool)
 
 
 def keep_workspace(stream) -> None:

@@ -131,7 +131,7 @@ def _attention(args, kwargs, site: Site) -> Callable | None:
 
 
 def _decide_attention(device, tensors, scale, site: Site) -> Decision | None:
-    with timing.on(device), torch.no_grad():
+    with timing.deciding(device, site):
         try:
             q, k, v = (timing.scratch(t, device) for t in tensors)
             times = timing.time_both(lambda: SDPA(q, k, v, scale=scale), lambda: composed_attention(q, k, v, scale=scale),
@@ -192,7 +192,7 @@ def split_kv_decision(args, kwargs, site: Site) -> Decision | None:
 
 
 def _decide_split_kv(device, tensors, scale, site: Site) -> Decision | None:
-    with timing.on(device), torch.no_grad():
+    with timing.deciding(device, site):
         try:
             q, k, v, *mask = (timing.scratch(t, device) for t in tensors)
             m = mask[0] if mask else None
@@ -301,7 +301,7 @@ def _gemm(split: bool):
 
 def _decide_multi_head(device: torch.device, x, weights, heads, composed, site: Site) -> Decision | None:
     e = x.shape[2]
-    with timing.on(device), torch.no_grad():
+    with timing.deciding(device, site):
         try:
             q = timing.scratch(x, device)
             w = [timing.scratch(t, device) for t in weights]

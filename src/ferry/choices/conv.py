@@ -29,6 +29,7 @@ call is not made at all (ops/fused.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from collections.abc import Callable
@@ -126,19 +127,57 @@ def _one_image(x, weight, bias, z, stride, padding, dilation, groups) -> bool:
 
 
 def _decide(device, op, args, residual, site: Site) -> Decision | None:
-    with timing.on(device), torch.no_grad():
+    """The two forms timed in the room the plan's load left for a call's results where it has
+    enough (CUDA graphs: `Site.timing_room`), stand-ins included: in a segment of their own, a
+    first-stage image and its result took 20 MiB (MobileNetV3's load reserved 86 MiB at its peak,
+    against eager's 70)."""
+    with timing.deciding(device, site):
         try:
-            real = [timing.scratch(a, device) if isinstance(a, torch.Tensor) else a for a in args]
+            room = site.timing_room(_timed_bytes(args, residual))
+            with room.allocating() if room is not None else contextlib.nullcontext():
+                real = _stand_ins(args, device)
             x, weight = real[0], real[1]
             bias, z = (real[3], real[2]) if residual else (real[2], None)
             conv = real[-4:-1]
             if not fused.cudnn_takes(x, weight, bias, *real[-4:]):
                 return None  # eager's convolution is not cuDNN's here: the op runs that, and stays
             times = timing.time_both(lambda: op(*real), lambda: conv_as_gemm(x, weight, bias, z, *conv),
-                                     site.replay_stream())
+                                     site.replay_stream(), room=room)
         except torch.cuda.OutOfMemoryError:
             return None
     return _decision(str(op.name()), x, weight, conv, " + residual" if residual else "", device, times)
+
+
+def _stand_ins(args, device) -> list:
+    """The op's arguments for timing: weights as they are, one stand-in for each layout of the
+    values a call reads (an image and a residual of its shape share one: only read)."""
+    made: dict = {}
+    real = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.device.type == "meta":
+            key = (tuple(a.shape), a.stride(), a.dtype)
+            if key not in made:
+                made[key] = timing.scratch(a, device)
+            a = made[key]
+        elif isinstance(a, torch.Tensor):
+            a = timing.scratch(a, device)
+        real.append(a)
+    return real
+
+
+def _timed_bytes(args, residual: bool) -> int:
+    """Room for timing the forms: the result (each form's in turn, one pool), the patches of a
+    GEMM form that is not pointwise, and stand-ins for the image and a residual of another
+    layout (counted even where the method's arena will hold them)."""
+    x, weight, z = args[0], args[1], args[2] if residual else None
+    stride, padding, dilation = args[-4:-1]
+    out = fused.result_shape(x, weight, stride, padding, dilation)
+    co, ci, kh, kw = weight.shape
+    size = x.element_size()
+    patches = 0 if fused.pointwise(weight, stride, padding) else ci * kh * kw * out[2] * out[3] * size
+    other_z = z is not None and (tuple(z.shape), z.stride()) != (tuple(x.shape), x.stride())
+    return timing.large_bytes(math.prod(out) * size, patches, x.numel() * size,
+                              z.numel() * size if other_z else 0)
 
 
 def _decision(op: str, x, weight, conv, extra: str, device, times) -> Decision:
@@ -207,7 +246,7 @@ def _decide_plain(device, args: tuple, site: Site) -> Decision | None:
     added (Inductor calls cuDNN without the bias and adds it in a kernel of its own, and may lay
     the image out channels last: the timing stands for what its code runs, it is not it)."""
     x_in, weight_in, bias_in, stride, padding, dilation = args
-    with timing.on(device), torch.no_grad():
+    with timing.deciding(device, site):
         try:
             x, weight = timing.scratch(x_in, device), timing.scratch(weight_in, device)
             bias = None if bias_in is None else timing.scratch(bias_in, device)

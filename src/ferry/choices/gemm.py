@@ -94,7 +94,7 @@ def blas_settings() -> tuple:
 def _decide(device: torch.device, operands, site: Site) -> Decision | None:
     """Both ways timed on scratch tensors (the planned output is never written): the decision,
     or None where there is no memory for them."""
-    with timing.on(device), torch.no_grad():
+    with timing.deciding(device, site):
         try:
             bias, mat1, mat2 = (timing.scratch(t, device) for t in operands[:3])
             out = timing.scratch(operands[3], device, written=True)

@@ -48,7 +48,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # per op: how many buffers of the input's size in fp32 its forms allocate at once at most (the
 # result; the add's sum too; the RMS norm's fp32 upcast and squares as eager computes them)
 _LIVE_BUFFERS = {LAYER_NORM: 1, ADD_LAYER_NORM: 2, RMS_NORM: 3}
-_ROUNDING = 512  # bytes the caching allocator rounds each request up to
 
 
 def form(op, args: list, kwargs: dict, site: Site) -> Callable | None:
@@ -146,11 +145,11 @@ def _decide(device, rows: tuple, shape, weight, bias, eps, site: Site, forms: tu
             ) -> Decision | None:
     """Time `forms` (eager's, then the Triton kernel; each takes `rows`, then the norm's
     arguments) on scratch copies of the arguments: the decision for `op`, its forms called `names`."""
-    with timing.on(device), torch.no_grad():
+    with timing.deciding(device, site):
         try:
             rows = tuple(timing.scratch(t, device) for t in rows)
             w, b = (timing.scratch(t, device) if t is not None else None for t in (weight, bias))
-            room = site.timing_room(_LIVE_BUFFERS[op] * -(-rows[0].numel() * 4 // _ROUNDING) * _ROUNDING)
+            room = site.timing_room(_LIVE_BUFFERS[op] * timing.rounded(rows[0].numel() * 4))
             times = timing.time_both(lambda: forms[0](*rows, shape, w, b, eps), lambda: forms[1](*rows, shape, w, b, eps),
                                      site.replay_stream(), room=room)
         except Exception:  # noqa: BLE001 - out of memory, or Triton could not build its kernel here: ATen's stays

@@ -62,7 +62,7 @@ class GraphMemory:
         self.pending: dict[int, tuple[Any, int]] = {}  # per device index: (api, bytes) of room to make
         self._captured: set[int] = set()
         self._ran: set[int] = set()  # devices whose pool a segment's first, eager run allocated in
-        self._held: list[tuple[object, int, object]] = []  # (api, index, pool) this set holds open
+        self._held: list[tuple[object, Callable[[], None]]] = []  # (pool, its release) this set holds open
         self._fresh: dict[int, object] = {}  # per device index: the pool captures use once the set's was spoiled
         self._release = weakref.finalize(self, _release_pools, self._held)
 
@@ -93,16 +93,19 @@ class GraphMemory:
         later capture into it fails ("already recording to mempool_id"): later captures use a
         fresh pool (graphs captured before keep theirs), and the room is lent no more."""
         self._fresh[index] = api.new_pool(index)
+        self._hold(api, index, self._fresh[index])  # (graphs of a shape let go meanwhile must not let it go)
 
     def home(self, api, index: int):
         """A context in which this thread's allocations on device `index` come from its graph
         pool, on its capture stream (where a capture looks for free memory). The set holds the
         pool open from the first such use until `close`."""
         stream, pool = self._site(api, index)
-        if not any(i == index and p is pool for _, i, p in self._held):
-            api.hold_pool(pool, index)
-            self._held.append((api, index, pool))
+        self._hold(api, index, pool)
         return api.allocating_in(pool, stream)
+
+    def _hold(self, api, index: int, pool) -> None:
+        if not any(p is pool for p, _ in self._held):
+            self._held.append((pool, api.hold_pool(pool, self.stream(api, index))))
 
     def room_wanted(self, api, device) -> bool:
         """Whether a load on `device` leaves room for the graphs in the pool: while no graph of the
@@ -168,9 +171,9 @@ class GraphMemory:
 
 def _release_pools(held: list) -> None:
     while held:
-        api, index, pool = held.pop()
+        _, release = held.pop()
         with contextlib.suppress(Exception):  # at interpreter exit the driver may be gone
-            api.release_pool(pool, index)
+            release()
 
 
 @contextlib.contextmanager

@@ -179,15 +179,16 @@ class SimulatedApi:
         return True
 
     @staticmethod
-    def hold_pool(pool: SimPool, index: int) -> None:
+    def hold_pool(pool: SimPool, stream: SimStream) -> Callable[[], None]:
         if pool.let_go:  # as torch's allocator asserts (create_or_incref_pool)
             raise RuntimeError("a graph pool held again after it was let go")
         pool.holds += 1
 
-    @staticmethod
-    def release_pool(pool: SimPool, index: int) -> None:
-        pool.holds -= 1
-        pool.let_go = pool.holds == 0
+        def release():
+            pool.holds -= 1
+            pool.let_go = pool.holds == 0
+
+        return release
 
     @contextlib.contextmanager
     def allocating_in(self, pool: SimPool, stream: SimStream):

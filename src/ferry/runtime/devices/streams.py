@@ -76,16 +76,9 @@ class CudaApi:
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
         return "max_split_size_mb" not in conf and "expandable_segments:true" not in conf.replace(" ", "").lower()
 
-    @staticmethod
-    def hold_pool(pool, index: int) -> None:
-        """Make graph pool `pool` on device `index` and hold it open (torch's own graphs and
-        `use_mem_pool` each hold it while they use it) until `release_pool`."""
-        torch._C._cuda_beginAllocateCurrentThreadToPool(index, pool)
-        torch._C._cuda_endAllocateToPool(index, pool)
-
-    @staticmethod
-    def release_pool(pool, index: int) -> None:
-        torch._C._cuda_releasePool(index, pool)
+    # graph pool `pool` made and held open (torch's own graphs and `use_mem_pool` each hold it
+    # while they use it) until the function it returns is called
+    hold_pool = staticmethod(shared_capture.hold_pool)
 
     @staticmethod
     @contextlib.contextmanager
