@@ -424,3 +424,14 @@ def test_a_convolution_is_timed_with_its_stand_ins_and_results_in_the_room_the_p
     assert (lent is not None) is (room == "enough")
     stand_ins = [inside for kind, inside in made_inside if kind == "meta"]
     assert stand_ins == [room == "enough"]  # one, made in the room where it was lent
+
+
+def test_a_convolution_of_small_values_asks_for_no_room(timed, cudnn, monkeypatch):
+    """Its blocks are small ones: in the plan's pool they would make a 2 MiB segment it keeps."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = conv_args(ci=8, co=8, h=64, w=64, residual=True)  # 128 KiB images
+    args = [a.to("meta") if i in (0, 2) else a for i, a in enumerate(args)]
+    streams = RoomLending(1 << 30)
+    site = Site(measure=True, captured=True, streams=streams)
+    assert conv_choice.form(CONV_ADD_RELU, args, {}, site) is not None
+    assert streams.asked == [] and timed.rooms == [None]

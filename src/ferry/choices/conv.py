@@ -133,9 +133,9 @@ def _decide(device, op, args, residual, site: Site) -> Decision | None:
     against eager's 70)."""
     with timing.deciding(device, site):
         try:
-            room = site.timing_room(_timed_bytes(args, residual))
-            with room.allocating() if room is not None else contextlib.nullcontext():
-                real = _stand_ins(args, device)
+            nbytes = _timed_bytes(args, residual)
+            room = site.timing_room(nbytes) if nbytes else None  # (small blocks: no segment of their own)
+            real = _stand_ins(args, device, room)
             x, weight = real[0], real[1]
             bias, z = (real[3], real[2]) if residual else (real[2], None)
             conv = real[-4:-1]
@@ -148,16 +148,19 @@ def _decide(device, op, args, residual, site: Site) -> Decision | None:
     return _decision(str(op.name()), x, weight, conv, " + residual" if residual else "", device, times)
 
 
-def _stand_ins(args, device) -> list:
+def _stand_ins(args, device, room) -> list:
     """The op's arguments for timing: weights as they are, one stand-in for each layout of the
-    values a call reads (an image and a residual of its shape share one: only read)."""
+    values a call reads (an image and a residual of its shape share one: only read), a large one
+    in `room` where lent (a small one there would make the pool a small segment it keeps)."""
     made: dict = {}
     real = []
     for a in args:
         if isinstance(a, torch.Tensor) and a.device.type == "meta":
             key = (tuple(a.shape), a.stride(), a.dtype)
             if key not in made:
-                made[key] = timing.scratch(a, device)
+                large = room is not None and timing.large_bytes(a.numel() * a.element_size())
+                with room.allocating() if large else contextlib.nullcontext():
+                    made[key] = timing.scratch(a, device)
             a = made[key]
         elif isinstance(a, torch.Tensor):
             a = timing.scratch(a, device)
