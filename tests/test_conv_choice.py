@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import ferry
+from ferry.capture import TimingRoom
 from ferry.choices import conv as conv_choice
 from ferry.choices import hook
 from ferry.choices import timing as kernel_timing
-from ferry.capture import TimingRoom
 from ferry.choices.decisions import DECISIONS, Site
 from ferry.ops import fused as fused_kernels
 

@@ -178,9 +178,8 @@ def _timed_bytes(args, residual: bool) -> int:
     co, ci, kh, kw = weight.shape
     size = x.element_size()
     patches = 0 if fused.pointwise(weight, stride, padding) else ci * kh * kw * out[2] * out[3] * size
-    other_z = z is not None and (tuple(z.shape), z.stride()) != (tuple(x.shape), x.stride())
-    return timing.large_bytes(math.prod(out) * size, patches, x.numel() * size,
-                              z.numel() * size if other_z else 0)
+    own_z = 0 if z is None or (tuple(z.shape), z.stride()) == (tuple(x.shape), x.stride()) else z.numel() * size
+    return timing.large_bytes(math.prod(out) * size, patches, x.numel() * size, own_z)
 
 
 def _decision(op: str, x, weight, conv, extra: str, device, times) -> Decision:
