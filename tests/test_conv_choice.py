@@ -435,3 +435,13 @@ def test_a_convolution_of_small_values_asks_for_no_room(timed, cudnn, monkeypatc
     site = Site(measure=True, captured=True, streams=streams)
     assert conv_choice.form(CONV_ADD_RELU, args, {}, site) is not None
     assert streams.asked == [] and timed.rooms == [None]
+
+
+def test_the_room_a_convolution_asks_for_counts_a_stand_in_for_every_value_it_reads(timed, cudnn, monkeypatch):
+    """A weight computed per call is a value of the call too: its stand-in is made in the room."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = conv_args(ci=512, co=512, h=4, w=4, kernel=3, padding=(1, 1))  # a 9 MiB weight, small images
+    args = [a.to("meta") if i in (0, 1) else a for i, a in enumerate(args)]
+    streams = RoomLending(1 << 30)
+    conv_choice.form(CONV_RELU, args, {}, Site(measure=True, captured=True, streams=streams))
+    assert streams.asked == [512 * 512 * 9 * 4]  # the weight (the images, result and patches are small)

@@ -595,3 +595,22 @@ def test_room_the_allocator_would_not_split_off_is_not_asked_for(emu_async, monk
     (x,) = fresh_inputs(example, 0)
     torch.testing.assert_close(module(x), model(x), atol=1e-5, rtol=1e-4)
     module.close()
+
+
+def test_a_fresh_pool_is_held_and_let_go_once_another_replaces_it():
+    """After each failed capture the set's later captures go to a new pool: the one it replaces
+    is let go (the graphs captured in it hold it), and a hold torch refuses leaves the set usable."""
+    from ferry.runtime.devices.graphs import GraphMemory
+
+    api, memory = SimulatedApi(), GraphMemory()
+    memory.spoiled(api, 0)
+    first = memory.capture_pool(api, 0)
+    assert first.holds == 1
+    memory.spoiled(api, 0)
+    second = memory.capture_pool(api, 0)
+    assert second is not first and (first.holds, second.holds) == (0, 1)
+    api.hold_pool = lambda pool, stream: (_ for _ in ()).throw(RuntimeError("use_count > 0 INTERNAL ASSERT FAILED"))
+    memory.spoiled(api, 0)
+    third = memory.capture_pool(api, 0)
+    assert third is not second and second.holds == 0 and third.holds == 0
+    memory.close()

@@ -133,7 +133,7 @@ def _decide(device, op, args, residual, site: Site) -> Decision | None:
     against eager's 70)."""
     with timing.deciding(device, site):
         try:
-            nbytes = _timed_bytes(args, residual)
+            nbytes = _timed_bytes(args)
             room = site.timing_room(nbytes) if nbytes else None  # (small blocks: no segment of their own)
             real = _stand_ins(args, device, room)
             x, weight = real[0], real[1]
@@ -168,18 +168,19 @@ def _stand_ins(args, device, room) -> list:
     return real
 
 
-def _timed_bytes(args, residual: bool) -> int:
+def _timed_bytes(args) -> int:
     """Room for timing the forms: the result (each form's in turn, one pool), the patches of a
-    GEMM form that is not pointwise, and stand-ins for the image and a residual of another
-    layout (counted even where the method's arena will hold them)."""
-    x, weight, z = args[0], args[1], args[2] if residual else None
+    GEMM form that is not pointwise, and a stand-in for each layout of the values a call reads
+    (`_stand_ins`; counted even where the method's arena will hold them)."""
+    x, weight = args[0], args[1]
     stride, padding, dilation = args[-4:-1]
     out = fused.result_shape(x, weight, stride, padding, dilation)
     co, ci, kh, kw = weight.shape
     size = x.element_size()
     patches = 0 if fused.pointwise(weight, stride, padding) else ci * kh * kw * out[2] * out[3] * size
-    own_z = 0 if z is None or (tuple(z.shape), z.stride()) == (tuple(x.shape), x.stride()) else z.numel() * size
-    return timing.large_bytes(math.prod(out) * size, patches, x.numel() * size, own_z)
+    layouts = {(tuple(a.shape), a.stride(), a.dtype): a.numel() * a.element_size() for a in args
+               if isinstance(a, torch.Tensor) and a.device.type == "meta"}
+    return timing.large_bytes(math.prod(out) * size, patches, *layouts.values())
 
 
 def _decision(op: str, x, weight, conv, extra: str, device, times) -> Decision:

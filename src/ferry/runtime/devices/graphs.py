@@ -91,9 +91,17 @@ class GraphMemory:
         """A capture into the pool of device `index` failed. Some torch versions then leave the
         pool recording for their pinned host memory, with no way to end it from Python, and every
         later capture into it fails ("already recording to mempool_id"): later captures use a
-        fresh pool (graphs captured before keep theirs), and the room is lent no more."""
+        fresh pool (graphs captured before keep theirs), and the room is lent no more. The fresh
+        pool is held (graphs of a shape let go meanwhile must not let it go) where it can be: a
+        failed hold leaves the segment to run eagerly, as any failed capture does; a fresh pool it
+        replaces is let go (its graphs hold it)."""
+        before = self._fresh.get(index)
         self._fresh[index] = api.new_pool(index)
-        self._hold(api, index, self._fresh[index])  # (graphs of a shape let go meanwhile must not let it go)
+        for held in [h for h in self._held if h[0] is before]:
+            self._held.remove(held)
+            held[1]()
+        with contextlib.suppress(RuntimeError):
+            self._hold(api, index, self._fresh[index])
 
     def home(self, api, index: int):
         """A context in which this thread's allocations on device `index` come from its graph
@@ -258,11 +266,11 @@ class GraphSegment:
         self.streams.wait_host()
         self.streams.capturing = True
         failure = None
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+        try:  # the lock first: another thread's warnings context (a pool's hold) then cannot undo this one's
+            with shared_capture.LOCK, warnings.catch_warnings(record=True) as caught:  # (a kernel timed meanwhile
+                warnings.simplefilter("always")  # would break the capture)
                 stream = self.streams.capture_stream(self.index)
-                with shared_capture.LOCK, self.api.device(self.index):  # a kernel timed meanwhile would break it
+                with self.api.device(self.index):
                     self.api.prepare_capture(stream)
                     with self.api.capture(graph, stream, self.streams.capture_pool(self.index)):
                         self._eager()
