@@ -89,7 +89,7 @@ def recording(graph, pool, index: int, mode: str = "thread_local"):
         try:
             graph.capture_begin(pool=pool, capture_error_mode=mode)
         except BaseException:
-            _end_begun(index, pool)
+            _end_begun(index, pool, graph)
             raise
         try:
             yield graph
@@ -115,6 +115,10 @@ def _end_allocating(index: int, pool, graph) -> None:
     release here would be a second one: there the reference is left to the graph."""
     with contextlib.suppress(RuntimeError):  # capture_end had ended it
         torch._C._cuda_endAllocateToPool(index, pool)
+    _give_back_unless_the_graph_will(index, pool, graph)
+
+
+def _give_back_unless_the_graph_will(index: int, pool, graph) -> None:
     if not _RESET_RELEASES_ONLY_ENDED_CAPTURES:
         return
     try:
@@ -123,7 +127,7 @@ def _end_allocating(index: int, pool, graph) -> None:
         torch._C._cuda_releasePool(index, pool)
 
 
-def _end_begun(index: int, pool) -> None:
+def _end_begun(index: int, pool, graph) -> None:
     """After a `capture_begin` that failed part way. torch 2.11's begins the device pool's
     recording (taking a reference) before the pinned-host allocator's, which may refuse (its pool
     let go by every graph: "use_count > 0 INTERNAL ASSERT FAILED"): left so, the device pool stays
@@ -135,8 +139,7 @@ def _end_begun(index: int, pool) -> None:
         torch._C._cuda_endAllocateToPool(index, pool)
     except RuntimeError:
         return
-    if _RESET_RELEASES_ONLY_ENDED_CAPTURES:
-        torch._C._cuda_releasePool(index, pool)
+    _give_back_unless_the_graph_will(index, pool, graph)
 
 
 def hold_pool(pool, stream) -> Callable[[], None]:
